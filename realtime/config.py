@@ -1,0 +1,29 @@
+"""Server configuration: everything a deployment sets, with its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: ``None`` or ``"demo"``: the embedded default (small random weights); else a local path.
+    model: str | None = None
+    #: Empty: no authentication. Otherwise a request must present one of these keys.
+    api_keys: list[str] = field(default_factory=list)
+    #: Concurrent realtime sessions; the next one gets ``resource_exhausted``.
+    max_sessions: int = 32
+    #: Wall-clock lifetime of one realtime session (``session_expired``, close 1001).
+    max_session_seconds: float = 30 * 60
+    #: Largest client text frame accepted on the WebSocket (bytes).
+    max_client_event_bytes: int = 16 * 1024 * 1024
+    #: Largest decoded ``input_audio_buffer.append`` payload (bytes).
+    max_append_bytes: int = 15 * 1024 * 1024
+    #: Audio held in the input buffer before ``input_backpressure`` (bytes of 24 kHz PCM16).
+    max_input_buffer_bytes: int = 24_000 * 2 * 120
+    #: Reply length cap when a client asks for ``inf`` (thinker tokens).
+    max_output_tokens: int = 512
+    #: Request body limit for the HTTP endpoints (bytes).
+    max_http_body_bytes: int = 32 * 1024 * 1024
