@@ -1,0 +1,17 @@
+"""Ids of server-generated objects: ``<prefix>_<random base62>``, at most 32 characters."""
+
+from __future__ import annotations
+
+import secrets
+import string
+
+ALPHABET = string.ascii_letters + string.digits
+MAX_ID_LENGTH = 32
+_RANDOM_CHARS = 20
+
+
+def new_id(prefix: str) -> str:
+    """``new_id("item")`` -> ``item_`` + 20 random base62 characters."""
+    value = f"{prefix}_{''.join(secrets.choice(ALPHABET) for _ in range(_RANDOM_CHARS))}"
+    assert len(value) <= MAX_ID_LENGTH, value
+    return value

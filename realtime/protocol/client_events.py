@@ -1,0 +1,99 @@
+"""Parsing client frames into validated events, and their payloads into session inputs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from omnirt.sessions.errors import ErrorCode
+from pydantic import BaseModel, ValidationError
+
+from .errors import ProtocolError, from_validation
+from .models import (
+    BETA_SESSION_FIELDS,
+    EVENT_MODELS,
+    ClientEvent,
+    SessionPatch,
+)
+
+
+def event_id_of(raw: object) -> str | None:
+    if isinstance(raw, dict) and isinstance(raw.get("event_id"), str):
+        return raw["event_id"]
+    return None
+
+
+def parse_client_event(text: str | bytes, *, max_bytes: int) -> ClientEvent:
+    """One text frame to a validated event; raises :class:`ProtocolError` (with the client's
+    ``event_id`` when it could be read)."""
+    if len(text) > max_bytes:
+        raise ProtocolError(
+            ErrorCode.INVALID_EVENT,
+            f"Client event of {len(text)} bytes is over this server's limit of {max_bytes} bytes.",
+        )
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(ErrorCode.INVALID_EVENT, f"The event is not valid JSON: {exc}.") from None
+    event_id = event_id_of(raw)
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.INVALID_EVENT, "An event must be a JSON object.")
+    kind = raw.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError(
+            ErrorCode.INVALID_EVENT, "The event has no 'type' string.", "type", event_id=event_id
+        )
+    model = EVENT_MODELS.get(kind)
+    if model is None:
+        raise ProtocolError(
+            ErrorCode.INVALID_EVENT, f"Invalid event type '{kind}'.", "type", event_id=event_id
+        )
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = from_validation(exc)
+        err.event_id = event_id
+        raise err from None
+
+
+def validate(model: type[BaseModel], raw: Any, prefix: str) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise from_validation(exc, prefix) from None
+
+
+def parse_session_patch(raw: dict[str, Any]) -> dict[str, Any]:
+    """A ``session.update`` payload to the nested dict of fields the client set (nulls kept).
+
+    Beta-only fields are refused with ``unknown_parameter`` naming their GA place; the fields in
+    ``IGNORED_SESSION_FIELDS`` are accepted and dropped."""
+    for name, ga in BETA_SESSION_FIELDS.items():
+        if name in raw:
+            where = f"; in the GA API it is '{ga}'" if ga else "; it has no GA equivalent"
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_PARAMETER,
+                f"Unknown parameter: 'session.{name}' (a beta-only field{where}).",
+                f"session.{name}",
+            )
+    patch = validate(SessionPatch, raw, "session")
+    if raw.get("type") == "transcription":
+        raise ProtocolError(
+            ErrorCode.INVALID_VALUE, "Transcription sessions are not supported.", "session.type"
+        )
+    data = patch.model_dump(exclude_unset=True)
+    for name in (
+        "type",
+        "model",
+        "id",
+        "object",
+        "expires_at",
+        "tracing",
+        "prompt",
+        "include",
+        "truncation",
+        "reasoning",
+        "parallel_tool_calls",
+    ):
+        data.pop(name, None)
+    return data

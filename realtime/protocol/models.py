@@ -1,0 +1,284 @@
+"""Pydantic models of what clients send: the GA shapes, strict (unknown fields are refused)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Largest text accepted in one field (instructions, a text part): keeps echoed events < 1 MiB.
+MAX_TEXT_CHARS = 256 * 1024
+#: Client-chosen item ids may be up to this long.
+MAX_ITEM_ID = 32
+
+FormatName = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AudioFormat(Strict):
+    type: FormatName | None = None
+    rate: Literal[24000] | None = None
+
+
+class NoiseReduction(Strict):
+    type: Literal["near_field", "far_field"] | None = None
+
+
+class AudioInputPatch(Strict):
+    format: AudioFormat | None = None
+    transcription: dict[str, Any] | None = None
+    noise_reduction: NoiseReduction | None = None
+    turn_detection: dict[str, Any] | None = None
+
+
+class VoiceId(Strict):
+    id: str
+
+
+class AudioOutputPatch(Strict):
+    format: AudioFormat | None = None
+    voice: str | VoiceId | None = None
+    speed: float | None = Field(default=None, ge=0.25, le=1.5)
+
+
+class AudioPatch(Strict):
+    input: AudioInputPatch | None = None
+    output: AudioOutputPatch | None = None
+
+
+class FunctionTool(Strict):
+    type: Literal["function"] = "function"
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+TokenLimit = Annotated[int, Field(ge=1, le=4096)] | Literal["inf"]
+
+#: Session fields accepted and ignored (they change nothing here).
+IGNORED_SESSION_FIELDS = ("tracing", "prompt", "include", "truncation", "reasoning", "parallel_tool_calls")
+#: Beta-era session fields and where GA puts them (``None``: no GA equivalent).
+BETA_SESSION_FIELDS: dict[str, str | None] = {
+    "modalities": "session.output_modalities",
+    "voice": "session.audio.output.voice",
+    "input_audio_format": "session.audio.input.format",
+    "output_audio_format": "session.audio.output.format",
+    "input_audio_transcription": "session.audio.input.transcription",
+    "input_audio_noise_reduction": "session.audio.input.noise_reduction",
+    "turn_detection": "session.audio.input.turn_detection",
+    "speed": "session.audio.output.speed",
+    "max_response_output_tokens": "session.max_output_tokens",
+    "temperature": None,
+}
+
+
+class SessionPatch(Strict):
+    type: Literal["realtime"] | None = None
+    #: The served model is fixed by the server; a requested name is accepted and not applied.
+    model: str | None = None
+    instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    output_modalities: list[Literal["audio", "text"]] | None = None
+    audio: AudioPatch | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    max_output_tokens: TokenLimit | None = Field(default=None)
+    tracing: Any = None
+    prompt: Any = None
+    include: Any = None
+    truncation: Any = None
+    reasoning: Any = None
+    parallel_tool_calls: Any = None
+    # Clients that echo the session object back send these; they are read-only.
+    id: str | None = None
+    object: Literal["realtime.session"] | None = None
+    expires_at: int | None = None
+
+
+# -- items ------------------------------------------------------------------------------------
+class InputTextPart(Strict):
+    type: Literal["input_text"]
+    text: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class InputAudioPart(Strict):
+    type: Literal["input_audio"]
+    audio: str
+    transcript: str | None = None
+
+
+class InputImagePart(Strict):
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class OutputTextPart(Strict):
+    type: Literal["output_text"]
+    text: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class OutputAudioPart(Strict):
+    type: Literal["output_audio"]
+    audio: str | None = None
+    transcript: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+
+
+PART_MODELS: dict[str, type[Strict]] = {
+    "input_text": InputTextPart,
+    "input_audio": InputAudioPart,
+    "input_image": InputImagePart,
+    "output_text": OutputTextPart,
+    "output_audio": OutputAudioPart,
+}
+
+#: Which content part types each role may hold.
+ROLE_PARTS: dict[str, tuple[str, ...]] = {
+    "user": ("input_text", "input_audio", "input_image"),
+    "assistant": ("output_text", "output_audio"),
+    "system": ("input_text",),
+}
+
+ItemStatus = Literal["completed", "incomplete", "in_progress"]
+
+
+class _ItemBase(Strict):
+    id: str | None = Field(default=None, min_length=1, max_length=MAX_ITEM_ID)
+    object: Literal["realtime.item"] | None = None
+    status: ItemStatus | None = None
+
+
+class MessageItem(_ItemBase):
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system"]
+    content: list[dict[str, Any]]
+
+
+class FunctionCallItem(_ItemBase):
+    type: Literal["function_call"]
+    name: str
+    arguments: str
+    call_id: str | None = None
+
+
+class FunctionCallOutputItem(_ItemBase):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class ItemReference(Strict):
+    type: Literal["item_reference"]
+    id: str
+
+
+ITEM_MODELS: dict[str, type[Strict]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+
+
+# -- responses --------------------------------------------------------------------------------
+class ResponseAudioOutput(Strict):
+    format: AudioFormat | None = None
+    voice: str | None = None
+
+
+class ResponseAudio(Strict):
+    output: ResponseAudioOutput | None = None
+
+
+class ResponseParams(Strict):
+    instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
+    max_output_tokens: TokenLimit | None = None
+    conversation: str | None = None
+    input: list[dict[str, Any]] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    audio: ResponseAudio | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    parallel_tool_calls: Any = None
+
+
+# -- client events ----------------------------------------------------------------------------
+class ClientEvent(Strict):
+    event_id: str | None = None
+
+
+class SessionUpdate(ClientEvent):
+    type: Literal["session.update"]
+    session: dict[str, Any]
+
+
+class AudioAppend(ClientEvent):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class AudioCommit(ClientEvent):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class AudioClear(ClientEvent):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class ItemCreate(ClientEvent):
+    type: Literal["conversation.item.create"]
+    item: dict[str, Any]
+    previous_item_id: str | None = None
+
+
+class ItemRetrieve(ClientEvent):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
+class ItemDelete(ClientEvent):
+    type: Literal["conversation.item.delete"]
+    item_id: str
+
+
+class ItemTruncate(ClientEvent):
+    type: Literal["conversation.item.truncate"]
+    item_id: str
+    content_index: int = Field(ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
+class ResponseCreate(ClientEvent):
+    type: Literal["response.create"]
+    response: ResponseParams | None = None
+
+
+class ResponseCancel(ClientEvent):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+class SessionClose(ClientEvent):
+    type: Literal["session.close"]
+
+
+EVENT_MODELS: dict[str, type[ClientEvent]] = {
+    m.model_fields["type"].annotation.__args__[0]: m  # type: ignore[union-attr]
+    for m in (
+        SessionUpdate,
+        AudioAppend,
+        AudioCommit,
+        AudioClear,
+        ItemCreate,
+        ItemRetrieve,
+        ItemDelete,
+        ItemTruncate,
+        ResponseCreate,
+        ResponseCancel,
+        SessionClose,
+    )
+}

@@ -1,0 +1,289 @@
+"""Session events to GA server events (plain dicts, ready for JSON)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import singledispatch
+from typing import Any
+
+from omnirt.codecs.audio import FormatType, b64encode
+from omnirt.sessions import events as ev
+from omnirt.sessions.config import SessionConfig
+from omnirt.sessions.response import Response
+from omnirt.stages.types import Usage
+
+from .items import item_to_wire
+
+#: Every server frame stays under this (older SDKs close with 1009 above 1 MiB).
+MAX_SERVER_FRAME = 1024 * 1024 - 1024
+
+
+def audio_format(fmt: FormatType) -> dict[str, Any]:
+    return {"type": "audio/pcm", "rate": 24000} if fmt == "audio/pcm" else {"type": fmt}
+
+
+def session_to_wire(session_id: str, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "realtime",
+        "object": "realtime.session",
+        "id": session_id,
+        "model": c.model,
+        "output_modalities": list(c.output_modalities),
+        "instructions": c.instructions,
+        "audio": {
+            "input": {
+                "format": audio_format(c.input_format),
+                "transcription": c.transcription,
+                "noise_reduction": c.noise_reduction,
+                "turn_detection": c.turn_detection,
+            },
+            "output": {"format": audio_format(c.output_format), "voice": c.voice, "speed": c.speed},
+        },
+        "tools": list(c.tools),
+        "tool_choice": c.tool_choice,
+        "max_output_tokens": c.max_output_tokens,
+        "tracing": None,
+        "prompt": None,
+    }
+
+
+def usage_to_wire(u: Usage) -> dict[str, Any]:
+    return {
+        "total_tokens": u.input_tokens + u.output_tokens,
+        "input_tokens": u.input_tokens,
+        "output_tokens": u.output_tokens,
+        "input_token_details": {
+            "text_tokens": u.input_text_tokens,
+            "audio_tokens": u.input_audio_tokens,
+            "image_tokens": u.input_image_tokens,
+            "cached_tokens": 0,
+            "cached_tokens_details": {"text_tokens": 0, "audio_tokens": 0, "image_tokens": 0},
+        },
+        "output_token_details": {"text_tokens": u.output_text_tokens, "audio_tokens": u.output_audio_tokens},
+    }
+
+
+def _status_details(r: Response) -> dict[str, Any] | None:
+    if r.status == "in_progress":
+        return None
+    details: dict[str, Any] = {"type": r.status}
+    if r.reason is not None:
+        details["reason"] = r.reason
+    if r.error is not None:
+        details["error"] = {"type": r.error.type, "code": r.error.code, "message": r.error.message}
+    return details
+
+
+def response_to_wire(r: Response) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "object": "realtime.response",
+        "status": r.status,
+        "status_details": _status_details(r),
+        "output": [item_to_wire(i, output_format=r.output_format) for i in r.output],
+        "conversation_id": r.conversation_id,
+        "output_modalities": list(r.output_modalities),
+        "max_output_tokens": r.max_output_tokens,
+        "audio": {"output": {"format": audio_format(r.output_format), "voice": r.voice}},
+        "usage": usage_to_wire(r.usage) if r.usage is not None else None,
+        "metadata": r.metadata,
+    }
+
+
+def error_event(
+    event_id: str,
+    code: str,
+    message: str,
+    *,
+    param: str | None = None,
+    client_event_id: str | None = None,
+    type: str = "invalid_request_error",
+) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "event_id": event_id,
+        "error": {
+            "type": type,
+            "code": code,
+            "message": message,
+            "param": param,
+            "event_id": client_event_id,
+        },
+    }
+
+
+class Serializer:
+    """Turns session events into server event dicts, knowing the session's formats."""
+
+    def __init__(self, new_id: Callable[[str], str], config: Callable[[], SessionConfig]) -> None:
+        self._new_id = new_id
+        self._config = config
+
+    def __call__(self, event: ev.SessionEvent) -> dict[str, Any]:
+        body = _body(event, self._config())
+        return {"type": body.pop("type"), "event_id": self._new_id("event"), **body}
+
+
+def dumps(event: dict[str, Any]) -> str:
+    return json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+
+
+def _ref(ref: ev.PartRef) -> dict[str, Any]:
+    return {
+        "response_id": ref.response_id,
+        "item_id": ref.item_id,
+        "output_index": ref.output_index,
+        "content_index": ref.content_index,
+    }
+
+
+@singledispatch
+def _body(event: object, c: SessionConfig) -> dict[str, Any]:
+    raise TypeError(f"no wire form for {type(event).__name__}")
+
+
+@_body.register
+def _(e: ev.SessionCreated, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "session.created", "session": session_to_wire(e.session_id, e.config)}
+
+
+@_body.register
+def _(e: ev.SessionUpdated, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "session.updated", "session": session_to_wire(e.session_id, e.config)}
+
+
+@_body.register
+def _(e: ev.SessionClosed, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "session.closed", "session_id": e.session_id}
+
+
+@_body.register
+def _(e: ev.InputAudioCommitted, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "input_audio_buffer.committed",
+        "previous_item_id": e.previous_item_id,
+        "item_id": e.item_id,
+    }
+
+
+@_body.register
+def _(e: ev.InputAudioCleared, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "input_audio_buffer.cleared"}
+
+
+def _item(item: Any, c: SessionConfig, with_audio: bool = False) -> dict[str, Any]:
+    return item_to_wire(
+        item, input_format=c.input_format, output_format=c.output_format, with_audio=with_audio
+    )
+
+
+@_body.register
+def _(e: ev.ItemAdded, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "conversation.item.added",
+        "previous_item_id": e.previous_item_id,
+        "item": _item(e.item, c),
+    }
+
+
+@_body.register
+def _(e: ev.ItemDone, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "conversation.item.done",
+        "previous_item_id": e.previous_item_id,
+        "item": _item(e.item, c),
+    }
+
+
+@_body.register
+def _(e: ev.ItemRetrieved, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "conversation.item.retrieved", "item": _item(e.item, c, with_audio=True)}
+
+
+@_body.register
+def _(e: ev.ItemDeleted, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "conversation.item.deleted", "item_id": e.item_id}
+
+
+@_body.register
+def _(e: ev.ItemTruncated, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "conversation.item.truncated",
+        "item_id": e.item_id,
+        "content_index": e.content_index,
+        "audio_end_ms": e.audio_end_ms,
+    }
+
+
+@_body.register
+def _(e: ev.ResponseCreated, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "response.created", "response": response_to_wire(e.response)}
+
+
+@_body.register
+def _(e: ev.ResponseDone, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "response.done", "response": response_to_wire(e.response)}
+
+
+@_body.register
+def _(e: ev.OutputItemAdded, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "response.output_item.added",
+        "response_id": e.response_id,
+        "output_index": e.output_index,
+        "item": _item(e.item, c),
+    }
+
+
+@_body.register
+def _(e: ev.OutputItemDone, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "response.output_item.done",
+        "response_id": e.response_id,
+        "output_index": e.output_index,
+        "item": _item(e.item, c),
+    }
+
+
+@_body.register
+def _(e: ev.ContentPartAdded, c: SessionConfig) -> dict[str, Any]:
+    part = {"type": "audio", "transcript": ""} if e.kind == "audio" else {"type": "text", "text": ""}
+    return {"type": "response.content_part.added", **_ref(e.ref), "part": part}
+
+
+@_body.register
+def _(e: ev.ContentPartDone, c: SessionConfig) -> dict[str, Any]:
+    part = {"type": "audio", "transcript": e.text} if e.kind == "audio" else {"type": "text", "text": e.text}
+    return {"type": "response.content_part.done", **_ref(e.ref), "part": part}
+
+
+@_body.register
+def _(e: ev.OutputAudioDelta, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "response.output_audio.delta", **_ref(e.ref), "delta": b64encode(e.audio)}
+
+
+@_body.register
+def _(e: ev.OutputAudioDone, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "response.output_audio.done", **_ref(e.ref)}
+
+
+@_body.register
+def _(e: ev.OutputTextDelta, c: SessionConfig) -> dict[str, Any]:
+    kind = "response.output_audio_transcript.delta" if e.transcript else "response.output_text.delta"
+    return {"type": kind, **_ref(e.ref), "delta": e.delta}
+
+
+@_body.register
+def _(e: ev.OutputTextDone, c: SessionConfig) -> dict[str, Any]:
+    if e.transcript:
+        return {"type": "response.output_audio_transcript.done", **_ref(e.ref), "transcript": e.text}
+    return {"type": "response.output_text.done", **_ref(e.ref), "text": e.text}
+
+
+@_body.register
+def _(e: ev.SessionErrorEvent, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {"type": e.type, "code": e.code, "message": e.message, "param": e.param, "event_id": None},
+    }

@@ -1,0 +1,265 @@
+"""The ``/v1/realtime`` WebSocket endpoint (turn-based sessions; PROTOCOL.md).
+
+Per connection one task reads client frames and applies them to the session while a writer task
+sends what the session emits, in order, so responses stream while the client keeps talking.
+Session events are serialized the moment they are emitted (they may reference live state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from omnirt.sessions.config import SessionLimits
+from omnirt.sessions.errors import ErrorCode, SessionError
+from omnirt.sessions.events import SessionEvent
+from omnirt.sessions.manager import SessionManager
+from omnirt.sessions.session import RealtimeSession
+from omnirt.sessions.streaming import Submitter
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from .auth import accepted_subprotocol, authorized
+from .config import ServerConfig
+from .ids import new_id
+from .protocol.client_events import parse_client_event
+from .protocol.dispatch import CloseRequested, Limits, apply, decode_payload
+from .protocol.errors import ProtocolError
+from .protocol.models import ClientEvent
+from .protocol.server_events import MAX_SERVER_FRAME, Serializer, dumps, error_event
+
+log = logging.getLogger(__name__)
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # session lifetime over
+CLOSE_POLICY = 1008  # asked for something this server does not serve (duplex)
+CLOSE_TRY_LATER = 1013  # max sessions reached
+CLOSE_UNAUTHORIZED = 3000
+
+#: Client frames larger than this are parsed and decoded in a worker thread.
+OFFLOAD_FRAME_CHARS = 256 * 1024
+
+
+class RealtimeService:
+    """Serves ``/v1/realtime``; mount ``service.handle`` as a WebSocket route."""
+
+    def __init__(self, client: Submitter, config: ServerConfig) -> None:
+        self.client = client
+        self.config = config
+        self.sessions = SessionManager(config.max_sessions)
+        info = getattr(client, "info", None)
+        self.model = info.id if info is not None else (config.model or "omnirt")
+        self.limits = SessionLimits(
+            max_input_buffer_bytes=config.max_input_buffer_bytes,
+            max_output_tokens=config.max_output_tokens,
+            voices=tuple(info.voices) if info is not None else (),
+        )
+        self.events_received = 0
+        self.events_sent = 0
+        self.errors_sent = 0
+
+    @property
+    def active_sessions(self) -> int:
+        return self.sessions.active
+
+    @property
+    def sessions_total(self) -> int:
+        return self.sessions.total
+
+    async def handle(self, websocket: WebSocket) -> None:
+        await websocket.accept(subprotocol=accepted_subprotocol(websocket.headers))
+        if not authorized(websocket.headers, self.config.api_keys):
+            await self._refuse(websocket, ErrorCode.INVALID_API_KEY, "Invalid API key.", CLOSE_UNAUTHORIZED)
+            return
+        if websocket.query_params.get("duplex") == "1":
+            await self._refuse(
+                websocket,
+                ErrorCode.UNSUPPORTED,
+                "Native full duplex (duplex=1) is not available on this server; connect without it "
+                "(or with duplex=0) for turn-based sessions.",
+                CLOSE_POLICY,
+            )
+            return
+        lease = self.sessions.admit()
+        if lease is None:
+            await self._refuse(
+                websocket,
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"This server is at its limit of {self.config.max_sessions} realtime sessions; "
+                "try again later.",
+                CLOSE_TRY_LATER,
+                type="server_error",
+            )
+            return
+        with lease:
+            connection = Connection(self, websocket)
+            log.info("realtime session %s opened (%d active)", connection.session.id, self.active_sessions)
+            try:
+                await connection.run()
+            finally:
+                log.info("realtime session %s ended", connection.session.id)
+
+    async def _refuse(
+        self,
+        websocket: WebSocket,
+        code: ErrorCode,
+        message: str,
+        close_code: int,
+        type: str = "invalid_request_error",
+    ) -> None:
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+            await websocket.send_text(dumps(error_event(new_id("event"), code, message, type=type)))
+            self.events_sent += 1
+            self.errors_sent += 1
+            await websocket.close(close_code)
+
+
+class Connection:
+    """One client connection: its session, reader and writer."""
+
+    def __init__(self, service: RealtimeService, websocket: WebSocket) -> None:
+        self.service = service
+        self.ws = websocket
+        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        self.session = RealtimeSession(
+            service.client, model=service.model, limits=service.limits, emit=self._emit, new_id=new_id
+        )
+        self._serialize = Serializer(new_id, lambda: self.session.config)
+        self._limits = Limits(max_append_bytes=service.config.max_append_bytes)
+
+    # -- outgoing ----------------------------------------------------------------------------
+    def _emit(self, event: SessionEvent) -> None:
+        self._send(self._serialize(event))
+
+    def _send(self, event: dict[str, Any]) -> None:
+        frame = dumps(event)
+        if len(frame) > MAX_SERVER_FRAME // 4 and len(frame.encode()) > MAX_SERVER_FRAME:
+            log.error("dropping a %s event of %d bytes (over the frame limit)", event["type"], len(frame))
+            frame = dumps(
+                error_event(
+                    new_id("event"),
+                    ErrorCode.SERVER_ERROR,
+                    f"A {event['type']} event was too large to send.",
+                    type="server_error",
+                )
+            )
+        self.outbox.put_nowait(frame)
+
+    def _error(self, exc: SessionError, client_event_id: str | None) -> None:
+        self._send(
+            error_event(
+                new_id("event"),
+                exc.code,
+                exc.message,
+                param=exc.param,
+                client_event_id=client_event_id,
+                type=exc.type,
+            )
+        )
+
+    async def _writer(self) -> None:
+        service = self.service
+        while True:
+            frame = await self.outbox.get()
+            if frame is None:
+                return
+            await self.ws.send_text(frame)
+            service.events_sent += 1
+            if frame.startswith('{"type":"error"'):
+                service.errors_sent += 1
+
+    # -- the connection ----------------------------------------------------------------------
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._writer(), name=f"writer {self.session.id}")
+        close_code: int | None = None
+        try:
+            self.session.open()
+            try:
+                async with asyncio.timeout(self.service.config.max_session_seconds):
+                    close_code = await self._read(writer)
+            except TimeoutError:
+                self._send(
+                    error_event(
+                        new_id("event"),
+                        ErrorCode.SESSION_EXPIRED,
+                        "Your session hit the maximum duration of "
+                        f"{self.service.config.max_session_seconds:g} seconds.",
+                    )
+                )
+                close_code = CLOSE_GOING_AWAY
+            await self.session.close(notify=close_code == CLOSE_NORMAL)
+            if close_code is not None:
+                await self._drain(writer)
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+                    await self.ws.close(close_code)
+        finally:
+            if not self.session.closed:
+                await self.session.close(notify=False)
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+
+    async def _drain(self, writer: asyncio.Task[None]) -> None:
+        self.outbox.put_nowait(None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(writer), timeout=10)
+
+    def _parse(self, text: str) -> tuple[ClientEvent, bytes | None]:
+        event = parse_client_event(text, max_bytes=self.service.config.max_client_event_bytes)
+        try:
+            return event, decode_payload(event, self._limits)
+        except ProtocolError as exc:
+            exc.event_id = event.event_id
+            raise
+
+    async def _read(self, writer: asyncio.Task[None]) -> int | None:
+        """Apply client frames until the client leaves (None) or asks to close (1000)."""
+        service = self.service
+        receive = asyncio.ensure_future(self.ws.receive())
+        try:
+            while True:
+                done, _ = await asyncio.wait({receive, writer}, return_when=asyncio.FIRST_COMPLETED)
+                if receive not in done:  # the writer failed: the client is gone
+                    return None
+                message = receive.result()
+                if message["type"] == "websocket.disconnect":
+                    return None
+                receive = asyncio.ensure_future(self.ws.receive())
+                service.events_received += 1
+                text = message.get("text")
+                if text is None:
+                    self._error(
+                        ProtocolError(
+                            ErrorCode.INVALID_EVENT, "Binary frames are not accepted: send JSON text."
+                        ),
+                        None,
+                    )
+                    continue
+                event_id: str | None = None
+                try:
+                    if len(text) > OFFLOAD_FRAME_CHARS:  # parse + base64 of MiBs: not on the loop
+                        event = await asyncio.to_thread(self._parse, text)
+                    else:
+                        event = self._parse(text)
+                    event_id = event[0].event_id
+                    apply(event[0], self.session, self._limits, new_id, event[1])
+                except CloseRequested:
+                    return CLOSE_NORMAL
+                except ProtocolError as exc:
+                    self._error(exc, exc.event_id if exc.event_id is not None else event_id)
+                except SessionError as exc:
+                    self._error(exc, event_id)
+                except Exception:
+                    log.exception("session %s: failed to handle an event", self.session.id)
+                    self._error(
+                        SessionError(
+                            ErrorCode.SERVER_ERROR, "Internal error handling the event.", type="server_error"
+                        ),
+                        event_id,
+                    )
+        finally:
+            if not receive.done():
+                receive.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await receive

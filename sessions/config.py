@@ -1,0 +1,121 @@
+"""The effective session configuration, its partial deep-merge update, and the session limits.
+
+A ``session.update`` arrives here already type-checked (``realtime/protocol``) as a nested dict of
+only the fields the client sent (explicit ``null`` kept). Merging follows PROTOCOL.md: objects
+merge key by key; ``""``, ``[]`` and ``null`` clear a field back to its empty / default value.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omnirt.codecs.audio import FormatType
+
+from .errors import ErrorCode, SessionError
+
+Modality = Literal["audio", "text"]
+DEFAULT_MODALITIES: tuple[Modality, ...] = ("audio",)
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Server-owned limits a session enforces (from the deployment's ServerConfig)."""
+
+    #: Audio held in the input buffer, counted as bytes of 24 kHz PCM16.
+    max_input_buffer_bytes: int = 24_000 * 2 * 120
+    #: Largest reply (output tokens); also what ``"inf"`` means.
+    max_output_tokens: int = 512
+    #: Voices the model has; empty means any name is passed through to the model.
+    voices: tuple[str, ...] = ()
+
+
+@dataclass
+class SessionConfig:
+    model: str
+    voice: str
+    instructions: str = ""
+    output_modalities: list[Modality] = field(default_factory=lambda: list(DEFAULT_MODALITIES))
+    input_format: FormatType = "audio/pcm"
+    output_format: FormatType = "audio/pcm"
+    transcription: dict[str, Any] | None = None
+    noise_reduction: dict[str, Any] | None = None
+    turn_detection: dict[str, Any] | None = None
+    speed: float = 1.0
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    max_output_tokens: int | Literal["inf"] = "inf"
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.output_modalities
+
+    def merged(self, patch: dict[str, Any], *, limits: SessionLimits, voice_locked: bool) -> SessionConfig:
+        """A new config with ``patch`` applied; raises :class:`SessionError` and changes nothing
+        when the patch asks for something this server cannot do."""
+        c = copy.deepcopy(self)
+        if "instructions" in patch:
+            c.instructions = patch["instructions"] or ""
+        if "output_modalities" in patch:
+            c.output_modalities = list(patch["output_modalities"] or DEFAULT_MODALITIES)
+        if "max_output_tokens" in patch:
+            value = patch["max_output_tokens"]
+            c.max_output_tokens = "inf" if value is None else value
+        if "tools" in patch:
+            c.tools = list(patch["tools"] or [])
+        if "tool_choice" in patch:
+            c.tool_choice = patch["tool_choice"] or "auto"
+        if "audio" in patch:
+            audio = patch["audio"] or {"input": None, "output": None}
+            if "input" in audio:
+                self._merge_input(c, audio["input"])
+            if "output" in audio:
+                self._merge_output(c, audio["output"], limits, voice_locked)
+        return c
+
+    def _merge_input(self, c: SessionConfig, patch: dict[str, Any] | None) -> None:
+        if patch is None:
+            patch = {"format": None, "transcription": None, "noise_reduction": None, "turn_detection": None}
+        if "format" in patch:
+            c.input_format = _format_type(patch["format"], c.input_format)
+        if "transcription" in patch:
+            c.transcription = patch["transcription"] or None
+        if "noise_reduction" in patch:
+            c.noise_reduction = patch["noise_reduction"] or None
+        if "turn_detection" in patch:
+            # Which policies exist is the session's business (sessions/turns.py).
+            c.turn_detection = patch["turn_detection"] or None
+
+    def _merge_output(
+        self, c: SessionConfig, patch: dict[str, Any] | None, limits: SessionLimits, voice_locked: bool
+    ) -> None:
+        if patch is None:
+            patch = {"format": None, "speed": None}
+        if "format" in patch:
+            c.output_format = _format_type(patch["format"], c.output_format)
+        if "speed" in patch:
+            c.speed = 1.0 if patch["speed"] is None else float(patch["speed"])
+        if patch.get("voice") is not None:
+            voice = patch["voice"]
+            if isinstance(voice, dict):
+                voice = voice.get("id", "")
+            if limits.voices and voice not in limits.voices:
+                raise SessionError(
+                    ErrorCode.INVALID_VALUE,
+                    f"Unknown voice '{voice}'; this model has: {', '.join(limits.voices)}.",
+                    "session.audio.output.voice",
+                )
+            if voice != c.voice and voice_locked:
+                raise SessionError(
+                    ErrorCode.INVALID_VALUE,
+                    "The voice cannot be changed after the session has produced audio.",
+                    "session.audio.output.voice",
+                )
+            c.voice = voice
+
+
+def _format_type(value: dict[str, Any] | None, current: FormatType) -> FormatType:
+    if not value:
+        return "audio/pcm"
+    return value.get("type") or current

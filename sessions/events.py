@@ -1,0 +1,184 @@
+"""What a session emits. ``realtime/`` turns each into one server event.
+
+Events may reference live session state (items, responses): a sink must serialize an event
+before it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .config import SessionConfig
+from .items import Item
+from .response import Response
+
+
+@dataclass(frozen=True)
+class SessionCreated:
+    session_id: str
+    config: SessionConfig
+
+
+@dataclass(frozen=True)
+class SessionUpdated:
+    session_id: str
+    config: SessionConfig
+
+
+@dataclass(frozen=True)
+class SessionClosed:
+    session_id: str
+
+
+@dataclass(frozen=True)
+class InputAudioCommitted:
+    item_id: str
+    previous_item_id: str | None
+
+
+@dataclass(frozen=True)
+class InputAudioCleared:
+    pass
+
+
+@dataclass(frozen=True)
+class ItemAdded:
+    item: Item
+    previous_item_id: str | None
+
+
+@dataclass(frozen=True)
+class ItemDone:
+    item: Item
+    previous_item_id: str | None
+
+
+@dataclass(frozen=True)
+class ItemRetrieved:
+    item: Item
+
+
+@dataclass(frozen=True)
+class ItemDeleted:
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ItemTruncated:
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class ResponseCreated:
+    response: Response
+
+
+@dataclass(frozen=True)
+class ResponseDone:
+    response: Response
+
+
+@dataclass(frozen=True)
+class OutputItemAdded:
+    response_id: str
+    output_index: int
+    item: Item
+
+
+@dataclass(frozen=True)
+class OutputItemDone:
+    response_id: str
+    output_index: int
+    item: Item
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """Where a content part sits: every response-streaming event carries one."""
+
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+
+
+PartKind = Literal["audio", "text"]
+
+
+@dataclass(frozen=True)
+class ContentPartAdded:
+    ref: PartRef
+    kind: PartKind
+
+
+@dataclass(frozen=True)
+class ContentPartDone:
+    ref: PartRef
+    kind: PartKind
+    #: The transcript (audio parts) or text (text parts) as generated.
+    text: str
+
+
+@dataclass(frozen=True)
+class OutputAudioDelta:
+    ref: PartRef
+    #: Wire bytes in the session's output format.
+    audio: bytes
+
+
+@dataclass(frozen=True)
+class OutputAudioDone:
+    ref: PartRef
+
+
+@dataclass(frozen=True)
+class OutputTextDelta:
+    ref: PartRef
+    delta: str
+    #: True: the transcript of an audio part (``response.output_audio_transcript.*``).
+    transcript: bool
+
+
+@dataclass(frozen=True)
+class OutputTextDone:
+    ref: PartRef
+    text: str
+    transcript: bool
+
+
+@dataclass(frozen=True)
+class SessionErrorEvent:
+    """An error not tied to a client event (limits, expiry)."""
+
+    code: str
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+
+
+SessionEvent = (
+    SessionCreated
+    | SessionUpdated
+    | SessionClosed
+    | InputAudioCommitted
+    | InputAudioCleared
+    | ItemAdded
+    | ItemDone
+    | ItemRetrieved
+    | ItemDeleted
+    | ItemTruncated
+    | ResponseCreated
+    | ResponseDone
+    | OutputItemAdded
+    | OutputItemDone
+    | ContentPartAdded
+    | ContentPartDone
+    | OutputAudioDelta
+    | OutputAudioDone
+    | OutputTextDelta
+    | OutputTextDone
+    | SessionErrorEvent
+)

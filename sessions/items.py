@@ -1,0 +1,123 @@
+"""Conversation items and their content parts, as the session stores them.
+
+Audio is held in the server's own representation (24 kHz mono): user audio as float32, reply
+audio as int16 together with its text alignment, so a truncation can cut both consistently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from omnirt.stages.types import SAMPLE_RATE
+
+ItemStatus = Literal["completed", "incomplete", "in_progress"]
+MessageRole = Literal["user", "assistant", "system"]
+
+
+@dataclass
+class InputText:
+    text: str
+
+
+@dataclass
+class InputAudio:
+    """User audio, float32 at 24 kHz."""
+
+    audio: np.ndarray
+    transcript: str | None = None
+
+    @property
+    def duration_ms(self) -> int:
+        return len(self.audio) * 1000 // SAMPLE_RATE
+
+
+@dataclass
+class InputImage:
+    data: bytes
+    #: The data URL the client sent (echoed back only when small).
+    url: str
+    detail: str = "auto"
+
+
+@dataclass
+class OutputText:
+    text: str = ""
+
+
+@dataclass
+class OutputAudio:
+    """Reply audio (int16, 24 kHz) and its transcript.
+
+    ``marks`` holds ``(end_sample, text_chars)`` per engine chunk: how much of the transcript had
+    been spoken when that much audio had played. ``frozen`` is set by a truncation: what comes
+    later in the stream is still sent to the client but no longer stored.
+    """
+
+    chunks: list[np.ndarray] = field(default_factory=list)
+    transcript: str = ""
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    samples: int = 0
+    frozen: bool = False
+
+    def append(self, pcm: np.ndarray, text_chars: int) -> None:
+        if self.frozen:
+            return
+        self.chunks.append(np.asarray(pcm, dtype=np.int16))
+        self.samples += len(pcm)
+        self.marks.append((self.samples, text_chars))
+
+    @property
+    def audio(self) -> np.ndarray:
+        if len(self.chunks) != 1:
+            self.chunks = [np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int16)]
+        return self.chunks[0]
+
+    @property
+    def duration_ms(self) -> int:
+        return self.samples * 1000 // SAMPLE_RATE
+
+    def truncate(self, audio_end_ms: int) -> None:
+        """Keep the first ``audio_end_ms`` of audio and the transcript spoken by then."""
+        end = audio_end_ms * SAMPLE_RATE // 1000
+        chars = 0
+        for mark_end, mark_chars in self.marks:
+            if mark_end <= end:
+                chars = mark_chars
+        self.chunks = [self.audio[:end]]
+        self.samples = end
+        self.marks = [(e, c) for e, c in self.marks if e <= end]
+        self.transcript = self.transcript[:chars]
+        self.frozen = True
+
+
+Content = InputText | InputAudio | InputImage | OutputText | OutputAudio
+
+
+@dataclass
+class MessageItem:
+    id: str
+    role: MessageRole
+    content: list[Content]
+    status: ItemStatus = "completed"
+
+
+@dataclass
+class FunctionCallItem:
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus = "completed"
+
+
+@dataclass
+class FunctionCallOutputItem:
+    id: str
+    call_id: str
+    output: str
+    status: ItemStatus = "completed"
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
