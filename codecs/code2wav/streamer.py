@@ -1,0 +1,119 @@
+"""Per-request streaming code2wav for the speech pipeline: slots, validation, output trimming."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .model import Code2WavModel
+from .pool import Code2WavPool
+
+
+class Code2WavStreamer:
+    """Streams of one code2wav model in a fixed pool of ``max_slots`` slots.
+
+    ``model`` is a :class:`.model.Code2WavModel` or a loaded transformers
+    ``Qwen3OmniMoeCode2Wav`` (its weights are shared, not copied). Each :meth:`step` runs one
+    batched model step over the whole pool, always at ``max_slots`` rows, so a stream's output
+    never depends on which other slots are busy (bitwise, on one device); slots without a frame
+    in it keep their state. :meth:`acquire` hands out the lowest free slot.
+
+    ``runner`` runs that step: ``pool.step_io`` by default; an engine may set it to a
+    ``stages.graphs.CudaGraphRunner(pool.step_io, pool.make_inputs, buckets=[max_slots])``
+    after ``capture()``, which has the same call signature.
+
+    Every method validates all of its arguments before it changes anything: bad input raises
+    ``ValueError`` and leaves every stream as it was.
+    """
+
+    def __init__(self, model: Code2WavModel | nn.Module, max_slots: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if not isinstance(model, Code2WavModel):
+            model = Code2WavModel.from_hf(model)
+        self.pool = Code2WavPool(model, max_slots, device, dtype)
+        self.model = self.pool.model
+        self.runner: Callable[[dict[str, Tensor]], dict[str, Tensor]] = self.pool.step_io
+        self._free = list(range(max_slots))
+        self._frames: dict[int, int] = {}  # active slot -> frames decoded (host mirror of state["frame"])
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """A fresh stream: a free slot, reset in place."""
+        if not self._free:
+            raise ValueError(f"no free code2wav slot: all {self.pool.max_slots} are in use")
+        slot = min(self._free)
+        self.pool.reset(slot)
+        self._free.remove(slot)
+        self._frames[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Ends a stream without flushing (a cancelled request); the slot becomes free."""
+        self._check_slot(slot)
+        del self._frames[slot]
+        self._free.append(slot)
+
+    def finish(self, slot: int) -> np.ndarray:
+        """Ends a stream and frees its slot; returns the samples left to flush (always none).
+
+        The offline decode of ``S`` frames is ``S * samples_per_frame - held_back`` samples
+        long, and exactly that many have been returned by :meth:`step` after ``S`` frames:
+        the held-back samples depend on a frame that never comes, and transformers trims
+        them. So nothing is left to flush, and the result is empty; it is returned so that
+        callers need not know this.
+        """
+        self._check_slot(slot)
+        self.release(slot)
+        return np.zeros(0, dtype=np.float32)
+
+    def step(self, frames: Mapping[int, Tensor]) -> dict[int, np.ndarray]:
+        """Decodes one frame of codes (``[num_quantizers]`` integers) for each given slot.
+
+        Returns each slot's new final samples, float32: ``samples_per_frame`` of them, except
+        ``samples_per_frame - held_back`` for a stream's first frame.
+        """
+        if not frames:
+            return {}
+        for slot in frames:
+            self._check_slot(slot)
+        rows = sorted(frames)
+        codes = torch.stack([self._check_codes(slot, frames[slot]) for slot in rows])
+        exec_mask = torch.zeros(self.pool.max_slots, dtype=torch.bool)
+        exec_mask[rows] = True
+        all_codes = torch.zeros(self.pool.max_slots, self.model.num_quantizers, dtype=torch.int64)
+        all_codes[rows] = codes
+        inputs = {"codes": all_codes.to(self.pool.device), "exec_mask": exec_mask.to(self.pool.device)}
+        wav = self.runner(inputs)["wav"][rows].float().cpu().numpy()
+
+        out: dict[int, np.ndarray] = {}
+        per_frame, held_back = self.model.samples_per_frame, self.model.held_back
+        for row, slot in enumerate(rows):
+            start = min(per_frame, max(0, held_back - self._frames[slot] * per_frame))
+            out[slot] = wav[row, start:].copy()
+            self._frames[slot] += 1
+        return out
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or slot not in self._frames:
+            raise ValueError(f"unknown code2wav slot {slot!r} (not acquired, or already released)")
+
+    def _check_codes(self, slot: int, codes: Tensor) -> Tensor:
+        codes = torch.as_tensor(codes)
+        q = self.model.num_quantizers
+        if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+            raise ValueError(f"code2wav codes for slot {slot} must be integers, got {codes.dtype}")
+        if codes.shape != (q,):
+            raise ValueError(f"code2wav expects {q} codebooks per frame for slot {slot}, got shape "
+                             f"{tuple(codes.shape)}")
+        codes = codes.to("cpu", torch.int64)
+        low, high = int(codes.min()), int(codes.max())
+        if low < 0 or high >= self.model.codebook_size:
+            raise ValueError(f"code2wav codes for slot {slot} must lie in [0, {self.model.codebook_size}), "
+                             f"got values in [{low}, {high}]")
+        return codes

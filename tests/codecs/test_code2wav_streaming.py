@@ -1,0 +1,127 @@
+"""Streaming code2wav equals transformers' offline Qwen3OmniMoeCode2Wav, in length and value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omnirt.codecs.code2wav import Code2WavModel, Code2WavStreamer
+from omnirt.codecs.code2wav.random_init import randomize_, tiny_code2wav_config
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+FRAMES = 11  # almost 3 sliding windows of 4 frames
+
+
+def _hf(seed: int = 1, **overrides: object) -> Qwen3OmniMoeCode2Wav:
+    return randomize_(Qwen3OmniMoeCode2Wav(tiny_code2wav_config(**overrides)).eval(), seed)
+
+
+def _codes(config: Qwen3OmniMoeCode2WavConfig, frames: int, seed: int = 3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.codebook_size, (config.num_quantizers, frames), generator=generator)
+
+
+def _offline(hf: Qwen3OmniMoeCode2Wav, codes: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        return hf(codes[None])[0, 0].numpy()
+
+
+def _stream(streamer: Code2WavStreamer, codes: torch.Tensor) -> list[np.ndarray]:
+    slot = streamer.acquire()
+    chunks = [streamer.step({slot: codes[:, f]})[slot] for f in range(codes.shape[1])]
+    chunks.append(streamer.finish(slot))
+    return chunks
+
+
+def test_geometry_of_the_published_model_explains_minus_555() -> None:
+    with torch.device("meta"):
+        model = Code2WavModel(Qwen3OmniMoeCode2WavConfig())
+    assert model.samples_per_frame == 1920
+    assert model.held_back == 555 == ((((1 * 8 + 1) * 5 + 1) * 4 + 1) * 3)
+    assert [g.delay for g in model.block_geometry] == [0, 8, 45, 184, 555]
+    assert model.offline_length(7) == 7 * 1920 - 555
+
+
+@pytest.mark.parametrize("frames", [1, 2, 5])
+def test_offline_length_rule(frames: int) -> None:
+    """Only the decoder blocks shorten the signal, each by its rate: 4S -> 32S - 8 -> ..."""
+    hf = _hf()
+    model = Code2WavModel.from_hf(hf)
+    lengths: list[int] = []
+    hooks = [block.register_forward_hook(lambda _m, _a, out: lengths.append(out.shape[-1]))
+             for block in hf.decoder]
+    try:
+        assert _offline(hf, _codes(hf.config, frames)).shape == (frames * 1920 - 555,)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    s = frames
+    assert lengths == [4 * s, 32 * s - 8, 160 * s - 45, 640 * s - 184, 1920 * s - 555, 1920 * s - 555,
+                       1920 * s - 555]
+    assert model.offline_length(frames) == frames * 1920 - 555
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # grouped KV heads, the real upsampling ratios
+        {"num_key_value_heads": 2, "attention_bias": True, "sliding_window": 3, "num_hidden_layers": 3},
+        {"upsample_rates": (2, 3), "upsampling_ratios": (2,), "decoder_dim": 8},  # another geometry
+    ],
+    ids=["tiny", "bias-mha-window3", "rates-2-3"],
+)
+def test_frame_by_frame_equals_offline(overrides: dict[str, object]) -> None:
+    hf = _hf(**overrides)
+    codes = _codes(hf.config, FRAMES)
+    reference = _offline(hf, codes)
+    assert reference.std() > 0.02 and np.mean(np.abs(reference) >= 1) < 0.02  # a real, unclamped signal
+
+    model = Code2WavModel.from_hf(hf)
+    chunks = _stream(Code2WavStreamer(hf, max_slots=2), codes)
+
+    per_frame, held_back = model.samples_per_frame, model.held_back
+    assert [len(c) for c in chunks] == [per_frame - held_back] + [per_frame] * (FRAMES - 1) + [0]
+    streamed = np.concatenate(chunks)
+    assert streamed.dtype == np.float32
+    assert streamed.shape == reference.shape == (model.offline_length(FRAMES),)
+    np.testing.assert_allclose(streamed, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+
+
+def test_every_prefix_is_final() -> None:
+    """What a frame's step returns is never revised: each prefix equals the offline decode
+    of the frames so far (here after 4 and 7 frames)."""
+    hf = _hf(seed=5)
+    codes = _codes(hf.config, 7, seed=9)
+    streamed = np.concatenate(_stream(Code2WavStreamer(hf, max_slots=1), codes))
+    for frames in (4, 7):
+        prefix = _offline(hf, codes[:, :frames])
+        np.testing.assert_allclose(streamed[: len(prefix)], prefix, rtol=1e-5, atol=1e-5)
+
+
+def test_window_matters() -> None:
+    """The sliding window is really applied: a wider window gives another output after
+    ``sliding_window`` frames, and the same one before."""
+    narrow, wide = _hf(seed=2), _hf(seed=2, sliding_window=8)
+    codes = _codes(narrow.config, 7)
+    a = np.concatenate(_stream(Code2WavStreamer(narrow, max_slots=1), codes))
+    b = np.concatenate(_stream(Code2WavStreamer(wide, max_slots=1), codes))
+    early = 4 * 1920 - 555  # samples that depend on the first 4 frames only
+    np.testing.assert_allclose(a[:early], b[:early], rtol=1e-5, atol=1e-6)
+    assert np.abs(a[early:] - b[early:]).max() > 1e-3
+
+
+def test_bf16_follows_fp32() -> None:
+    """The low-precision path (state and weights in bf16, RoPE frequencies and softmax in fp32)
+    decodes the same signal; the GPU tests run it at full size."""
+    hf = _hf(seed=6)
+    codes = _codes(hf.config, 6)
+    reference = _offline(hf, codes)
+    streamer = Code2WavStreamer(hf, max_slots=1, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for k, t in streamer.pool.state.items() if k != "frame")
+    assert streamer.model.pre_transformer.inv_freq.dtype == torch.float32
+    assert next(hf.parameters()).dtype == torch.float32  # the transformers module is left as it was
+    streamed = np.concatenate(_stream(streamer, codes))
+    assert streamed.shape == reference.shape
+    error = np.sqrt(np.mean((streamed - reference) ** 2) / np.mean(reference**2))
+    assert error < 0.1
