@@ -222,9 +222,14 @@ class ResponseRun:
             response.status, response.reason = "cancelled", cancel_reason
         else:
             response.status = "failed"
-            response.error = ResponseError(
-                "server_error", "server_error", finished.error or "generation failed"
-            )
+            if finished.code == "rejected":
+                response.error = ResponseError(
+                    "invalid_request_error", "invalid_value", finished.error or "input refused"
+                )
+            else:
+                response.error = ResponseError(
+                    "server_error", "server_error", finished.error or "generation failed"
+                )
         response.usage = finished.usage
         if self._ref is not None and self._item is not None:
             self._close_item(self._ref, self._item, complete=finished.reason == "stop")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .pipeline import Pipeline, RequestRejected
 from .types import (
     AudioDelta,
+    ErrorCode,
     Finished,
     GenerationRequest,
     ModelInfo,
@@ -70,6 +71,10 @@ class Engine:
     def info(self) -> ModelInfo:
         return self.pipeline.info
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
     # -- control, from any thread ------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
@@ -116,7 +121,7 @@ class Engine:
             self._admit()
             if self.pipeline.has_work():
                 self._step()
-        self._fail_all("server shutting down")
+        self._fail_all("server shutting down", "shutdown")
 
     def _has_work(self) -> bool:
         return self.pipeline.has_work() or (bool(self._waiting) and self.pipeline.can_add())
@@ -124,7 +129,7 @@ class Engine:
     def _enqueue(self, request: GenerationRequest, sink: Sink) -> None:
         self.stats.requests_submitted += 1
         if len(self._waiting) >= self.max_waiting:
-            sink(Finished("error", Usage(), "engine queue is full"))
+            sink(Finished("error", Usage(), "engine queue is full", "overloaded"))
             self.stats.requests_failed += 1
             return
         self._waiting.append((request, sink))
@@ -136,12 +141,12 @@ class Engine:
             try:
                 self.pipeline.add(request)
             except RequestRejected as exc:
-                sink(Finished("error", Usage(), str(exc)))
+                sink(Finished("error", Usage(), str(exc), "rejected"))
                 self.stats.requests_failed += 1
                 continue
             except Exception as exc:  # a model bug must not take the engine down
                 log.exception("pipeline.add failed for %s", request.request_id)
-                sink(Finished("error", Usage(), f"internal error: {exc}"))
+                sink(Finished("error", Usage(), f"internal error: {exc}", "internal"))
                 self.stats.requests_failed += 1
                 continue
             self._sinks[request.request_id] = sink
@@ -172,7 +177,7 @@ class Engine:
             log.exception("pipeline step failed; failing its active requests")
             for request_id in list(self._sinks):
                 self.pipeline.remove(request_id)
-            self._fail_all(f"internal error: {exc}")
+            self._fail_all(f"internal error: {exc}", "internal")
             return
         finally:
             self.stats.steps += 1
@@ -190,14 +195,14 @@ class Engine:
             sink(output)
         self.stats.active = len(self._sinks)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, code: ErrorCode) -> None:
         for sink in self._sinks.values():
-            sink(Finished("error", Usage(), message))
+            sink(Finished("error", Usage(), message, code))
         self.stats.requests_failed += len(self._sinks)
         self._sinks.clear()
         while self._waiting:
             _, sink = self._waiting.popleft()
-            sink(Finished("error", Usage(), message))
+            sink(Finished("error", Usage(), message, code))
         self.stats.active = self.stats.waiting = 0
 
 
@@ -262,7 +267,7 @@ class RequestStream:
                     self._done = True
                     self._finished = output
                 if output.usage == Usage() and output.reason == "cancelled":
-                    output = Finished(output.reason, self.usage, output.error)
+                    output = Finished(output.reason, self.usage, output.error, output.code)
                 yield output
                 return
             self._account(output)

@@ -110,12 +110,17 @@ class AudioDelta:
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
+#: Why a request ended with ``reason == "error"``: the pipeline refused its input (the client's
+#: fault), a model step failed, the engine queue was full, or the server is stopping.
+ErrorCode = Literal["rejected", "internal", "overloaded", "shutdown"]
+
 
 @dataclass(frozen=True)
 class Finished:
     reason: FinishReason
     usage: Usage
     error: str | None = None
+    code: ErrorCode | None = None
 
 
 Output = Started | TextDelta | AudioDelta | Finished

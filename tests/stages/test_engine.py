@@ -101,7 +101,7 @@ def test_rejected_request_finishes_with_error_and_engine_goes_on(engine: Engine)
     async def main():
         client = EngineClient(engine)
         outs = await _collect(client.submit(_request("bad", "reject me")))
-        assert outs == [Finished("error", outs[0].usage, "the echo pipeline rejects this input")]
+        assert outs == [Finished("error", outs[0].usage, "the echo pipeline rejects this input", "rejected")]
         outs = await _collect(client.submit(_request("good")))
         assert outs[-1].reason == "stop"
 
@@ -130,7 +130,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine() -> None:
     async def main():
         client = EngineClient(eng)
         outs = await _collect(client.submit(_request("r")))
-        assert outs[-1].reason == "error" and "boom" in outs[-1].error
+        assert outs[-1].reason == "error" and outs[-1].code == "internal" and "boom" in outs[-1].error
         assert eng._thread is not None and eng._thread.is_alive()
 
     try:

@@ -1,0 +1,122 @@
+"""The Starlette application: every HTTP route and the realtime WebSocket, on one engine.
+
+``create_app(client, config)`` wires the endpoints of :mod:`.http` and the realtime service
+onto an :class:`~omnirt.stages.engine.EngineClient`. Its lifespan starts the engine thread
+when nobody has yet (and then stops it on shutdown). The browser UI is served at ``/`` from
+the ``omnirt.web_ui`` package's ``static/`` folder when it exists; otherwise ``/`` answers a
+small JSON index of the APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from omnirt.stages.engine import EngineClient
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from .config import ServerConfig
+from .http.chat import ChatCompletions
+from .http.errors import EXCEPTION_HANDLERS
+from .http.metrics import HTTPMetricsMiddleware, Metrics
+from .http.models import Models
+from .ws import RealtimeService
+
+log = logging.getLogger(__name__)
+
+
+def web_ui_dir() -> Path | None:
+    """``omnirt/web_ui/static`` when the UI has been built into the package, else None."""
+    try:
+        static = Path(str(importlib.resources.files("omnirt.web_ui").joinpath("static")))
+    except ModuleNotFoundError:
+        return None
+    return static if (static / "index.html").is_file() else None
+
+
+def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
+    info = client.info
+    realtime = RealtimeService(client, config)
+    chat = ChatCompletions(client, config)
+    models = Models(info, config)
+    metrics = Metrics(client.engine, lambda: realtime)
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": info.id,
+                "random_weights": info.random_weights,
+                "engine": "running" if client.engine.running else "stopped",
+            }
+        )
+
+    async def index(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {
+                "name": "omnirt",
+                "model": info.id,
+                "random_weights": info.random_weights,
+                "endpoints": {
+                    "realtime": "/v1/realtime (WebSocket)",
+                    "chat_completions": "POST /v1/chat/completions",
+                    "models": "GET /v1/models",
+                    "health": "GET /health",
+                    "metrics": "GET /metrics",
+                },
+                "web_ui": None,
+            }
+        )
+
+    routes: list[BaseRoute] = [
+        Route("/health", health, methods=["GET"], name="health"),
+        Route("/metrics", metrics.endpoint, methods=["GET"], name="metrics"),
+        Route("/v1/models", models.list, methods=["GET"], name="list_models"),
+        Route("/v1/models/{model:path}", models.retrieve, methods=["GET"], name="retrieve_model"),
+        Route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions"),
+        WebSocketRoute("/v1/realtime", realtime.handle, name="realtime"),
+    ]
+    static = web_ui_dir()
+    if static is not None:
+        routes.append(Mount("/", StaticFiles(directory=static, html=True), name="web_ui"))
+    else:
+        routes.append(Route("/", index, methods=["GET"], name="index"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        started_here = not client.engine.running
+        if started_here:
+            client.engine.start()
+        log.info(
+            "omnirt app up: model %s (%s)%s; web UI %s",
+            info.id,
+            info.architecture,
+            ", RANDOM weights" if info.random_weights else "",
+            static if static is not None else "not built",
+        )
+        try:
+            yield
+        finally:
+            if started_here:
+                await asyncio.to_thread(client.engine.stop)
+
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(HTTPMetricsMiddleware, metrics=metrics)],
+        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        lifespan=lifespan,
+    )
+    app.state.client = client
+    app.state.config = config
+    app.state.realtime = realtime
+    app.state.metrics = metrics
+    return app

@@ -1,0 +1,175 @@
+"""The ``omnirt`` command: ``omnirt serve [--model demo|PATH] [--host H] [--port P] ...``.
+
+``serve`` builds the model pipeline (``stages.factory``), the engine and the app, then runs
+uvicorn. Without ``--model`` (or with ``--model demo``) it serves the embedded default: the
+real architecture with small random weights, for trying the server; it says so loudly.
+API keys come from ``--api-key`` (repeatable) and ``OMNIRT_API_KEYS`` (comma-separated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .config import ServerConfig
+
+log = logging.getLogger("omnirt.serve")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+#: The WebSocket frame limit given to uvicorn exceeds the event limit a little, so that a frame
+#: just over it reaches the realtime service and gets an ``error`` event; far larger frames are
+#: closed by the transport (1009).
+WS_FRAME_SLACK_BYTES = 4096
+API_KEYS_ENV = "OMNIRT_API_KEYS"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def ws_max_size(config: ServerConfig) -> int:
+    return config.max_client_event_bytes + WS_FRAME_SLACK_BYTES
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be between 1 and 65535, not {port}")
+    return port
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    if text == "cpu" or re.fullmatch(r"cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, not {text!r}")
+
+
+def _model(text: str) -> str:
+    if text == "demo" or Path(text).expanduser().exists():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither 'demo' nor an existing local path (nothing is downloaded)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnirt", description="Serving engine for realtime voice AI.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the server",
+        description="Serve /v1/realtime, /v1/chat/completions, /v1/models, /health and /metrics.",
+    )
+    serve.add_argument(
+        "--model",
+        type=_model,
+        default=None,
+        help="'demo' (the default: embedded architecture with RANDOM weights) or a local checkpoint folder",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"accept this API key (repeatable; also ${API_KEYS_ENV}, comma-separated). No keys: no auth",
+    )
+    serve.add_argument(
+        "--max-sessions",
+        type=_positive,
+        default=ServerConfig.max_sessions,
+        help=f"concurrent realtime sessions; also the engine's slots (default {ServerConfig.max_sessions})",
+    )
+    serve.add_argument(
+        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
+    )
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
+    keys = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    keys += [k.strip() for k in args.api_key if k.strip()]
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        api_keys=list(dict.fromkeys(keys)),
+        max_sessions=args.max_sessions,
+    )
+
+
+def serve(config: ServerConfig, *, device: str | None, log_level: str) -> int:
+    # Heavy imports (torch, the model code) only once a server is really wanted.
+    import uvicorn
+    from omnirt.stages.engine import Engine, EngineClient
+    from omnirt.stages.factory import build_pipeline
+
+    from .app import create_app
+
+    try:
+        pipeline = build_pipeline(config.model, device=device, max_slots=config.max_sessions)
+    except ValueError as exc:
+        log.error("cannot load the model: %s", exc)
+        return 1
+    info = pipeline.info
+    if info.random_weights:
+        log.warning(
+            "model %s has the embedded RANDOM weights: its words and speech are noise. It is for trying "
+            "the server and for tests; pass --model PATH to serve a real checkpoint.",
+            info.id,
+        )
+    log.info(
+        "serving %s (%s, from %s) on http://%s:%d; auth %s; up to %d realtime sessions",
+        info.id,
+        info.architecture,
+        info.source,
+        config.host,
+        config.port,
+        f"on ({len(config.api_keys)} keys)" if config.api_keys else "off",
+        config.max_sessions,
+    )
+    engine = Engine(pipeline)
+    app = create_app(EngineClient(engine), config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            ws_max_size=ws_max_size(config),
+            lifespan="on",
+        )
+    )
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
+        log.info("stopped")
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    config = config_from_args(args, os.environ)
+    return serve(config, device=args.device, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Reading request bodies under the server's size limit."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from .errors import bad_request, body_too_large
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body; 413 as soon as it is known to exceed ``limit`` bytes.
+
+    A declared ``Content-Length`` over the limit is refused before anything is read; a chunked
+    body is counted as it arrives and refused at the first chunk past the limit.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise bad_request("Invalid Content-Length header.", code="invalid_value") from None
+        if size > limit:
+            raise body_too_large(limit)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,160 @@
+"""``GET /metrics``: Prometheus text format, one registry per app.
+
+Engine and realtime numbers are read when scraped, by a custom collector, from the counters
+their owners already keep (``engine.stats``, the realtime service's counters); nothing on the
+hot path is touched for them. HTTP requests are counted by a small ASGI middleware, labelled
+by route template (never by raw path, which would let clients create label values).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from omnirt.stages.engine import Engine
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Mount
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class RealtimeCounters(Protocol):
+    active_sessions: int
+    sessions_total: int
+    events_received: int
+    events_sent: int
+    errors_sent: int
+
+
+class ServerCollector(Collector):
+    """Reads ``engine.stats`` and the realtime counters at scrape time."""
+
+    def __init__(self, engine: Engine, realtime: Callable[[], RealtimeCounters | None]) -> None:
+        self.engine = engine
+        self.realtime = realtime
+
+    def collect(self) -> Iterator[Metric]:
+        info = self.engine.info
+        model = InfoMetricFamily("omnirt_model", "The loaded model")
+        model.add_metric(
+            [],
+            {
+                "id": info.id,
+                "architecture": info.architecture,
+                "source": info.source,
+                "random_weights": str(info.random_weights).lower(),
+            },
+        )
+        yield model
+
+        s = self.engine.stats
+        yield CounterMetricFamily("omnirt_engine_steps", "Engine scheduler steps run", value=s.steps)
+        yield CounterMetricFamily(
+            "omnirt_engine_step_seconds", "Wall time spent inside pipeline steps", value=s.step_seconds
+        )
+        yield CounterMetricFamily(
+            "omnirt_engine_requests_submitted", "Requests submitted to the engine", value=s.requests_submitted
+        )
+        ended = CounterMetricFamily(
+            "omnirt_engine_requests_ended", "Engine requests by outcome", labels=["outcome"]
+        )
+        ended.add_metric(["completed"], s.requests_finished)
+        ended.add_metric(["cancelled"], s.requests_cancelled)
+        ended.add_metric(["failed"], s.requests_failed)
+        yield ended
+        yield GaugeMetricFamily(
+            "omnirt_engine_requests_active", "Requests admitted to the pipeline", value=s.active
+        )
+        yield GaugeMetricFamily(
+            "omnirt_engine_requests_waiting", "Requests waiting for a slot", value=s.waiting
+        )
+        batches = CounterMetricFamily(
+            "omnirt_engine_batches", "Engine steps by number of active requests", labels=["batch_size"]
+        )
+        for size, count in sorted(dict(s.batch_sizes).items()):
+            batches.add_metric([str(size)], count)
+        yield batches
+
+        rt = self.realtime()
+        if rt is None:
+            return
+        yield GaugeMetricFamily(
+            "omnirt_realtime_sessions_active", "Open realtime sessions", value=rt.active_sessions
+        )
+        yield CounterMetricFamily(
+            "omnirt_realtime_sessions", "Realtime sessions opened", value=rt.sessions_total
+        )
+        yield CounterMetricFamily(
+            "omnirt_realtime_events_received", "Client events received", value=rt.events_received
+        )
+        yield CounterMetricFamily("omnirt_realtime_events_sent", "Server events sent", value=rt.events_sent)
+        yield CounterMetricFamily("omnirt_realtime_errors_sent", "Error events sent", value=rt.errors_sent)
+
+
+class Metrics:
+    """The app's registry, its HTTP instruments and the ``/metrics`` endpoint."""
+
+    def __init__(self, engine: Engine, realtime: Callable[[], RealtimeCounters | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(ServerCollector(engine, realtime))
+        self.http_requests = Counter(
+            "omnirt_http_requests",
+            "HTTP requests by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.http_seconds = Histogram(
+            "omnirt_http_request_duration_seconds",
+            "HTTP request time until the response body ended",
+            ["route", "method"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def route_label(scope: Scope) -> str:
+    route: Any = scope.get("route")
+    if route is None:
+        return "unmatched"
+    if isinstance(route, Mount):
+        return f"{route.path}/{{path}}"
+    return str(getattr(route, "path", "unmatched"))
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class HTTPMetricsMiddleware:
+    """Counts and times every HTTP request into ``metrics`` (ASGI middleware)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_and_observe(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_observe)
+        finally:
+            route = route_label(scope)
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            self.metrics.http_requests.labels(route, method, str(status)).inc()
+            self.metrics.http_seconds.labels(route, method).observe(time.perf_counter() - t0)

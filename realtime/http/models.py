@@ -1,0 +1,50 @@
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server has loaded."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from omnirt.stages.types import ModelInfo
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..config import ServerConfig
+from .access import require_api_key
+from .errors import model_not_found
+
+
+def model_card(info: ModelInfo, created: int) -> dict[str, Any]:
+    """The OpenAI model object, plus what a client of this server needs to know about it.
+
+    ``random_weights`` is true for the embedded default: replies are then noise, by design.
+    """
+    return {
+        "id": info.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "omnirt",
+        "architecture": info.architecture,
+        "source": info.source,
+        "random_weights": info.random_weights,
+        "voices": list(info.voices),
+        "max_context_tokens": info.max_context_tokens,
+    }
+
+
+class Models:
+    def __init__(self, info: ModelInfo, config: ServerConfig) -> None:
+        self.info = info
+        self.config = config
+        self.created = int(time.time())
+
+    async def list(self, request: Request) -> JSONResponse:
+        require_api_key(request, self.config.api_keys)
+        return JSONResponse({"object": "list", "data": [model_card(self.info, self.created)]})
+
+    async def retrieve(self, request: Request) -> JSONResponse:
+        require_api_key(request, self.config.api_keys)
+        model = request.path_params["model"]
+        if model != self.info.id:
+            raise model_not_found(model)
+        return JSONResponse(model_card(self.info, self.created))
