@@ -97,11 +97,18 @@ def test_cuda_graph_replay_equals_eager(hf, codes) -> None:
         out = graphed.step_io(static)["wav"]
     assert graphed.state["frame"].tolist() == [0, 0, 0, 0]
 
-    masks = [[True, False, False, False], [True, True, False, False], [True, True, False, True],
-             [False, True, True, True], [True, False, True, True]]
+    masks = [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, False, True],
+        [False, True, True, True],
+        [True, False, True, True],
+    ]
     for step, mask in enumerate(masks):
-        inputs = {"codes": codes[:, step : step + 4].T.contiguous().cuda(),
-                  "exec_mask": torch.tensor(mask, device="cuda")}
+        inputs = {
+            "codes": codes[:, step : step + 4].T.contiguous().cuda(),
+            "exec_mask": torch.tensor(mask, device="cuda"),
+        }
         expected = eager.step_io(inputs)["wav"]
         for name, tensor in inputs.items():
             static[name].copy_(tensor)

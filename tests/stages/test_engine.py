@@ -6,7 +6,6 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from omnirt.stages.engine import Engine, EngineClient
 from omnirt.stages.types import (
     AudioDelta,
@@ -17,6 +16,7 @@ from omnirt.stages.types import (
     TextDelta,
     TextPart,
 )
+
 from tests.fakes import EchoPipeline
 
 
