@@ -1,0 +1,137 @@
+"""A fixed pool of Mimi streams: checked encode/decode steps, in-place reset, CUDA graphs.
+
+Slot ``i`` is row ``i`` of every state buffer. ``encode``/``decode`` take a batch of the first
+``rows`` slots (``rows <= max_slots``) and an exec mask; keep active sessions in the lowest
+slots so the batch stays small. A one-frame step runs through the CUDA graph of the smallest
+captured bucket that holds ``rows`` (padded rows are idle); other shapes run eagerly.
+Bad input raises ``ValueError`` before any state changes. The pool allocates its state inside
+the model's modules (``StreamingMimi.alloc_state``): one model backs one pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from omnirt.stages.graphs import CudaGraphRunner
+
+from .model import StreamingMimi
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class MimiSlotPool:
+    def __init__(
+        self,
+        model: StreamingMimi,
+        max_slots: int,
+        *,
+        graphs: bool = False,
+        buckets: Sequence[int] | None = None,
+        check_codes: bool = True,
+    ) -> None:
+        model.alloc_state(max_slots)
+        self.model = model
+        self.max_slots = max_slots
+        self.check_codes = check_codes
+        weight = model.encoder.layers[0].conv.weight
+        self.device = weight.device
+        chosen = [b for b in (buckets or DEFAULT_BUCKETS) if b <= max_slots] or [max_slots]
+        frame, k = model.frame_size, model.num_quantizers
+
+        def encode_inputs(rows: int) -> dict[str, torch.Tensor]:
+            return {
+                "audio": torch.zeros(rows, frame, device=self.device),
+                "exec": torch.zeros(rows, dtype=torch.bool, device=self.device),
+            }
+
+        def decode_inputs(rows: int) -> dict[str, torch.Tensor]:
+            return {
+                "codes": torch.zeros(rows, k, 1, dtype=torch.int64, device=self.device),
+                "exec": torch.zeros(rows, dtype=torch.bool, device=self.device),
+            }
+
+        enabled = graphs and self.device.type == "cuda"
+        self.encode_runner = CudaGraphRunner(self._encode, encode_inputs, chosen, enabled=enabled)
+        self.decode_runner = CudaGraphRunner(self._decode, decode_inputs, chosen, enabled=enabled)
+
+    # Steps (graph-capturable) ---------------------------------------------------------------
+    def _encode(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"codes": self.model.encode_step(inputs["audio"], inputs["exec"])}
+
+    def _decode(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"audio": self.model.decode_step(inputs["codes"], inputs["exec"])}
+
+    # Public API -------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Captures the one-frame encode and decode graphs of every bucket (CUDA only)."""
+        self.encode_runner.capture()
+        self.decode_runner.capture()
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return self.encode_runner.enabled
+
+    @graphs_enabled.setter
+    def graphs_enabled(self, value: bool) -> None:
+        self.encode_runner.enabled = value
+        self.decode_runner.enabled = value
+
+    def reset(self, slot: int, *, encoder: bool = True, decoder: bool = True) -> None:
+        """Starts a new stream in ``slot`` (in place; other slots untouched)."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot must be an int in [0, {self.max_slots}), got {slot!r}")
+        self.model.reset_slot(slot, encoder=encoder, decoder=decoder)
+
+    def _exec_mask(self, rows: int, exec_mask: torch.Tensor | None) -> torch.Tensor:
+        if exec_mask is None:
+            return torch.ones(rows, dtype=torch.bool, device=self.device)
+        if not isinstance(exec_mask, torch.Tensor) or exec_mask.dtype != torch.bool:
+            raise ValueError("exec_mask must be a bool tensor")
+        if exec_mask.shape != (rows,):
+            raise ValueError(f"exec_mask must have shape ({rows},), got {tuple(exec_mask.shape)}")
+        return exec_mask.to(self.device)
+
+    def _rows(self, rows: int) -> None:
+        if not 1 <= rows <= self.max_slots:
+            raise ValueError(f"batch of {rows} rows: must be between 1 and max_slots={self.max_slots}")
+
+    def encode(self, audio: torch.Tensor, exec_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Audio [rows, n * frame_size] float -> codes [rows, K, n] int64 (zeros where not exec)."""
+        if not isinstance(audio, torch.Tensor) or audio.dim() != 2 or not audio.is_floating_point():
+            raise ValueError("audio must be a float tensor of shape [rows, n * frame_size]")
+        rows, samples = audio.shape
+        self._rows(rows)
+        frame = self.model.frame_size
+        if samples == 0 or samples % frame:
+            raise ValueError(f"audio has {samples} samples per row: need a positive multiple of {frame}")
+        mask = self._exec_mask(rows, exec_mask)
+        return self.encode_runner({"audio": audio.to(self.device, torch.float32), "exec": mask})["codes"]
+
+    def decode(self, codes: torch.Tensor, exec_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Codes [rows, K, n] int -> audio [rows, n * frame_size] float32 (zeros where not exec).
+
+        Codes are range-checked on the host: always on CPU, on CUDA only with ``check_codes``
+        (one device sync per call; pass ``check_codes=False`` for codes from a trusted model).
+        """
+        if (
+            not isinstance(codes, torch.Tensor)
+            or codes.dim() != 3
+            or codes.is_floating_point()
+            or codes.dtype == torch.bool
+        ):
+            raise ValueError("codes must be an integer tensor of shape [rows, num_quantizers, frames]")
+        rows, k, frames = codes.shape
+        self._rows(rows)
+        if k != self.model.num_quantizers or frames == 0:
+            raise ValueError(
+                f"codes must have {self.model.num_quantizers} quantizers and >= 1 frame, "
+                f"got shape {tuple(codes.shape)}"
+            )
+        if (self.check_codes or codes.device.type == "cpu") and codes.numel():
+            low, high = int(codes.min()), int(codes.max())
+            size = self.model.quantizer.codebook_size
+            if low < 0 or high >= size:
+                raise ValueError(f"codes must lie in [0, {size}), got values in [{low}, {high}]")
+        mask = self._exec_mask(rows, exec_mask)
+        return self.decode_runner({"codes": codes.to(self.device, torch.int64), "exec": mask})["audio"]

@@ -1,0 +1,157 @@
+"""CUDA-graph capture and replay of a step function, one graph per batch-size bucket.
+
+API
+---
+A *step* is any function ``step(inputs: dict[str, Tensor]) -> dict[str, Tensor]`` whose inputs
+all share the leading (batch) dimension and whose outputs have it too. Typical steps advance
+preallocated per-slot state in place (``state[:batch]`` views, so addresses never change) and
+take an exec mask among their inputs.
+
+``runner = CudaGraphRunner(step, make_inputs, buckets=(1, 8, 32), enabled=True)``
+
+* ``make_inputs(batch) -> dict[str, Tensor]``: example inputs for one bucket. They become the
+  graph's static input buffers, and the step runs on them during warm-up and capture, so they
+  must leave any state unchanged (an exec mask of all False, for slot-pooled steps).
+* ``runner.capture()``: at start-up, for each bucket (largest first, one shared memory pool):
+  ``warmup`` eager runs on a side stream, then one capture. Does nothing when disabled or when
+  the inputs are not on a CUDA device.
+* ``runner(inputs)``: with ``b`` rows, picks the smallest captured bucket ``>= b``. If the
+  per-row shapes, dtypes and device match that bucket's static inputs, it copies the inputs in
+  (rows ``b..bucket-1`` zero-filled: False in a bool exec mask, so padded rows stay idle),
+  replays the graph and returns the outputs' first ``b`` rows, cloned unless
+  ``clone_outputs=False`` (then the views are overwritten by the next replay). Anything else
+  (graphs disabled, no bucket large enough, other shapes) runs the step eagerly.
+* ``runner.enabled = False`` switches graphs off at any time; ``runner.last_path`` says how the
+  last call ran (``"graph"`` or ``"eager"``).
+
+The step must not sync with the host while captured (no ``.item()``, no Python branching on
+tensor values, no device tensors used as sizes) and must draw random numbers, if any, from the
+default CUDA generator. Replayed outputs equal eager outputs bitwise at the same bucket size;
+an eager call with fewer rows than the bucket may differ in the last bits (other kernel
+choices), so compare graph and eager at the same size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+
+
+def batch_size(tensors: Mapping[str, torch.Tensor]) -> int:
+    """The shared leading dimension of ``tensors``; ValueError when they disagree or are empty."""
+    if not tensors:
+        raise ValueError("a step needs at least one input tensor")
+    sizes = {name: t.shape[0] if t.dim() else None for name, t in tensors.items()}
+    distinct = set(sizes.values())
+    if None in distinct or len(distinct) != 1:
+        raise ValueError(f"step inputs must share their leading (batch) dimension, got {sizes}")
+    return distinct.pop()
+
+
+class CudaGraphRunner:
+    """Runs ``step`` through CUDA graphs captured per batch-size bucket (see module docstring)."""
+
+    def __init__(
+        self,
+        step: Step,
+        make_inputs: Callable[[int], dict[str, torch.Tensor]],
+        buckets: Sequence[int],
+        *,
+        enabled: bool = True,
+        warmup: int = 2,
+        clone_outputs: bool = True,
+    ) -> None:
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
+        self.step = step
+        self.make_inputs = make_inputs
+        self.buckets = sorted(set(int(b) for b in buckets))
+        self.enabled = enabled
+        self.warmup = warmup
+        self.clone_outputs = clone_outputs
+        self.last_path = ""
+        self._graphs: dict[int, _Captured] = {}
+        self._pool: object | None = None
+
+    @property
+    def captured_buckets(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first. No-op when disabled or off CUDA."""
+        if not self.enabled or not torch.cuda.is_available():
+            return
+        for bucket in reversed(self.buckets):
+            if bucket in self._graphs:
+                continue
+            inputs = self.make_inputs(bucket)
+            if batch_size(inputs) != bucket:
+                raise ValueError(f"make_inputs({bucket}) returned a batch of {batch_size(inputs)}")
+            if any(t.device.type != "cuda" for t in inputs.values()):
+                return
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(self.warmup):
+                    self.step(inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+                outputs = self.step(inputs)
+            torch.cuda.synchronize()
+            if batch_size(outputs) != bucket:
+                raise ValueError(f"step outputs must keep the batch dimension ({bucket})")
+            self._graphs[bucket] = _Captured(graph, inputs, outputs)
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest captured bucket that holds ``batch`` rows, or None."""
+        for bucket in self.captured_buckets:
+            if bucket >= batch:
+                return bucket
+        return None
+
+    def _matches(self, captured: _Captured, inputs: Mapping[str, torch.Tensor]) -> bool:
+        if set(inputs) != set(captured.inputs):
+            return False
+        for name, tensor in inputs.items():
+            static = captured.inputs[name]
+            if (
+                tensor.shape[1:] != static.shape[1:]
+                or tensor.dtype != static.dtype
+                or tensor.device != static.device
+            ):
+                return False
+        return True
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        batch = batch_size(inputs)
+        bucket = self.bucket_for(batch) if self.enabled else None
+        captured = self._graphs.get(bucket) if bucket is not None else None
+        if captured is None or not self._matches(captured, inputs):
+            self.last_path = "eager"
+            with torch.no_grad():
+                return self.step(inputs)
+        for name, tensor in inputs.items():
+            static = captured.inputs[name]
+            static[:batch].copy_(tensor)
+            if batch < bucket:
+                static[batch:].zero_()
+        captured.graph.replay()
+        self.last_path = "graph"
+        if self.clone_outputs:
+            return {name: out[:batch].clone() for name, out in captured.outputs.items()}
+        return {name: out[:batch] for name, out in captured.outputs.items()}

@@ -1,0 +1,126 @@
+"""CudaGraphRunner: eager fallback and switches on CPU; capture/replay under marker ``gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.stages.graphs import CudaGraphRunner, batch_size
+
+SLOTS = 8
+
+
+class Accumulator:
+    """A slot-pooled toy step: state[:b] += x where exec; out = state * 2 + sin(x)."""
+
+    def __init__(self, device: str) -> None:
+        self.state = torch.zeros(SLOTS, 4, device=device)
+        self.device = device
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x, run = inputs["x"], inputs["exec"]
+        rows = x.shape[0]
+        state = self.state[:rows]
+        state.copy_(torch.where(run[:, None], state + x, state))
+        return {"y": state * 2 + torch.sin(x), "total": state.sum(-1, keepdim=True)}
+
+    def make_inputs(self, rows: int) -> dict[str, torch.Tensor]:
+        return {
+            "x": torch.zeros(rows, 4, device=self.device),
+            "exec": torch.zeros(rows, dtype=torch.bool, device=self.device),
+        }
+
+
+def _inputs(rows: int, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(rows, 4, generator=generator).to(device),
+        "exec": torch.ones(rows, dtype=torch.bool, device=device),
+    }
+
+
+def test_batch_size_checks_the_leading_dimension():
+    assert batch_size({"a": torch.zeros(3, 2), "b": torch.zeros(3)}) == 3
+    with pytest.raises(ValueError, match="leading"):
+        batch_size({"a": torch.zeros(3, 2), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match="leading"):
+        batch_size({"a": torch.zeros(())})
+    with pytest.raises(ValueError, match="at least one"):
+        batch_size({})
+
+
+def test_buckets_must_be_positive():
+    toy = Accumulator("cpu")
+    with pytest.raises(ValueError, match="buckets"):
+        CudaGraphRunner(toy.step, toy.make_inputs, [])
+    with pytest.raises(ValueError, match="buckets"):
+        CudaGraphRunner(toy.step, toy.make_inputs, [0, 4])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_cpu_runs_eager_and_captures_nothing(enabled):
+    toy, reference = Accumulator("cpu"), Accumulator("cpu")
+    runner = CudaGraphRunner(toy.step, toy.make_inputs, [2, 4], enabled=enabled)
+    runner.capture()
+    assert runner.captured_buckets == []
+    assert runner.bucket_for(2) is None
+    out = runner(_inputs(3, "cpu"))
+    assert runner.last_path == "eager"
+    expected = reference.step(_inputs(3, "cpu"))
+    assert out.keys() == expected.keys()
+    assert all(torch.equal(out[k], expected[k]) for k in out)
+    assert torch.equal(toy.state, reference.state)
+    with pytest.raises(ValueError, match="leading"):
+        runner({"x": torch.zeros(2, 4), "exec": torch.ones(3, dtype=torch.bool)})
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_replay_equals_eager_bitwise_and_pads_with_idle_rows():
+    toy, reference = Accumulator("cuda"), Accumulator("cuda")
+    runner = CudaGraphRunner(toy.step, toy.make_inputs, [2, 4])
+    runner.capture()
+    assert runner.captured_buckets == [2, 4]
+    assert torch.count_nonzero(toy.state) == 0  # warm-up and capture with exec=False left state alone
+    for seed, rows in enumerate([2, 4, 3, 2]):
+        got = runner(_inputs(rows, "cuda", seed))
+        assert runner.last_path == "graph"
+        bucket = runner.bucket_for(rows)
+        padded = {
+            k: torch.zeros_like(v[:1]).expand(bucket, *v.shape[1:]).clone()
+            for k, v in _inputs(rows, "cuda").items()
+        }
+        for k, v in _inputs(rows, "cuda", seed).items():
+            padded[k][:rows] = v
+        expected = {k: v[:rows] for k, v in reference.step(padded).items()}
+        assert all(torch.equal(got[k], expected[k]) for k in got)
+        assert torch.equal(toy.state, reference.state)
+    kept = runner(_inputs(2, "cuda", 7))
+    snapshot = {k: v.clone() for k, v in kept.items()}
+    runner(_inputs(2, "cuda", 8))
+    assert all(torch.equal(kept[k], snapshot[k]) for k in kept)  # callers keep clones
+
+
+@pytest.mark.gpu
+@cuda
+def test_uncaptured_shapes_and_disabled_runner_fall_back_to_eager():
+    toy = Accumulator("cuda")
+    runner = CudaGraphRunner(toy.step, toy.make_inputs, [2])
+    runner.capture()
+    runner(_inputs(3, "cuda"))
+    assert runner.last_path == "eager"
+    runner(
+        {
+            "x": torch.zeros(2, 4, device="cuda", dtype=torch.float64),
+            "exec": torch.ones(2, dtype=torch.bool, device="cuda"),
+        }
+    )
+    assert runner.last_path == "eager"
+    runner.enabled = False
+    runner(_inputs(2, "cuda"))
+    assert runner.last_path == "eager"
+    runner.enabled = True
+    runner(_inputs(2, "cuda"))
+    assert runner.last_path == "graph"
