@@ -1,0 +1,51 @@
+"""Picks and loads the model pipeline the server runs (``--model``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+DEMO_NAMES = (None, "", "demo")
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_pipeline(model: str | None, *, device: str | None = None, max_slots: int = 32) -> Pipeline:
+    """The speech pipeline for ``model``: None or ``"demo"`` for the embedded default (a tiny
+    Qwen3-Omni with random weights, built into the cache on first use), else a local checkpoint
+    folder in the published layout. A missing or unloadable folder raises ``ValueError``."""
+    from .speech.demo import ensure_demo_checkpoint
+    from .speech.loader import load_speech_pipeline
+
+    device = device or _default_device()
+    if model in DEMO_NAMES:
+        path = ensure_demo_checkpoint()
+        log.warning(
+            "no --model given: serving the embedded demo Qwen3-Omni with RANDOM WEIGHTS (%s); "
+            "its text and speech are noise. Pass --model PATH for a real checkpoint.",
+            path,
+        )
+        # Random weights never say the end code: cap the babble at about 0.3 s per reply token.
+        return load_speech_pipeline(
+            path,
+            device=device,
+            max_slots=max_slots,
+            model_id="demo-qwen3-omni",
+            random_weights=True,
+            audio_frames_per_token=4.0,
+            warm_up=True,
+        )
+    path = Path(model).expanduser()  # type: ignore[arg-type]
+    if not path.exists():
+        raise ValueError(
+            f"--model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
+        )
+    return load_speech_pipeline(path, device=device, max_slots=max_slots, warm_up=True)

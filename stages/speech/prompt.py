@@ -1,0 +1,203 @@
+"""Conversation messages -> the thinker's prompt tensors (what ``Qwen3OmniMoeProcessor`` produces).
+
+The chat template renders each audio part as ``<|audio_start|><|audio_pad|><|audio_end|>`` and
+each image as ``<|vision_start|><|image_pad|><|vision_end|>``; the single pad is then expanded
+to as many tokens as the encoder will produce: for audio, from the Whisper feature length (the
+processor's formula), for images from the patch grid over the merge size.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..pipeline import RequestRejected
+from ..types import SAMPLE_RATE, AudioPart, ContextMessage, ImagePart, TextPart
+
+ENCODER_RATE = 16_000
+
+
+def audio_tokens_for_frames(frames: int, n_window: int) -> int:
+    """Tokens the audio encoder makes of ``frames`` mel frames (the processor's own formula)."""
+    chunk = n_window * 2
+    leave = frames % chunk
+    feat = (leave - 1) // 2 + 1
+    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13
+
+
+def to_encoder_rate(pcm: np.ndarray) -> np.ndarray:
+    """24 kHz -> 16 kHz (soxr; scipy's polyphase filter where soxr is not installed)."""
+    try:
+        import soxr
+    except ImportError:
+        from scipy.signal import resample_poly
+
+        return resample_poly(pcm, 2, 3).astype(np.float32)
+    return soxr.resample(pcm, SAMPLE_RATE, ENCODER_RATE).astype(np.float32)
+
+
+@dataclass
+class PromptInputs:
+    input_ids: torch.Tensor  # [1, L]
+    input_features: torch.Tensor | None = None  # [num_audios, mel, frames]
+    feature_attention_mask: torch.Tensor | None = None  # [num_audios, frames]
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None  # [num_images, 3]
+    audio_tokens: int = 0
+    image_tokens: int = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def text_tokens(self) -> int:
+        return self.length - self.audio_tokens - self.image_tokens
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        kw: dict[str, torch.Tensor] = {}
+        if self.input_features is not None:
+            kw["input_features"] = self.input_features
+            kw["feature_attention_mask"] = self.feature_attention_mask  # type: ignore[assignment]
+        if self.pixel_values is not None:
+            kw["pixel_values"] = self.pixel_values
+            kw["image_grid_thw"] = self.image_grid_thw  # type: ignore[assignment]
+        return kw
+
+
+class PromptBuilder:
+    """Holds the tokenizer and the audio / image preprocessors of one checkpoint."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        feature_extractor: Any,
+        image_processor: Any | None,
+        *,
+        audio_token: str,
+        image_token: str,
+        n_window: int,
+        merge_size: int,
+        max_audio_seconds: float = 600.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        self.image_processor = image_processor
+        self.audio_token = audio_token
+        self.image_token = image_token
+        self.audio_token_id = tokenizer.convert_tokens_to_ids(audio_token)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+        self.n_window = n_window
+        self.merge_size = merge_size
+        self.max_audio_seconds = max_audio_seconds
+        self._special = [t for t in tokenizer.get_added_vocab() if len(t) > 1]
+
+    def build(self, messages: list[ContextMessage]) -> PromptInputs:
+        if not messages:
+            raise RequestRejected("the request has no messages")
+        chat: list[dict[str, Any]] = []
+        audios: list[np.ndarray] = []
+        images: list[bytes] = []
+        for message in messages:
+            content: list[dict[str, Any]] = []
+            for part in message.parts:
+                if isinstance(part, TextPart):
+                    self._check_text(part.text)
+                    content.append({"type": "text", "text": part.text})
+                elif isinstance(part, AudioPart):
+                    audios.append(self._check_audio(part.pcm))
+                    content.append({"type": "audio", "audio": f"audio{len(audios)}"})
+                elif isinstance(part, ImagePart):
+                    images.append(part.data)
+                    content.append({"type": "image", "image": f"image{len(images)}"})
+                else:
+                    raise RequestRejected(f"unsupported message part {type(part).__name__}")
+            chat.append({"role": message.role, "content": content})
+        text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        out = PromptInputs(input_ids=torch.empty(0))
+        audio_counts: list[int] = []
+        if audios:
+            audio_counts = self._audio_features(audios, out)
+        image_counts: list[int] = []
+        if images:
+            image_counts = self._image_features(images, out)
+        expanded: list[int] = []
+        a = i = 0
+        for tok in ids:
+            if tok == self.audio_token_id and audios:
+                if a >= len(audio_counts):
+                    raise RequestRejected("the prompt has more audio placeholders than audio parts")
+                expanded.extend([tok] * audio_counts[a])
+                a += 1
+            elif tok == self.image_token_id and images:
+                if i >= len(image_counts):
+                    raise RequestRejected("the prompt has more image placeholders than image parts")
+                expanded.extend([tok] * image_counts[i])
+                i += 1
+            else:
+                expanded.append(tok)
+        if a != len(audio_counts) or i != len(image_counts):
+            raise RequestRejected("the chat template dropped an audio or image part")
+        out.input_ids = torch.tensor([expanded], dtype=torch.long)
+        out.audio_tokens = sum(audio_counts)
+        out.image_tokens = sum(image_counts)
+        return out
+
+    def _check_text(self, text: str) -> None:
+        for special in self._special:
+            if special in text:
+                raise RequestRejected(f"text parts may not contain the special token {special!r}")
+
+    def _check_audio(self, pcm: np.ndarray) -> np.ndarray:
+        pcm = np.asarray(pcm)
+        if pcm.ndim != 1:
+            raise RequestRejected(f"audio must be mono (1-D), got shape {pcm.shape}")
+        if pcm.dtype.kind != "f":
+            raise RequestRejected(f"audio must be float PCM, got {pcm.dtype}")
+        if not np.isfinite(pcm).all():
+            raise RequestRejected("audio contains NaN or infinite samples")
+        seconds = pcm.shape[0] / SAMPLE_RATE
+        if seconds < 0.05:
+            raise RequestRejected(f"audio part too short ({seconds * 1000:.0f} ms, need at least 50 ms)")
+        if seconds > self.max_audio_seconds:
+            raise RequestRejected(f"audio part too long ({seconds:.1f} s > {self.max_audio_seconds:.0f} s)")
+        return pcm.astype(np.float32, copy=False)
+
+    def _audio_features(self, audios: list[np.ndarray], out: PromptInputs) -> list[int]:
+        resampled = [to_encoder_rate(pcm) for pcm in audios]
+        feats = self.feature_extractor(
+            resampled,
+            sampling_rate=ENCODER_RATE,
+            padding=True,
+            truncation=False,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        out.input_features = feats["input_features"]
+        out.feature_attention_mask = feats["attention_mask"]
+        frames = out.feature_attention_mask.sum(-1).tolist()
+        return [audio_tokens_for_frames(int(f), self.n_window) for f in frames]
+
+    def _image_features(self, images: list[bytes], out: PromptInputs) -> list[int]:
+        if self.image_processor is None:
+            raise RequestRejected("this model does not take images")
+        from PIL import Image, UnidentifiedImageError
+
+        decoded = []
+        for k, data in enumerate(images):
+            try:
+                img = Image.open(io.BytesIO(data))
+                img.load()
+            except (UnidentifiedImageError, OSError, ValueError) as exc:
+                raise RequestRejected(f"image {k + 1} could not be decoded: {exc}") from None
+            decoded.append(img.convert("RGB"))
+        processed = self.image_processor(images=decoded, return_tensors="pt")
+        out.pixel_values = processed["pixel_values"]
+        out.image_grid_thw = processed["image_grid_thw"]
+        return [int(g.prod()) // self.merge_size**2 for g in out.image_grid_thw]

@@ -1,0 +1,65 @@
+"""Token choice from logits, row by row, with the logits processing ``generate`` applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request's tokens are drawn; ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``transformers``' RepetitionPenaltyLogitsProcessor; ``seen`` is a bool mask shaped like ``logits``."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams) -> int:
+    """One token from a row of logits [V] (float32 math, like ``generate``'s processors)."""
+    logits = logits.float()
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits / params.temperature
+    if params.top_k > 0:
+        k = min(params.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= 1 - params.top_p
+        drop_sorted[-1] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=params.generator))
+
+
+def choose_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+    """One token per row of ``logits`` [B, V]; greedy rows share one argmax (one host sync)."""
+    return choose_rows_tensor(logits, params).tolist()
+
+
+def choose_rows_tensor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Like :func:`choose_rows`, as a device tensor [B]: no host sync when every row is greedy."""
+    picked = torch.argmax(logits, dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        draws = torch.tensor([choose(logits[i], params[i]) for i in sampled], device=picked.device)
+        picked[sampled] = draws
+    return picked

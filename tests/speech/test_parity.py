@@ -1,0 +1,165 @@
+"""The pipeline against ``Qwen3OmniMoeForConditionalGeneration.generate`` on the same tiny weights."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omnirt.stages.speech.loader import load_speech_pipeline
+from omnirt.stages.types import (
+    AudioDelta,
+    AudioPart,
+    ContextMessage,
+    Finished,
+    GenerationRequest,
+    ImagePart,
+    TextDelta,
+    TextPart,
+)
+
+from .conftest import TokenLog, audio_request, drain, of, text_request, tone
+
+MAX_NEW = 24
+
+
+def _hf_tokens(hf_model, prompt, eos: int, **extra) -> list[int]:
+    ids = prompt.input_ids
+    seq = hf_model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        return_audio=False,
+        thinker_max_new_tokens=MAX_NEW,
+        thinker_eos_token_id=eos,
+        thinker_do_sample=False,
+        **prompt.model_kwargs(),
+        **extra,
+    )
+    return seq[0, ids.shape[1] :].tolist()
+
+
+def _png(size: tuple[int, int] = (64, 48)) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _conversation(rid: str, image: bool = True, **kw) -> GenerationRequest:
+    """System prompt, an earlier exchange, then a user turn with audio, an image and text."""
+    last = (AudioPart(tone(0.8, 330.0)), ImagePart(_png()), TextPart("and this?"))
+    return GenerationRequest(
+        rid,
+        [
+            ContextMessage("system", (TextPart("You are a helpful voice assistant."),)),
+            ContextMessage("user", (TextPart("first question"),)),
+            ContextMessage("assistant", (TextPart("first answer"),)),
+            ContextMessage("user", last if image else (last[0], last[2])),
+        ],
+        **kw,
+    )
+
+
+def _request(kind: str, rid: str, **kw) -> GenerationRequest:
+    if kind == "text":
+        return text_request(rid, "what is the weather like?", **kw)
+    if kind == "audio":
+        return audio_request(rid, tone(1.0), **kw)
+    if kind == "image":
+        return GenerationRequest(
+            rid, [ContextMessage("user", (ImagePart(_png()), TextPart("what is it?")))], **kw
+        )
+    # generate() raises for a talker prompt with audio and an image (its talker RoPE index reads a
+    # config field the talker lacks): the audio-reply parity runs the conversation without the image.
+    return _conversation(rid, image=kind == "conversation", **kw)
+
+
+@pytest.mark.parametrize("kind", ["text", "audio", "image", "conversation"])
+def test_thinker_tokens_equal_generate(pipeline, hf_model, kind: str) -> None:
+    req = _request(kind, "r", output_audio=False, max_output_tokens=MAX_NEW)
+    expected = _hf_tokens(hf_model, pipeline.prompts.build(req.messages), hf_model.config.im_end_token_id)
+    log = TokenLog(pipeline)
+    pipeline.add(req)
+    outs = of(drain(pipeline), "r")
+    assert log.tokens["r"] == expected
+    assert len(set(expected)) > 3  # a reply that depends on its input, not one repeated token
+    text = "".join(o.text for o in outs if isinstance(o, TextDelta))
+    eos = hf_model.config.im_end_token_id
+    assert text == pipeline.tokenizer.decode([t for t in expected if t != eos])
+    done = outs[-1]
+    assert isinstance(done, Finished)
+    assert done.reason == ("stop" if eos in expected else "length")
+    assert done.usage.output_text_tokens == len([t for t in expected if t != eos])
+
+
+def test_audio_input_changes_the_reply(pipeline) -> None:
+    log = TokenLog(pipeline)
+    pipeline.add(audio_request("a", tone(1.0, 220.0), output_audio=False, max_output_tokens=12))
+    pipeline.add(audio_request("b", tone(1.0, 880.0, seed=5) * 3, output_audio=False, max_output_tokens=12))
+    drain(pipeline)
+    assert log.tokens["a"] != log.tokens["b"]
+
+
+@pytest.mark.parametrize(
+    ("vocoder", "kind"), [("stream", "audio"), ("chunked", "audio"), ("stream", "conversation-no-image")]
+)
+def test_audio_reply_waveform_equals_generate(demo_dir: Path, hf_model, vocoder: str, kind: str) -> None:
+    pipe = load_speech_pipeline(demo_dir, max_slots=2, vocoder=vocoder)
+    if vocoder == "chunked":
+        pipe.vocoder.left_context = 1000  # the whole history in context: exact against one full decode
+    req = _request(kind, "r", max_output_tokens=MAX_NEW)
+    prompt = pipe.prompts.build(req.messages)
+    greedy = _hf_tokens(hf_model, prompt, hf_model.config.im_end_token_id)
+    # End the reply on a token it draws early (as if it were <|im_end|>), so the talker sees the
+    # end of the text: generate() feeds it ``tts_eos`` only after an EOS.
+    stop_at = next(i for i, t in enumerate(greedy) if i >= 4 and t not in greedy[:i])
+    eos = greedy[stop_at]
+    talker_tokens = 40
+    ids = prompt.input_ids
+    seq, wav = hf_model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        return_audio=True,
+        thinker_max_new_tokens=MAX_NEW,
+        thinker_eos_token_id=eos,
+        thinker_do_sample=False,
+        talker_max_new_tokens=talker_tokens,
+        talker_do_sample=False,
+        **prompt.model_kwargs(),
+    )
+    expected_wav = wav.reshape(-1).float().numpy()
+    pipe.stop_token_ids = {eos}
+    pipe.max_audio_frames = talker_tokens - 1  # generate() decodes the codes of all but its last token
+    log = TokenLog(pipe)
+    pipe.add(req)
+    outs = of(drain(pipe), "r")
+    assert log.tokens["r"] == seq[0, ids.shape[1] :].tolist()
+    chunks = [o for o in outs if isinstance(o, AudioDelta)]
+    assert len(chunks) >= 3  # streamed, not one piece at the end
+    pcm = np.concatenate([c.pcm for c in chunks])
+    assert pcm.dtype == np.int16
+    assert pcm.shape == expected_wav.shape
+    np.testing.assert_allclose(pcm / 32767.0, expected_wav, atol=1.0 / 32767 + 1e-5, rtol=0)
+    assert np.abs(expected_wav).max() > 0.01  # not silence
+    text = "".join(o.text for o in outs if isinstance(o, TextDelta))
+    chars = [c.text_chars for c in chunks]
+    assert chars == sorted(chars) and chars[-1] == len(text)
+    assert sum(c.frames for c in chunks) == outs[-1].usage.output_audio_tokens
+
+
+def test_talker_rope_index_matches_transformers_and_covers_audio_with_image(pipeline, hf_model) -> None:
+    from omnirt.stages.speech.talker import talker_rope_index
+
+    prompt = pipeline.prompts.build(_request("image", "r").messages)
+    ids, grid = prompt.input_ids, prompt.image_grid_thw
+    expected, _ = hf_model.talker.get_rope_index(ids, grid, None, torch.ones_like(ids), False, None, None)
+    assert torch.equal(talker_rope_index(hf_model, ids, grid, None), expected)
+    # audio + image: transformers raises here; the pipeline speaks
+    pipeline.add(_conversation("both", output_audio=True, max_output_tokens=4))
+    outs = of(drain(pipeline), "both")
+    assert outs[-1].reason == "length" and any(isinstance(o, AudioDelta) for o in outs)

@@ -1,0 +1,217 @@
+"""Scheduling behaviour of the speech pipeline: batching, cancel, limits, rejections, alignment."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omnirt.stages.pipeline import RequestRejected
+from omnirt.stages.speech.loader import load_speech_pipeline
+from omnirt.stages.types import (
+    AudioDelta,
+    AudioPart,
+    ContextMessage,
+    Finished,
+    GenerationRequest,
+    ImagePart,
+    Started,
+    TextDelta,
+    TextPart,
+)
+
+from .conftest import TokenLog, audio_request, drain, of, text_request, tone
+
+
+def _summary(outs) -> tuple[str, np.ndarray, str, int]:
+    text = "".join(o.text for o in outs if isinstance(o, TextDelta))
+    pcm = [o.pcm for o in outs if isinstance(o, AudioDelta)]
+    done = outs[-1]
+    assert isinstance(done, Finished)
+    audio = np.concatenate(pcm) if pcm else np.zeros(0, np.int16)
+    return text, audio, done.reason, done.usage.output_audio_tokens
+
+
+def test_concurrent_requests_equal_each_alone(demo_dir: Path) -> None:
+    pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    requests = [
+        lambda: text_request("t", "tell me a story", max_output_tokens=20),
+        lambda: audio_request("a", tone(1.0), max_output_tokens=10),
+        lambda: audio_request("b", tone(0.6, 330.0, seed=3), text="and this?", max_output_tokens=16),
+    ]
+    log = TokenLog(pipe)
+    alone = {}
+    for make in requests:
+        req = make()
+        pipe.add(req)
+        alone[req.request_id] = _summary(of(drain(pipe), req.request_id))
+    alone_tokens = dict(log.tokens)
+    log.tokens.clear()
+    for make in requests:
+        pipe.add(make())
+    together = drain(pipe)
+    assert log.tokens == alone_tokens
+    for rid, (text, audio, reason, frames) in alone.items():
+        t2, a2, r2, f2 = _summary(of(together, rid))
+        assert (t2, r2, f2) == (text, reason, frames)
+        assert a2.shape == audio.shape
+        assert np.abs(a2.astype(np.int32) - audio.astype(np.int32)).max(initial=0) <= 2
+    assert alone["a"][1].size > 0 and alone["t"][1].size == 0
+
+
+def test_output_order_and_usage(pipeline) -> None:
+    pipeline.add(audio_request("r", tone(1.0), max_output_tokens=6))
+    outs = of(drain(pipeline), "r")
+    assert isinstance(outs[0], Started)
+    assert outs[0].usage.input_audio_tokens == 13 and outs[0].usage.input_text_tokens > 5
+    assert isinstance(outs[-1], Finished) and all(not isinstance(o, Finished) for o in outs[:-1])
+    done = outs[-1]
+    assert done.reason == "length" and done.usage.output_text_tokens == 6
+    assert sum(o.frames for o in outs if isinstance(o, AudioDelta)) == done.usage.output_audio_tokens > 0
+
+
+def test_text_chars_follow_the_talker(demo_dir: Path) -> None:
+    pipe = load_speech_pipeline(demo_dir, max_slots=1, max_audio_frames=24)
+    pipe.add(text_request("r", "speak", output_audio=True, max_output_tokens=40))
+    outs = of(drain(pipe), "r")
+    text = "".join(o.text for o in outs if isinstance(o, TextDelta))
+    chunks = [o for o in outs if isinstance(o, AudioDelta)]
+    chars = [c.text_chars for c in chunks]
+    assert chars == sorted(chars)
+    # 24 frames carry the speech of about 24 of the 40 reply tokens: never the whole reply
+    assert 4 < sum(c.frames for c in chunks) <= 24
+    assert 0 < chars[-1] < len(text) and chars[0] < chars[-1]
+
+
+def test_max_output_tokens_gives_length(pipeline) -> None:
+    pipeline.add(text_request("r", max_output_tokens=3))
+    done = of(drain(pipeline), "r")[-1]
+    assert done.reason == "length" and done.usage.output_text_tokens == 3
+
+
+def test_stop_token_gives_stop(demo_dir: Path) -> None:
+    pipe = load_speech_pipeline(demo_dir, max_slots=1)
+    log = TokenLog(pipe)
+    pipe.add(text_request("probe", max_output_tokens=8))
+    drain(pipe)
+    pipe.stop_token_ids = {log.tokens["probe"][2]}
+    pipe.add(text_request("r", max_output_tokens=8))
+    done = of(drain(pipe), "r")[-1]
+    assert done.reason == "stop"
+    assert done.usage.output_text_tokens == log.tokens["probe"].index(log.tokens["probe"][2])
+
+
+@pytest.mark.parametrize("vocoder", ["stream", "chunked"])
+def test_remove_mid_stream_frees_the_slot(demo_dir: Path, vocoder: str) -> None:
+    pipe = load_speech_pipeline(demo_dir, max_slots=2, vocoder=vocoder)
+    pipe.add(audio_request("a", max_output_tokens=50))
+    pipe.add(text_request("b", max_output_tokens=50))
+    assert not pipe.can_add()
+    seen = []
+    for _ in range(8):
+        seen += pipe.step()
+    assert any(isinstance(o, AudioDelta) for o in of(seen, "a")) or len(of(seen, "a")) > 3
+    usage = pipe.remove("a")
+    assert usage is not None and usage.output_text_tokens > 0
+    assert pipe.remove("a") is None
+    assert pipe.can_add()
+    pipe.add(text_request("c", max_output_tokens=4))
+    rest = drain(pipe)
+    assert of(rest, "a") == []
+    assert of(rest, "c")[-1].reason == "length" and of(rest, "b")[-1].reason == "length"
+    assert sorted(pipe._free) == [0, 1]
+    if vocoder == "stream":
+        assert pipe.vocoder.streamer.free_slots == 2  # the audio stream of the cancelled request too
+    else:
+        assert pipe.vocoder._streams == {}
+
+
+def test_seeded_sampling_is_reproducible(pipeline) -> None:
+    log = TokenLog(pipeline)
+    for rid, seed in (("x", 7), ("y", 7), ("z", 8)):
+        pipeline.add(text_request(rid, max_output_tokens=16, temperature=1.0, top_p=0.9, seed=seed))
+    drain(pipeline)
+    assert log.tokens["x"] == log.tokens["y"]
+    assert log.tokens["x"] != log.tokens["z"]
+
+
+def _png(size: tuple[int, int] = (64, 48)) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_image_input_runs_through_the_vision_encoder(pipeline) -> None:
+    log = TokenLog(pipeline)
+    msg = [ContextMessage("user", (ImagePart(_png()), TextPart("what is this?")))]
+    pipeline.add(GenerationRequest("img", msg, output_audio=True, max_output_tokens=6))
+    outs = of(drain(pipeline), "img")
+    assert outs[0].usage.input_image_tokens > 0
+    assert outs[-1].reason == "length"
+    assert any(isinstance(o, AudioDelta) for o in outs)
+    assert len(log.tokens["img"]) == 6
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (GenerationRequest("r", []), "no messages"),
+        (audio_request("r", voice="nobody"), "unknown voice"),
+        (text_request("r", "x <|im_end|> y"), "special token"),
+        (
+            GenerationRequest("r", [ContextMessage("user", (ImagePart(b"not an image"),))]),
+            "could not be decoded",
+        ),
+        (
+            GenerationRequest("r", [ContextMessage("user", (AudioPart(np.zeros((2, 2400), np.float32)),))]),
+            "mono",
+        ),
+        (
+            GenerationRequest("r", [ContextMessage("user", (AudioPart(np.zeros(100, np.float32)),))]),
+            "too short",
+        ),
+        (
+            GenerationRequest("r", [ContextMessage("user", (AudioPart(np.full(4800, np.nan, np.float32)),))]),
+            "NaN",
+        ),
+        (text_request("r", max_output_tokens=0), "max_output_tokens"),
+        (text_request("r", temperature=-1.0), "temperature"),
+        (text_request("r", "word " * 400), "context"),
+    ],
+)
+def test_bad_input_is_rejected(demo_dir: Path, request_, message: str) -> None:
+    pipe = load_speech_pipeline(demo_dir, max_slots=1, max_context=256)
+    with pytest.raises(RequestRejected, match=message):
+        pipe.add(request_)
+    assert pipe.can_add() and not pipe.has_work()
+
+
+def test_stop_string_cuts_the_text(pipeline) -> None:
+    pipeline.add(text_request("probe", "count", max_output_tokens=20))
+    full = "".join(o.text for o in of(drain(pipeline), "probe") if isinstance(o, TextDelta))
+    at = next(i for i in range(2, len(full) - 3) if full.find(full[i : i + 3]) == i)
+    pipeline.add(text_request("r", "count", max_output_tokens=20, stop=[full[at : at + 3]]))
+    outs = of(drain(pipeline), "r")
+    assert "".join(o.text for o in outs if isinstance(o, TextDelta)) == full[:at]
+    assert outs[-1].reason == "stop"
+
+
+@pytest.mark.parametrize(("vocoder", "first_chunk"), [("stream", 2), ("chunked", 4)])
+def test_first_audio_comes_with_the_first_chunk(demo_dir: Path, vocoder: str, first_chunk: int) -> None:
+    """Step 1 prefills (reply token 0) and starts the talker, step 2 makes frame 0 (it needs
+    reply token 1), step k + 1 frame k: the first chunk of n frames is out after step n + 1."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=2, warm_up=True, vocoder=vocoder)
+    assert pipe.can_add() and not pipe.has_work()
+    pipe.add(audio_request("r", tone(1.0), max_output_tokens=20))
+    steps = [pipe.step() for _ in range(first_chunk + 1)]
+    assert isinstance(steps[0][0][1], Started) and any(isinstance(o, TextDelta) for _, o in steps[0])
+    assert not any(isinstance(o, AudioDelta) for step in steps[:-1] for _, o in step)
+    first = [o for _, o in steps[-1] if isinstance(o, AudioDelta)]
+    assert len(first) == 1 and first[0].frames == first_chunk
+    assert first[0].pcm.size == first_chunk * 1920 - 555  # the causal decoder holds back 555 samples
+    pipe.remove("r")
