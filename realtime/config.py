@@ -27,3 +27,18 @@ class ServerConfig:
     max_output_tokens: int = 512
     #: Request body limit for the HTTP endpoints (bytes).
     max_http_body_bytes: int = 32 * 1024 * 1024
+    #: A realtime connection with no client frame for this long is closed
+    #: (``session_idle_timeout``, close 1001). ``None``: never.
+    max_idle_seconds: float | None = 10 * 60
+    #: Images a realtime conversation may hold, and the largest one (decoded bytes);
+    #: over either: ``image_limit_exceeded``.
+    max_images_per_session: int = 16
+    max_image_bytes: int = 10 * 1024 * 1024
+    #: Server VAD: Silero ONNX file (``None``: the one bundled with the silero-vad wheel).
+    vad_model_path: str | None = None
+    #: Server VAD: audio a session may have waiting for the VAD before ``input_backpressure``.
+    max_vad_backlog_ms: int = 5_000
+    #: Server VAD: most windows scored in one ONNX call, and how long the VAD thread waits after
+    #: waking for more sessions' windows to share that call (latency traded for CPU).
+    vad_max_batch: int = 256
+    vad_gather_ms: float = 2.0

@@ -3,6 +3,10 @@
 Per connection one task reads client frames and applies them to the session while a writer task
 sends what the session emits, in order, so responses stream while the client keeps talking.
 Session events are serialized the moment they are emitted (they may reference live state).
+
+The service owns one :class:`~omnirt.vad.worker.VadWorker` (its model loads on the first
+``server_vad`` session) shared by every session. ``?turn=push_to_talk`` opens a push-to-talk
+session (extension).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from omnirt.sessions.events import SessionEvent
 from omnirt.sessions.manager import SessionManager
 from omnirt.sessions.session import RealtimeSession
 from omnirt.sessions.streaming import Submitter
+from omnirt.vad.worker import VadWorker
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .auth import accepted_subprotocol, authorized
@@ -39,6 +44,8 @@ CLOSE_UNAUTHORIZED = 3000
 
 #: Client frames larger than this are parsed and decoded in a worker thread.
 OFFLOAD_FRAME_CHARS = 256 * 1024
+#: Values of the ``turn`` query parameter (extension): ``push_to_talk`` marks the session.
+TURN_MODES = ("manual", "push_to_talk")
 
 
 class RealtimeService:
@@ -54,10 +61,20 @@ class RealtimeService:
             max_input_buffer_bytes=config.max_input_buffer_bytes,
             max_output_tokens=config.max_output_tokens,
             voices=tuple(info.voices) if info is not None else (),
+            max_vad_backlog_ms=config.max_vad_backlog_ms,
+            max_images=config.max_images_per_session,
+            max_image_bytes=config.max_image_bytes,
+        )
+        self.vad = VadWorker(
+            config.vad_model_path, max_batch=config.vad_max_batch, gather_ms=config.vad_gather_ms
         )
         self.events_received = 0
         self.events_sent = 0
         self.errors_sent = 0
+
+    def close(self) -> None:
+        """Stop the VAD thread (the app's shutdown; sessions still open just stop getting VAD)."""
+        self.vad.stop()
 
     @property
     def active_sessions(self) -> int:
@@ -81,6 +98,16 @@ class RealtimeService:
                 CLOSE_POLICY,
             )
             return
+        turn = websocket.query_params.get("turn") or "manual"
+        if turn not in TURN_MODES:
+            await self._refuse(
+                websocket,
+                ErrorCode.INVALID_VALUE,
+                f"Unknown turn mode '{turn}' in the query; use one of {', '.join(TURN_MODES)} "
+                "(server VAD is set with session.update).",
+                CLOSE_POLICY,
+            )
+            return
         lease = self.sessions.admit()
         if lease is None:
             await self._refuse(
@@ -93,7 +120,7 @@ class RealtimeService:
             )
             return
         with lease:
-            connection = Connection(self, websocket)
+            connection = Connection(self, websocket, push_to_talk=turn == "push_to_talk")
             log.info("realtime session %s opened (%d active)", connection.session.id, self.active_sessions)
             try:
                 await connection.run()
@@ -118,12 +145,18 @@ class RealtimeService:
 class Connection:
     """One client connection: its session, reader and writer."""
 
-    def __init__(self, service: RealtimeService, websocket: WebSocket) -> None:
+    def __init__(self, service: RealtimeService, websocket: WebSocket, *, push_to_talk: bool = False) -> None:
         self.service = service
         self.ws = websocket
         self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
         self.session = RealtimeSession(
-            service.client, model=service.model, limits=service.limits, emit=self._emit, new_id=new_id
+            service.client,
+            model=service.model,
+            limits=service.limits,
+            emit=self._emit,
+            new_id=new_id,
+            vad=service.vad,
+            push_to_talk=push_to_talk,
         )
         self._serialize = Serializer(new_id, lambda: self.session.config)
         self._limits = Limits(max_append_bytes=service.config.max_append_bytes)
@@ -216,10 +249,22 @@ class Connection:
     async def _read(self, writer: asyncio.Task[None]) -> int | None:
         """Apply client frames until the client leaves (None) or asks to close (1000)."""
         service = self.service
+        idle = service.config.max_idle_seconds
         receive = asyncio.ensure_future(self.ws.receive())
         try:
             while True:
-                done, _ = await asyncio.wait({receive, writer}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {receive, writer}, timeout=idle, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    self._send(
+                        error_event(
+                            new_id("event"),
+                            ErrorCode.IDLE_TIMEOUT,
+                            f"No client event for {idle:g} seconds; closing the session.",
+                        )
+                    )
+                    return CLOSE_GOING_AWAY
                 if receive not in done:  # the writer failed: the client is gone
                     return None
                 message = receive.result()

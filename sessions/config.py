@@ -14,6 +14,7 @@ from typing import Any, Literal
 from omnirt.codecs.audio import FormatType
 
 from .errors import ErrorCode, SessionError
+from .turns import effective_turn_detection
 
 Modality = Literal["audio", "text"]
 DEFAULT_MODALITIES: tuple[Modality, ...] = ("audio",)
@@ -29,6 +30,11 @@ class SessionLimits:
     max_output_tokens: int = 512
     #: Voices the model has; empty means any name is passed through to the model.
     voices: tuple[str, ...] = ()
+    #: Server VAD: input audio not yet scored before appends get ``input_backpressure``.
+    max_vad_backlog_ms: int = 5_000
+    #: Images the conversation may hold at once, and the largest one (decoded bytes).
+    max_images: int = 16
+    max_image_bytes: int = 10 * 1024 * 1024
 
 
 @dataclass
@@ -84,8 +90,8 @@ class SessionConfig:
         if "noise_reduction" in patch:
             c.noise_reduction = patch["noise_reduction"] or None
         if "turn_detection" in patch:
-            # Which policies exist is the session's business (sessions/turns.py).
-            c.turn_detection = patch["turn_detection"] or None
+            # Replaced whole (not merged), with defaults filled in; the session builds the policy.
+            c.turn_detection = effective_turn_detection(patch["turn_detection"])
 
     def _merge_output(
         self, c: SessionConfig, patch: dict[str, Any] | None, limits: SessionLimits, voice_locked: bool

@@ -19,6 +19,9 @@ class ErrorCode(StrEnum):
     INPUT_BACKPRESSURE = "input_backpressure"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNSUPPORTED = "unsupported"
+    SERVER_VAD_INIT_FAILED = "server_vad_initialization_failed"
+    IMAGE_LIMIT = "image_limit_exceeded"
+    IDLE_TIMEOUT = "session_idle_timeout"
     SERVER_ERROR = "server_error"
 
 

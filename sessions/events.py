@@ -43,6 +43,36 @@ class InputAudioCleared:
 
 
 @dataclass(frozen=True)
+class SpeechStarted:
+    audio_start_ms: int
+    item_id: str
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    audio_end_ms: int
+    item_id: str
+
+
+@dataclass(frozen=True)
+class TimeoutTriggered:
+    audio_start_ms: int
+    audio_end_ms: int
+    item_id: str
+
+
+@dataclass(frozen=True)
+class PlaybackAcknowledged:
+    """Extension: the answer to ``playback.ack``."""
+
+    response_id: str
+    item_id: str
+    played_ms: int
+    #: Audio of the item the conversation history holds after the ack.
+    committed_ms: int
+
+
+@dataclass(frozen=True)
 class ItemAdded:
     item: Item
     previous_item_id: str | None
@@ -165,6 +195,10 @@ SessionEvent = (
     | SessionClosed
     | InputAudioCommitted
     | InputAudioCleared
+    | SpeechStarted
+    | SpeechStopped
+    | TimeoutTriggered
+    | PlaybackAcknowledged
     | ItemAdded
     | ItemDone
     | ItemRetrieved

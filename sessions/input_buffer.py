@@ -1,4 +1,8 @@
-"""The input audio buffer: wire audio appended by the client, decoded to float32 24 kHz."""
+"""The input audio buffer: wire audio appended by the client, decoded to float32 24 kHz.
+
+Samples are addressed by their index in the session's audio (``start``/``end``: every decoded
+sample since the session began, committed or not), which is the clock of server VAD events.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ class InputAudioBuffer:
         self._chunks: list[np.ndarray] = []
         #: Wire bytes appended since the last commit/clear (in the format they came in).
         self._wire_ms = 0.0
+        #: Session sample index of the first held sample, and one past the last decoded one.
+        self.start = 0
+        self.end = 0
 
     @property
     def format(self) -> FormatType:
@@ -26,7 +33,9 @@ class InputAudioBuffer:
     def set_format(self, fmt: FormatType) -> None:
         """Later appends use ``fmt``; audio already buffered stays."""
         if fmt != self._decoder.format:
-            self._chunks.append(self._decoder.flush())
+            tail = self._decoder.flush()
+            self._chunks.append(tail)
+            self.end += len(tail)
             self._decoder = AudioDecoder(fmt)
 
     @property
@@ -59,7 +68,46 @@ class InputAudioBuffer:
         samples = self._decoder.decode(data)
         self._chunks.append(samples)
         self._wire_ms += ms
+        self.end += len(samples)
         return samples
+
+    @staticmethod
+    def ms_to_sample(ms: float) -> int:
+        return int(ms * SAMPLE_RATE // 1000)
+
+    @property
+    def end_ms(self) -> int:
+        """Session audio time (ms) at the end of what was appended."""
+        return self.end * 1000 // SAMPLE_RATE
+
+    @property
+    def start_ms(self) -> int:
+        return -(-self.start * 1000 // SAMPLE_RATE)
+
+    def _held(self) -> np.ndarray:
+        if len(self._chunks) != 1:
+            self._chunks = [np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)]
+        return self._chunks[0]
+
+    def drop_before(self, sample: int) -> None:
+        """Forget held audio before session sample ``sample`` (server VAD trims silence)."""
+        n = min(sample, self.end) - self.start
+        if n <= 0:
+            return
+        held = self._held()
+        self._chunks = [held[n:]]
+        self.start += n
+        self._wire_ms = max(0.0, self._wire_ms - n * 1000 / SAMPLE_RATE)
+
+    def take(self, start: int, end: int) -> np.ndarray:
+        """The held audio of session samples ``[start, end)`` (clipped to what is held); everything
+        before ``end`` is then dropped. Nothing is flushed: the stream goes on."""
+        held = self._held()
+        lo = max(start, self.start) - self.start
+        hi = max(min(end, self.end) - self.start, lo)
+        audio = held[lo:hi].astype(np.float32, copy=True)
+        self.drop_before(end)
+        return audio
 
     def commit(self) -> np.ndarray:
         """Take everything buffered (float32, 24 kHz) and empty the buffer."""
@@ -69,7 +117,9 @@ class InputAudioBuffer:
                 f"Error committing input audio buffer: buffer too small. Expected at least "
                 f"{MIN_COMMIT_MS}ms of audio, but buffer only has {self._wire_ms:.2f}ms of audio.",
             )
-        self._chunks.append(self._decoder.flush())
+        tail = self._decoder.flush()
+        self._chunks.append(tail)
+        self.end += len(tail)
         audio = np.concatenate(self._chunks).astype(np.float32, copy=False)
         self.clear()
         return audio
@@ -78,3 +128,4 @@ class InputAudioBuffer:
         self._chunks = []
         self._wire_ms = 0.0
         self._decoder = AudioDecoder(self._decoder.format)
+        self.start = self.end

@@ -4,15 +4,23 @@ The session is driven by method calls (one per client event) and reports through
 (typed :mod:`~omnirt.sessions.events`). A refused request raises :class:`SessionError` and leaves
 the session unchanged. Only one response that writes to the conversation runs at a time;
 out-of-band responses (``conversation: "none"``) may run beside it.
+
+With server VAD the turn policy calls back (``_on_signal``) when speech starts (barge-in: the
+in-band response is cancelled with ``turn_detected``), stops (the speech is committed as a user
+item, and a response created) or the idle timeout fires. Playback acknowledgements
+(``ack_playback``) and truncation keep the history to what the user heard.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from omnirt.codecs.audio import SAMPLE_RATE, bytes_per_ms
 from omnirt.stages.types import GenerationRequest
+from omnirt.vad.worker import VadWorker
 
 from .config import SessionConfig, SessionLimits
 from .context import build_messages
@@ -26,16 +34,24 @@ from .events import (
     ItemDone,
     ItemRetrieved,
     ItemTruncated,
+    PlaybackAcknowledged,
     SessionClosed,
     SessionCreated,
     SessionEvent,
     SessionUpdated,
+    SpeechStarted,
+    SpeechStopped,
+    TimeoutTriggered,
 )
 from .input_buffer import InputAudioBuffer
-from .items import InputAudio, Item, MessageItem, OutputAudio
+from .items import InputAudio, InputImage, Item, MessageItem, OutputAudio
 from .response import Response, ResponseOptions
+from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
-from .turns import TurnPolicy, policy_for
+from .turns import TURN_PARAM, ManualTurns, TurnPolicy, TurnSignal, vad_settings
+
+#: Responses remembered for ``playback.ack`` (the most recent ones).
+ACK_RESPONSES = 32
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +67,31 @@ class RealtimeSession:
         limits: SessionLimits,
         emit: Callable[[SessionEvent], None],
         new_id: IdFactory,
+        vad: VadWorker | None = None,
+        push_to_talk: bool = False,
     ) -> None:
         self.client = client
         self.limits = limits
+        self.vad = vad
+        #: Push-to-talk (extension): audio appended while a reply is in progress is dropped.
+        self.push_to_talk = push_to_talk
+        self.dropped_audio_ms = 0.0
         self._emit_to = emit
         self.new_id = new_id
         self.id = new_id("sess")
         self.config = SessionConfig(model=model, voice=limits.voices[0] if limits.voices else "alloy")
         self.conversation = Conversation(new_id("conv"))
         self.input = InputAudioBuffer(self.config.input_format, limits.max_input_buffer_bytes)
-        self.turns: TurnPolicy = policy_for(self.config.turn_detection)
+        self.turns: TurnPolicy = ManualTurns()
         #: The response writing to the conversation, if any.
         self.active: ResponseRun | None = None
         self.runs: dict[str, ResponseRun] = {}
+        #: In-conversation responses by id, for playback acks (bounded, most recent last).
+        self.responses: collections.OrderedDict[str, Response] = collections.OrderedDict()
+        #: Played audio (ms) acknowledged per assistant item of a still-streaming response.
+        self._played: dict[str, int] = {}
+        #: The user item server VAD will commit, and its first sample, while speech goes on.
+        self._speech: tuple[str, int] | None = None
         self.audio_produced = False
         self.closed = False
 
@@ -77,17 +105,37 @@ class RealtimeSession:
 
     def update(self, patch: dict[str, Any]) -> None:
         config = self.config.merged(patch, limits=self.limits, voice_locked=self.audio_produced)
-        turns = policy_for(config.turn_detection)
+        turns: TurnPolicy | None = None
+        if config.turn_detection != self.config.turn_detection:
+            turns = self._policy(config.turn_detection)  # may raise: nothing has changed yet
         self.config = config
-        if turns.name != self.turns.name:
+        if turns is not None:
+            self.turns.close()
             self.turns = turns
+            self._speech = None
+            if isinstance(turns, ServerVadTurns):
+                turns.arm_idle(self.input.end_ms)
         self.input.set_format(config.input_format)
         self._emit(SessionUpdated(self.id, self.config))
+
+    def _policy(self, turn_detection: dict[str, Any] | None) -> TurnPolicy:
+        if not turn_detection:
+            return ManualTurns()
+        if self.push_to_talk:
+            raise SessionError(
+                ErrorCode.INVALID_VALUE,
+                "This is a push-to-talk session (?turn=push_to_talk): turn_detection must stay null.",
+                TURN_PARAM,
+            )
+        return ServerVadTurns(
+            vad_settings(turn_detection), self.vad, base_sample=self.input.end, on_signal=self._on_signal
+        )
 
     async def close(self, *, notify: bool) -> None:
         """Cancel everything in flight; with ``notify``, end with ``session.closed``."""
         for run in list(self.runs.values()):
             run.cancel()
+        self.turns.close()
         if notify:
             self._emit(SessionClosed(self.id))
         self.closed = True
@@ -97,13 +145,34 @@ class RealtimeSession:
 
     # -- input audio -------------------------------------------------------------------------
     def append_audio(self, data: bytes) -> None:
+        if self.push_to_talk and self.active is not None:
+            # Between turns (a reply is in progress): the talk button is up, this is not the user's.
+            self.dropped_audio_ms += len(data) / (bytes_per_ms(self.input.format) or 1)
+            return
+        turns = self.turns
+        if isinstance(turns, ServerVadTurns) and turns.backlog_ms > self.limits.max_vad_backlog_ms:
+            raise SessionError(
+                ErrorCode.INPUT_BACKPRESSURE,
+                f"Server VAD is {turns.backlog_ms} ms behind the input (limit "
+                f"{self.limits.max_vad_backlog_ms} ms); send audio no faster than real time.",
+                "audio",
+            )
         pcm = self.input.append(data)
-        for signal in self.turns.on_audio(pcm):
-            log.debug("turn signal %s ignored by manual session", signal)
+        turns.on_audio(pcm)
+        if isinstance(turns, ServerVadTurns) and self._speech is None:
+            # Silence is not kept: only what prefix padding may still need.
+            keep_ms = turns.decided_ms - turns.settings.prefix_padding_ms - 64
+            self.input.drop_before(keep_ms * SAMPLE_RATE // 1000)
 
     def commit_audio(self) -> MessageItem:
         audio = self.input.commit()
-        item = MessageItem(self.new_id("item"), "user", [InputAudio(audio)])
+        self.turns.reset()
+        item_id = self._speech[0] if self._speech is not None else self.new_id("item")
+        self._speech = None
+        return self._add_user_audio(item_id, audio)
+
+    def _add_user_audio(self, item_id: str, audio: Any) -> MessageItem:
+        item = MessageItem(item_id, "user", [InputAudio(audio)])
         previous = self.conversation.insert(item)
         self._emit(InputAudioCommitted(item.id, previous))
         self._emit(ItemAdded(item, previous))
@@ -113,10 +182,48 @@ class RealtimeSession:
     def clear_audio(self) -> None:
         self.input.clear()
         self.turns.reset()
+        self._speech = None
         self._emit(InputAudioCleared())
+
+    # -- server VAD --------------------------------------------------------------------------
+    def _on_signal(self, signal: TurnSignal) -> None:
+        turns = self.turns
+        if self.closed or not isinstance(turns, ServerVadTurns):
+            return
+        settings = turns.settings
+        if signal.kind == "speech_started":
+            start_ms = max(signal.audio_ms - settings.prefix_padding_ms, self.input.start_ms)
+            item_id = self.new_id("item")
+            self._speech = (item_id, start_ms * SAMPLE_RATE // 1000)
+            self._emit(SpeechStarted(start_ms, item_id))
+            if settings.interrupt_response and self.active is not None:
+                self.active.cancel("turn_detected")
+        elif signal.kind == "speech_stopped":
+            if self._speech is None:  # committed or cleared by the client meanwhile
+                return
+            item_id, start = self._speech
+            self._speech = None
+            self._emit(SpeechStopped(signal.audio_ms, item_id))
+            audio = self.input.take(start, signal.audio_ms * SAMPLE_RATE // 1000)
+            self._add_user_audio(item_id, audio)
+            if settings.create_response and self.active is None:
+                self.create_response()
+            else:
+                turns.arm_idle(signal.audio_ms)
+        elif signal.kind == "timeout":
+            if self.active is not None:
+                return
+            item_id = self.new_id("item")
+            start_ms = min(signal.start_ms, signal.audio_ms)
+            self._emit(TimeoutTriggered(start_ms, signal.audio_ms, item_id))
+            # What is still held of the silent segment (silence is trimmed to the prefix padding).
+            audio = self.input.take(start_ms * SAMPLE_RATE // 1000, signal.audio_ms * SAMPLE_RATE // 1000)
+            self._add_user_audio(item_id, audio)
+            self.create_response()
 
     # -- items -------------------------------------------------------------------------------
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
+        self._check_images([item], "item")
         previous = self.conversation.insert(item, previous_item_id)
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))
@@ -155,7 +262,69 @@ class RealtimeSession:
                 "audio_end_ms",
             )
         part.truncate(audio_end_ms)
+        self._played.pop(item_id, None)
         self._emit(ItemTruncated(item_id, content_index, audio_end_ms))
+
+    def ack_playback(self, response_id: str, item_id: str, played_ms: int) -> None:
+        """Extension ``playback.ack``: the user heard ``played_ms`` of the item's audio.
+
+        After the response ended this cuts the item exactly as ``conversation.item.truncate`` at
+        ``played_ms`` does. While it still streams the position is recorded, and the item is cut
+        there if the response is then interrupted (barge-in or cancel)."""
+        response = self.responses.get(response_id)
+        if response is None:
+            raise SessionError(
+                ErrorCode.INVALID_VALUE,
+                f"No recent response with response_id '{response_id}' in this conversation.",
+                "response_id",
+            )
+        if not any(i.id == item_id for i in response.output):
+            raise SessionError(
+                ErrorCode.ITEM_NOT_FOUND,
+                f"Response '{response_id}' has no output item '{item_id}'.",
+                "item_id",
+            )
+        item = self.conversation.get(item_id)  # item_not_found once deleted
+        assert isinstance(item, MessageItem)
+        part = item.content[0] if item.content else None
+        if not isinstance(part, OutputAudio):
+            raise SessionError(ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio.", "item_id")
+        if played_ms < 0 or played_ms > part.duration_ms:
+            raise SessionError(
+                ErrorCode.INVALID_VALUE,
+                f"played_ms {played_ms} is outside the item's audio (0 to {part.duration_ms} ms).",
+                "played_ms",
+            )
+        if response_id in self.runs and not part.frozen:
+            self._played[item_id] = played_ms
+        elif played_ms < part.duration_ms:
+            part.truncate(played_ms)
+            self._played.pop(item_id, None)
+        self._emit(PlaybackAcknowledged(response_id, item_id, played_ms, part.duration_ms))
+
+    def _check_images(self, items: Iterable[Item], param: str) -> None:
+        def images(its: Iterable[Item]) -> list[InputImage]:
+            return [
+                c for i in its if isinstance(i, MessageItem) for c in i.content if isinstance(c, InputImage)
+            ]
+
+        new = images(items)
+        for image in new:
+            if len(image.data) > self.limits.max_image_bytes:
+                raise SessionError(
+                    ErrorCode.IMAGE_LIMIT,
+                    f"An image of {len(image.data)} bytes is over this server's limit of "
+                    f"{self.limits.max_image_bytes} bytes.",
+                    param,
+                )
+        held = len(images(self.conversation))
+        if new and held + len(new) > self.limits.max_images:
+            raise SessionError(
+                ErrorCode.IMAGE_LIMIT,
+                f"The conversation would hold {held + len(new)} images; this server allows "
+                f"{self.limits.max_images} per session (delete some first).",
+                param,
+            )
 
     # -- responses ---------------------------------------------------------------------------
     def create_response(self, options: ResponseOptions | None = None) -> Response:
@@ -174,6 +343,9 @@ class RealtimeSession:
                 "response.audio.output.voice",
             )
         context = self._context_items(options.input)
+        if options.input is not None:
+            new = [i for i in options.input if not isinstance(i, str)]
+            self._check_images(new, "response.input")
         cfg = self.config
         modalities = list(options.output_modalities or cfg.output_modalities)
         max_tokens = (
@@ -210,6 +382,11 @@ class RealtimeSession:
         self.runs[run.id] = run
         if in_conversation:
             self.active = run
+            self.responses[response.id] = response
+            while len(self.responses) > ACK_RESPONSES:
+                self.responses.popitem(last=False)
+            if isinstance(self.turns, ServerVadTurns):
+                self.turns.disarm_idle()
         run.start()
         return response
 
@@ -240,5 +417,23 @@ class RealtimeSession:
 
     def _on_done(self, run: ResponseRun) -> None:
         self.runs.pop(run.id, None)
+        response = run.response
+        for item in response.output:
+            played = self._played.pop(item.id, None)
+            if played is None or response.status != "cancelled" or not isinstance(item, MessageItem):
+                continue
+            part = item.content[0] if item.content else None
+            if isinstance(part, OutputAudio) and not part.frozen and played < part.duration_ms:
+                part.truncate(played)  # interrupted: history keeps what the last ack said was heard
         if self.active is run:
             self.active = None
+            if isinstance(self.turns, ServerVadTurns):
+                audio_ms = sum(
+                    c.duration_ms
+                    for i in response.output
+                    if isinstance(i, MessageItem)
+                    for c in i.content
+                    if isinstance(c, OutputAudio)
+                )
+                # Idle time counts from when the reply's audio has finished playing.
+                self.turns.arm_idle(self.input.end_ms + audio_ms)

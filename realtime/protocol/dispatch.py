@@ -87,6 +87,8 @@ def apply(
         session.create_response(response_options(event.response, session, new_id))
     elif isinstance(event, m.ResponseCancel):
         session.cancel_response(event.response_id)
+    elif isinstance(event, m.PlaybackAck):
+        session.ack_playback(event.response_id, event.item_id, event.played_ms)
     elif isinstance(event, m.SessionClose):
         raise CloseRequested
     else:  # pragma: no cover - EVENT_MODELS and this function list the same events

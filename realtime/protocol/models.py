@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 #: Largest text accepted in one field (instructions, a text part): keeps echoed events < 1 MiB.
 MAX_TEXT_CHARS = 256 * 1024
@@ -27,11 +27,51 @@ class NoiseReduction(Strict):
     type: Literal["near_field", "far_field"] | None = None
 
 
+class ServerVad(Strict):
+    """``turn_detection`` of type ``server_vad`` (the GA ``ServerVad`` shape)."""
+
+    type: Literal["server_vad"]
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    prefix_padding_ms: int | None = Field(default=None, ge=0, le=10_000)
+    silence_duration_ms: int | None = Field(default=None, ge=0, le=10_000)
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+    idle_timeout_ms: int | None = Field(default=None, ge=100, le=3_600_000)
+
+
+class SemanticVad(Strict):
+    """``semantic_vad``: accepted and run as server VAD with an eagerness-dependent silence."""
+
+    type: Literal["semantic_vad"]
+    eagerness: Literal["low", "medium", "high", "auto"] | None = None
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+
+
+_TURN_TAGS = {"server_vad": "ServerVad", "semantic_vad": "SemanticVad"}
+
+
+def _turn_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _TURN_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+#: Tags are class names so that error paths read ``...turn_detection.threshold``.
+TurnDetection = Annotated[
+    Annotated[ServerVad, Tag("ServerVad")] | Annotated[SemanticVad, Tag("SemanticVad")],
+    Discriminator(
+        _turn_tag,
+        custom_error_type="invalid_turn_detection",
+        custom_error_message="type must be 'server_vad' or 'semantic_vad' (or turn_detection null)",
+    ),
+]
+
+
 class AudioInputPatch(Strict):
     format: AudioFormat | None = None
     transcription: dict[str, Any] | None = None
     noise_reduction: NoiseReduction | None = None
-    turn_detection: dict[str, Any] | None = None
+    turn_detection: TurnDetection | None = None
 
 
 class VoiceId(Strict):
@@ -266,6 +306,15 @@ class SessionClose(ClientEvent):
     type: Literal["session.close"]
 
 
+class PlaybackAck(ClientEvent):
+    """Extension: how much of a reply's audio the user heard."""
+
+    type: Literal["playback.ack"]
+    response_id: str
+    item_id: str
+    played_ms: int = Field(ge=0)
+
+
 EVENT_MODELS: dict[str, type[ClientEvent]] = {
     m.model_fields["type"].annotation.__args__[0]: m  # type: ignore[union-attr]
     for m in (
@@ -280,5 +329,6 @@ EVENT_MODELS: dict[str, type[ClientEvent]] = {
         ResponseCreate,
         ResponseCancel,
         SessionClose,
+        PlaybackAck,
     )
 }

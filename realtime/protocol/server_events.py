@@ -172,6 +172,41 @@ def _(e: ev.InputAudioCleared, c: SessionConfig) -> dict[str, Any]:
     return {"type": "input_audio_buffer.cleared"}
 
 
+@_body.register
+def _(e: ev.SpeechStarted, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "input_audio_buffer.speech_started",
+        "audio_start_ms": e.audio_start_ms,
+        "item_id": e.item_id,
+    }
+
+
+@_body.register
+def _(e: ev.SpeechStopped, c: SessionConfig) -> dict[str, Any]:
+    return {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": e.audio_end_ms, "item_id": e.item_id}
+
+
+@_body.register
+def _(e: ev.TimeoutTriggered, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "input_audio_buffer.timeout_triggered",
+        "audio_start_ms": e.audio_start_ms,
+        "audio_end_ms": e.audio_end_ms,
+        "item_id": e.item_id,
+    }
+
+
+@_body.register
+def _(e: ev.PlaybackAcknowledged, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "playback.acknowledged",
+        "response_id": e.response_id,
+        "item_id": e.item_id,
+        "played_ms": e.played_ms,
+        "committed_ms": e.committed_ms,
+    }
+
+
 def _item(item: Any, c: SessionConfig, with_audio: bool = False) -> dict[str, Any]:
     return item_to_wire(
         item, input_format=c.input_format, output_format=c.output_format, with_audio=with_audio

@@ -36,7 +36,7 @@ from tests.server import serve
 MODEL = "echo-test"
 ADAPTER: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
 #: Documented extensions (PROTOCOL.md) that a stock client never receives unasked.
-EXTENSION_EVENTS = {"session.closed"}
+EXTENSION_EVENTS = {"session.closed", "playback.acknowledged"}
 ID_FIELDS = ("event_id", "item_id", "response_id", "previous_item_id")
 MAX_FRAME = 1024 * 1024
 

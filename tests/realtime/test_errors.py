@@ -145,8 +145,9 @@ def test_client_event_over_the_size_limit(limited: Server) -> None:
 
 
 def test_session_update_errors(server: Server) -> None:
-    """Beta-only fields and unknown fields: unknown_parameter; server VAD (a later issue): invalid_value
-    naming turn_detection; an unknown voice: invalid_value. The session stays as it was."""
+    """Beta-only fields and unknown fields: unknown_parameter; a turn_detection type the GA types do
+    not have, or a threshold over 1: invalid_value naming the field; an unknown voice: invalid_value.
+    The session stays as it was."""
 
     async def main() -> tuple[list[dict], dict]:
         async with connect(server) as c:
@@ -154,8 +155,11 @@ def test_session_update_errors(server: Server) -> None:
                 {"type": "realtime", "modalities": ["text"]},
                 {"type": "realtime", "input_audio_format": "pcm16"},
                 {"type": "realtime", "colour": "blue"},
-                {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}},
-                {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
+                {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "push_to_talk"}}}},
+                {
+                    "type": "realtime",
+                    "audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 2}}},
+                },
                 {"type": "realtime", "audio": {"output": {"voice": "nobody"}}},
                 {"type": "realtime", "audio": {"output": {"format": {"type": "audio/mp3"}}}},
                 {"type": "realtime", "instructions": "changed", "max_output_tokens": 0},
@@ -173,7 +177,7 @@ def test_session_update_errors(server: Server) -> None:
         ("unknown_parameter", "session.input_audio_format"),
         ("unknown_parameter", "session.colour"),
         ("invalid_value", "session.audio.input.turn_detection"),
-        ("invalid_value", "session.audio.input.turn_detection"),
+        ("invalid_value", "session.audio.input.turn_detection.threshold"),
         ("invalid_value", "session.audio.output.voice"),
         ("invalid_value", "session.audio.output.format.type"),
         ("invalid_value", "session.max_output_tokens"),

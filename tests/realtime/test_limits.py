@@ -1,0 +1,141 @@
+"""Server limits added with issue 4, each with its own error code and the session unchanged.
+
+The older limits are tested beside the features they guard: max sessions
+(test_connection: resource_exhausted, close 1013), session lifetime (test_connection:
+session_expired, close 1001), buffered input bytes and append size (test_errors:
+input_backpressure / invalid_value), client frame size (test_errors: invalid_event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from omnirt.realtime.config import ServerConfig
+
+from .conftest import Server, connect, pcm_b64, run, running
+from .vad_helpers import vad_update
+
+
+@pytest.fixture(scope="module")
+def limited() -> Iterator[Server]:
+    config = ServerConfig(
+        max_images_per_session=2, max_image_bytes=1000, max_idle_seconds=0.6, max_vad_backlog_ms=500
+    )
+    with running(config) as s:
+        yield s
+
+
+def image_item(size: int) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(size - 4)).decode()
+    return {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": url}]}
+
+
+def test_images_per_session_and_image_bytes(limited: Server) -> None:
+    """Two images fit; a third gets image_limit_exceeded (param item); an image over 1000 bytes gets
+    image_limit_exceeded, in an item or in response.input; deleting an image frees its place. The
+    conversation is unchanged by each refusal."""
+
+    async def main() -> tuple[list[dict], list[str]]:
+        async with connect(limited) as c:
+            errors = []
+            for i in range(2):
+                await c.send(
+                    {"type": "conversation.item.create", "item": {**image_item(500), "id": f"img{i}"}}
+                )
+                await c.until("conversation.item.done")
+            await c.send(
+                {"type": "conversation.item.create", "item": image_item(500), "event_id": "evt_third"}
+            )
+            errors.append(await c.error())
+            await c.send({"type": "conversation.item.delete", "item_id": "img0"})
+            await c.until("conversation.item.deleted")
+            await c.send(
+                {"type": "conversation.item.create", "item": image_item(1001), "event_id": "evt_big"}
+            )
+            errors.append(await c.error())
+            await c.send(
+                {
+                    "type": "response.create",
+                    "response": {"input": [image_item(1001)]},
+                    "event_id": "evt_input",
+                }
+            )
+            errors.append(await c.error())
+            await c.send({"type": "conversation.item.create", "item": {**image_item(1000), "id": "img2"}})
+            await c.until("conversation.item.done")
+            ids = []
+            for item_id in ("img0", "img1", "img2"):
+                await c.send({"type": "conversation.item.retrieve", "item_id": item_id})
+                event = await c.recv()
+                ids.append(event["item"]["id"] if event["type"] != "error" else event["error"]["code"])
+            return errors, ids
+
+    errors, ids = run(main())
+    assert [(e["code"], e["event_id"]) for e in errors] == [
+        ("image_limit_exceeded", "evt_third"),
+        ("image_limit_exceeded", "evt_big"),
+        ("image_limit_exceeded", "evt_input"),
+    ]
+    assert "2" in errors[0]["message"] and "1000" in errors[1]["message"]
+    assert ids == ["item_not_found", "img1", "img2"]
+
+
+def test_idle_connection_is_closed(limited: Server) -> None:
+    """No client event for max_idle_seconds (0.6 s): session_idle_timeout, then close 1001. Events
+    keep a session alive past that."""
+
+    async def main() -> tuple[float, dict, int | None]:
+        async with connect(limited) as c:
+            for _ in range(4):  # 1.2 s of activity, 0.3 s apart
+                await asyncio.sleep(0.3)
+                await c.send({"type": "input_audio_buffer.clear"})
+                await c.until("input_audio_buffer.cleared")
+            t0 = time.perf_counter()
+            error = await c.error()
+            waited = time.perf_counter() - t0
+            return waited, error, await c.closed()
+
+    waited, error, code = run(main())
+    assert error["code"] == "session_idle_timeout" and code == 1001
+    assert 0.2 < waited < 2.0
+
+
+def test_vad_falling_behind_gets_input_backpressure(limited: Server) -> None:
+    """With the VAD slowed to 20 ms per window, 1 s of audio leaves it over 500 ms behind: the next
+    append gets input_backpressure; once it has caught up, appends are accepted again."""
+    vad = limited.service.vad
+    model = vad.load()
+    fast = model.run
+
+    def slow_run(windows: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        time.sleep(0.02)
+        return fast(windows, state)
+
+    async def main() -> tuple[dict, list[str]]:
+        async with connect(limited) as c:
+            await c.send(vad_update())
+            await c.until("session.updated")
+            model.run = slow_run  # type: ignore[method-assign]
+            try:
+                await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(1000)})
+                await c.send(
+                    {"type": "input_audio_buffer.append", "audio": pcm_b64(100), "event_id": "evt_late"}
+                )
+                error = await c.error()
+            finally:
+                model.run = fast  # type: ignore[method-assign]
+            await asyncio.sleep(0.3)  # the VAD runs at full speed again (and under the idle limit)
+            await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(100)})
+            await c.send({"type": "input_audio_buffer.clear"})
+            return error, [e["type"] for e in await c.until("input_audio_buffer.cleared")]
+
+    error, after = run(main())
+    assert (error["code"], error["param"], error["event_id"]) == ("input_backpressure", "audio", "evt_late")
+    assert "behind" in error["message"]
+    assert after == ["input_audio_buffer.cleared"]

@@ -1,0 +1,129 @@
+"""The VAD alone: model loading, the worker's batching, and endpointing on real speech."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from omnirt.vad.endpointing import Endpointer, SpeechStart, SpeechStop
+from omnirt.vad.model import CONTEXT, WINDOW, WINDOW_MS, SileroModel, VadInitError, bundled_model_path
+from omnirt.vad.stream import VadStream
+from omnirt.vad.worker import VadWorker
+
+from .speech import RATE, SENTENCES, hum, place, spoken, white_noise
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = VadWorker()
+    yield w
+    w.stop()
+
+
+def score(worker: VadWorker, signals: list[np.ndarray], chunk_ms: int = 100) -> list[list[float]]:
+    """Stream each signal through its own VadStream (chunks interleaved, as concurrent sessions)."""
+    probs: list[list[float]] = [[] for _ in signals]
+    streams: list[VadStream] = []
+    for i in range(len(signals)):
+        streams.append(worker.open_stream(lambda index, p, i=i: probs[i].append(p)))
+    step = RATE * chunk_ms // 1000
+    for start in range(0, max(len(s) for s in signals), step):
+        for stream, s in zip(streams, signals, strict=True):
+            if start < len(s):
+                stream.push(s[start : start + step])
+    deadline = time.monotonic() + 20
+    while any(s.backlog_windows for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not any(s.backlog_windows for s in streams)
+    for s in streams:
+        s.close()
+    return probs
+
+
+def endpoints(probs: list[float], threshold: float = 0.5, silence_ms: int = 500) -> list[object]:
+    ep = Endpointer(threshold, silence_ms)
+    return [d for i, p in enumerate(probs) if (d := ep.step(i, p)) is not None]
+
+
+def test_bundled_model_scores_a_batch() -> None:
+    model = SileroModel()
+    assert model.path == bundled_model_path() and model.path.name == "silero_vad.onnx"
+    probs, state = model.run(np.zeros((3, CONTEXT + WINDOW), np.float32), np.zeros((2, 3, 128), np.float32))
+    assert probs.shape == (3,) and state.shape == (2, 3, 128) and (probs < 0.1).all()
+
+
+def test_missing_or_broken_model_file_is_a_clear_error(tmp_path) -> None:
+    """A missing file, a file that is not ONNX, and an ONNX-looking truncation of the real model all
+    raise VadInitError naming the file (never another exception)."""
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"this is not an onnx model")
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(bundled_model_path().read_bytes()[:5000])
+    for path in (tmp_path / "missing.onnx", broken, truncated):
+        with pytest.raises(VadInitError, match=path.name):
+            SileroModel(path)
+    worker = VadWorker(broken)
+    with pytest.raises(VadInitError):
+        worker.open_stream(lambda i, p: None)
+
+
+def test_batched_streams_match_streams_scored_alone(worker: VadWorker) -> None:
+    """Four sessions scored together (batched ONNX calls) give each the probabilities it gets
+    alone: the model state is per session."""
+    speech = place(spoken(SENTENCES[0]), lead_ms=300, tail_ms=300).audio
+    signals = [speech, white_noise(3000), speech[::-1].copy(), hum(2000, 50)]
+    alone = [score(worker, [s])[0] for s in signals]
+    worker.stats.reset()
+    together = score(worker, signals)
+    assert worker.stats.mean_batch > 1.5  # windows of several sessions shared ONNX calls
+    for a, t in zip(alone, together, strict=True):
+        assert len(a) == len(t) and np.allclose(a, t, atol=1e-5)
+
+
+@pytest.mark.parametrize("text", SENTENCES)
+def test_endpoints_on_real_speech_within_200_ms(worker: VadWorker, text: str) -> None:
+    placed = place(spoken(text), lead_ms=1000, tail_ms=1500, noise_db=-45)
+    decisions = endpoints(score(worker, [placed.audio])[0])
+    assert [type(d) for d in decisions] == [SpeechStart, SpeechStop], decisions
+    start, stop = decisions
+    assert isinstance(start, SpeechStart) and isinstance(stop, SpeechStop)
+    assert abs(start.onset_ms - placed.start_ms) <= 200, (start, placed)
+    assert abs(stop.end_ms - placed.end_ms) <= 200, (stop, placed)
+    assert stop.decided_ms - stop.end_ms >= 500
+
+
+@pytest.mark.parametrize(
+    "name,signal",
+    [
+        ("hum 50 Hz", hum(3000, 50)),
+        ("hum 60 Hz", hum(3000, 60)),
+        ("white noise", white_noise(3000, 0.1)),
+        ("silence", np.zeros(RATE * 3, np.float32)),
+    ],
+)
+def test_no_speech_in_hum_noise_or_silence(worker: VadWorker, name: str, signal: np.ndarray) -> None:
+    probs = score(worker, [signal])[0]
+    assert len(signal) * 2 // 3 // WINDOW - 2 <= len(probs) <= len(signal) * 2 // 3 // WINDOW  # resampler lag
+    assert endpoints(probs) == [], name
+    assert max(probs) < 0.35, name
+
+
+def test_hysteresis_keeps_the_silence_run_where_it_began() -> None:
+    """Speech ends below threshold - 0.15 (0.35). Windows between 0.35 and 0.5 inside a silence
+    run neither reset nor move it; only a window >= 0.5 resets it."""
+    ep = Endpointer(0.5, silence_duration_ms=160)  # 5 windows
+    assert ep.step(0, 0.4) is None and not ep.speaking  # under threshold: no start
+    assert ep.step(1, 0.9) == SpeechStart(1 * WINDOW_MS)
+    assert ep.step(2, 0.45) is None  # between: not silence, speech goes on
+    assert ep.step(3, 0.2) is None  # the run opens at window 3
+    assert ep.step(4, 0.45) is None and ep.step(5, 0.2) is None and ep.step(6, 0.45) is None
+    assert ep.step(7, 0.3) == SpeechStop(3 * WINDOW_MS, 8 * WINDOW_MS)  # 5 windows after 3
+    assert not ep.speaking
+    ep.step(10, 0.9)
+    ep.step(11, 0.1)
+    ep.step(12, 0.1)
+    assert ep.step(13, 0.6) is None  # speech resumed: the run is reset
+    for i in range(14, 18):
+        assert ep.step(i, 0.1) is None
+    assert ep.step(18, 0.1) == SpeechStop(14 * WINDOW_MS, 19 * WINDOW_MS)

@@ -1,0 +1,203 @@
+// The page: reads the form, runs one VoiceSession at a time and shows what it reports.
+// `window.omnirt` exposes the current session (its played counters and logs) for tests.
+
+import { Camera } from "./camera.js";
+import { fetchModel } from "./model-info.js";
+import { samplesToMs } from "./pcm.js";
+import { PROFILES } from "./profiles.js";
+import { TranscriptView } from "./transcript-view.js";
+import { VoiceSession } from "./voice-session.js";
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  form: $("setup"),
+  connect: $("connect"),
+  disconnect: $("disconnect"),
+  status: $("status"),
+  apiKey: $("api-key"),
+  echo: $("echo-cancellation"),
+  camera: $("camera"),
+  preview: $("camera-preview"),
+  help: $("profile-help"),
+  level: $("level"),
+  user: $("user-speaking"),
+  assistant: $("assistant-speaking"),
+  sendTurn: $("send-turn"),
+  talk: $("talk"),
+  latency: $("latency"),
+  messages: $("messages"),
+  model: $("model"),
+  randomWeights: $("random-weights"),
+  duplexUnavailable: $("duplex-unavailable"),
+};
+const transcript = new TranscriptView($("transcript"));
+let session = null;
+let camera = null;
+let modelId = "";
+
+window.omnirt = {
+  get session() {
+    return session;
+  },
+  /** Samples and milliseconds rendered per assistant item, as the player counted them. */
+  played() {
+    if (!session) return {};
+    const out = {};
+    for (const [itemId, samples] of session.player.played) {
+      out[itemId] = { samples, ms: samplesToMs(samples), received: session.player.received.get(itemId) || 0 };
+    }
+    return out;
+  },
+};
+
+function selectedProfile() {
+  return ui.form.elements.profile.value;
+}
+
+function showMessage(kind, text) {
+  const li = document.createElement("li");
+  li.className = kind;
+  li.textContent = text;
+  ui.messages.append(li);
+  li.scrollIntoView({ block: "nearest" });
+}
+
+function setStatus({ state, detail }) {
+  ui.status.dataset.state = state;
+  ui.status.textContent = detail ? `${state} (${detail})` : state;
+  const live = state === "connecting" || state === "connected";
+  ui.connect.disabled = live;
+  ui.disconnect.disabled = !live;
+  for (const input of ui.form.querySelectorAll("input")) input.disabled = live || input.dataset.unavailable === "true";
+  const profile = session ? session.profile.id : selectedProfile();
+  ui.sendTurn.disabled = !(state === "connected" && profile === "manual");
+  ui.talk.disabled = !(state === "connected" && profile === "ptt");
+}
+
+function showProfileControls() {
+  const profile = PROFILES[selectedProfile()];
+  ui.help.textContent = profile.help;
+  ui.sendTurn.hidden = profile.id !== "manual";
+  ui.talk.hidden = profile.id !== "ptt";
+}
+
+async function loadModel() {
+  try {
+    const model = await fetchModel(ui.apiKey.value.trim());
+    if (!model) return;
+    modelId = model.id;
+    ui.model.textContent = `Model: ${model.id} (${model.architecture}, from ${model.source})`;
+    ui.randomWeights.hidden = !model.random_weights;
+  } catch (error) {
+    ui.model.textContent = `Model: unknown (${error.message})`;
+  }
+}
+
+async function connect() {
+  const profile = selectedProfile();
+  transcript.clear();
+  ui.latency.textContent = "–";
+  session = new VoiceSession({
+    profile,
+    apiKey: ui.apiKey.value.trim(),
+    model: modelId,
+    echoCancellation: ui.echo.checked,
+  });
+  session.addEventListener("status", (e) => setStatus(e.detail));
+  session.addEventListener("level", (e) => {
+    ui.level.value = Math.min(1, e.detail.peak);
+    ui.level.textContent = e.detail.peak.toFixed(2);
+  });
+  session.addEventListener("speaking", (e) => {
+    ui.user.dataset.active = String(e.detail.user);
+    ui.assistant.dataset.active = e.detail.assistant ? "true" : e.detail.waiting ? "waiting" : "false";
+  });
+  session.addEventListener("transcript", (e) => transcript.update(e.detail));
+  session.addEventListener("latency", (e) => {
+    ui.latency.textContent = `${e.detail.ms} ms`;
+    transcript.note(e.detail.itemId, "latency", `first audio after ${e.detail.ms} ms`);
+  });
+  session.addEventListener("error", (e) => {
+    const { code, message, param } = e.detail;
+    showMessage("error", `Error${code ? ` (${code})` : ""}: ${message}${param ? ` [${param}]` : ""}`);
+  });
+  session.addEventListener("notice", (e) => showMessage("notice", e.detail.message));
+  session.addEventListener("unavailable", (e) => {
+    // This server does not offer the profile: say so beside it, and fall back to manual turns.
+    const radio = ui.form.querySelector(`input[name=profile][value=${e.detail.profile}]`);
+    radio.dataset.unavailable = "true";
+    radio.setAttribute("aria-describedby", "duplex-unavailable");
+    ui.form.querySelector("input[name=profile][value=manual]").checked = true;
+    ui.duplexUnavailable.hidden = false;
+    ui.duplexUnavailable.textContent = `unavailable on this server: ${e.detail.message}`;
+    showProfileControls();
+  });
+  if (ui.camera.checked && profile !== "duplex") {
+    camera = new Camera();
+    try {
+      await camera.start(ui.preview);
+      ui.preview.hidden = false;
+      session.imageSource = () => camera.frame();
+    } catch (error) {
+      showMessage("error", `The camera could not be opened: ${error.message}`);
+      camera = null;
+    }
+  }
+  await session.start();
+}
+
+function disconnect() {
+  if (session) session.stop();
+  if (camera) camera.stop();
+  camera = null;
+  ui.preview.hidden = true;
+}
+
+// Push-to-talk: the Talk button (pointer) or the space bar, held.
+function pressTalk() {
+  if (!session || ui.talk.disabled || session.talking) return;
+  ui.talk.setAttribute("aria-pressed", "true");
+  session.pressTalk();
+}
+
+function releaseTalk() {
+  if (!session || !session.talking) return;
+  ui.talk.setAttribute("aria-pressed", "false");
+  session.releaseTalk();
+}
+
+ui.form.addEventListener("submit", (event) => {
+  event.preventDefault();
+  connect();
+});
+ui.form.addEventListener("change", (event) => {
+  if (event.target.name === "profile") showProfileControls();
+});
+ui.apiKey.addEventListener("change", loadModel);
+ui.disconnect.addEventListener("click", disconnect);
+ui.sendTurn.addEventListener("click", () => session && session.sendTurn());
+ui.talk.addEventListener("pointerdown", (event) => {
+  ui.talk.setPointerCapture(event.pointerId);
+  pressTalk();
+});
+ui.talk.addEventListener("pointerup", releaseTalk);
+ui.talk.addEventListener("pointercancel", releaseTalk);
+document.addEventListener("keydown", (event) => {
+  if (event.code !== "Space" || event.repeat || event.target.matches("input[type=password], textarea")) return;
+  if (session && session.profile.id === "ptt" && session.state === "connected") {
+    event.preventDefault();
+    pressTalk();
+  }
+});
+document.addEventListener("keyup", (event) => {
+  if (event.code !== "Space") return;
+  if (session && session.talking) {
+    event.preventDefault();
+    releaseTalk();
+  }
+});
+
+showProfileControls();
+setStatus({ state: "idle", detail: "" });
+ui.status.textContent = "not connected";
+loadModel();
