@@ -20,7 +20,7 @@ from omnirt.stages.engine import EngineClient
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
@@ -41,6 +41,31 @@ def web_ui_dir() -> Path | None:
     except ModuleNotFoundError:
         return None
     return static if (static / "index.html").is_file() else None
+
+
+def web_ui_routes(static: Path) -> list[BaseRoute]:
+    """The UI at ``/``: one route per top-level file or folder of ``static/``.
+
+    Not one catch-all mount at ``/``: that would fully match every path, so an unknown
+    ``/v1/...`` path or a wrong method on an API route would reach the file server instead of
+    getting the API's JSON 404 / 405.
+    """
+    routes: list[BaseRoute] = [
+        Route("/", _file_endpoint(static / "index.html"), methods=["GET"], name="web_ui")
+    ]
+    for entry in sorted(static.iterdir()):
+        if entry.is_dir():
+            routes.append(Mount(f"/{entry.name}", StaticFiles(directory=entry), name=f"web_ui_{entry.name}"))
+        elif entry.is_file():
+            routes.append(Route(f"/{entry.name}", _file_endpoint(entry), methods=["GET"]))
+    return routes
+
+
+def _file_endpoint(path: Path):  # type: ignore[no-untyped-def]
+    async def endpoint(request: Request) -> FileResponse:
+        return FileResponse(path)
+
+    return endpoint
 
 
 def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
@@ -87,7 +112,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     ]
     static = web_ui_dir()
     if static is not None:
-        routes.append(Mount("/", StaticFiles(directory=static, html=True), name="web_ui"))
+        routes.extend(web_ui_routes(static))
     else:
         routes.append(Route("/", index, methods=["GET"], name="index"))
 
@@ -106,6 +131,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
         try:
             yield
         finally:
+            realtime.close()
             if started_here:
                 await asyncio.to_thread(client.engine.stop)
 

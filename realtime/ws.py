@@ -22,7 +22,7 @@ from omnirt.sessions.events import SessionEvent
 from omnirt.sessions.manager import SessionManager
 from omnirt.sessions.session import RealtimeSession
 from omnirt.sessions.streaming import Submitter
-from omnirt.vad.worker import VadWorker
+from omnirt.vad.worker import VadStats, VadWorker
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .auth import accepted_subprotocol, authorized
@@ -75,6 +75,10 @@ class RealtimeService:
     def close(self) -> None:
         """Stop the VAD thread (the app's shutdown; sessions still open just stop getting VAD)."""
         self.vad.stop()
+
+    @property
+    def vad_stats(self) -> VadStats:
+        return self.vad.stats
 
     @property
     def active_sessions(self) -> int:

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from omnirt.stages.pipeline import RequestRejected
 from omnirt.stages.types import (
     SAMPLE_RATE,
@@ -68,7 +67,9 @@ class EchoPipeline:
             raise RequestRejected("the echo pipeline rejects this input")
         words = f"You said: {said}.".split(" ")
         limit = request.max_output_tokens
-        usage = Usage(input_text_tokens=sum(len(m.parts) for m in request.messages), input_audio_tokens=audio_ms // 40)
+        usage = Usage(
+            input_text_tokens=sum(len(m.parts) for m in request.messages), input_audio_tokens=audio_ms // 40
+        )
         self.active[request.request_id] = _Active(request, words[:limit] if limit else words, usage)
         if limit is not None and limit < len(words):
             self.active[request.request_id].words = words[:limit] + ["\x00length"]
@@ -84,7 +85,9 @@ class EchoPipeline:
         for rid, a in list(self.active.items()):
             if not a.started:
                 a.started = True
-                out.append((rid, Started(Usage(**{k: v for k, v in vars(a.usage).items() if k.startswith("input")}))))
+                out.append(
+                    (rid, Started(Usage(**{k: v for k, v in vars(a.usage).items() if k.startswith("input")})))
+                )
             if a.sent >= len(a.words) or a.words[a.sent] == "\x00length":
                 reason = "length" if a.sent < len(a.words) else "stop"
                 out.append((rid, Finished(reason, a.usage)))

@@ -22,12 +22,21 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
+class VadCounters(Protocol):
+    windows: int
+    batches: int
+    busy_seconds: float
+
+
 class RealtimeCounters(Protocol):
     active_sessions: int
     sessions_total: int
     events_received: int
     events_sent: int
     errors_sent: int
+
+    @property
+    def vad_stats(self) -> VadCounters: ...
 
 
 class ServerCollector(Collector):
@@ -93,6 +102,12 @@ class ServerCollector(Collector):
         )
         yield CounterMetricFamily("omnirt_realtime_events_sent", "Server events sent", value=rt.events_sent)
         yield CounterMetricFamily("omnirt_realtime_errors_sent", "Error events sent", value=rt.errors_sent)
+        vad = rt.vad_stats
+        yield CounterMetricFamily("omnirt_vad_windows", "Server-VAD windows scored", value=vad.windows)
+        yield CounterMetricFamily("omnirt_vad_batches", "Server-VAD model calls (batched)", value=vad.batches)
+        yield CounterMetricFamily(
+            "omnirt_vad_busy_seconds", "Wall time the VAD thread spent in the model", value=vad.busy_seconds
+        )
 
 
 class Metrics:
