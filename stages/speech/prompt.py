@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import soxr
 import torch
 
 from ..pipeline import RequestRejected
@@ -30,13 +31,7 @@ def audio_tokens_for_frames(frames: int, n_window: int) -> int:
 
 
 def to_encoder_rate(pcm: np.ndarray) -> np.ndarray:
-    """24 kHz -> 16 kHz (soxr; scipy's polyphase filter where soxr is not installed)."""
-    try:
-        import soxr
-    except ImportError:
-        from scipy.signal import resample_poly
-
-        return resample_poly(pcm, 2, 3).astype(np.float32)
+    """24 kHz -> 16 kHz, the audio encoder's rate."""
     return soxr.resample(pcm, SAMPLE_RATE, ENCODER_RATE).astype(np.float32)
 
 
