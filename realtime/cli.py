@@ -26,6 +26,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 #: closed by the transport (1009).
 WS_FRAME_SLACK_BYTES = 4096
 API_KEYS_ENV = "OMNIRT_API_KEYS"
+#: permessage-deflate is refused on WebSockets: realtime frames are mostly base64 audio, which
+#: deflate hardly shrinks, and compressing/decompressing every frame cost the server VAD capacity
+#: benchmark a third of its p99 budget (docs/benchmarks.md, issue 4). Clients fall back to
+#: uncompressed frames, as the protocol allows.
+WS_PER_MESSAGE_DEFLATE = False
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -154,6 +159,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str) -> int:
             port=config.port,
             log_level=log_level,
             ws_max_size=ws_max_size(config),
+            ws_per_message_deflate=WS_PER_MESSAGE_DEFLATE,
             lifespan="on",
         )
     )

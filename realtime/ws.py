@@ -251,30 +251,43 @@ class Connection:
             raise
 
     async def _read(self, writer: asyncio.Task[None]) -> int | None:
-        """Apply client frames until the client leaves (None) or asks to close (1000)."""
+        """Apply client frames until the client leaves (None) or asks to close (1000).
+
+        The frames are awaited directly (no task and no ``asyncio.wait`` per frame: this runs for
+        every audio chunk); the writer failing (the client is gone) and the idle limit stop the
+        reading by cancelling this task, which is told apart from any other cancellation."""
         service = self.service
         idle = service.config.max_idle_seconds
-        receive = asyncio.ensure_future(self.ws.receive())
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        assert me is not None
+        stopped: list[str] = []  # why this task cancelled itself: "writer" or "idle"
+        last = loop.time()
+
+        def stop(reason: str) -> None:
+            if not stopped:
+                stopped.append(reason)
+                me.cancel()
+
+        def on_writer_done(_: object) -> None:
+            stop("writer")
+
+        def check_idle() -> None:
+            nonlocal idle_timer
+            due = last + idle  # type: ignore[operator]
+            if loop.time() >= due:
+                stop("idle")
+            else:
+                idle_timer = loop.call_at(due, check_idle)
+
+        idle_timer = loop.call_at(last + idle, check_idle) if idle is not None else None
+        writer.add_done_callback(on_writer_done)
         try:
             while True:
-                done, _ = await asyncio.wait(
-                    {receive, writer}, timeout=idle, return_when=asyncio.FIRST_COMPLETED
-                )
-                if not done:
-                    self._send(
-                        error_event(
-                            new_id("event"),
-                            ErrorCode.IDLE_TIMEOUT,
-                            f"No client event for {idle:g} seconds; closing the session.",
-                        )
-                    )
-                    return CLOSE_GOING_AWAY
-                if receive not in done:  # the writer failed: the client is gone
-                    return None
-                message = receive.result()
+                message = await self.ws.receive()
+                last = loop.time()
                 if message["type"] == "websocket.disconnect":
                     return None
-                receive = asyncio.ensure_future(self.ws.receive())
                 service.events_received += 1
                 text = message.get("text")
                 if text is None:
@@ -307,8 +320,21 @@ class Connection:
                         ),
                         event_id,
                     )
+        except asyncio.CancelledError:
+            # Ours (the writer ended or the idle limit) unless someone else cancelled us too.
+            if not stopped or me.uncancel() > 0:
+                raise
+            if stopped[0] == "writer":  # the client is gone
+                return None
+            self._send(
+                error_event(
+                    new_id("event"),
+                    ErrorCode.IDLE_TIMEOUT,
+                    f"No client event for {idle:g} seconds; closing the session.",
+                )
+            )
+            return CLOSE_GOING_AWAY
         finally:
-            if not receive.done():
-                receive.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await receive
+            writer.remove_done_callback(on_writer_done)
+            if idle_timer is not None:
+                idle_timer.cancel()

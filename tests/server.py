@@ -18,11 +18,21 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(app, *, ws_max_size: int = 16 * 1024 * 1024 + 4096) -> Iterator[str]:
-    """Serve ``app`` on a free loopback port in a thread; yields ``http://127.0.0.1:PORT``."""
+def serve(
+    app, *, ws_max_size: int = 16 * 1024 * 1024 + 4096, ws_per_message_deflate: bool = False
+) -> Iterator[str]:
+    """Serve ``app`` on a free loopback port in a thread; yields ``http://127.0.0.1:PORT``.
+
+    permessage-deflate is off by default, as ``omnirt serve`` runs (realtime/cli.py)."""
     port = free_port()
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", ws_max_size=ws_max_size, lifespan="on"
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        ws_max_size=ws_max_size,
+        ws_per_message_deflate=ws_per_message_deflate,
+        lifespan="on",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

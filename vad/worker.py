@@ -1,11 +1,12 @@
 """The VAD worker: one thread scoring every session's pending windows with batched ONNX calls.
 
 Sessions push windows from the event loop (:meth:`VadStream.push`); the worker wakes, waits
-``gather_ms`` (2 ms) for more sessions' windows, takes the oldest pending window of every stream
-that has one, runs them as one batch (a stream's windows depend on each other through the model
-state, so one window per stream per call), and repeats until nothing is pending. Results go back
-to each stream's event loop with one ``call_soon_threadsafe`` per drain (at least every 5 ms),
-where the session's endpointer runs. The model runs with one onnxruntime thread, so the worker
+``gather_ms`` (2 ms) for more sessions' windows, takes the oldest pending window of
+every stream that has one, runs them as one batch (a stream's windows depend on each other
+through the model state, so one window per stream per call), and repeats until nothing is
+pending. Results go back to each stream's event loop once per drain (at least every 5 ms), where
+the session's endpointer runs; while the loop has not yet run a hand-back, later results join it
+instead of waking the loop again. The model runs with one onnxruntime thread, so the worker
 costs at most one core.
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model import SileroModel, VadInitError
-from .stream import ResultCallback, VadStream, Window
+from .stream import ResultCallback, VadStream
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class VadWorker:
         self._load_lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready: dict[int, VadStream] = {}
+        #: Results handed to a loop whose delivery has not run yet (guarded by ``_post_lock``).
+        self._outbox: dict[asyncio.AbstractEventLoop, list[Result]] = {}
+        self._post_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._running = False
 
@@ -139,11 +143,11 @@ class VadWorker:
         results: dict[asyncio.AbstractEventLoop | None, list[Result]] = {}
         posted = time.perf_counter()
         while streams:
-            batch: list[tuple[VadStream, Window]] = []
+            batch: list[tuple[VadStream, tuple[int, np.ndarray, float]]] = []
             for stream in streams:
-                with stream.lock:
-                    if stream.queue:
-                        batch.append((stream, stream.queue.popleft()))
+                window = stream.next_window()
+                if window is not None:
+                    batch.append((stream, window))
             if not batch:
                 break
             for start in range(0, len(batch), self.max_batch):
@@ -157,23 +161,25 @@ class VadWorker:
 
     def _score(
         self,
-        batch: list[tuple[VadStream, Window]],
+        batch: list[tuple[VadStream, tuple[int, np.ndarray, float]]],
         results: dict[asyncio.AbstractEventLoop | None, list[Result]],
     ) -> None:
         assert self._model is not None
         t0 = time.perf_counter()
-        windows = np.stack([w.samples for _, w in batch])
+        windows = np.stack([w[1] for _, w in batch])
         state = np.stack([s.state for s, _ in batch], axis=1)
         try:
             probs, next_state = self._model.run(windows, state)
         except Exception:  # a model failure must not stop every session's VAD
             log.exception("VAD batch of %d failed; scoring it as silence", len(batch))
             probs, next_state = np.zeros(len(batch), np.float32), state
-        for i, (stream, window) in enumerate(batch):
-            stream.state = np.ascontiguousarray(next_state[:, i])
-            results.setdefault(stream.loop, []).append(
-                (stream, window.index, float(probs[i]), window.arrived)
-            )
+        probs = probs.tolist()
+        for i, (stream, (index, _, arrived)) in enumerate(batch):
+            stream.state = next_state[:, i].copy()
+            items = results.get(stream.loop)
+            if items is None:
+                items = results[stream.loop] = []
+            items.append((stream, index, probs[i], arrived))
         self.stats.windows += len(batch)
         self.stats.batches += 1
         self.stats.busy_seconds += time.perf_counter() - t0
@@ -182,11 +188,24 @@ class VadWorker:
         for loop, items in results.items():
             if loop is None:
                 self._deliver(items)
-            else:
-                try:
-                    loop.call_soon_threadsafe(self._deliver, items)
-                except RuntimeError:  # that loop is closed: its sessions are gone
-                    pass
+                continue
+            with self._post_lock:
+                waiting = self._outbox.get(loop)
+                if waiting is not None:  # a delivery is scheduled and has not run: join it
+                    waiting.extend(items)
+                    continue
+                self._outbox[loop] = items
+            try:
+                loop.call_soon_threadsafe(self._deliver_to, loop)
+            except RuntimeError:  # that loop is closed: its sessions are gone
+                with self._post_lock:
+                    self._outbox.pop(loop, None)
+
+    def _deliver_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: every result handed to it since its last delivery."""
+        with self._post_lock:
+            items = self._outbox.pop(loop, [])
+        self._deliver(items)
 
     def _deliver(self, results: list[Result]) -> None:
         latencies = self.stats.latencies

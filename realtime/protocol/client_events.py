@@ -12,9 +12,14 @@ from .errors import ProtocolError, from_validation
 from .models import (
     BETA_SESSION_FIELDS,
     EVENT_MODELS,
+    AudioAppend,
     ClientEvent,
     SessionPatch,
 )
+
+APPEND = "input_audio_buffer.append"
+_APPEND_FIELDS = frozenset(("type", "audio", "event_id"))
+_construct_append = AudioAppend.model_construct
 
 
 def event_id_of(raw: object) -> str | None:
@@ -35,6 +40,18 @@ def parse_client_event(text: str | bytes, *, max_bytes: int) -> ClientEvent:
         raw = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(ErrorCode.INVALID_EVENT, f"The event is not valid JSON: {exc}.") from None
+    if type(raw) is dict and raw.get("type") == APPEND:
+        # The hot event (every audio chunk): when it is plainly valid, skip pydantic. Exactly what
+        # AudioAppend.model_validate accepts from JSON: a str 'audio', an optional str or null
+        # 'event_id', no other field. Anything else takes the validating path for its error.
+        audio = raw.get("audio")
+        event_id = raw.get("event_id")
+        if (
+            type(audio) is str
+            and (event_id is None or type(event_id) is str)
+            and _APPEND_FIELDS.issuperset(raw)
+        ):
+            return _construct_append(**raw)
     event_id = event_id_of(raw)
     if not isinstance(raw, dict):
         raise ProtocolError(ErrorCode.INVALID_EVENT, "An event must be a JSON object.")
