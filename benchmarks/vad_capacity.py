@@ -32,6 +32,8 @@ chunks; the delay runs from sending the chunk that holds the true speech onset t
 ``response.done`` (cancelled, ``turn_detected``). Repeated ``--barge-ins`` times, idle server.
 
     python benchmarks/vad_capacity.py --sessions 1 50 100 200 --seconds 10
+
+The server refuses permessage-deflate, as ``omnirt serve`` does, unless ``--server-deflate``.
 """
 
 from __future__ import annotations
@@ -251,6 +253,12 @@ def main() -> None:
         default=True,
         help="negotiate permessage-deflate as the SDK's websockets client does (default on)",
     )
+    parser.add_argument(
+        "--server-deflate",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let the server accept permessage-deflate (default off, as omnirt serve)",
+    )
     parser.add_argument("--vad-model", default=None, help="ServerConfig.vad_model_path (default: bundled)")
     parser.add_argument("--gather-ms", type=float, default=2.0, help="ServerConfig.vad_gather_ms")
     args = parser.parse_args()
@@ -277,11 +285,12 @@ def main() -> None:
     print(
         f"load before: {os.getloadavg()[0]:.2f} (1-min), {os.cpu_count()} CPUs, "
         f"{args.chunk_ms} ms chunks, {args.seconds:g} s per level, VAD gather {args.gather_ms:g} ms, "
-        f"permessage-deflate {'on' if args.deflate else 'off'}",
+        f"permessage-deflate client {'on' if args.deflate else 'off'}, "
+        f"server {'on' if args.server_deflate else 'off'}",
         flush=True,
     )
     rows = []
-    with serve(app) as base_url:
+    with serve(app, ws_per_message_deflate=args.server_deflate) as base_url:
         url = base_url.replace("http://", "ws://") + "/v1/realtime"
         ctx = mp.get_context("spawn")
         for n in args.sessions:

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 from omnirt.codecs.audio import SAMPLE_RATE, StreamResampler
 
 from .model import CONTEXT, STATE_SHAPE, VAD_RATE, WINDOW
@@ -63,17 +62,18 @@ class VadStream:
     def push(self, pcm24k: np.ndarray, arrived: float | None = None) -> int:
         """Resample a chunk (float32, 24 kHz) and queue the windows it completes; returns how many.
 
-        All of the chunk's windows are cut at once, as rows of one (strided, read-only) view."""
+        All of the chunk's windows are cut at once, as rows of one strided view (no copies)."""
         if self.closed:
             return 0
         arrived = time.perf_counter() if arrived is None else arrived
         x = self._resampler.process(pcm24k)
-        full = np.concatenate([self._tail, x]) if len(x) else self._tail
+        full = np.concatenate([self._tail, x]) if len(x) else self._tail  # float32, contiguous
         count = (len(full) - CONTEXT) // WINDOW
         if count <= 0:
             self._tail = full
             return 0
-        rows = sliding_window_view(full, CONTEXT + WINDOW)[: count * WINDOW : WINDOW]
+        # Row i is full[i * WINDOW : i * WINDOW + CONTEXT + WINDOW]: the context, then new samples.
+        rows = np.ndarray((count, CONTEXT + WINDOW), np.float32, full, 0, (WINDOW * 4, 4))
         self._tail = full[count * WINDOW :].copy()
         with self.lock:
             self.queue.append((self.windows_pushed, rows, arrived))

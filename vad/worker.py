@@ -166,16 +166,18 @@ class VadWorker:
     ) -> None:
         assert self._model is not None
         t0 = time.perf_counter()
-        windows = np.stack([w[1] for _, w in batch])
-        state = np.stack([s.state for s, _ in batch], axis=1)
+        windows = np.array([w[1] for _, w in batch], dtype=np.float32)
+        # Each stream's state is a [2, 128] row of the last batch's states (see below).
+        state = np.ascontiguousarray(np.array([s.state for s, _ in batch], dtype=np.float32).swapaxes(0, 1))
         try:
             probs, next_state = self._model.run(windows, state)
         except Exception:  # a model failure must not stop every session's VAD
             log.exception("VAD batch of %d failed; scoring it as silence", len(batch))
             probs, next_state = np.zeros(len(batch), np.float32), state
         probs = probs.tolist()
+        states = next_state.swapaxes(0, 1).copy()  # [B, 2, 128]: one copy, not one per stream
         for i, (stream, (index, _, arrived)) in enumerate(batch):
-            stream.state = next_state[:, i].copy()
+            stream.state = states[i]
             items = results.get(stream.loop)
             if items is None:
                 items = results[stream.loop] = []
