@@ -202,12 +202,13 @@ def test_chat_completions_share_the_engine_with_a_live_session(demo: DemoServer)
     async def chat() -> tuple[str, str]:
         sdk = demo.sdk()
         plain = await sdk.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8
+            model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
         )
         stream = await sdk.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "Hello again"}],
             max_tokens=8,
+            temperature=0,  # OpenAI's default is 1.0: sampling could draw the end token early
             stream=True,
             stream_options={"include_usage": True},
         )
