@@ -41,27 +41,27 @@ import io
 import json
 import logging
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import soundfile
 import soxr
-import uvicorn
 import websockets
 from omnirt.realtime.app import create_app
 from omnirt.realtime.cli import ws_max_size
 from omnirt.realtime.config import ServerConfig
 from omnirt.stages.engine import Engine, EngineClient
 from omnirt.stages.types import SAMPLE_RATE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.server
 
 log = logging.getLogger("turn_latency")
 
@@ -112,32 +112,14 @@ def input_audio(seconds: float, source: str) -> tuple[bytes, str]:
 @contextlib.contextmanager
 def in_process_server(engine: Engine, config: ServerConfig) -> Iterator[str]:
     """Serve the app on a free loopback port from a thread; yields ``ws://127.0.0.1:PORT``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.server import serve
+
+    # uvicorn's default permessage-deflate (on), as this benchmark has always measured.
     app = create_app(EngineClient(engine), config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            ws_max_size=ws_max_size(config),
-            lifespan="on",
-        )
-    )
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"ws://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serve(
+        app, ws_max_size=ws_max_size(config), ws_per_message_deflate=True, start_timeout=60
+    ) as base_url:
+        yield "ws" + base_url.removeprefix("http")
 
 
 # -- one session ----------------------------------------------------------------------------------

@@ -165,8 +165,8 @@ def wire_to_samples(data: bytes, fmt: FormatType) -> np.ndarray:
     """Wire bytes to float32 at the format's own rate."""
     if fmt == "audio/pcm":
         return pcm16_to_float(data)
-    table = _MULAW_DECODE if fmt == "audio/pcmu" else _ALAW_DECODE
-    return table[np.frombuffer(data, dtype=np.uint8)].astype(np.float32) / 32768.0
+    samples = mulaw_decode(data) if fmt == "audio/pcmu" else alaw_decode(data)
+    return samples.astype(np.float32) / 32768.0
 
 
 def decode_audio(data: bytes, fmt: FormatType) -> np.ndarray:

@@ -183,16 +183,24 @@ class Connection:
             )
         self.outbox.put_nowait(frame)
 
-    def _error(self, exc: SessionError, client_event_id: str | None) -> None:
+    def _send_error(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        param: str | None = None,
+        client_event_id: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
         self._send(
             error_event(
-                new_id("event"),
-                exc.code,
-                exc.message,
-                param=exc.param,
-                client_event_id=client_event_id,
-                type=exc.type,
+                new_id("event"), code, message, param=param, client_event_id=client_event_id, type=type
             )
+        )
+
+    def _error(self, exc: SessionError, client_event_id: str | None) -> None:
+        self._send_error(
+            exc.code, exc.message, param=exc.param, client_event_id=client_event_id, type=exc.type
         )
 
     async def _writer(self) -> None:
@@ -216,13 +224,10 @@ class Connection:
                 async with asyncio.timeout(self.service.config.max_session_seconds):
                     close_code = await self._read(writer)
             except TimeoutError:
-                self._send(
-                    error_event(
-                        new_id("event"),
-                        ErrorCode.SESSION_EXPIRED,
-                        "Your session hit the maximum duration of "
-                        f"{self.service.config.max_session_seconds:g} seconds.",
-                    )
+                self._send_error(
+                    ErrorCode.SESSION_EXPIRED,
+                    "Your session hit the maximum duration of "
+                    f"{self.service.config.max_session_seconds:g} seconds.",
                 )
                 close_code = CLOSE_GOING_AWAY
             await self.session.close(notify=close_code == CLOSE_NORMAL)
@@ -291,21 +296,18 @@ class Connection:
                 service.events_received += 1
                 text = message.get("text")
                 if text is None:
-                    self._error(
-                        ProtocolError(
-                            ErrorCode.INVALID_EVENT, "Binary frames are not accepted: send JSON text."
-                        ),
-                        None,
+                    self._send_error(
+                        ErrorCode.INVALID_EVENT, "Binary frames are not accepted: send JSON text."
                     )
                     continue
                 event_id: str | None = None
                 try:
                     if len(text) > OFFLOAD_FRAME_CHARS:  # parse + base64 of MiBs: not on the loop
-                        event = await asyncio.to_thread(self._parse, text)
+                        event, payload = await asyncio.to_thread(self._parse, text)
                     else:
-                        event = self._parse(text)
-                    event_id = event[0].event_id
-                    apply(event[0], self.session, self._limits, new_id, event[1])
+                        event, payload = self._parse(text)
+                    event_id = event.event_id
+                    apply(event, self.session, self._limits, new_id, payload)
                 except CloseRequested:
                     return CLOSE_NORMAL
                 except ProtocolError as exc:
@@ -314,11 +316,11 @@ class Connection:
                     self._error(exc, event_id)
                 except Exception:
                     log.exception("session %s: failed to handle an event", self.session.id)
-                    self._error(
-                        SessionError(
-                            ErrorCode.SERVER_ERROR, "Internal error handling the event.", type="server_error"
-                        ),
-                        event_id,
+                    self._send_error(
+                        ErrorCode.SERVER_ERROR,
+                        "Internal error handling the event.",
+                        client_event_id=event_id,
+                        type="server_error",
                     )
         except asyncio.CancelledError:
             # Ours (the writer ended or the idle limit) unless someone else cancelled us too.
@@ -326,12 +328,8 @@ class Connection:
                 raise
             if stopped[0] == "writer":  # the client is gone
                 return None
-            self._send(
-                error_event(
-                    new_id("event"),
-                    ErrorCode.IDLE_TIMEOUT,
-                    f"No client event for {idle:g} seconds; closing the session.",
-                )
+            self._send_error(
+                ErrorCode.IDLE_TIMEOUT, f"No client event for {idle:g} seconds; closing the session."
             )
             return CLOSE_GOING_AWAY
         finally:

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from omnirt.codecs.audio import SAMPLE_RATE, bytes_per_ms
+from omnirt.codecs.audio import bytes_per_ms
 from omnirt.stages.types import GenerationRequest
 from omnirt.vad.worker import VadWorker
 
@@ -162,7 +162,7 @@ class RealtimeSession:
         if isinstance(turns, ServerVadTurns) and self._speech is None:
             # Silence is not kept: only what prefix padding may still need.
             keep_ms = turns.decided_ms - turns.settings.prefix_padding_ms - 64
-            self.input.drop_before(keep_ms * SAMPLE_RATE // 1000)
+            self.input.drop_before(self.input.ms_to_sample(keep_ms))
 
     def commit_audio(self) -> MessageItem:
         audio = self.input.commit()
@@ -194,7 +194,7 @@ class RealtimeSession:
         if signal.kind == "speech_started":
             start_ms = max(signal.audio_ms - settings.prefix_padding_ms, self.input.start_ms)
             item_id = self.new_id("item")
-            self._speech = (item_id, start_ms * SAMPLE_RATE // 1000)
+            self._speech = (item_id, self.input.ms_to_sample(start_ms))
             self._emit(SpeechStarted(start_ms, item_id))
             if settings.interrupt_response and self.active is not None:
                 self.active.cancel("turn_detected")
@@ -204,7 +204,7 @@ class RealtimeSession:
             item_id, start = self._speech
             self._speech = None
             self._emit(SpeechStopped(signal.audio_ms, item_id))
-            audio = self.input.take(start, signal.audio_ms * SAMPLE_RATE // 1000)
+            audio = self.input.take(start, self.input.ms_to_sample(signal.audio_ms))
             self._add_user_audio(item_id, audio)
             if settings.create_response and self.active is None:
                 self.create_response()
@@ -217,7 +217,9 @@ class RealtimeSession:
             start_ms = min(signal.start_ms, signal.audio_ms)
             self._emit(TimeoutTriggered(start_ms, signal.audio_ms, item_id))
             # What is still held of the silent segment (silence is trimmed to the prefix padding).
-            audio = self.input.take(start_ms * SAMPLE_RATE // 1000, signal.audio_ms * SAMPLE_RATE // 1000)
+            audio = self.input.take(
+                self.input.ms_to_sample(start_ms), self.input.ms_to_sample(signal.audio_ms)
+            )
             self._add_user_audio(item_id, audio)
             self.create_response()
 

@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 
 import uvicorn
+from omnirt.realtime import cli
+from omnirt.realtime.config import ServerConfig
 
 
 def free_port() -> int:
@@ -19,7 +21,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve(
-    app, *, ws_max_size: int = 16 * 1024 * 1024 + 4096, ws_per_message_deflate: bool = False
+    app,
+    *,
+    ws_max_size: int = cli.ws_max_size(ServerConfig()),
+    ws_per_message_deflate: bool = cli.WS_PER_MESSAGE_DEFLATE,
+    start_timeout: float = 30,
 ) -> Iterator[str]:
     """Serve ``app`` on a free loopback port in a thread; yields ``http://127.0.0.1:PORT``.
 
@@ -37,7 +43,7 @@ def serve(
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + start_timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("test server did not start")

@@ -95,10 +95,6 @@ class VadStream:
                 self._row = 0
         return first + row, rows[row], arrived
 
-    @property
-    def has_windows(self) -> bool:
-        return bool(self.queue)
-
     # -- the event loop ----------------------------------------------------------------------
     def deliver(self, index: int, prob: float) -> None:
         """On the event loop: one window's result, in order."""

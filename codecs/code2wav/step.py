@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..mimi.streaming import commit
 from .model import (
     CausalConv,
     Code2WavModel,
@@ -42,12 +43,6 @@ from .model import (
 )
 
 State = dict[str, Tensor]
-
-
-def _commit(state: Tensor, new: Tensor, exec_mask: Tensor) -> None:
-    """Writes ``new`` into ``state`` on executing rows; the other rows keep their state."""
-    keep = exec_mask.view(-1, *([1] * (state.dim() - 1)))
-    state.copy_(torch.where(keep, new, state))
 
 
 def _started(frame: Tensor, geometry: StreamGeometry) -> Tensor | None:
@@ -72,7 +67,7 @@ def _snake(act: SnakeBeta, x: Tensor) -> Tensor:
 def _causal_conv(conv: CausalConv, x: Tensor, history: Tensor | None, exec_mask: Tensor) -> Tensor:
     if conv.history:
         x = torch.cat([history, x], dim=-1)
-        _commit(history, x[..., x.shape[-1] - conv.history :], exec_mask)
+        commit(history, x[..., x.shape[-1] - conv.history :], exec_mask)
     return F.conv1d(x, conv.conv.weight, conv.conv.bias, dilation=conv.dilation, groups=conv.groups)
 
 
@@ -80,7 +75,7 @@ def _trans_conv(up: TransConv, x: Tensor, previous: Tensor | None, exec_mask: Te
     new = x.shape[-1]
     if up.lookahead:
         x = torch.cat([previous, x], dim=-1)
-        _commit(previous, x[..., x.shape[-1] - up.lookahead :], exec_mask)
+        commit(previous, x[..., x.shape[-1] - up.lookahead :], exec_mask)
     y = F.conv_transpose1d(x, up.conv.weight, up.conv.bias, stride=up.stride)
     start = up.lookahead * up.stride
     return y[..., start : start + new * up.stride]

@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import secrets
-import string
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..config import ServerConfig
+from ..ids import ALPHABET
 from .access import require_api_key
 from .body import read_body
 from .chat_input import check_supported, generation_request
@@ -40,11 +40,9 @@ from .errors import APIError, from_engine_error, from_validation_error, model_no
 
 log = logging.getLogger(__name__)
 
-_BASE62 = string.ascii_letters + string.digits
-
 
 def completion_id() -> str:
-    return "chatcmpl-" + "".join(secrets.choice(_BASE62) for _ in range(24))
+    return "chatcmpl-" + "".join(secrets.choice(ALPHABET) for _ in range(24))
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

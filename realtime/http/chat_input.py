@@ -8,14 +8,12 @@ fetched), audio decoded and resampled to 24 kHz mono.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import json
 
 import numpy as np
 import soundfile
-import soxr
+from omnirt.codecs.audio import b64decode, pcm16_to_float, resample
 from omnirt.stages.types import (
     SAMPLE_RATE,
     AudioPart,
@@ -167,8 +165,8 @@ def _assistant_parts(message: AssistantMessage, where: str) -> tuple[Part, ...]:
 
 def _b64decode(data: str, param: str) -> bytes:
     try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
+        return b64decode(data)
+    except ValueError:
         raise bad_request("The data is not valid base64.", param=param) from None
 
 
@@ -202,7 +200,7 @@ def decode_audio(data: str, fmt: str, param: str) -> np.ndarray:
             raise bad_request(
                 "pcm16 audio must hold whole 16-bit samples (an even byte count).", param=f"{param}.data"
             )
-        pcm = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+        pcm = pcm16_to_float(raw)
     elif fmt in ENCODED_AUDIO_FORMATS:
         pcm = _decode_container(raw, f"{param}.data")
     else:
@@ -227,6 +225,4 @@ def _decode_container(raw: bytes, param: str) -> np.ndarray:
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         raise bad_request(f"The audio could not be decoded: {exc}.", param=param) from None
     mono = audio.mean(axis=1, dtype=np.float32)
-    if rate != SAMPLE_RATE and mono.size:
-        mono = soxr.resample(mono, rate, SAMPLE_RATE).astype(np.float32, copy=False)
-    return mono
+    return resample(mono, rate, SAMPLE_RATE)

@@ -143,19 +143,42 @@ def _body(event: object, c: SessionConfig) -> dict[str, Any]:
     raise TypeError(f"no wire form for {type(event).__name__}")
 
 
-@_body.register
-def _(e: ev.SessionCreated, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "session.created", "session": session_to_wire(e.session_id, e.config)}
+#: Events whose fields go on the wire as they are, by name and in order, under their type.
+_FLAT: dict[type, str] = {
+    ev.SessionClosed: "session.closed",
+    ev.InputAudioCleared: "input_audio_buffer.cleared",
+    ev.SpeechStarted: "input_audio_buffer.speech_started",
+    ev.SpeechStopped: "input_audio_buffer.speech_stopped",
+    ev.TimeoutTriggered: "input_audio_buffer.timeout_triggered",
+    ev.PlaybackAcknowledged: "playback.acknowledged",
+    ev.ItemDeleted: "conversation.item.deleted",
+    ev.ItemTruncated: "conversation.item.truncated",
+}
+
+#: Wire types of the events that come in pairs of one shape (added / done).
+_PAIRED: dict[type, str] = {
+    ev.SessionCreated: "session.created",
+    ev.SessionUpdated: "session.updated",
+    ev.ItemAdded: "conversation.item.added",
+    ev.ItemDone: "conversation.item.done",
+    ev.ResponseCreated: "response.created",
+    ev.ResponseDone: "response.done",
+    ev.OutputItemAdded: "response.output_item.added",
+    ev.OutputItemDone: "response.output_item.done",
+}
+
+
+def _flat(e: Any, c: SessionConfig) -> dict[str, Any]:
+    return {"type": _FLAT[type(e)], **vars(e)}
+
+
+for _cls in _FLAT:
+    _body.register(_cls, _flat)
 
 
 @_body.register
-def _(e: ev.SessionUpdated, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "session.updated", "session": session_to_wire(e.session_id, e.config)}
-
-
-@_body.register
-def _(e: ev.SessionClosed, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "session.closed", "session_id": e.session_id}
+def _(e: ev.SessionCreated | ev.SessionUpdated, c: SessionConfig) -> dict[str, Any]:
+    return {"type": _PAIRED[type(e)], "session": session_to_wire(e.session_id, e.config)}
 
 
 @_body.register
@@ -167,46 +190,6 @@ def _(e: ev.InputAudioCommitted, c: SessionConfig) -> dict[str, Any]:
     }
 
 
-@_body.register
-def _(e: ev.InputAudioCleared, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "input_audio_buffer.cleared"}
-
-
-@_body.register
-def _(e: ev.SpeechStarted, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "input_audio_buffer.speech_started",
-        "audio_start_ms": e.audio_start_ms,
-        "item_id": e.item_id,
-    }
-
-
-@_body.register
-def _(e: ev.SpeechStopped, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": e.audio_end_ms, "item_id": e.item_id}
-
-
-@_body.register
-def _(e: ev.TimeoutTriggered, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "input_audio_buffer.timeout_triggered",
-        "audio_start_ms": e.audio_start_ms,
-        "audio_end_ms": e.audio_end_ms,
-        "item_id": e.item_id,
-    }
-
-
-@_body.register
-def _(e: ev.PlaybackAcknowledged, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "playback.acknowledged",
-        "response_id": e.response_id,
-        "item_id": e.item_id,
-        "played_ms": e.played_ms,
-        "committed_ms": e.committed_ms,
-    }
-
-
 def _item(item: Any, c: SessionConfig, with_audio: bool = False) -> dict[str, Any]:
     return item_to_wire(
         item, input_format=c.input_format, output_format=c.output_format, with_audio=with_audio
@@ -214,21 +197,8 @@ def _item(item: Any, c: SessionConfig, with_audio: bool = False) -> dict[str, An
 
 
 @_body.register
-def _(e: ev.ItemAdded, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "conversation.item.added",
-        "previous_item_id": e.previous_item_id,
-        "item": _item(e.item, c),
-    }
-
-
-@_body.register
-def _(e: ev.ItemDone, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "conversation.item.done",
-        "previous_item_id": e.previous_item_id,
-        "item": _item(e.item, c),
-    }
+def _(e: ev.ItemAdded | ev.ItemDone, c: SessionConfig) -> dict[str, Any]:
+    return {"type": _PAIRED[type(e)], "previous_item_id": e.previous_item_id, "item": _item(e.item, c)}
 
 
 @_body.register
@@ -237,44 +207,14 @@ def _(e: ev.ItemRetrieved, c: SessionConfig) -> dict[str, Any]:
 
 
 @_body.register
-def _(e: ev.ItemDeleted, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "conversation.item.deleted", "item_id": e.item_id}
+def _(e: ev.ResponseCreated | ev.ResponseDone, c: SessionConfig) -> dict[str, Any]:
+    return {"type": _PAIRED[type(e)], "response": response_to_wire(e.response)}
 
 
 @_body.register
-def _(e: ev.ItemTruncated, c: SessionConfig) -> dict[str, Any]:
+def _(e: ev.OutputItemAdded | ev.OutputItemDone, c: SessionConfig) -> dict[str, Any]:
     return {
-        "type": "conversation.item.truncated",
-        "item_id": e.item_id,
-        "content_index": e.content_index,
-        "audio_end_ms": e.audio_end_ms,
-    }
-
-
-@_body.register
-def _(e: ev.ResponseCreated, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "response.created", "response": response_to_wire(e.response)}
-
-
-@_body.register
-def _(e: ev.ResponseDone, c: SessionConfig) -> dict[str, Any]:
-    return {"type": "response.done", "response": response_to_wire(e.response)}
-
-
-@_body.register
-def _(e: ev.OutputItemAdded, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "response.output_item.added",
-        "response_id": e.response_id,
-        "output_index": e.output_index,
-        "item": _item(e.item, c),
-    }
-
-
-@_body.register
-def _(e: ev.OutputItemDone, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "response.output_item.done",
+        "type": _PAIRED[type(e)],
         "response_id": e.response_id,
         "output_index": e.output_index,
         "item": _item(e.item, c),

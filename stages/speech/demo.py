@@ -33,12 +33,10 @@ NUM_CODE_GROUPS = 8
 VOICES = ("ethan", "chelsie")
 
 
-def demo_config_dict(token_ids: dict[str, int]) -> dict[str, Any]:
-    """The full ``Qwen3OmniMoeConfig`` of the demo, as plain JSON-able values."""
-    t = token_ids
-    codec_base = CODEBOOK  # codec special ids live in [CODEBOOK, CODEBOOK + 1024)
-    text = {
-        "vocab_size": t["<vocab_size>"],
+def _moe_text_config(vocab_size: int, **extra: Any) -> dict[str, Any]:
+    """The MoE text decoder shared by the demo's thinker and talker (a fresh dict per call)."""
+    return {
+        "vocab_size": vocab_size,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -55,7 +53,15 @@ def demo_config_dict(token_ids: dict[str, int]) -> dict[str, Any]:
             "mrope_section": [2, 3, 3],
         },
         "initializer_range": INIT_STD,
+        **extra,
     }
+
+
+def demo_config_dict(token_ids: dict[str, int]) -> dict[str, Any]:
+    """The full ``Qwen3OmniMoeConfig`` of the demo, as plain JSON-able values."""
+    t = token_ids
+    codec_base = CODEBOOK  # codec special ids live in [CODEBOOK, CODEBOOK + 1024)
+    text = _moe_text_config(t["<vocab_size>"])
     thinker = {
         "audio_config": {
             "num_mel_bins": 128,
@@ -93,26 +99,7 @@ def demo_config_dict(token_ids: dict[str, int]) -> dict[str, Any]:
         "position_id_per_seconds": 13,
         "initializer_range": INIT_STD,
     }
-    talker_text = {
-        "vocab_size": CODEBOOK + 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 4096,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [2, 3, 3],
-        },
-        "initializer_range": INIT_STD,
-    }
+    talker_text = _moe_text_config(CODEBOOK + 1024, shared_expert_intermediate_size=32)
     code_predictor = {
         "vocab_size": CODEBOOK,
         "hidden_size": 64,

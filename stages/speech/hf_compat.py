@@ -1,25 +1,12 @@
 """Small shims over transformers API differences between the versions we run (5.17 on the GPU
-image, 5.24 here): the KV cache argument and output field were renamed ``past_key_values`` ->
+image, 5.24 here): the KV cache output field was renamed ``past_key_values`` ->
 ``cache``, and the thinker's text model moved under ``thinker.model.language_model``."""
 
 from __future__ import annotations
 
-import inspect
-from functools import cache
 from typing import Any
 
 from torch import nn
-
-
-@cache
-def _cache_arg(cls: type) -> str:
-    params = inspect.signature(cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def cache_kwargs(module: nn.Module, value: Any) -> dict[str, Any]:
-    """``{name: value}`` for the KV cache argument of ``module.forward``."""
-    return {_cache_arg(type(module)): value}
 
 
 def output_cache(output: Any) -> Any:

@@ -520,18 +520,17 @@ class SpeechPipeline:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def _finish(self, active: _Active, out: list[tuple[str, Output]]) -> None:
-        active.finished = True
-        rid = active.request.request_id
-        self._active.pop(rid, None)
-        self._release(active)
-        out.append((rid, Finished(active.reason, active.usage)))  # type: ignore[arg-type]
+        self._end(active, out, Finished(active.reason, active.usage))  # type: ignore[arg-type]
 
     def _fail(self, active: _Active, out: list[tuple[str, Output]], message: str) -> None:
+        self._end(active, out, Finished("error", active.usage, message))
+
+    def _end(self, active: _Active, out: list[tuple[str, Output]], finished: Finished) -> None:
         active.finished = True
         rid = active.request.request_id
         self._active.pop(rid, None)
         self._release(active)
-        out.append((rid, Finished("error", active.usage, message)))
+        out.append((rid, finished))
 
     def _guard(self, active: _Active, out: list[tuple[str, Output]], fn: Any, *args: Any) -> None:
         """Runs one request's own work; an error fails that request only."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import soxr
 import torch
+from omnirt.codecs.audio import resample
 
 from ..pipeline import RequestRejected
 from ..types import SAMPLE_RATE, AudioPart, ContextMessage, ImagePart, TextPart
@@ -32,7 +32,7 @@ def audio_tokens_for_frames(frames: int, n_window: int) -> int:
 
 def to_encoder_rate(pcm: np.ndarray) -> np.ndarray:
     """24 kHz -> 16 kHz, the audio encoder's rate."""
-    return soxr.resample(pcm, SAMPLE_RATE, ENCODER_RATE).astype(np.float32)
+    return resample(pcm, SAMPLE_RATE, ENCODER_RATE)
 
 
 @dataclass

@@ -20,7 +20,7 @@ run by :class:`~.slots.SlotDecoder` over its layers with a per-request slot of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -52,7 +52,6 @@ class TalkerState:
     next_code: int = -1  # code group 0 of the next frame (sampled, not yet expanded)
     hidden: torch.Tensor | None = None  # last talker hidden state [Ht]
     frames: int = 0
-    codes: list[torch.Tensor] = field(default_factory=list)
 
 
 def build_talker_prompt(
@@ -134,7 +133,6 @@ class Talker:
     """The talker side of the model: special embeddings, prefill inputs and code prediction."""
 
     def __init__(self, model: nn.Module, *, max_slots: int, repetition_penalty: float = 1.05) -> None:
-        self.model = model
         self.talker = model.talker
         cfg = model.config
         self.cfg = cfg.talker_config

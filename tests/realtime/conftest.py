@@ -114,19 +114,17 @@ def validate(raw: str | bytes, seen_ids: set[str] | None = None) -> dict[str, An
     return event
 
 
-@dataclass
-class Client:
-    """A raw ``websockets`` client: sends any frame, validates every frame it receives."""
+class _Receiver:
+    """Receiving shared by both clients: each frame validated strictly, kept in ``events``."""
 
-    ws: Any
-    events: list[dict[str, Any]] = field(default_factory=list)
-    _ids: set[str] = field(default_factory=set)
+    events: list[dict[str, Any]]
+    _ids: set[str]
 
-    async def send(self, event: dict[str, Any] | str) -> None:
-        await self.ws.send(event if isinstance(event, str) else json.dumps(event))
+    async def _frame(self) -> str | bytes:
+        raise NotImplementedError
 
     async def recv(self, timeout: float = 5.0) -> dict[str, Any]:
-        event = validate(await asyncio.wait_for(self.ws.recv(), timeout), self._ids)
+        event = validate(await asyncio.wait_for(self._frame(), timeout), self._ids)
         self.events.append(event)
         return event
 
@@ -138,6 +136,21 @@ class Client:
             out.append(event)
             if event["type"] == kind:
                 return out
+
+
+@dataclass
+class Client(_Receiver):
+    """A raw ``websockets`` client: sends any frame, validates every frame it receives."""
+
+    ws: Any
+    events: list[dict[str, Any]] = field(default_factory=list)
+    _ids: set[str] = field(default_factory=set)
+
+    async def send(self, event: dict[str, Any] | str) -> None:
+        await self.ws.send(event if isinstance(event, str) else json.dumps(event))
+
+    async def _frame(self) -> str | bytes:
+        return await self.ws.recv()
 
     async def error(self) -> dict[str, Any]:
         event = await self.recv()
@@ -174,7 +187,7 @@ async def connect(
         yield client
 
 
-class SdkClient:
+class SdkClient(_Receiver):
     """The official SDK's connection, reading raw frames so each is validated strictly."""
 
     def __init__(self, conn: Any) -> None:
@@ -182,18 +195,8 @@ class SdkClient:
         self.events: list[dict[str, Any]] = []
         self._ids: set[str] = set()
 
-    async def recv(self, timeout: float = 5.0) -> dict[str, Any]:
-        event = validate(await asyncio.wait_for(self.conn.recv_bytes(), timeout), self._ids)
-        self.events.append(event)
-        return event
-
-    async def until(self, kind: str, timeout: float = 10.0) -> list[dict[str, Any]]:
-        out = []
-        while True:
-            event = await self.recv(timeout)
-            out.append(event)
-            if event["type"] == kind:
-                return out
+    async def _frame(self) -> str | bytes:
+        return await self.conn.recv_bytes()
 
 
 @contextlib.asynccontextmanager
@@ -206,6 +209,29 @@ async def sdk_connect(server: Server) -> AsyncIterator[SdkClient]:
         created = await client.recv()
         assert created["type"] == "session.created"
         yield client
+
+
+#: The events that end an audio response, in order (after its last audio delta).
+AUDIO_RESPONSE_TAIL = [
+    "response.output_audio.done",
+    "response.output_audio_transcript.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "conversation.item.done",
+    "response.done",
+]
+
+
+def text_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+    """A user text message item as ``conversation.item.create`` takes it."""
+    item: dict[str, Any] = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": text}],
+    }
+    if item_id:
+        item["id"] = item_id
+    return item
 
 
 def tone(ms: int, rate: int = 24_000) -> np.ndarray:

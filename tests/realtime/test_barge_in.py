@@ -18,18 +18,10 @@ from omnirt.stages.types import TextPart
 
 from tests.vad.speech import SENTENCES, place, spoken
 
-from .conftest import Client, Server, connect, run, running
+from .conftest import AUDIO_RESPONSE_TAIL, Client, Server, connect, run, running, text_item
 from .vad_helpers import kinds, stream_audio, vad_update
 
 LONG = " ".join(f"w{i}" for i in range(120))
-BARGE_IN_CLOSE = [
-    "response.output_audio.done",
-    "response.output_audio_transcript.done",
-    "response.content_part.done",
-    "response.output_item.done",
-    "conversation.item.done",
-    "response.done",
-]
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +29,6 @@ def slow() -> Iterator[Server]:
     """Replies stream one 80 ms word per 30 ms engine step: a long reply takes seconds."""
     with running(step_seconds=0.03) as s:
         yield s
-
-
-def text_item(text: str) -> dict[str, Any]:
-    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
 def audio_ms(events: list[dict[str, Any]], response_id: str) -> float:
@@ -101,7 +89,7 @@ def test_barge_in_cancels_the_reply_in_order_and_fast(slow: Server) -> None:
     started = k.index("input_audio_buffer.speech_started")
     done = k.index("response.done")
     assert started < done
-    assert k[done - len(BARGE_IN_CLOSE) + 1 : done + 1] == BARGE_IN_CLOSE
+    assert k[done - len(AUDIO_RESPONSE_TAIL) + 1 : done + 1] == AUDIO_RESPONSE_TAIL
     cancelled = events[done]["response"]
     assert cancelled["id"] == response_id
     assert cancelled["status"] == "cancelled"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from omnirt.realtime.config import ServerConfig
 
-from .conftest import Server, connect, run, running, wait_until
+from .conftest import Server, connect, run, running, text_item, wait_until
 
 KEY = "sk-test-good"
 
@@ -95,16 +95,7 @@ def test_disconnect_mid_response_cancels_the_request_and_frees_the_slot(guarded:
 
     async def main() -> str:
         async with connect(guarded, headers=bearer(KEY)) as c:
-            await c.send(
-                {
-                    "type": "conversation.item.create",
-                    "item": {
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": words}],
-                    },
-                }
-            )
+            await c.send({"type": "conversation.item.create", "item": text_item(words)})
             await c.send({"type": "response.create"})
             created = (await c.until("response.created"))[-1]
             await c.until("response.output_audio.delta")
@@ -119,16 +110,7 @@ def test_disconnect_mid_response_cancels_the_request_and_frees_the_slot(guarded:
 def test_session_close_finishes_in_flight_events_then_closes_1000(server: Server) -> None:
     async def main() -> tuple[list[str], int | None]:
         async with connect(server) as c:
-            await c.send(
-                {
-                    "type": "conversation.item.create",
-                    "item": {
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": " ".join(["x"] * 300)}],
-                    },
-                }
-            )
+            await c.send({"type": "conversation.item.create", "item": text_item(" ".join(["x"] * 300))})
             await c.send({"type": "response.create"})
             await c.until("response.output_audio.delta")
             await c.send({"type": "session.close"})
@@ -177,16 +159,7 @@ def test_counters_for_metrics(server: Server) -> None:
 def test_pings_are_answered_while_a_response_streams(server: Server) -> None:
     async def main() -> float:
         async with connect(server) as c:
-            await c.send(
-                {
-                    "type": "conversation.item.create",
-                    "item": {
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": "hi " * 50}],
-                    },
-                }
-            )
+            await c.send({"type": "conversation.item.create", "item": text_item("hi " * 50)})
             await c.send({"type": "response.create"})
             pong = await c.ws.ping()
             latency = await asyncio.wait_for(pong, 2)

@@ -6,16 +6,9 @@ import asyncio
 
 from omnirt.stages.types import TextPart
 
-from .conftest import Server, connect, run, sdk_connect, wait_until
+from .conftest import AUDIO_RESPONSE_TAIL, Server, connect, run, sdk_connect, text_item, wait_until
 
 LONG = " ".join(f"w{i}" for i in range(150))  # echoed back one word per engine step
-
-
-def text_item(text: str, item_id: str | None = None) -> dict:
-    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-    if item_id:
-        item["id"] = item_id
-    return item
 
 
 def test_cancel_mid_stream_sends_nothing_after_response_done(server: Server) -> None:
@@ -37,14 +30,7 @@ def test_cancel_mid_stream_sends_nothing_after_response_done(server: Server) -> 
     assert done["status"] == "cancelled"
     assert done["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
     kinds = [e["type"] for e in events]
-    assert kinds[-6:] == [
-        "response.output_audio.done",
-        "response.output_audio_transcript.done",
-        "response.content_part.done",
-        "response.output_item.done",
-        "conversation.item.done",
-        "response.done",
-    ]
+    assert kinds[-6:] == AUDIO_RESPONSE_TAIL
     assert events[-3]["item"]["status"] == "incomplete"
     assert [e["type"] for e in after] == ["conversation.item.retrieved"]  # no stray deltas
     request_id = server.pipeline.requests[-1].request_id

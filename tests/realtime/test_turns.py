@@ -8,7 +8,7 @@ import numpy as np
 from omnirt.codecs.audio import decode_audio, mulaw_encode, resample
 from omnirt.stages.types import AudioPart, TextPart
 
-from .conftest import MODEL, Server, pcm_b64, run, sdk_connect, tone
+from .conftest import AUDIO_RESPONSE_TAIL, MODEL, Server, pcm_b64, run, sdk_connect, text_item, tone
 
 AUDIO_TURN_ORDER = [
     "input_audio_buffer.committed",
@@ -18,14 +18,6 @@ AUDIO_TURN_ORDER = [
     "response.output_item.added",
     "conversation.item.added",
     "response.content_part.added",
-]
-AUDIO_TURN_TAIL = [
-    "response.output_audio.done",
-    "response.output_audio_transcript.done",
-    "response.content_part.done",
-    "response.output_item.done",
-    "conversation.item.done",
-    "response.done",
 ]
 
 
@@ -55,8 +47,8 @@ def test_audio_turn_event_order_and_ids(server: Server) -> None:
     events = run(main())
     kinds = [e["type"] for e in events]
     assert kinds[: len(AUDIO_TURN_ORDER)] == AUDIO_TURN_ORDER
-    assert kinds[-len(AUDIO_TURN_TAIL) :] == AUDIO_TURN_TAIL
-    middle = kinds[len(AUDIO_TURN_ORDER) : -len(AUDIO_TURN_TAIL)]
+    assert kinds[-len(AUDIO_RESPONSE_TAIL) :] == AUDIO_RESPONSE_TAIL
+    middle = kinds[len(AUDIO_TURN_ORDER) : -len(AUDIO_RESPONSE_TAIL)]
     assert set(middle) == {"response.output_audio_transcript.delta", "response.output_audio.delta"}
     committed, user_added, user_done, created = events[:4]
     user_id = committed["item_id"]
@@ -114,9 +106,7 @@ def test_text_turn_uses_output_text_events(server: Server) -> None:
             updated = await c.recv()
             assert updated["type"] == "session.updated"
             assert updated["session"]["output_modalities"] == ["text"]
-            await c.conn.conversation.item.create(
-                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
-            )
+            await c.conn.conversation.item.create(item=text_item("hello"))
             await c.until("conversation.item.done")
             await c.conn.response.create()
             return await c.until("response.done")
@@ -154,9 +144,7 @@ def test_history_of_previous_turns_goes_into_every_request(server: Server) -> No
             await c.conn.input_audio_buffer.commit()
             await c.conn.response.create()
             await c.until("response.done")
-            await c.conn.conversation.item.create(
-                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "again"}]}
-            )
+            await c.conn.conversation.item.create(item=text_item("again"))
             await c.conn.response.create()
             await c.until("response.done")
 

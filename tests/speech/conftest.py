@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import io  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -49,6 +50,17 @@ def tone(seconds: float = 1.0, freq: float = 220.0, seed: int = 0) -> np.ndarray
     rng = np.random.default_rng(seed)
     t = np.arange(n) / SAMPLE_RATE
     return (0.3 * np.sin(2 * np.pi * freq * t) + 0.05 * rng.standard_normal(n)).astype(np.float32)
+
+
+def png(size: tuple[int, int] = (64, 48)) -> bytes:
+    """A seeded random RGB image, PNG-encoded."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def text_request(rid: str, text: str = "hello there", **kw) -> GenerationRequest:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
@@ -20,39 +19,33 @@ from omnirt.stages.types import (
     TextPart,
 )
 
-from .conftest import TokenLog, audio_request, drain, of, text_request, tone
+from .conftest import TokenLog, audio_request, drain, of, png, text_request, tone
 
 MAX_NEW = 24
 
 
-def _hf_tokens(hf_model, prompt, eos: int, **extra) -> list[int]:
+def _generate(hf_model, prompt, eos: int, *, return_audio: bool = False, **extra):
+    """Greedy ``generate`` of at most ``MAX_NEW`` thinker tokens, ending on ``eos``."""
     ids = prompt.input_ids
-    seq = hf_model.generate(
+    return hf_model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
-        return_audio=False,
+        return_audio=return_audio,
         thinker_max_new_tokens=MAX_NEW,
         thinker_eos_token_id=eos,
         thinker_do_sample=False,
         **prompt.model_kwargs(),
         **extra,
     )
-    return seq[0, ids.shape[1] :].tolist()
 
 
-def _png(size: tuple[int, int] = (64, 48)) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+def _hf_tokens(hf_model, prompt, eos: int) -> list[int]:
+    return _generate(hf_model, prompt, eos)[0, prompt.input_ids.shape[1] :].tolist()
 
 
 def _conversation(rid: str, image: bool = True, **kw) -> GenerationRequest:
     """System prompt, an earlier exchange, then a user turn with audio, an image and text."""
-    last = (AudioPart(tone(0.8, 330.0)), ImagePart(_png()), TextPart("and this?"))
+    last = (AudioPart(tone(0.8, 330.0)), ImagePart(png()), TextPart("and this?"))
     return GenerationRequest(
         rid,
         [
@@ -72,7 +65,7 @@ def _request(kind: str, rid: str, **kw) -> GenerationRequest:
         return audio_request(rid, tone(1.0), **kw)
     if kind == "image":
         return GenerationRequest(
-            rid, [ContextMessage("user", (ImagePart(_png()), TextPart("what is it?")))], **kw
+            rid, [ContextMessage("user", (ImagePart(png()), TextPart("what is it?")))], **kw
         )
     # generate() raises for a talker prompt with audio and an image (its talker RoPE index reads a
     # config field the talker lacks): the audio-reply parity runs the conversation without the image.
@@ -121,16 +114,8 @@ def test_audio_reply_waveform_equals_generate(demo_dir: Path, hf_model, vocoder:
     eos = greedy[stop_at]
     talker_tokens = 40
     ids = prompt.input_ids
-    seq, wav = hf_model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        return_audio=True,
-        thinker_max_new_tokens=MAX_NEW,
-        thinker_eos_token_id=eos,
-        thinker_do_sample=False,
-        talker_max_new_tokens=talker_tokens,
-        talker_do_sample=False,
-        **prompt.model_kwargs(),
+    seq, wav = _generate(
+        hf_model, prompt, eos, return_audio=True, talker_max_new_tokens=talker_tokens, talker_do_sample=False
     )
     expected_wav = wav.reshape(-1).float().numpy()
     pipe.stop_token_ids = {eos}

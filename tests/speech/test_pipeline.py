@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from omnirt.stages.types import (
     TextPart,
 )
 
-from .conftest import TokenLog, audio_request, drain, of, text_request, tone
+from .conftest import TokenLog, audio_request, drain, of, png, text_request, tone
 
 
 def _summary(outs) -> tuple[str, np.ndarray, str, int]:
@@ -136,19 +135,9 @@ def test_seeded_sampling_is_reproducible(pipeline) -> None:
     assert log.tokens["x"] != log.tokens["z"]
 
 
-def _png(size: tuple[int, int] = (64, 48)) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def test_image_input_runs_through_the_vision_encoder(pipeline) -> None:
     log = TokenLog(pipeline)
-    msg = [ContextMessage("user", (ImagePart(_png()), TextPart("what is this?")))]
+    msg = [ContextMessage("user", (ImagePart(png()), TextPart("what is this?")))]
     pipeline.add(GenerationRequest("img", msg, output_audio=True, max_output_tokens=6))
     outs = of(drain(pipeline), "img")
     assert outs[0].usage.input_image_tokens > 0

@@ -60,7 +60,7 @@ class Placed:
     end_ms: float
 
     def pcm16(self) -> bytes:
-        return (np.clip(self.audio, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
+        return to_pcm16(self.audio)
 
 
 def place(

@@ -36,9 +36,7 @@ async ([rate, freq, seconds]) => {
 }
 """
 
-PLAYBACK = """
-async ([stopAt]) => {
-  // Port messages reach the audio thread asynchronously: post them while rendering is suspended.
+PLAYBACK_RIG = """
   const ctx = new OfflineAudioContext(1, 24000, 24000);
   await ctx.audioWorklet.addModule("/worklets/playback-processor.js");
   const node = new AudioWorkletNode(ctx, "playback-processor", {numberOfInputs: 0, outputChannelCount: [1]});
@@ -49,7 +47,30 @@ async ([stopAt]) => {
     post();
     setTimeout(() => ctx.resume(), 50);
   });
-  at(128 / 24000, () => {
+"""
+
+
+def playback_script(params: str, body: str) -> str:
+    """A page function that renders ``playback-processor`` offline for one second at 24 kHz.
+
+    ``body`` schedules port messages with ``at(seconds, post)``: port messages reach the audio
+    thread asynchronously, so they are posted while rendering is suspended. The function
+    returns the rendered samples and the messages the processor posted back."""
+    return (
+        f"async ({params}) => {{"
+        + PLAYBACK_RIG
+        + body
+        + """  const rendered = await ctx.startRendering();
+  await new Promise((r) => setTimeout(r, 200));
+  return {out: Array.from(rendered.getChannelData(0)), messages};
+}
+"""
+    )
+
+
+PLAYBACK = playback_script(
+    "[stopAt]",
+    """  at(128 / 24000, () => {
     for (let i = 0; i < 4; i++) {
       const pcm = new Float32Array(2400).fill(0.5);
       node.port.postMessage({type: "push", itemId: "item_a", responseId: "resp_a", pcm});
@@ -57,11 +78,8 @@ async ([stopAt]) => {
     if (stopAt === null) node.port.postMessage({type: "end", itemId: "item_a"});
   });
   if (stopAt !== null) at(stopAt, () => node.port.postMessage({type: "stop"}));
-  const rendered = await ctx.startRendering();
-  await new Promise((r) => setTimeout(r, 200));
-  return {out: Array.from(rendered.getChannelData(0)), messages};
-}
-"""
+""",
+)
 
 
 @pytest.fixture
@@ -114,31 +132,18 @@ def test_playback_stop_counts_exactly_what_was_rendered(origin_page):
     assert not [m for m in result["messages"] if m["type"] == "finished"]
 
 
-JITTER = """
-async () => {
-  // 40 ms queued (under the 80 ms prebuffer, item not ended): silence. At 0.2 s 100 ms more
-  // arrive: playback starts. At 0.5 s the item ends after an underrun: the rest plays.
-  const ctx = new OfflineAudioContext(1, 24000, 24000);
-  await ctx.audioWorklet.addModule("/worklets/playback-processor.js");
-  const node = new AudioWorkletNode(ctx, "playback-processor", {numberOfInputs: 0, outputChannelCount: [1]});
-  const messages = [];
-  node.port.onmessage = (e) => messages.push(e.data);
-  node.connect(ctx.destination);
-  const push = (n) => node.port.postMessage({
+# 40 ms queued (under the 80 ms prebuffer, item not ended): silence. At 0.2 s 100 ms more
+# arrive: playback starts. At 0.5 s the item ends after an underrun: the rest plays.
+JITTER = playback_script(
+    "",
+    """  const push = (n) => node.port.postMessage({
     type: "push", itemId: "item_j", responseId: "resp_j", pcm: new Float32Array(n).fill(0.5),
-  });
-  const at = (seconds, post) => ctx.suspend(seconds).then(() => {
-    post();
-    setTimeout(() => ctx.resume(), 50);
   });
   at(128 / 24000, () => push(960));
   at(0.2, () => push(2400));
   at(0.5, () => node.port.postMessage({type: "end", itemId: "item_j"}));
-  const rendered = await ctx.startRendering();
-  await new Promise((r) => setTimeout(r, 200));
-  return {out: Array.from(rendered.getChannelData(0)), messages};
-}
-"""
+""",
+)
 
 
 def test_playback_waits_for_its_jitter_buffer(origin_page):
