@@ -18,10 +18,13 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_pipeline(model: str | None, *, device: str | None = None, max_slots: int = 32) -> Pipeline:
+def build_pipeline(
+    model: str | None, *, device: str | None = None, max_slots: int = 32, cuda_graphs: bool = True
+) -> Pipeline:
     """The speech pipeline for ``model``: None or ``"demo"`` for the embedded default (a tiny
     Qwen3-Omni with random weights, built into the cache on first use), else a local checkpoint
-    folder in the published layout. A missing or unloadable folder raises ``ValueError``."""
+    folder in the published layout. A missing or unloadable folder raises ``ValueError``.
+    ``cuda_graphs``: see :func:`.speech.loader.load_speech_pipeline` (ignored on CPU)."""
     from .speech.demo import ensure_demo_checkpoint
     from .speech.loader import load_speech_pipeline
 
@@ -41,6 +44,7 @@ def build_pipeline(model: str | None, *, device: str | None = None, max_slots: i
             model_id="demo-qwen3-omni",
             random_weights=True,
             audio_frames_per_token=4.0,
+            cuda_graphs=cuda_graphs,
             warm_up=True,
         )
     path = Path(model).expanduser()  # type: ignore[arg-type]
@@ -48,4 +52,6 @@ def build_pipeline(model: str | None, *, device: str | None = None, max_slots: i
         raise ValueError(
             f"--model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
         )
-    return load_speech_pipeline(path, device=device, max_slots=max_slots, warm_up=True)
+    return load_speech_pipeline(
+        path, device=device, max_slots=max_slots, cuda_graphs=cuda_graphs, warm_up=True
+    )

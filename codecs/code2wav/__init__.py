@@ -22,8 +22,10 @@ One ``step`` call decodes a frame for every slot it is given in one batched mode
 the whole pool (always ``max_slots`` rows, so a stream's output does not depend on which other
 slots are busy); the other slots keep their state. For CUDA graphs, set ``streamer.runner`` to
 ``CudaGraphRunner(streamer.pool.step_io, streamer.pool.make_inputs, buckets=[max_slots])`` from
-``stages/graphs.py`` after its ``capture()``. Bad input (unknown slot, wrong number of codebooks, codes out of
-``[0, codebook_size)``, no free slot) raises ``ValueError`` and changes no stream.
+``stages/graphs.py`` after its ``capture()`` (the speech pipeline's ``StreamingVocoder`` does so
+on CUDA); replay equals the eager step bitwise. Bad input (unknown slot, wrong number of
+codebooks, codes out of ``[0, codebook_size)``, no free slot) raises ``ValueError`` and changes
+no stream.
 
 Latency and length. Each decoder block's transposed convolution (kernel 2r, stride r, trimmed
 by r at both ends) needs the next input before its last r outputs are final. Over the four

@@ -23,7 +23,8 @@ class Code2WavStreamer:
 
     ``runner`` runs that step: ``pool.step_io`` by default; an engine may set it to a
     ``stages.graphs.CudaGraphRunner(pool.step_io, pool.make_inputs, buckets=[max_slots])``
-    after ``capture()``, which has the same call signature.
+    after ``capture()``, which has the same call signature and gives bitwise the same output
+    (``stages/speech/code2wav.py``'s ``StreamingVocoder`` does this on CUDA).
 
     Every method validates all of its arguments before it changes anything: bad input raises
     ``ValueError`` and leaves every stream as it was.

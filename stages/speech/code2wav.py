@@ -5,7 +5,9 @@ once per tick pulls the audio that is due. Two implementations:
 
 * :class:`StreamingVocoder` (default on GPU): ``omnirt.codecs.code2wav``'s exact streaming decoder,
   one batched step per tick for every stream with a new frame; output equals the offline
-  decode. Audio is handed out in chunks of ``first_chunk`` then ``chunk`` frames.
+  decode. Audio is handed out in chunks of ``first_chunk`` then ``chunk`` frames. On CUDA the
+  step replays a CUDA graph captured at start-up (``graphs=True``, the default), bitwise the
+  same PCM as the eager step.
 * :class:`ChunkedVocoder` (default on CPU): transformers' ``Qwen3OmniMoeCode2Wav`` re-run on
   each chunk with up to ``left_context`` earlier frames (its ``chunked_decode`` scheme). Each decode of
   frames ``[w, e)`` gives the causal waveform up to ``e * upsample - tail`` samples; the stream
@@ -21,6 +23,8 @@ from typing import Protocol
 import numpy as np
 import torch
 from torch import nn
+
+from ..graphs import CudaGraphRunner
 
 
 class Vocoder(Protocol):
@@ -53,9 +57,24 @@ class _Chunking:
 
 
 class StreamingVocoder(_Chunking):
-    """Exact streaming code2wav, batched across streams (``omnirt.codecs.code2wav``)."""
+    """Exact streaming code2wav, batched across streams (``omnirt.codecs.code2wav``).
 
-    def __init__(self, module: nn.Module, *, max_streams: int, first_chunk: int = 2, chunk: int = 6) -> None:
+    Every step runs the whole pool of ``max_streams`` slots, so with ``graphs`` (the default)
+    on a CUDA module it captures one CUDA graph of that step at construction
+    (``stages/graphs.py``: warm-up and capture on idle rows, no stream's state moves) and
+    replays it on every tick; its PCM equals the eager step's bitwise. ``graphs`` is ignored
+    off CUDA (the step runs eagerly).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        max_streams: int,
+        first_chunk: int = 2,
+        chunk: int = 6,
+        graphs: bool = True,
+    ) -> None:
         super().__init__(first_chunk, chunk)
         from omnirt.codecs.code2wav import Code2WavStreamer
 
@@ -63,6 +82,16 @@ class StreamingVocoder(_Chunking):
         self.streamer = Code2WavStreamer(
             module, max_slots=max_streams, device=param.device, dtype=param.dtype
         )
+        if graphs and param.device.type == "cuda":
+            pool = self.streamer.pool
+            # The streamer indexes the rows it needs out of the output (a copy), so the
+            # runner can hand out views of its static output buffer.
+            runner = CudaGraphRunner(
+                pool.step_io, pool.make_inputs, buckets=[max_streams], clone_outputs=False
+            )
+            with torch.cuda.device(param.device):
+                runner.capture()
+            self.streamer.runner = runner
         self._slot: dict[str, int] = {}
         self._queued: dict[str, list[torch.Tensor]] = {}
         self._pcm: dict[str, list[np.ndarray]] = {}
@@ -162,11 +191,13 @@ class _ContextStream:
         self.emitted = 0  # samples
 
 
-def make_vocoder(module: nn.Module, kind: str, *, max_streams: int) -> Vocoder:
+def make_vocoder(module: nn.Module, kind: str, *, max_streams: int, graphs: bool = True) -> Vocoder:
     """``kind``: "stream" (exact streaming decoder), "chunked" (transformers module), or "auto":
     the streaming decoder on accelerators; on CPU the chunked one, since the streaming decoder
     steps its whole pool of ``max_streams`` slots every tick (CUDA-graph friendly, but about a
-    millisecond per slot on a CPU core), while chunks cost only the streams that are due."""
+    millisecond per slot on a CPU core), while chunks cost only the streams that are due.
+    ``graphs``: the streaming decoder replays a CUDA graph of its step on CUDA (see
+    :class:`StreamingVocoder`); the chunked one has none."""
     if kind == "auto":
         on_cpu = next(module.parameters()).device.type == "cpu"
         try:
@@ -175,7 +206,7 @@ def make_vocoder(module: nn.Module, kind: str, *, max_streams: int) -> Vocoder:
             on_cpu = True
         kind = "chunked" if on_cpu else "stream"
     if kind == "stream":
-        return StreamingVocoder(module, max_streams=max_streams)
+        return StreamingVocoder(module, max_streams=max_streams, graphs=graphs)
     if kind == "chunked":
         return ChunkedVocoder(module)
     raise ValueError(f"unknown vocoder {kind!r} (stream, chunked or auto)")

@@ -102,6 +102,7 @@ def load_speech_pipeline(
     max_audio_frames: int = 2048,
     audio_frames_per_token: float = 12.0,
     vocoder: str = "auto",
+    cuda_graphs: bool = True,
     warm_up: bool = False,
     model_id: str | None = None,
     random_weights: bool | None = None,
@@ -110,6 +111,8 @@ def load_speech_pipeline(
 
     ``dtype`` defaults to float32 on CPU and bfloat16 elsewhere; ``max_context`` (thinker tokens
     per request, prompt and reply) defaults to the smaller of the model's limit and 4096.
+    ``cuda_graphs``: on CUDA, the steps that have a CUDA-graph path capture it here and replay
+    it (today the streaming code2wav vocoder; bitwise the same audio); ignored on CPU.
     """
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
 
@@ -168,6 +171,7 @@ def load_speech_pipeline(
         audio_frames_per_token=audio_frames_per_token,
         stop_token_ids=stop,
         vocoder=vocoder,
+        cuda_graphs=cuda_graphs,
     )
     if warm_up:
         pipeline.warm_up()

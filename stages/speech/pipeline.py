@@ -93,6 +93,7 @@ class SpeechPipeline:
         stop_token_ids: set[int] | None = None,
         talker_repetition_penalty: float = 1.05,
         vocoder: str | Vocoder = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -128,7 +129,7 @@ class SpeechPipeline:
                 dtype=self.dtype,
             )
             self.vocoder: Vocoder = (
-                make_vocoder(model.code2wav, vocoder, max_streams=max_slots)
+                make_vocoder(model.code2wav, vocoder, max_streams=max_slots, graphs=cuda_graphs)
                 if isinstance(vocoder, str)
                 else vocoder
             )

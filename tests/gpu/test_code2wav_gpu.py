@@ -1,13 +1,22 @@
 """Streaming code2wav at the published size on CUDA: fp32 parity with transformers' offline
-decode past the sliding window, bf16, no host syncs in a step, and CUDA-graph replay."""
+decode past the sliding window, bf16, no host syncs in a step, CUDA-graph replay through
+``stages/graphs.py`` bitwise equal to eager, and the speech pipeline's vocoder on graphs.
+
+Run on the lent GPU: ``pytest -m gpu -s tests/gpu/test_code2wav_gpu.py``; results go to
+docs/benchmarks.md. Skipped without CUDA."""
 
 from __future__ import annotations
+
+import copy
+import time
 
 import numpy as np
 import pytest
 import torch
 from omnirt.codecs.code2wav import Code2WavModel, Code2WavPool, Code2WavStreamer
 from omnirt.codecs.code2wav.random_init import randomize_
+from omnirt.stages.graphs import CudaGraphRunner
+from omnirt.stages.speech.code2wav import StreamingVocoder
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
@@ -80,39 +89,143 @@ def test_step_never_syncs_with_the_host(hf, codes) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_cuda_graph_replay_equals_eager(hf, codes) -> None:
-    """``step_io`` captured the way ``stages/graphs.py`` does it, replayed with changing exec
-    masks (sessions joining and leaving), against eager steps at the same batch size."""
-    model = Code2WavModel.from_hf(hf)
-    eager, graphed = Code2WavPool(model, 4, device="cuda"), Code2WavPool(model, 4, device="cuda")
-    static = graphed.make_inputs(4)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up with every row idle: no state moves
-        for _ in range(2):
-            graphed.step_io(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = graphed.step_io(static)["wav"]
-    assert graphed.state["frame"].tolist() == [0, 0, 0, 0]
+def _snapshot(pool: Code2WavPool) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in pool.state.items()}
 
-    masks = [
-        [True, False, False, False],
-        [True, True, False, False],
-        [True, True, False, True],
-        [False, True, True, True],
-        [True, False, True, True],
-    ]
-    for step, mask in enumerate(masks):
+
+def _restore(pool: Code2WavPool, snapshot: dict[str, torch.Tensor]) -> None:
+    for name, tensor in pool.state.items():
+        tensor.copy_(snapshot[name])
+
+
+def _pad(inputs: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """``inputs`` padded to ``rows`` with zeros (idle rows), as ``CudaGraphRunner`` pads them."""
+    out = {}
+    for name, tensor in inputs.items():
+        padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.shape[0]] = tensor
+        out[name] = padded
+    return out
+
+
+GRAPH_STEPS = 90  # slot 0 decodes every step: past the 72-frame sliding window
+
+
+def _schedule():
+    """``(rows, exec mask of those rows, slots joining now)`` per step: slot 0 always runs,
+    slots 1-3 join (reset in place) and leave in turn; every tenth step calls with 1 row
+    (bucket 1) and every tenth with 3 rows (bucket 4, one padded row)."""
+    active = [True, False, False, False]
+    for step in range(GRAPH_STEPS):
+        joins = []
+        if step % 4 == 1:
+            slot = 1 + (step // 4) % 3
+            active[slot] = not active[slot]
+            if active[slot]:
+                joins.append(slot)
+        rows = {9: 1, 5: 3}.get(step % 10, 4)
+        yield rows, active[:rows], joins
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graph_replay_equals_eager_bitwise(hf, dtype) -> None:
+    """``pool.step_io`` through ``stages/graphs.py``'s ``CudaGraphRunner`` (buckets 1 and 4),
+    with sessions joining and leaving: each replay against an eager step at the same bucket
+    size from the same state, comparing the output and every state buffer bitwise."""
+    pool = Code2WavPool(Code2WavModel.from_hf(hf), 4, device="cuda", dtype=dtype)
+    runner = CudaGraphRunner(pool.step_io, pool.make_inputs, buckets=[1, 4])
+    runner.capture()
+    assert runner.captured_buckets == [1, 4]
+    assert all(not tensor.any() for tensor in pool.state.values())  # warm-up and capture moved nothing
+
+    generator = torch.Generator().manual_seed(4)
+    frames = [0, 0, 0, 0]
+    replays = {1: 0, 4: 0}
+    graph_ms, eager_ms = [], []
+    for rows, mask, joins in _schedule():
+        for slot in joins:
+            pool.reset(slot)
+            frames[slot] = 0
+        bucket = runner.bucket_for(rows)
         inputs = {
-            "codes": codes[:, step : step + 4].T.contiguous().cuda(),
+            "codes": torch.randint(0, 2048, (rows, 16), generator=generator).cuda(),
             "exec_mask": torch.tensor(mask, device="cuda"),
         }
-        expected = eager.step_io(inputs)["wav"]
-        for name, tensor in inputs.items():
-            static[name].copy_(tensor)
-        graph.replay()
-        rows = inputs["exec_mask"].nonzero().flatten()
-        torch.testing.assert_close(out[rows], expected[rows], rtol=1e-5, atol=1e-6)
-    assert torch.equal(eager.state["frame"], graphed.state["frame"])
+        before = _snapshot(pool)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        wav_graph = runner(inputs)["wav"]
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        assert runner.last_path == "graph"
+        after_graph = _snapshot(pool)
+        _restore(pool, before)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        wav_eager = pool.step_io(_pad(inputs, bucket))["wav"][:rows]
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if bucket == 4 and rows == 4:
+            graph_ms.append((t1 - t0) * 1000)
+            eager_ms.append((t3 - t2) * 1000)
+        replays[bucket] += 1
+
+        assert torch.equal(wav_graph, wav_eager)
+        for name, tensor in pool.state.items():
+            assert torch.equal(after_graph[name], tensor), name
+        idle = torch.tensor([not m for m in mask] + [True] * (4 - rows), device="cuda")
+        for name, tensor in pool.state.items():  # slots not stepping (or padded) kept their state
+            assert torch.equal(tensor[idle], before[name][idle]), name
+        for slot, runs in enumerate(mask):
+            frames[slot] += runs
+    assert pool.state["frame"].tolist() == frames
+    assert frames[0] == GRAPH_STEPS > 72
+    assert wav_graph.float().std() > 0
+    print(
+        f"\n[gpu] code2wav {dtype}: {GRAPH_STEPS} steps via CudaGraphRunner buckets [1, 4] "
+        f"({replays[4]} replays of bucket 4, some with 3 rows padded; {replays[1]} of bucket 1), "
+        f"sessions joining and leaving: graph == eager bitwise (wav and all {len(pool.state)} state "
+        f"buffers), slot 0 at frame {frames[0]}; step at 4 rows: graph {np.median(graph_ms):.2f} ms, "
+        f"eager {np.median(eager_ms):.2f} ms (median)"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_streaming_vocoder_graphs_equal_eager_bitwise(hf, codes, offline, dtype) -> None:
+    """The speech pipeline's ``StreamingVocoder``: with ``graphs`` (the CUDA default) its step
+    replays a captured graph, and its PCM equals ``graphs=False`` bitwise on the same codes."""
+    module = hf if dtype == torch.float32 else copy.deepcopy(hf).to(dtype)
+    streams = {"a": (0, 40), "b": (3, 25), "c": (7, 40)}  # key: (first tick, end tick)
+    pcm: dict[bool, dict[str, np.ndarray]] = {}
+    for graphs in (True, False):
+        vocoder = StreamingVocoder(module, max_streams=4, graphs=graphs)
+        runner = vocoder.streamer.runner
+        assert isinstance(runner, CudaGraphRunner) == graphs
+        if graphs:
+            assert runner.captured_buckets == [4]
+        pieces: dict[str, list[np.ndarray]] = {key: [] for key in streams}
+        t0 = time.perf_counter()
+        for tick in range(40):
+            for key, (start, end) in streams.items():
+                if tick == start:
+                    vocoder.open(key)
+                if start <= tick < end:
+                    vocoder.push(key, codes[:, tick - start])
+            finishing = {key for key, (_, end) in streams.items() if tick == end - 1}
+            for key, (chunk, _) in vocoder.pull(finishing).items():
+                pieces[key].append(chunk)
+            if graphs:
+                assert runner.last_path == "graph"
+            for key in finishing:
+                vocoder.close(key)
+        seconds = time.perf_counter() - t0
+        assert vocoder.streamer.free_slots == 4
+        pcm[graphs] = {key: np.concatenate(chunks) for key, chunks in pieces.items()}
+        print(f"\n[gpu] StreamingVocoder {dtype} graphs={graphs}: 40 ticks, 3 streams, {seconds:.2f} s")
+    for key, (start, end) in streams.items():
+        assert pcm[True][key].shape == ((end - start) * 1920 - 555,)
+        assert np.array_equal(pcm[True][key], pcm[False][key]), key
+    if dtype == torch.float32:
+        a = pcm[True]["a"]
+        np.testing.assert_allclose(a, offline[: a.size], rtol=1e-3, atol=1e-4)
+    print(f"\n[gpu] StreamingVocoder {dtype}: graphs on == graphs off bitwise (3 streams, joining/leaving)")

@@ -1,5 +1,6 @@
-"""The speech pipeline on CUDA: fp32 parity with ``generate`` on the GPU, bf16 end to end, and
-the latency of a 1 s audio turn (printed; run with ``pytest -m gpu -s tests/speech``)."""
+"""The speech pipeline on CUDA: fp32 parity with ``generate`` on the GPU, bf16 end to end, the
+streaming vocoder on CUDA graphs, and the latency of a 1 s audio turn (printed; run with
+``pytest -m gpu -s tests/speech``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omnirt.stages.graphs import CudaGraphRunner
+from omnirt.stages.speech.code2wav import StreamingVocoder, make_vocoder
 from omnirt.stages.speech.loader import load_speech_pipeline
 from omnirt.stages.types import AudioDelta, Finished, TextDelta
 
@@ -61,6 +64,56 @@ def test_cuda_fp32_reply_equals_generate(demo_dir: Path, no_tf32) -> None:
     expected = wav.reshape(-1).float().cpu().numpy()
     assert pcm.shape == expected.shape
     np.testing.assert_allclose(pcm / 32767.0, expected, atol=2e-4, rtol=0)
+
+
+def test_cuda_vocoder_replays_graphs_bitwise(demo_dir: Path) -> None:
+    """The pipeline's streaming vocoder captures its step at load and replays it every tick;
+    the audio of a turn equals an eager vocoder's (``graphs=False``) on the same codes, bitwise."""
+    pipe = load_speech_pipeline(
+        demo_dir, device="cuda", dtype=torch.bfloat16, max_slots=4, max_audio_frames=30
+    )
+    vocoder = pipe.vocoder
+    assert isinstance(vocoder, StreamingVocoder)
+    runner = vocoder.streamer.runner
+    assert isinstance(runner, CudaGraphRunner) and runner.captured_buckets == [4]
+    pushed: list[torch.Tensor] = []
+    pulled: list[np.ndarray] = []
+    paths: set[str] = set()
+    push, pull = vocoder.push, vocoder.pull
+
+    def record_push(key: str, frame: torch.Tensor) -> None:
+        pushed.append(frame.clone())
+        push(key, frame)
+
+    def record_pull(finishing):
+        runner.last_path = ""  # stays empty on ticks with no frame to decode
+        out = pull(finishing)
+        paths.add(runner.last_path)
+        pulled.extend(pcm for pcm, _ in out.values())
+        return out
+
+    vocoder.push, vocoder.pull = record_push, record_pull  # type: ignore[method-assign]
+    pipe.add(audio_request("r", tone(1.0), max_output_tokens=12))
+    outs = of(drain(pipe), "r")
+    assert isinstance(outs[-1], Finished) and outs[-1].reason != "error"
+    assert len(pushed) > 8 and paths - {""} == {"graph"}
+    assert vocoder.streamer.free_slots == 4
+
+    eager = make_vocoder(pipe.model.code2wav, "stream", max_streams=4, graphs=False)
+    assert not isinstance(eager.streamer.runner, CudaGraphRunner)  # type: ignore[attr-defined]
+    eager.open("r")
+    for frame in pushed:
+        eager.push("r", frame)
+    expected, frames = eager.pull({"r"})["r"]
+    got = np.concatenate(pulled)
+    assert frames == len(pushed) and got.shape == expected.shape == (len(pushed) * 1920 - 555,)
+    assert np.array_equal(got, expected)
+    sent = np.concatenate([o.pcm for o in outs if isinstance(o, AudioDelta)])
+    assert np.array_equal(sent, (np.clip(expected, -1.0, 1.0) * 32767.0).round().astype(np.int16))
+    print(
+        f"\n[gpu] speech pipeline bf16: vocoder replayed its CUDA graph (bucket 4) for {len(pushed)} "
+        "frames; PCM == graphs=False vocoder bitwise"
+    )
 
 
 def test_cuda_bf16_turn_latency(demo_dir: Path) -> None:
