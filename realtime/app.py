@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.resources
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from omnirt.stages.engine import EngineClient
+from omnirt.vad.model import VadInitError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -121,6 +123,16 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
         started_here = not client.engine.running
         if started_here:
             client.engine.start()
+        if config.vad_preload:
+            try:
+                await asyncio.to_thread(realtime.vad.load)
+            except VadInitError as exc:  # sessions asking for server_vad get the error then
+                log.error("server VAD is unavailable: %s", exc)
+        # Everything alive now (model code, weights, imported modules) lives as long as the
+        # server: out of the collector's view, full collections no longer pause the event loop
+        # for tens of milliseconds (72 ms measured with 200 sessions streaming).
+        gc.collect()
+        gc.freeze()
         log.info(
             "omnirt app up: model %s (%s)%s; web UI %s",
             info.id,

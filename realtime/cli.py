@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
     )
+    serve.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run the model's steps eagerly on CUDA instead of replaying captured CUDA graphs",
+    )
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
     return parser
 
@@ -117,6 +122,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         model=args.model,
         api_keys=list(dict.fromkeys(keys)),
         max_sessions=args.max_sessions,
+        vad_preload=True,
+        cuda_graphs=not args.no_cuda_graphs,
     )
 
 
@@ -129,7 +136,9 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str) -> int:
     from .app import create_app
 
     try:
-        pipeline = build_pipeline(config.model, device=device, max_slots=config.max_sessions)
+        pipeline = build_pipeline(
+            config.model, device=device, max_slots=config.max_sessions, cuda_graphs=config.cuda_graphs
+        )
     except ValueError as exc:
         log.error("cannot load the model: %s", exc)
         return 1

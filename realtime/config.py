@@ -11,6 +11,8 @@ class ServerConfig:
     port: int = 8000
     #: ``None`` or ``"demo"``: the embedded default (small random weights); else a local path.
     model: str | None = None
+    #: Replay the model's steps from captured CUDA graphs on CUDA (``--no-cuda-graphs``: eager).
+    cuda_graphs: bool = True
     #: Empty: no authentication. Otherwise a request must present one of these keys.
     api_keys: list[str] = field(default_factory=list)
     #: Concurrent realtime sessions; the next one gets ``resource_exhausted``.
@@ -38,7 +40,14 @@ class ServerConfig:
     vad_model_path: str | None = None
     #: Server VAD: audio a session may have waiting for the VAD before ``input_backpressure``.
     max_vad_backlog_ms: int = 5_000
-    #: Server VAD: most windows scored in one ONNX call, and how long the VAD thread waits after
-    #: waking for more sessions' windows to share that call (latency traded for CPU).
+    #: Server VAD: most windows scored in one model call, and the shortest interval between the
+    #: VAD process's scoring passes (under light load, more sessions' windows share a call:
+    #: latency traded for CPU).
     vad_max_batch: int = 256
-    vad_gather_ms: float = 2.0
+    vad_gather_ms: float = 3.0
+    #: Server VAD: niceness change for the VAD process (negative: higher priority, so its short
+    #: passes are not delayed behind the event loop on a busy machine; needs CAP_SYS_NICE or
+    #: root, else it runs at the default priority with a warning). 0: leave it.
+    vad_nice: int = 0
+    #: Server VAD: start the VAD process when the app starts (else on the first server_vad session).
+    vad_preload: bool = False

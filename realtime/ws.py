@@ -4,8 +4,9 @@ Per connection one task reads client frames and applies them to the session whil
 sends what the session emits, in order, so responses stream while the client keeps talking.
 Session events are serialized the moment they are emitted (they may reference live state).
 
-The service owns one :class:`~omnirt.vad.worker.VadWorker` (its model loads on the first
-``server_vad`` session) shared by every session. ``?turn=push_to_talk`` opens a push-to-talk
+The service owns one :class:`~omnirt.vad.worker.VadWorker` (a handle on the VAD process, started
+with the app when ``vad_preload`` is set, else by the first ``server_vad`` session) shared by
+every session. ``?turn=push_to_talk`` opens a push-to-talk
 session (extension).
 """
 
@@ -66,14 +67,17 @@ class RealtimeService:
             max_image_bytes=config.max_image_bytes,
         )
         self.vad = VadWorker(
-            config.vad_model_path, max_batch=config.vad_max_batch, gather_ms=config.vad_gather_ms
+            config.vad_model_path,
+            max_batch=config.vad_max_batch,
+            gather_ms=config.vad_gather_ms,
+            nice=config.vad_nice,
         )
         self.events_received = 0
         self.events_sent = 0
         self.errors_sent = 0
 
     def close(self) -> None:
-        """Stop the VAD thread (the app's shutdown; sessions still open just stop getting VAD)."""
+        """Stop the VAD process (the app's shutdown; sessions still open just stop getting VAD)."""
         self.vad.stop()
 
     @property

@@ -94,8 +94,13 @@ class InputAudioBuffer:
         n = min(sample, self.end) - self.start
         if n <= 0:
             return
-        held = self._held()
-        self._chunks = [held[n:]]
+        chunks, left, whole = self._chunks, n, 0  # whole chunks go; the next one is cut (no copy)
+        while whole < len(chunks) and len(chunks[whole]) <= left:
+            left -= len(chunks[whole])
+            whole += 1
+        del chunks[:whole]
+        if left:
+            chunks[0] = chunks[0][left:]
         self.start += n
         self._wire_ms = max(0.0, self._wire_ms - n * 1000 / SAMPLE_RATE)
 

@@ -65,7 +65,7 @@ class ServerVadTurns:
     @property
     def backlog_ms(self) -> int:
         """Audio appended but not yet scored (how far the VAD is behind the input)."""
-        return self.stream.backlog_windows * WINDOW_MS
+        return self.stream.backlog_ms
 
     def on_audio(self, pcm: np.ndarray) -> None:
         self.stream.push(pcm)

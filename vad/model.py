@@ -4,8 +4,9 @@ The ONNX file is the one the ``silero-vad`` wheel bundles. It is located with
 ``importlib.util.find_spec`` and never imported: importing ``silero_vad`` sets torch's thread
 count to 1 for the whole process.
 
-One call scores a batch of windows: ``input`` [B, 64 context + 512 new samples] at 16 kHz,
-``state`` [2, B, 128]; outputs the speech probability [B, 1] and the next state.
+One call of the whole graph scores a batch of windows: ``input`` [B, 64 context + 512 new
+samples] at 16 kHz, ``state`` [2, B, 128]; outputs the speech probability [B, 1] and the next
+state.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ WINDOW = 512
 CONTEXT = 64
 STATE_SHAPE = (2, 128)
 WINDOW_MS = WINDOW * 1000 // VAD_RATE
+BUNDLED_FILE = "silero_vad.onnx"
 
 
 class VadInitError(RuntimeError):
@@ -36,11 +38,15 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec("silero_vad")
     if spec is None or spec.origin is None:
         raise VadInitError("the silero-vad package is not installed (pip install silero-vad)")
-    return Path(spec.origin).parent / "data" / "silero_vad.onnx"
+    return Path(spec.origin).parent / "data" / BUNDLED_FILE
 
 
 class SileroModel:
-    """A loaded Silero ONNX session: one intra-op thread (more made tail latency worse)."""
+    """A loaded Silero ONNX model on one onnxruntime thread (more made tail latency worse).
+
+    :meth:`run` scores one window per stream (a stream's consecutive windows take one call each:
+    its state links them).
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         try:

@@ -1,13 +1,19 @@
-"""The VAD worker: one thread scoring every session's pending windows with batched ONNX calls.
+"""The server's side of server VAD: a handle on the VAD process, and the streams it serves.
 
-Sessions push windows from the event loop (:meth:`VadStream.push`); the worker wakes, waits
-``gather_ms`` (2 ms) for more sessions' windows, takes the oldest pending window of
-every stream that has one, runs them as one batch (a stream's windows depend on each other
-through the model state, so one window per stream per call), and repeats until nothing is
-pending. Results go back to each stream's event loop once per drain (at least every 5 ms), where
-the session's endpointer runs; while the loop has not yet run a hand-back, later results join it
-instead of waking the loop again. The model runs with one onnxruntime thread, so the worker
-costs at most one core.
+:class:`VadWorker` starts ``python -m omnirt.vad.process`` (see :mod:`.process`) on first use,
+talks to it over two socket pairs in the byte protocol of :mod:`.wire`, and hands each stream's
+results to its ``on_result`` on the event loop the stream was opened on. Scoring in a process
+of its own keeps the model's calls, and the Python between them, off the server's GIL; the
+server's event loop only writes each chunk to a socket and reads results back (registered with
+the loop: no thread, no GIL hand-over).
+
+Writes never block the loop: what the socket does not take at once waits in a queue flushed when
+it is writable. A session's audio waiting for the VAD is bounded by the session's backlog limit
+(``input_backpressure``). When the process dies, the error is logged, the open streams get no
+more results (their sessions then hit that limit) and the next stream opened starts a new process.
+
+Called outside any event loop (tests, scripts), the worker runs a private loop in a thread of its
+own and delivers results there.
 """
 
 from __future__ import annotations
@@ -17,21 +23,23 @@ import atexit
 import collections
 import logging
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .model import SileroModel, VadInitError
+from . import wire
+from .model import VadInitError
 from .stream import ResultCallback, VadStream
 
 log = logging.getLogger(__name__)
 
-Result = tuple[VadStream, int, float, float]
-
-#: While working off a long backlog, results go back to the loop at least this often.
-POST_EVERY_S = 0.005
+#: Socket buffers asked for on each side (the kernel may give less).
+SOCKET_BUFFER = 4 * 1024 * 1024
 
 
 @dataclass
@@ -40,6 +48,7 @@ class VadStats:
 
     windows: int = 0
     batches: int = 0
+    #: Wall time the VAD process spent scoring (model calls and the batching around them).
     busy_seconds: float = 0.0
     #: Seconds from the arrival of the chunk that completed a window to its endpointing decision.
     latencies: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1_000_000))
@@ -55,168 +64,362 @@ class VadStats:
 
 
 class VadWorker:
-    """Owns the Silero model (loaded on first use) and the thread that runs it."""
+    """Owns the VAD process (started on first use) and routes its results to streams."""
 
     def __init__(
         self,
         model_path: str | os.PathLike[str] | None = None,
         *,
         max_batch: int = 256,
-        gather_ms: float = 2.0,
+        gather_ms: float = 3.0,
+        nice: int = 0,
+        start_timeout_s: float = 60.0,
     ) -> None:
         self.model_path = model_path
         self.max_batch = max_batch
-        #: After waking, wait this long for other sessions' windows so they share the ONNX call
-        #: (fewer, larger calls: less CPU per window, for at most this much added latency).
-        self.gather_s = gather_ms / 1000
+        #: The process scores at most once per this interval, so that under light load other
+        #: sessions' chunks share its model call (less CPU per window, for this much latency).
+        self.gather_ms = gather_ms
+        #: Niceness change for the VAD process (negative: higher priority; needs CAP_SYS_NICE, else
+        #: the process logs a warning and runs at the default priority).
+        self.nice = nice
+        self.start_timeout_s = start_timeout_s
         self.stats = VadStats()
-        self._model: SileroModel | None = None
-        self._load_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._ready: dict[int, VadStream] = {}
-        #: Results handed to a loop whose delivery has not run yet (guarded by ``_post_lock``).
-        self._outbox: dict[asyncio.AbstractEventLoop, list[Result]] = {}
-        self._post_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._running = False
-
-    def load(self) -> SileroModel:
-        """The model, loading it now if needed; raises :class:`VadInitError` (and retries next time)."""
-        with self._load_lock:
-            if self._model is None:
-                self._model = SileroModel(self.model_path)
-            return self._model
-
-    def open_stream(self, on_result: ResultCallback) -> VadStream:
-        """A new stream (fresh model state); raises :class:`VadInitError` when the model cannot load."""
-        self.load()
-        self._start()
-        return VadStream(self, on_result)
-
-    def notify(self, stream: VadStream) -> None:
-        with self._cond:
-            self._ready[id(stream)] = stream
-            self._cond.notify()
-
-    def _start(self) -> None:
-        with self._cond:
-            if self._thread is not None:
-                return
-            self._running = True
-            self._thread = threading.Thread(target=self._run, name="omnirt-vad", daemon=True)
-            self._thread.start()
-        # A daemon thread inside onnxruntime at interpreter exit aborts the process.
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._to: socket.socket | None = None  # server -> VAD process
+        self._from: socket.socket | None = None  # VAD process -> server
+        self._reader = wire.FrameReader(wire.FROM_VAD)
+        self._outgoing: collections.deque[memoryview] = collections.deque()
+        #: The loop that reads results (and does every socket write), and its thread.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._private: threading.Thread | None = None
+        self._registered: socket.socket | None = None
+        self._streams: dict[int, VadStream] = {}
+        self._next_id = 1
+        self._syncs: dict[int, threading.Event] = {}
         atexit.register(self.stop)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        with self._cond:
-            self._running = False
-            self._cond.notify_all()
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout)
+    # -- the process ---------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
-    # -- the worker thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        assert self._model is not None
-        while True:
-            with self._cond:
-                while self._running and not self._ready:
-                    self._cond.wait()
-                if not self._running:
-                    return
-            if self.gather_s:
-                time.sleep(self.gather_s)
-            with self._cond:
-                streams = list(self._ready.values())
-                self._ready.clear()
-            # In a function of its own, so no stream stays referenced while the thread waits.
-            self._drain(streams)
-            del streams
+    def load(self) -> None:
+        """Starts the VAD process and waits until its model has loaded and run once.
 
-    def _drain(self, streams: list[VadStream]) -> None:
-        """Score until none of ``streams`` has a window pending: one window per stream per call.
+        Raises :class:`VadInitError` when it cannot (missing or broken model file, the process
+        failing to start); the next call tries again."""
+        with self._lock:
+            if self._proc is not None:
+                return
+            self._proc, self._to, self._from = self._start_process()
+            self._reader = wire.FrameReader(wire.FROM_VAD)
+            log.info("server VAD: process %d ready (model %s)", self._proc.pid, self.model_path or "bundled")
 
-        Results are handed back to the loops once the drain is done (a 100 ms chunk is three
-        windows, so three calls: one wake-up of the loop instead of three), or every
-        ``POST_EVERY_S`` while a long backlog is being worked off."""
-        results: dict[asyncio.AbstractEventLoop | None, list[Result]] = {}
-        posted = time.perf_counter()
-        while streams:
-            batch: list[tuple[VadStream, tuple[int, np.ndarray, float]]] = []
-            for stream in streams:
-                window = stream.next_window()
-                if window is not None:
-                    batch.append((stream, window))
-            if not batch:
-                break
-            for start in range(0, len(batch), self.max_batch):
-                self._score(batch[start : start + self.max_batch], results)
-            streams = [s for s, _ in batch if s.queue]
-            if time.perf_counter() - posted > POST_EVERY_S:
-                self._post(results)
-                results = {}
-                posted = time.perf_counter()
-        self._post(results)
-
-    def _score(
-        self,
-        batch: list[tuple[VadStream, tuple[int, np.ndarray, float]]],
-        results: dict[asyncio.AbstractEventLoop | None, list[Result]],
-    ) -> None:
-        assert self._model is not None
-        t0 = time.perf_counter()
-        windows = np.array([w[1] for _, w in batch], dtype=np.float32)
-        # Each stream's state is a [2, 128] row of the last batch's states (see below).
-        state = np.ascontiguousarray(np.array([s.state for s, _ in batch], dtype=np.float32).swapaxes(0, 1))
+    def _start_process(self) -> tuple[subprocess.Popen[bytes], socket.socket, socket.socket]:
+        to_vad, vad_in = socket.socketpair()
+        from_vad, vad_out = socket.socketpair()
+        for sock, option in ((to_vad, socket.SO_SNDBUF), (vad_in, socket.SO_RCVBUF)):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        command = [
+            sys.executable, "-m", "omnirt.vad.process",
+            "--fd-in", str(vad_in.fileno()), "--fd-out", str(vad_out.fileno()),
+            "--max-batch", str(self.max_batch), "--gather-ms", str(self.gather_ms), "--nice", str(self.nice),
+        ]
+        if self.model_path is not None:
+            command += ["--model", str(self.model_path)]
         try:
-            probs, next_state = self._model.run(windows, state)
-        except Exception:  # a model failure must not stop every session's VAD
-            log.exception("VAD batch of %d failed; scoring it as silence", len(batch))
-            probs, next_state = np.zeros(len(batch), np.float32), state
-        probs = probs.tolist()
-        states = next_state.swapaxes(0, 1).copy()  # [B, 2, 128]: one copy, not one per stream
-        for i, (stream, (index, _, arrived)) in enumerate(batch):
-            stream.state = states[i]
-            items = results.get(stream.loop)
-            if items is None:
-                items = results[stream.loop] = []
-            items.append((stream, index, probs[i], arrived))
-        self.stats.windows += len(batch)
-        self.stats.batches += 1
-        self.stats.busy_seconds += time.perf_counter() - t0
+            proc = subprocess.Popen(
+                command,
+                pass_fds=(vad_in.fileno(), vad_out.fileno()),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        except OSError as exc:
+            for sock in (to_vad, vad_in, from_vad, vad_out):
+                sock.close()
+            raise VadInitError(f"cannot start the VAD process: {exc}") from None
+        finally:
+            vad_in.close()
+            vad_out.close()
+        try:
+            self._handshake(proc, from_vad)
+        except BaseException:
+            to_vad.close()
+            from_vad.close()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            raise
+        to_vad.setblocking(False)
+        from_vad.setblocking(False)
+        return proc, to_vad, from_vad
 
-    def _post(self, results: dict[asyncio.AbstractEventLoop | None, list[Result]]) -> None:
-        for loop, items in results.items():
-            if loop is None:
-                self._deliver(items)
+    def _handshake(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        reader = wire.FrameReader(wire.FROM_VAD)
+        deadline = time.monotonic() + self.start_timeout_s
+        frames: list[tuple[tuple, bytes]] = []
+        while not frames:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                raise VadInitError(
+                    f"the VAD process did not start within {self.start_timeout_s:g} s"
+                ) from None
+            if not data:
+                code = proc.wait(10)
+                raise VadInitError(f"the VAD process exited (code {code}) before loading its model")
+            frames = reader.feed(data)
+        (op, *_), payload = frames[0]
+        if op == wire.FAILED:
+            raise VadInitError(payload.decode(errors="replace"))
+        if op != wire.READY:
+            raise VadInitError(f"the VAD process answered {op} instead of READY")
+
+    # -- streams -------------------------------------------------------------------------------
+    def open_stream(self, on_result: ResultCallback) -> VadStream:
+        """A new stream (fresh model state) whose results arrive on the running event loop;
+        raises :class:`VadInitError` when the VAD process cannot start."""
+        self.load()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        home = self._bind(loop)
+        with self._lock:
+            sid = self._next_id
+            self._next_id += 1
+        stream = VadStream(self, sid, on_result, loop or home)
+        self._streams[sid] = stream
+        self._send(wire.to_vad(wire.OPEN, sid))
+        return stream
+
+    def send_audio(self, stream: VadStream, pcm: bytes, arrived: float) -> None:
+        self._send(wire.to_vad(wire.AUDIO, stream.sid, pcm, arrived))
+
+    def close_stream(self, stream: VadStream) -> None:
+        if self._streams.pop(stream.sid, None) is not None:
+            self._send(wire.to_vad(wire.CLOSE, stream.sid))
+
+    def sync(self, timeout: float = 30.0) -> None:
+        """Blocks until every chunk sent so far is scored and its results delivered on the loop
+        that reads them (call it from another thread, e.g. a test's)."""
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("VadWorker.sync() would block the loop that delivers the results")
+        with self._lock:
+            token = self._next_id
+            self._next_id += 1
+        done = self._syncs[token] = threading.Event()
+        self._send(wire.to_vad(wire.SYNC, token))
+        if not done.wait(timeout):
+            self._syncs.pop(token, None)
+            raise TimeoutError(f"the VAD did not catch up within {timeout:g} s")
+
+    # -- the loop's side -----------------------------------------------------------------------
+    def _bind(self, loop: asyncio.AbstractEventLoop | None) -> asyncio.AbstractEventLoop:
+        """The loop that reads results (the first one a stream was opened on, or a private one),
+        with the current process's socket registered on it."""
+        with self._lock:
+            if self._loop is None:
+                if loop is None:
+                    self._loop, self._loop_thread = self._start_private_loop()
+                else:
+                    self._loop, self._loop_thread = loop, threading.get_ident()
+            home = self._loop
+        self._on_home(self._register)
+        return home
+
+    def _start_private_loop(self) -> tuple[asyncio.AbstractEventLoop, int]:
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(started.set)
+            loop.run_forever()
+            loop.close()
+
+        self._private = threading.Thread(target=run, name="omnirt-vad-results", daemon=True)
+        self._private.start()
+        started.wait()
+        assert self._private.ident is not None
+        return loop, self._private.ident
+
+    def _on_home(self, function, *args) -> None:  # type: ignore[no-untyped-def]
+        """Runs ``function(*args)`` on the results loop: now when called there, else soon."""
+        loop = self._loop
+        if loop is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            function(*args)
+        else:
+            try:
+                loop.call_soon_threadsafe(function, *args)
+            except RuntimeError:  # that loop is closed
+                pass
+
+    def _register(self) -> None:
+        sock = self._from
+        if sock is not None and self._registered is not sock and self._loop is not None:
+            self._loop.add_reader(sock, self._on_readable)
+            self._registered = sock
+
+    def _send(self, frame: bytes) -> None:
+        self._on_home(self._write, frame)
+
+    def _write(self, frame: bytes) -> None:
+        sock = self._to
+        if sock is None:
+            return
+        if self._outgoing:
+            self._outgoing.append(memoryview(frame))
+            return
+        try:
+            sent = sock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # the process has gone; the reader finds out and reports it
+            return
+        if sent < len(frame):
+            self._outgoing.append(memoryview(frame)[sent:])
+            assert self._loop is not None
+            self._loop.add_writer(sock, self._flush)
+
+    def _flush(self) -> None:
+        sock = self._to
+        while sock is not None and self._outgoing:
+            head = self._outgoing[0]
+            try:
+                sent = sock.send(head)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._outgoing.clear()
+                break
+            if sent < len(head):
+                self._outgoing[0] = head[sent:]
+                return
+            self._outgoing.popleft()
+        if sock is not None and self._loop is not None:
+            self._loop.remove_writer(sock)
+
+    def _on_readable(self) -> None:
+        sock = self._from
+        if sock is None:
+            return
+        while True:
+            try:
+                data = sock.recv(1 << 20)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._process_gone()
+                return
+            for (op, arg, batches, _, busy), payload in self._reader.feed(data):
+                if op == wire.RESULTS:
+                    self._results(arg, batches, busy, payload)
+                elif op == wire.SYNCED:
+                    done = self._syncs.pop(arg, None)
+                    if done is not None:
+                        done.set()
+
+    def _results(self, count: int, batches: int, busy: float, payload: bytes) -> None:
+        stats = self.stats
+        stats.windows += count
+        stats.batches += batches
+        stats.busy_seconds += busy
+        records = np.frombuffer(payload, dtype=wire.RESULT)
+        streams, home = self._streams, self._loop
+        for sid, index, prob, arrived in zip(
+            records["stream"].tolist(), records["index"].tolist(), records["prob"].tolist(),
+            records["arrived"].tolist(), strict=True,
+        ):
+            stream = streams.get(sid)
+            if stream is None:  # closed while its windows were being scored
                 continue
-            with self._post_lock:
-                waiting = self._outbox.get(loop)
-                if waiting is not None:  # a delivery is scheduled and has not run: join it
-                    waiting.extend(items)
-                    continue
-                self._outbox[loop] = items
-            try:
-                loop.call_soon_threadsafe(self._deliver_to, loop)
-            except RuntimeError:  # that loop is closed: its sessions are gone
-                with self._post_lock:
-                    self._outbox.pop(loop, None)
+            if stream.loop is home:
+                self._deliver(stream, index, prob, arrived)
+            else:
+                stream.loop.call_soon_threadsafe(self._deliver, stream, index, prob, arrived)
 
-    def _deliver_to(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On ``loop``: every result handed to it since its last delivery."""
-        with self._post_lock:
-            items = self._outbox.pop(loop, [])
-        self._deliver(items)
+    def _deliver(self, stream: VadStream, index: int, prob: float, arrived: float) -> None:
+        try:
+            stream.deliver(index, prob)
+        except Exception:  # one session's failure must not lose the others' results
+            log.exception("VAD result handler failed")
+        self.stats.latencies.append(time.perf_counter() - arrived)
 
-    def _deliver(self, results: list[Result]) -> None:
-        latencies = self.stats.latencies
-        for stream, index, prob, arrived in results:
+    def _process_gone(self) -> None:
+        proc = self._proc
+        code = proc.poll() if proc is not None else None
+        log.error(
+            "the server VAD process exited (code %s); %d open stream(s) get no more results, "
+            "the next server_vad session starts a new process", code, len(self._streams)
+        )
+        self._close_sockets()
+        with self._lock:
+            self._proc = None
+        self._streams.clear()
+        self._release_syncs()
+
+    def _close_sockets(self) -> None:
+        """On the results loop: unregister and close both sockets."""
+        loop = self._loop
+        for sock in (self._from, self._to):
+            if sock is None:
+                continue
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(sock)
+                loop.remove_writer(sock)
+            sock.close()
+        self._from = self._to = self._registered = None
+        self._outgoing.clear()
+
+    def _release_syncs(self) -> None:
+        for done in self._syncs.values():
+            done.set()
+        self._syncs.clear()
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ends the VAD process (its sockets closed, then terminated if it lingers) and the
+        private loop, if any. Open streams get no more results."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            private, self._private = self._private, None
+        if threading.get_ident() == self._loop_thread or self._loop is None or self._loop.is_closed():
+            self._close_sockets()
+        else:
+            closed = threading.Event()
+
+            def close_there() -> None:
+                self._close_sockets()
+                closed.set()
+
             try:
-                stream.deliver(index, prob)
-            except Exception:  # one session's failure must not lose the others' results
-                log.exception("VAD result handler failed")
-            latencies.append(time.perf_counter() - arrived)
+                self._loop.call_soon_threadsafe(close_there)
+                if not closed.wait(timeout):
+                    raise RuntimeError
+            except RuntimeError:  # the loop has stopped: nothing is registered any more
+                self._close_sockets()
+        self._streams.clear()
+        self._release_syncs()
+        if proc is not None:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if private is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            private.join(timeout)
+        if private is not None or (self._loop is not None and self._loop.is_closed()):
+            self._loop, self._loop_thread = None, 0
 
 
 __all__ = ["VadInitError", "VadStats", "VadWorker"]

@@ -106,7 +106,7 @@ class ServerCollector(Collector):
         yield CounterMetricFamily("omnirt_vad_windows", "Server-VAD windows scored", value=vad.windows)
         yield CounterMetricFamily("omnirt_vad_batches", "Server-VAD model calls (batched)", value=vad.batches)
         yield CounterMetricFamily(
-            "omnirt_vad_busy_seconds", "Wall time the VAD thread spent in the model", value=vad.busy_seconds
+            "omnirt_vad_busy_seconds", "Wall time the VAD process spent scoring", value=vad.busy_seconds
         )
 
 

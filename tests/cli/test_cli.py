@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,8 @@ def test_serve_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
         main(["serve", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--model", "--host", "--port", "--api-key", "--max-sessions", "--device", "--log-level"):
+    options = "--model --host --port --api-key --max-sessions --device --no-cuda-graphs --log-level"
+    for option in options.split():
         assert option in out
 
 
@@ -90,6 +92,9 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert args.device == "cuda:1"
     defaults = config_from_args(build_parser().parse_args(["serve"]), {})
     assert (defaults.model, defaults.api_keys, defaults.port) == (None, [], 8000)
+    assert defaults.vad_preload and defaults.cuda_graphs  # omnirt serve starts the VAD with the app
+    eager = config_from_args(build_parser().parse_args(["serve", "--no-cuda-graphs"]), {})
+    assert not eager.cuda_graphs
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 
@@ -156,3 +161,11 @@ def test_omnirt_serve_runs_the_embedded_default() -> None:
             proc.kill()
             out, _ = proc.communicate()
     assert "RANDOM weights" in out  # the log says plainly what is being served
+    # The server VAD process was started with the app and ended with it (no orphan left).
+    started = re.search(r"server VAD: process (\d+) ready", out)
+    assert started, out
+    pid = int(started.group(1))
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
 import pytest
 from omnirt.vad.endpointing import Endpointer, SpeechStart, SpeechStop
-from omnirt.vad.model import CONTEXT, WINDOW, WINDOW_MS, SileroModel, VadInitError, bundled_model_path
+from omnirt.vad.model import (
+    CONTEXT,
+    WINDOW,
+    WINDOW_MS,
+    SileroModel,
+    VadInitError,
+    bundled_model_path,
+)
 from omnirt.vad.stream import VadStream
 from omnirt.vad.worker import VadWorker
 
@@ -32,10 +41,8 @@ def score(worker: VadWorker, signals: list[np.ndarray], chunk_ms: int = 100) -> 
         for stream, s in zip(streams, signals, strict=True):
             if start < len(s):
                 stream.push(s[start : start + step])
-    deadline = time.monotonic() + 20
-    while any(s.backlog_windows for s in streams) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert not any(s.backlog_windows for s in streams)
+    worker.sync(timeout=20)
+    assert all(s.backlog_ms < 2 * WINDOW_MS for s in streams)
     for s in streams:
         s.close()
     return probs
@@ -64,8 +71,40 @@ def test_missing_or_broken_model_file_is_a_clear_error(tmp_path) -> None:
         with pytest.raises(VadInitError, match=path.name):
             SileroModel(path)
     worker = VadWorker(broken)
-    with pytest.raises(VadInitError):
+    with pytest.raises(VadInitError, match=broken.name):  # the VAD process's reason, passed on
         worker.open_stream(lambda i, p: None)
+    assert not worker.running
+
+
+def test_a_dead_vad_process_is_replaced_by_the_next_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """The VAD process killed: the error is logged, its streams get nothing more, and the next
+    stream opened starts a new process that scores."""
+    worker = VadWorker()
+    try:
+        got: list[float] = []
+        old = worker.open_stream(lambda i, p: got.append(p))
+        old.push(np.zeros(RATE // 2, np.float32))
+        worker.sync()
+        assert len(got) >= 10
+        pid = worker._proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while worker.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while worker._proc is not None and time.monotonic() < deadline:  # the loop saw it go
+            time.sleep(0.01)
+        assert "VAD process exited" in caplog.text
+        before = len(got)
+        old.push(np.zeros(RATE // 2, np.float32))  # goes nowhere: no error, no result
+        fresh: list[float] = []
+        new = worker.open_stream(lambda i, p: fresh.append(p))
+        assert worker.running and worker._proc.pid != pid  # type: ignore[union-attr]
+        new.push(np.zeros(RATE // 2, np.float32))
+        worker.sync()
+        assert len(fresh) >= 10 and len(got) == before
+        assert old.backlog_ms >= 400
+    finally:
+        worker.stop()
 
 
 def test_batched_streams_match_streams_scored_alone(worker: VadWorker) -> None:
