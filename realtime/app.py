@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omnirt.stages.engine import EngineClient
 from omnirt.vad.model import VadInitError
+from omnirt.vad.worker import VadWorker
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -72,7 +73,14 @@ def _file_endpoint(path: Path):  # type: ignore[no-untyped-def]
 
 def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     info = client.info
-    realtime = RealtimeService(client, config)
+    # Server VAD sits on the sessions' input path: one VAD process for all of them, owned here.
+    vad = VadWorker(
+        config.vad_model_path,
+        max_batch=config.vad_max_batch,
+        gather_ms=config.vad_gather_ms,
+        nice=config.vad_nice,
+    )
+    realtime = RealtimeService(client, config, vad)
     chat = ChatCompletions(client, config)
     models = Models(info, config)
     metrics = Metrics(client.engine, lambda: realtime)
@@ -125,7 +133,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
             client.engine.start()
         if config.vad_preload:
             try:
-                await asyncio.to_thread(realtime.vad.load)
+                await asyncio.to_thread(vad.load)
             except VadInitError as exc:  # sessions asking for server_vad get the error then
                 log.error("server VAD is unavailable: %s", exc)
         # Everything alive now (model code, weights, imported modules) lives as long as the
@@ -143,7 +151,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
         try:
             yield
         finally:
-            realtime.close()
+            vad.stop()  # sessions still open just stop getting VAD decisions
             if started_here:
                 await asyncio.to_thread(client.engine.stop)
 
@@ -156,5 +164,6 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     app.state.client = client
     app.state.config = config
     app.state.realtime = realtime
+    app.state.vad = vad
     app.state.metrics = metrics
     return app

@@ -4,10 +4,9 @@ Per connection one task reads client frames and applies them to the session whil
 sends what the session emits, in order, so responses stream while the client keeps talking.
 Session events are serialized the moment they are emitted (they may reference live state).
 
-The service owns one :class:`~omnirt.vad.worker.VadWorker` (a handle on the VAD process, started
-with the app when ``vad_preload`` is set, else by the first ``server_vad`` session) shared by
-every session. ``?turn=push_to_talk`` opens a push-to-talk
-session (extension).
+Sessions share the app's :class:`~omnirt.vad.worker.VadWorker` (a handle on the VAD process,
+started with the app when ``vad_preload`` is set, else by the first ``server_vad`` session).
+``?turn=push_to_talk`` opens a push-to-talk session (extension).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ TURN_MODES = ("manual", "push_to_talk")
 class RealtimeService:
     """Serves ``/v1/realtime``; mount ``service.handle`` as a WebSocket route."""
 
-    def __init__(self, client: Submitter, config: ServerConfig) -> None:
+    def __init__(self, client: Submitter, config: ServerConfig, vad: VadWorker | None = None) -> None:
         self.client = client
         self.config = config
         self.sessions = SessionManager(config.max_sessions)
@@ -66,23 +65,16 @@ class RealtimeService:
             max_images=config.max_images_per_session,
             max_image_bytes=config.max_image_bytes,
         )
-        self.vad = VadWorker(
-            config.vad_model_path,
-            max_batch=config.vad_max_batch,
-            gather_ms=config.vad_gather_ms,
-            nice=config.vad_nice,
-        )
+        #: Server VAD for every session (None: sessions asking for it get
+        #: ``server_vad_initialization_failed``).
+        self.vad = vad
         self.events_received = 0
         self.events_sent = 0
         self.errors_sent = 0
 
-    def close(self) -> None:
-        """Stop the VAD process (the app's shutdown; sessions still open just stop getting VAD)."""
-        self.vad.stop()
-
     @property
     def vad_stats(self) -> VadStats:
-        return self.vad.stats
+        return self.vad.stats if self.vad is not None else VadStats()
 
     @property
     def active_sessions(self) -> int:
