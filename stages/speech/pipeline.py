@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omnirt.codecs.audio import float_to_int16
 
 from ..pipeline import RequestRejected
 from ..types import AudioDelta, Finished, GenerationRequest, ModelInfo, Output, Started, TextDelta, Usage
@@ -515,7 +516,7 @@ class SpeechPipeline:
             if active is None or pcm.size == 0:
                 continue
             active.audio_frames_sent += frames
-            pcm16 = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype(np.int16)
+            pcm16 = float_to_int16(pcm)
             chars = self._text_chars(active, active.audio_frames_sent)
             out.append((rid, AudioDelta(pcm16, chars, frames)))
 

@@ -129,7 +129,7 @@ def test_audio_reply_waveform_equals_generate(demo_dir: Path, hf_model, vocoder:
     pcm = np.concatenate([c.pcm for c in chunks])
     assert pcm.dtype == np.int16
     assert pcm.shape == expected_wav.shape
-    np.testing.assert_allclose(pcm / 32767.0, expected_wav, atol=1.0 / 32767 + 1e-5, rtol=0)
+    np.testing.assert_allclose(pcm / 32768.0, expected_wav, atol=1.0 / 32768 + 1e-5, rtol=0)
     assert np.abs(expected_wav).max() > 0.01  # not silence
     text = "".join(o.text for o in outs if isinstance(o, TextDelta))
     chars = [c.text_chars for c in chunks]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omnirt.codecs.audio import float_to_int16
 from omnirt.stages.graphs import CudaGraphRunner
 from omnirt.stages.speech.code2wav import StreamingVocoder, make_vocoder
 from omnirt.stages.speech.loader import load_speech_pipeline
@@ -63,7 +64,7 @@ def test_cuda_fp32_reply_equals_generate(demo_dir: Path, no_tf32) -> None:
     pcm = np.concatenate([o.pcm for o in outs if isinstance(o, AudioDelta)])
     expected = wav.reshape(-1).float().cpu().numpy()
     assert pcm.shape == expected.shape
-    np.testing.assert_allclose(pcm / 32767.0, expected, atol=2e-4, rtol=0)
+    np.testing.assert_allclose(pcm / 32768.0, expected, atol=2e-4, rtol=0)
 
 
 def test_cuda_vocoder_replays_graphs_bitwise(demo_dir: Path) -> None:
@@ -109,7 +110,7 @@ def test_cuda_vocoder_replays_graphs_bitwise(demo_dir: Path) -> None:
     assert frames == len(pushed) and got.shape == expected.shape == (len(pushed) * 1920 - 555,)
     assert np.array_equal(got, expected)
     sent = np.concatenate([o.pcm for o in outs if isinstance(o, AudioDelta)])
-    assert np.array_equal(sent, (np.clip(expected, -1.0, 1.0) * 32767.0).round().astype(np.int16))
+    assert np.array_equal(sent, float_to_int16(expected))
     print(
         f"\n[gpu] speech pipeline bf16: vocoder replayed its CUDA graph (bucket 4) for {len(pushed)} "
         "frames; PCM == graphs=False vocoder bitwise"
