@@ -148,7 +148,8 @@ class Connection:
     def __init__(self, service: RealtimeService, websocket: WebSocket, *, push_to_talk: bool = False) -> None:
         self.service = service
         self.ws = websocket
-        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        #: Serialized frames to send, each with whether it is an error event (for the counters).
+        self.outbox: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()
         self.session = RealtimeSession(
             service.client,
             model=service.model,
@@ -169,15 +170,14 @@ class Connection:
         frame = dumps(event)
         if len(frame) > MAX_SERVER_FRAME // 4 and len(frame.encode()) > MAX_SERVER_FRAME:
             log.error("dropping a %s event of %d bytes (over the frame limit)", event["type"], len(frame))
-            frame = dumps(
-                error_event(
-                    new_id("event"),
-                    ErrorCode.SERVER_ERROR,
-                    f"A {event['type']} event was too large to send.",
-                    type="server_error",
-                )
+            event = error_event(
+                new_id("event"),
+                ErrorCode.SERVER_ERROR,
+                f"A {event['type']} event was too large to send.",
+                type="server_error",
             )
-        self.outbox.put_nowait(frame)
+            frame = dumps(event)
+        self.outbox.put_nowait((frame, event["type"] == "error"))
 
     def _send_error(
         self,
@@ -202,13 +202,13 @@ class Connection:
     async def _writer(self) -> None:
         service = self.service
         while True:
-            frame = await self.outbox.get()
-            if frame is None:
+            item = await self.outbox.get()
+            if item is None:
                 return
+            frame, is_error = item
             await self.ws.send_text(frame)
             service.events_sent += 1
-            if frame.startswith('{"type":"error"'):
-                service.errors_sent += 1
+            service.errors_sent += is_error
 
     # -- the connection ----------------------------------------------------------------------
     async def run(self) -> None:
