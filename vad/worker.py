@@ -223,7 +223,7 @@ class VadWorker:
         """The loop that reads results (the first one a stream was opened on, or a private one),
         with the current process's socket registered on it."""
         with self._lock:
-            if self._loop is None:
+            if self._loop is None or self._loop.is_closed():
                 if loop is None:
                     self._loop, self._loop_thread = self._start_private_loop()
                 else:
@@ -418,8 +418,8 @@ class VadWorker:
         if private is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             private.join(timeout)
-        if private is not None or (self._loop is not None and self._loop.is_closed()):
-            self._loop, self._loop_thread = None, 0
+        # Nothing is registered on the loop any more: the next stream binds afresh.
+        self._loop, self._loop_thread = None, 0
 
 
 __all__ = ["VadInitError", "VadStats", "VadWorker"]

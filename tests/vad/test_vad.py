@@ -103,6 +103,13 @@ def test_a_dead_vad_process_is_replaced_by_the_next_stream(caplog: pytest.LogCap
         worker.sync()
         assert len(fresh) >= 10 and len(got) == before
         assert old.backlog_ms >= 400
+        # Stopped, the worker starts over on the next stream (new process, new results loop).
+        worker.stop()
+        assert not worker.running
+        again: list[float] = []
+        worker.open_stream(lambda i, p: again.append(p)).push(np.zeros(RATE // 2, np.float32))
+        worker.sync()
+        assert len(again) >= 10
     finally:
         worker.stop()
 
