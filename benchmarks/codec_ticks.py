@@ -188,12 +188,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--graph-dtypes", default="fp32,bf16", help="comma list of fp32,bf16")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time its conv algorithms")
+    parser.add_argument(
+        "--matmul-tf32",
+        action="store_true",
+        help="fp32 matmuls on TF32 tensor cores (convolutions use TF32 already)",
+    )
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
     parser.add_argument(
         "--profile", type=int, default=0, help="print top kernels at this many sessions (CUDA)"
     )
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    torch.backends.cuda.matmul.allow_tf32 = args.matmul_tf32
     if args.profile:
         for dtype in (torch.float32, torch.bfloat16):
             print(
@@ -208,7 +214,7 @@ def main() -> None:
     from omnirt.codecs.mimi import ring_attention
 
     kernel = ring_attention.kernel_in_use() if report["device"] != "cpu" else "torch"
-    print(f"ring attention: {kernel}; cudnn.benchmark={args.cudnn_benchmark}")
+    print(f"ring attention: {kernel}; cudnn.benchmark={args.cudnn_benchmark}; matmul TF32={args.matmul_tf32}")
     if report["device"] == "cpu":
         print("(CPU: no CUDA graphs here, the 'graphs' columns ran the eager fallback)")
     if args.json:
