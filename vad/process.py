@@ -38,14 +38,14 @@ log = logging.getLogger("omnirt.vad.process")
 
 
 class _Stream:
-    def __init__(self, sid: int) -> None:
+    def __init__(self, sid: int, first_index: int = 0) -> None:
         self.sid = sid
         self.resampler = StreamResampler(SAMPLE_RATE, VAD_RATE)
         #: The last CONTEXT samples of the last window cut, then the samples not yet in a window.
         self.tail = np.zeros(CONTEXT, dtype=np.float32)
         #: Cut windows not yet scored: (index of the first, [n, CONTEXT + WINDOW] rows, arrival).
         self.pending: list[tuple[int, np.ndarray, float]] = []
-        self.cut = 0
+        self.cut = first_index
         self.state = np.zeros(STATE_SHAPE, dtype=np.float32)
 
     def push(self, pcm24k: np.ndarray, arrived: float) -> None:
@@ -130,7 +130,8 @@ class Scorer:
                         if stream.pending:
                             self.ready[sid] = stream
                 elif op == wire.OPEN:
-                    self.streams[sid] = _Stream(sid)
+                    first = int.from_bytes(payload, "little") if payload else 0
+                    self.streams[sid] = _Stream(sid, first)
                 elif op == wire.CLOSE:
                     self.streams.pop(sid, None)
                     self.ready.pop(sid, None)

@@ -51,6 +51,14 @@ class VadStream:
         self.samples_pushed += len(pcm)
         self._worker.send_audio(self, pcm.tobytes(), time.perf_counter() if arrived is None else arrived)
 
+    def resume_at(self) -> int:
+        """After the VAD process was replaced: the index the stream goes on from, the first window
+        after all the audio pushed so far (what the old process had not scored counts as decided,
+        unscored), so that window indices keep matching the audio's time."""
+        pushed_ms = self.samples_pushed * 1000 // SAMPLE_RATE
+        self.windows_decided = -(-pushed_ms // WINDOW_MS)
+        return self.windows_decided
+
     def deliver(self, index: int, prob: float) -> None:
         """On the event loop: one window's result, in order."""
         self.windows_decided = index + 1

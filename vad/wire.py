@@ -3,7 +3,8 @@
 Server -> VAD process, one frame per message: a header ``<B I I d`` (op, stream or token,
 payload bytes, arrival time) and the payload.
 
-- ``OPEN`` stream: a new stream with fresh model state.
+- ``OPEN`` stream: a new stream with fresh model state; an optional payload (``<I``) is the index
+  of its first window (a stream reopened after the VAD process was replaced).
 - ``AUDIO`` stream: float32 samples at 24 kHz; ``arrived`` is the server's ``perf_counter``
   when the chunk reached the session, echoed back with every window the chunk completes.
 - ``CLOSE`` stream: forget the stream.

@@ -9,8 +9,9 @@ the loop: no thread, no GIL hand-over).
 
 Writes never block the loop: what the socket does not take at once waits in a queue flushed when
 it is writable. A session's audio waiting for the VAD is bounded by the session's backlog limit
-(``input_backpressure``). When the process dies, the error is logged, the open streams get no
-more results (their sessions then hit that limit) and the next stream opened starts a new process.
+(``input_backpressure``). When the process dies, the error is logged and a new process is
+started in a thread; the open streams are reopened in it with fresh model state, going on from
+the window after the audio they had pushed (the audio in flight meanwhile is not scored).
 
 Called outside any event loop (tests, scripts), the worker runs a private loop in a thread of its
 own and delivers results there.
@@ -99,6 +100,10 @@ class VadWorker:
         self._streams: dict[int, VadStream] = {}
         self._next_id = 1
         self._syncs: dict[int, threading.Event] = {}
+        #: How many times the process was replaced after it died (counted once its streams are
+        #: reopened in the new one).
+        self.restarts = 0
+        self._generation = 0  # bumped by stop(): a restart scheduled before it is dropped
         atexit.register(self.stop)
 
     # -- the process ---------------------------------------------------------------------------
@@ -355,17 +360,45 @@ class VadWorker:
         self.stats.latencies.append(time.perf_counter() - arrived)
 
     def _process_gone(self) -> None:
+        """On the results loop: the VAD process has exited. A new one is started in a thread and
+        the open streams are reopened in it, each going on from the window after the audio it
+        has pushed (what the old process had not scored is skipped)."""
         proc = self._proc
         code = proc.poll() if proc is not None else None
         log.error(
-            "the server VAD process exited (code %s); %d open stream(s) get no more results, "
-            "the next server_vad session starts a new process", code, len(self._streams)
+            "the server VAD process exited (code %s); restarting it for %d open stream(s)",
+            code, len(self._streams),
         )
         self._close_sockets()
         with self._lock:
             self._proc = None
-        self._streams.clear()
         self._release_syncs()
+        assert self._loop is not None
+        self._loop.run_in_executor(None, self._restart, self._generation)
+
+    def _restart(self, generation: int) -> None:
+        """In a worker thread: start a new process, then reopen the streams on the results loop
+        (unless the worker was stopped meanwhile)."""
+        try:
+            with self._lock:
+                if generation != self._generation:
+                    return
+            self.load()
+        except VadInitError as exc:
+            log.error("the server VAD process could not be restarted (%s); its sessions get no "
+                      "more VAD decisions", exc)
+            return
+        self._on_home(self._reopen)
+
+    def _reopen(self) -> None:
+        if self._proc is None:  # stopped meanwhile
+            return
+        self._register()
+        for stream in list(self._streams.values()):
+            start = stream.resume_at()
+            self._write(wire.to_vad(wire.OPEN, stream.sid, start.to_bytes(4, "little")))
+        self.restarts += 1
+        log.info("server VAD: %d stream(s) reopened in the new process", len(self._streams))
 
     def _close_sockets(self) -> None:
         """On the results loop: unregister and close both sockets."""
@@ -392,6 +425,7 @@ class VadWorker:
         with self._lock:
             proc, self._proc = self._proc, None
             private, self._private = self._private, None
+            self._generation += 1
         if threading.get_ident() == self._loop_thread or self._loop is None or self._loop.is_closed():
             self._close_sockets()
         else:

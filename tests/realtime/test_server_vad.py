@@ -4,6 +4,8 @@ initialization failure, idle timeout. Every frame is validated strictly (conftes
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Iterator
 
 import numpy as np
@@ -283,3 +285,34 @@ def test_g711_input_is_detected_too(server: Server) -> None:
     assert kinds(events)[-3:] == SERVER_VAD_TURN[:3]
     assert abs(started["audio_start_ms"] + 300 - placed.start_ms) <= 200
     assert abs(stopped["audio_end_ms"] - placed.end_ms) <= 200
+
+
+def test_a_session_keeps_its_vad_when_the_vad_process_dies() -> None:
+    """The VAD process killed in the middle of a session: the server starts a new one, the
+    session's stream goes on in it, and a later utterance is endpointed at its true times (session
+    audio time, counting the audio sent before and while the process was being replaced)."""
+    placed = place(spoken(SENTENCES[1]), lead_ms=800, tail_ms=1200, noise_db=-45)
+    before_ms = 1000
+
+    with running(ServerConfig()) as server:
+        vad = server.service.vad
+        assert vad is not None
+
+        async def main() -> list[dict]:
+            async with connect(server) as c:
+                await c.send(vad_update(create_response=False))
+                await c.until("session.updated")
+                await stream_audio(c, to_pcm16(np.zeros(RATE * before_ms // 1000, np.float32)))
+                os.kill(vad._proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+                for _ in range(2000):
+                    if vad.restarts:
+                        break
+                    await asyncio.sleep(0.01)
+                assert vad.restarts == 1
+                await stream_audio(c, placed.pcm16())
+                return await c.until("input_audio_buffer.speech_stopped")
+
+        events = run(main())
+    started, stopped = (e for e in events if e["type"].startswith("input_audio_buffer.speech_"))
+    assert abs(started["audio_start_ms"] + 300 - (before_ms + placed.start_ms)) <= 200, started
+    assert abs(stopped["audio_end_ms"] - (before_ms + placed.end_ms)) <= 200, stopped

@@ -76,33 +76,35 @@ def test_missing_or_broken_model_file_is_a_clear_error(tmp_path) -> None:
     assert not worker.running
 
 
-def test_a_dead_vad_process_is_replaced_by_the_next_stream(caplog: pytest.LogCaptureFixture) -> None:
-    """The VAD process killed: the error is logged, its streams get nothing more, and the next
-    stream opened starts a new process that scores."""
+def test_a_dead_vad_process_is_replaced_and_its_streams_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    """The VAD process killed mid-stream: the error is logged, a new process starts, the open
+    stream goes on in it from the window after the audio it had pushed (window indices still
+    match the audio's time), and new streams work too."""
     worker = VadWorker()
     try:
-        got: list[float] = []
-        old = worker.open_stream(lambda i, p: got.append(p))
-        old.push(np.zeros(RATE // 2, np.float32))
+        got: list[tuple[int, float]] = []
+        old = worker.open_stream(lambda i, p: got.append((i, p)))
+        old.push(np.zeros(RATE // 2, np.float32))  # 500 ms: windows 0..14 (15 is incomplete)
         worker.sync()
-        assert len(got) >= 10
+        assert [i for i, _ in got] == list(range(15))
         pid = worker._proc.pid  # type: ignore[union-attr]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while worker.running and time.monotonic() < deadline:
+        deadline = time.monotonic() + 20
+        while worker.restarts == 0:  # counted once the stream is reopened in the new process
+            assert time.monotonic() < deadline, "the VAD process was not restarted"
             time.sleep(0.01)
-        while worker._proc is not None and time.monotonic() < deadline:  # the loop saw it go
-            time.sleep(0.01)
-        assert "VAD process exited" in caplog.text
-        before = len(got)
-        old.push(np.zeros(RATE // 2, np.float32))  # goes nowhere: no error, no result
-        fresh: list[float] = []
-        new = worker.open_stream(lambda i, p: fresh.append(p))
         assert worker.running and worker._proc.pid != pid  # type: ignore[union-attr]
-        new.push(np.zeros(RATE // 2, np.float32))
+        assert "VAD process exited" in caplog.text
+        got.clear()
+        old.push(np.zeros(RATE // 2, np.float32))  # the next 500 ms
         worker.sync()
-        assert len(fresh) >= 10 and len(got) == before
-        assert old.backlog_ms >= 400
+        # 500 ms pushed before: it goes on at window 16 (ceil(500 / 32)), then 15 more windows.
+        assert [i for i, _ in got] == list(range(16, 31))
+        assert old.backlog_ms < 2 * WINDOW_MS
+        fresh: list[float] = []
+        worker.open_stream(lambda i, p: fresh.append(p)).push(np.zeros(RATE // 2, np.float32))
+        worker.sync()
+        assert len(fresh) == 15
         # Stopped, the worker starts over on the next stream (new process, new results loop).
         worker.stop()
         assert not worker.running
