@@ -51,6 +51,8 @@ class VadStats:
     batches: int = 0
     #: Wall time the VAD process spent scoring (model calls and the batching around them).
     busy_seconds: float = 0.0
+    #: Times the VAD process died and was replaced (counted once its streams were reopened).
+    restarts: int = 0
     #: Seconds from the arrival of the chunk that completed a window to its endpointing decision.
     latencies: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1_000_000))
 
@@ -100,13 +102,14 @@ class VadWorker:
         self._streams: dict[int, VadStream] = {}
         self._next_id = 1
         self._syncs: dict[int, threading.Event] = {}
-        #: How many times the process was replaced after it died (counted once its streams are
-        #: reopened in the new one).
-        self.restarts = 0
         self._generation = 0  # bumped by stop(): a restart scheduled before it is dropped
         atexit.register(self.stop)
 
     # -- the process ---------------------------------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        return self.stats.restarts
+
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -397,7 +400,7 @@ class VadWorker:
         for stream in list(self._streams.values()):
             start = stream.resume_at()
             self._write(wire.to_vad(wire.OPEN, stream.sid, start.to_bytes(4, "little")))
-        self.restarts += 1
+        self.stats.restarts += 1
         log.info("server VAD: %d stream(s) reopened in the new process", len(self._streams))
 
     def _close_sockets(self) -> None:

@@ -26,6 +26,7 @@ class VadCounters(Protocol):
     windows: int
     batches: int
     busy_seconds: float
+    restarts: int
 
 
 class RealtimeCounters(Protocol):
@@ -107,6 +108,9 @@ class ServerCollector(Collector):
         yield CounterMetricFamily("omnirt_vad_batches", "Server-VAD model calls (batched)", value=vad.batches)
         yield CounterMetricFamily(
             "omnirt_vad_busy_seconds", "Wall time the VAD process spent scoring", value=vad.busy_seconds
+        )
+        yield CounterMetricFamily(
+            "omnirt_vad_process_restarts", "Times the VAD process died and was replaced", value=vad.restarts
         )
 
 

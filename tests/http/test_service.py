@@ -240,3 +240,4 @@ def test_realtime_route_is_mounted_and_its_counters_reach_metrics() -> None:
     assert m[("omnirt_realtime_events_sent_total", ())] >= 1
     assert m[("omnirt_vad_windows_total", ())] >= 6
     assert m[("omnirt_vad_batches_total", ())] >= 1
+    assert m[("omnirt_vad_process_restarts_total", ())] == 0
