@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import collections
 import logging
 import os
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 SOCKET_BUFFER = 4 * 1024 * 1024
 
 
+#: Upper bounds (seconds) of the decision-latency histogram's buckets (``/metrics``).
+LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
 @dataclass
 class VadStats:
     """Counters for ``/metrics`` and the benchmark (latencies are written on the event loop)."""
@@ -53,14 +58,25 @@ class VadStats:
     busy_seconds: float = 0.0
     #: Times the VAD process died and was replaced (counted once its streams were reopened).
     restarts: int = 0
-    #: Seconds from the arrival of the chunk that completed a window to its endpointing decision.
-    latencies: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1_000_000))
+    #: Decision latency (seconds from the arrival of the chunk that completed a window to its
+    #: endpointing decision): the latest ones (enough for a benchmark's percentiles)...
+    latencies: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=200_000))
+    #: ... and all of them as a histogram: counts per bucket of :data:`LATENCY_BUCKETS` (the last
+    #: entry counts those above every bound), and their sum.
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
 
     @property
     def mean_batch(self) -> float:
         return self.windows / self.batches if self.batches else 0.0
 
+    def record_latency(self, seconds: float) -> None:
+        self.latencies.append(seconds)
+        self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum += seconds
+
     def reset(self) -> None:
+        """Clears what a benchmark reads (the histogram, a Prometheus counter, keeps counting)."""
         self.windows = self.batches = 0
         self.busy_seconds = 0.0
         self.latencies.clear()
@@ -360,7 +376,7 @@ class VadWorker:
             stream.deliver(index, prob)
         except Exception:  # one session's failure must not lose the others' results
             log.exception("VAD result handler failed")
-        self.stats.latencies.append(time.perf_counter() - arrived)
+        self.stats.record_latency(time.perf_counter() - arrived)
 
     def _process_gone(self) -> None:
         """On the results loop: the VAD process has exited. A new one is started in a thread and

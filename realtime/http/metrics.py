@@ -13,8 +13,15 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from omnirt.stages.engine import Engine
+from omnirt.vad.worker import LATENCY_BUCKETS
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,6 +34,8 @@ class VadCounters(Protocol):
     batches: int
     busy_seconds: float
     restarts: int
+    latency_buckets: list[int]
+    latency_sum: float
 
 
 class RealtimeCounters(Protocol):
@@ -111,6 +120,16 @@ class ServerCollector(Collector):
         )
         yield CounterMetricFamily(
             "omnirt_vad_process_restarts", "Times the VAD process died and was replaced", value=vad.restarts
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], vad.latency_buckets, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(
+            "omnirt_vad_decision_seconds",
+            "Server VAD: from the arrival of the chunk completing a window to its endpointing decision",
+            buckets=buckets,
+            sum_value=vad.latency_sum,
         )
 
 

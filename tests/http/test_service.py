@@ -241,3 +241,12 @@ def test_realtime_route_is_mounted_and_its_counters_reach_metrics() -> None:
     assert m[("omnirt_vad_windows_total", ())] >= 6
     assert m[("omnirt_vad_batches_total", ())] >= 1
     assert m[("omnirt_vad_process_restarts_total", ())] == 0
+    # Decisions delivered to a session are in the latency histogram (windows scored after their
+    # session closed are not): cumulative buckets, +Inf = the count.
+    count = m[("omnirt_vad_decision_seconds_count", ())]
+    assert 6 <= count <= m[("omnirt_vad_windows_total", ())]
+    assert count == m[("omnirt_vad_decision_seconds_bucket", (("le", "+Inf"),))]
+    assert m[("omnirt_vad_decision_seconds_bucket", (("le", "0.002"),))] <= m[
+        ("omnirt_vad_decision_seconds_bucket", (("le", "1.0"),))
+    ] <= count
+    assert 0 < m[("omnirt_vad_decision_seconds_sum", ())] < count
