@@ -185,7 +185,8 @@ class SpeechPipeline:
             )
         room = self.max_context - prompt.length
         max_tokens = min(room, request.max_output_tokens or room)
-        generator = torch.Generator(device="cpu")
+        # On the model's device: torch.multinomial draws from a generator of its tensor's device.
+        generator = torch.Generator(device=self.device)
         if request.seed is not None:
             generator.manual_seed(int(request.seed))
         else:

@@ -31,9 +31,15 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 def choose(logits: torch.Tensor, params: SamplingParams) -> int:
     """One token from a row of logits [V] (float32 math, like ``generate``'s processors)."""
+    return int(choose_tensor(logits, params))
+
+
+def choose_tensor(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`choose` as a 0-d tensor on the logits' device (no host sync). A sampling
+    ``params.generator`` must be on that device too (``torch.multinomial`` requires it)."""
     logits = logits.float()
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     scores = logits / params.temperature
     if params.top_k > 0:
         k = min(params.top_k, scores.shape[-1])
@@ -47,7 +53,7 @@ def choose(logits: torch.Tensor, params: SamplingParams) -> int:
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=params.generator))
+    return torch.multinomial(probs, 1, generator=params.generator)[0]
 
 
 def choose_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
@@ -56,10 +62,9 @@ def choose_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]
 
 
 def choose_rows_tensor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Like :func:`choose_rows`, as a device tensor [B]: no host sync when every row is greedy."""
+    """Like :func:`choose_rows`, as a device tensor [B], without a host sync."""
     picked = torch.argmax(logits, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        draws = torch.tensor([choose(logits[i], params[i]) for i in sampled], device=picked.device)
-        picked[sampled] = draws
+        picked[sampled] = torch.stack([choose_tensor(logits[i], params[i]) for i in sampled])
     return picked

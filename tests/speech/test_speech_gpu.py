@@ -147,3 +147,29 @@ def test_cuda_bf16_turn_latency(demo_dir: Path) -> None:
             f"{seconds / steps * 1000:.1f} ms per talker frame"
         )
     print(f"\nbf16 CUDA, 1 s audio turn, time to first audio: {[round(f * 1000) for f in firsts]} ms")
+
+
+def test_cuda_sampled_turns_are_seeded_and_complete(demo_dir: Path) -> None:
+    """Sampling on CUDA (chat completions default to temperature 1.0): the request's generator
+    lives on the model's device, the turn completes with text and audio, and a seed repeats it."""
+    pipe = load_speech_pipeline(
+        demo_dir, device="cuda", dtype=torch.bfloat16, max_slots=4, max_audio_frames=20
+    )
+    log = TokenLog(pipe)
+
+    def turn(rid: str, seed: int) -> tuple[list[int], np.ndarray]:
+        pipe.add(audio_request(rid, tone(1.0), max_output_tokens=12, temperature=1.0, top_p=0.9, seed=seed))
+        outs = of(drain(pipe), rid)
+        assert isinstance(outs[-1], Finished) and outs[-1].reason in ("stop", "length"), outs[-1]
+        assert any(isinstance(o, TextDelta) for o in outs)
+        pcm = np.concatenate([o.pcm for o in outs if isinstance(o, AudioDelta)])
+        return log.tokens[rid], pcm
+
+    tokens_a, pcm_a = turn("a", seed=7)
+    tokens_b, pcm_b = turn("b", seed=7)
+    tokens_c, _ = turn("c", seed=8)
+    assert tokens_a == tokens_b and np.array_equal(pcm_a, pcm_b) and len(pcm_a) > 0
+    print(
+        f"\n[gpu] sampled bf16 turns: seed 7 twice identical ({len(tokens_a)} tokens, "
+        f"{len(pcm_a)} samples); seed 8 {'differs' if tokens_c != tokens_a else 'same tokens'}"
+    )
