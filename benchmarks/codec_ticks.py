@@ -211,7 +211,7 @@ def main() -> None:
         args.device = "cpu"
     report = run(args)
     print(table(report))
-    from omnirt.codecs.mimi import ring_attention
+    from omnirt.kernels import ring_attention
 
     kernel = ring_attention.kernel_in_use() if report["device"] != "cpu" else "torch"
     print(f"ring attention: {kernel}; cudnn.benchmark={args.cudnn_benchmark}; matmul TF32={args.matmul_tf32}")

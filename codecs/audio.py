@@ -18,7 +18,6 @@ SAMPLE_RATE = 24_000
 G711_RATE = 8_000
 
 FormatType = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
-FORMAT_TYPES: tuple[FormatType, ...] = ("audio/pcm", "audio/pcmu", "audio/pcma")
 
 
 # -- PCM16 <-> float ------------------------------------------------------------------------------
@@ -29,8 +28,13 @@ def pcm16_to_float(data: bytes) -> np.ndarray:
     """Little-endian PCM16 bytes to float32 in [-1, 1). ``len(data)`` must be even."""
     if len(data) % 2:
         raise ValueError("PCM16 audio must hold whole 2-byte samples")
-    # One pass, one array (x * 2**-15 is exact, the same as x / 32768).
-    return np.multiply(np.frombuffer(data, dtype="<i2"), _INV_32768, dtype=np.float32)
+    return int16_to_float(np.frombuffer(data, dtype="<i2"))
+
+
+def int16_to_float(x: np.ndarray) -> np.ndarray:
+    """int16 samples to float32 in [-1, 1): one pass, one array (x * 2**-15 is exact, the same
+    as x / 32768)."""
+    return np.multiply(x, _INV_32768, dtype=np.float32)
 
 
 def float_to_int16(x: np.ndarray) -> np.ndarray:
@@ -178,7 +182,7 @@ def wire_to_samples(data: bytes, fmt: FormatType) -> np.ndarray:
     if fmt == "audio/pcm":
         return pcm16_to_float(data)
     samples = mulaw_decode(data) if fmt == "audio/pcmu" else alaw_decode(data)
-    return samples.astype(np.float32) / 32768.0
+    return int16_to_float(samples)
 
 
 def decode_audio(data: bytes, fmt: FormatType) -> np.ndarray:
@@ -218,6 +222,6 @@ class AudioEncoder:
         pcm24k = np.asarray(pcm24k, dtype=np.int16)
         if self.format == "audio/pcm":
             return int16_to_pcm16(pcm24k)
-        x = self._resampler.process(pcm24k.astype(np.float32) / 32768.0, last=last)
+        x = self._resampler.process(int16_to_float(pcm24k), last=last)
         samples = float_to_int16(x)
         return mulaw_encode(samples) if self.format == "audio/pcmu" else alaw_encode(samples)

@@ -1,0 +1,1 @@
+"""Triton kernels, each with a torch reference path (``ring_attention``: Mimi's KV-ring attention)."""

@@ -48,7 +48,7 @@ Layers (each usable alone):
 - :mod:`.pool`: :class:`Code2WavPool`, the state of a pool and its step, also in the
   dict-in, dict-out form ``stages/graphs.py`` captures (``pool.step_io``, ``pool.make_inputs``).
 - :mod:`.streamer`: :class:`Code2WavStreamer`, the per-request API above.
-- :mod:`.random_init`: tiny configs and deterministic random weights (tests, embedded default).
+- :mod:`.random_init`: tiny configs and deterministic random weights (tests).
 """
 
 from .loading import load_code2wav

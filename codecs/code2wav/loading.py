@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
+from ..checkpoint import read_safetensors
 from .model import Code2WavModel
 
 PREFIX = "code2wav."
@@ -36,27 +36,6 @@ def read_config(folder: Path) -> tuple[Qwen3OmniMoeCode2WavConfig, str]:
     raise ValueError(f"{config_path} is neither a Qwen3-Omni nor a code2wav config")
 
 
-def _shards(folder: Path, prefix: str) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        names = sorted({file for key, file in weight_map.items() if key.startswith(prefix)})
-        return [folder / name for name in names]
-    return sorted(folder.glob("*.safetensors"))
-
-
-def read_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor named ``prefix*`` in the folder's safetensors files, prefix stripped
-    (the others are not read)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in _shards(folder, prefix):
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key.startswith(prefix):
-                    tensors[key[len(prefix):]] = f.get_tensor(key)
-    return tensors
-
-
 def load_code2wav(path: str | Path, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> Code2WavModel:
     """A :class:`.model.Code2WavModel` with a checkpoint folder's code2wav weights.
@@ -65,7 +44,7 @@ def load_code2wav(path: str | Path, device: torch.device | str = "cpu",
     match the config (missing, unexpected or misshapen tensors)."""
     folder = Path(path)
     config, prefix = read_config(folder)
-    tensors = read_tensors(folder, prefix)
+    tensors = read_safetensors(folder, prefix)
     if not tensors:
         raise ValueError(f"{folder} holds no {prefix or 'code2wav '}tensors in its safetensors files")
     try:

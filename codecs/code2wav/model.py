@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
+from ..streaming import rope_inv_freq
+
 
 def head_dim(config: Qwen3OmniMoeCode2WavConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -64,12 +66,24 @@ class TransConv(nn.Module):
 
 
 class SnakeBeta(nn.Module):
-    """Weights of SnakeBeta: ``x + 1 / (exp(beta) + 1e-9) * sin(x * exp(alpha)) ** 2`` per channel."""
+    """Weights of SnakeBeta: ``x + 1 / (exp(beta) + 1e-9) * sin(x * exp(alpha)) ** 2`` per channel.
+
+    ``exp_alpha`` and ``inv_beta`` (``[channels, 1]``, non-persistent) hold ``exp(alpha)`` and
+    ``1 / (exp(beta) + 1e-9)`` in the weights' dtype; :meth:`Code2WavModel.rebuild_buffers`
+    recomputes them from the weights.
+    """
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self.rebuild_buffers()
+
+    @torch.no_grad()
+    def rebuild_buffers(self) -> None:
+        """Recomputes ``exp_alpha`` and ``inv_beta`` from ``alpha`` and ``beta`` (same device, dtype)."""
+        self.exp_alpha = nn.Buffer(torch.exp(self.alpha.unsqueeze(-1)), persistent=False)
+        self.inv_beta = nn.Buffer(1.0 / (torch.exp(self.beta.unsqueeze(-1)) + 0.000000001), persistent=False)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -142,11 +156,7 @@ class Transformer(nn.Module):
         self.rope_theta = float(rope.get("rope_theta", 10000.0))
         self.inv_freq = nn.Buffer(rope_inv_freq(self.rope_theta, self.head_dim, None), persistent=False)
         self.sliding_window: int = config.sliding_window
-
-
-def rope_inv_freq(base: float, head_dim: int, device: torch.device | str | None) -> torch.Tensor:
-    """RoPE inverse frequencies, float32, computed as transformers' default rope does."""
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+        self.ring_index = nn.Buffer(torch.arange(self.sliding_window), persistent=False)
 
 
 class ResidualUnit(nn.Module):
@@ -209,6 +219,8 @@ class Code2WavModel(nn.Module):
             delay = (prev.delay + up.lookahead) * up.stride
             geometry.append(StreamGeometry(prev.per_frame * up.stride, delay))
         self.block_geometry: tuple[StreamGeometry, ...] = tuple(geometry)
+        # 0 .. per_frame - 1 of the widest geometry (the output); narrower ones use a prefix.
+        self.sample_offsets = nn.Buffer(torch.arange(geometry[-1].per_frame), persistent=False)
 
     @property
     def decoder_blocks(self) -> list[DecoderBlock]:
@@ -257,12 +269,18 @@ class Code2WavModel(nn.Module):
         return model.rebuild_buffers(model.code_embedding.weight.device).eval()
 
     def rebuild_buffers(self, device: torch.device | str) -> Code2WavModel:
-        """Recomputes the non-persistent buffers on ``device``: after a meta-device build, and
-        after a cast to a low-precision dtype (the RoPE frequencies stay float32)."""
+        """Recomputes the non-persistent buffers on ``device``: after a meta-device build, after
+        a cast to a low-precision dtype (the RoPE frequencies stay float32), and after the
+        weights change (the SnakeBeta buffers are functions of them)."""
         cfg = self.config
         self.code_offset = nn.Buffer(
             torch.arange(cfg.num_quantizers, device=device) * cfg.codebook_size, persistent=False
         )
+        self.sample_offsets = nn.Buffer(torch.arange(self.samples_per_frame, device=device), persistent=False)
         t = self.pre_transformer
         t.inv_freq = nn.Buffer(rope_inv_freq(t.rope_theta, t.head_dim, device), persistent=False)
+        t.ring_index = nn.Buffer(torch.arange(t.sliding_window, device=device), persistent=False)
+        for module in self.modules():
+            if isinstance(module, SnakeBeta):
+                module.rebuild_buffers()
         return self

@@ -1,4 +1,4 @@
-"""Small deterministic random code2wav weights: for tests and the embedded default model.
+"""Small deterministic random code2wav weights, for tests (``stages/speech/demo.py`` draws its own).
 
 Transformers' own init makes a nearly silent code2wav (outputs around 1e-7), which hides
 errors in any comparison. :func:`randomize_` draws weights that give outputs of a few tenths,

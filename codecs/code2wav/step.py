@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..mimi.streaming import commit
+from ..streaming import commit
 from .model import (
     CausalConv,
     Code2WavModel,
@@ -45,12 +45,12 @@ from .model import (
 State = dict[str, Tensor]
 
 
-def _started(frame: Tensor, geometry: StreamGeometry) -> Tensor | None:
-    """``[rows, 1, per_frame]``: which positions of this step are at or after the stream start."""
+def _started(frame: Tensor, geometry: StreamGeometry, offsets: Tensor) -> Tensor | None:
+    """``[rows, 1, per_frame]``: which positions of this step are at or after the stream start
+    (``offsets``: ``0 .. n - 1`` for some ``n >= per_frame``)."""
     if geometry.delay == 0:
         return None
-    offsets = torch.arange(geometry.per_frame, device=frame.device)
-    positions = frame[:, None] * geometry.per_frame - geometry.delay + offsets
+    positions = frame[:, None] * geometry.per_frame - geometry.delay + offsets[: geometry.per_frame]
     return (positions >= 0)[:, None, :]
 
 
@@ -59,9 +59,7 @@ def _zero_before_start(x: Tensor, started: Tensor | None) -> Tensor:
 
 
 def _snake(act: SnakeBeta, x: Tensor) -> Tensor:
-    alpha = torch.exp(act.alpha.unsqueeze(0).unsqueeze(-1))
-    beta = torch.exp(act.beta.unsqueeze(0).unsqueeze(-1))
-    return x + (1.0 / (beta + 0.000000001)) * torch.pow(torch.sin(x * alpha), 2)
+    return x + act.inv_beta * torch.pow(torch.sin(x * act.exp_alpha), 2)
 
 
 def _causal_conv(conv: CausalConv, x: Tensor, history: Tensor | None, exec_mask: Tensor) -> Tensor:
@@ -117,7 +115,7 @@ def _transformer(t: Transformer, x: Tensor, frame: Tensor, state: State, exec_ma
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = emb.cos().to(x.dtype)[:, None]  # [rows, 1, 1, head_dim]
     sin = emb.sin().to(x.dtype)[:, None]
-    ring = torch.arange(window, device=x.device)
+    ring = t.ring_index
     write = ((ring == (frame % window)[:, None]) & exec_mask[:, None])[:, None, :, None]
     visible = (ring <= frame[:, None])[:, None, None, :]  # every ring entry once p >= W - 1
 
@@ -149,15 +147,15 @@ def _transformer(t: Transformer, x: Tensor, frame: Tensor, state: State, exec_ma
 
 
 def _decoder_block(
-    index: int, block: DecoderBlock, x: Tensor, frame: Tensor, geometry_in: StreamGeometry,
-    geometry_out: StreamGeometry, state: State, exec_mask: Tensor,
+    index: int, block: DecoderBlock, x: Tensor, started_in: Tensor | None, started_out: Tensor | None,
+    state: State, exec_mask: Tensor,
 ) -> Tensor:
+    """``started_in`` / ``started_out``: :func:`_started` at the block's input / output geometry."""
     act, up, *units = block.block
-    h = _zero_before_start(_snake(act, x), _started(frame, geometry_in))
+    h = _zero_before_start(_snake(act, x), started_in)
     x = _trans_conv(up, h, state.get(f"decoder.{index}.block.1"), exec_mask)
-    started = _started(frame, geometry_out)
     for u, unit in enumerate(units, start=2):
-        h = _zero_before_start(_snake(unit.act1, x), started)
+        h = _zero_before_start(_snake(unit.act1, x), started_out)
         h = _causal_conv(unit.conv1, h, state[f"decoder.{index}.block.{u}.conv1"], exec_mask)
         h = _causal_conv(unit.conv2, _snake(unit.act2, h), None, exec_mask)
         x = h + x
@@ -175,12 +173,12 @@ def code2wav_step(model: Code2WavModel, state: State, codes: Tensor, exec_mask: 
         x = _trans_conv(up, x, None, exec_mask)
         x = _convnext(convnext, x, state[f"upsample.{j}.1.dwconv"], exec_mask)
 
-    geometry = model.block_geometry
+    started = [_started(frame, geometry, model.sample_offsets) for geometry in model.block_geometry]
     first, *blocks, act, last = model.decoder
     x = _causal_conv(first, x, state["decoder.0"], exec_mask)
     for i, block in enumerate(blocks, start=1):
-        x = _decoder_block(i, block, x, frame, geometry[i - 1], geometry[i], state, exec_mask)
-    x = _zero_before_start(_snake(act, x), _started(frame, geometry[-1]))
+        x = _decoder_block(i, block, x, started[i - 1], started[i], state, exec_mask)
+    x = _zero_before_start(_snake(act, x), started[-1])
     wav = _causal_conv(last, x, state[f"decoder.{len(model.decoder) - 1}"], exec_mask)
     frame.add_(exec_mask.to(frame.dtype))
     return wav.clamp(min=-1, max=1)[:, 0]

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..streaming import StateSpec, StreamingModule, commit
 from .config import MimiCodecConfig
-from .streaming import StateSpec, StreamingModule, commit
 
 
 class StreamingConv1d(StreamingModule):
@@ -187,9 +187,7 @@ class ResnetBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, exec_mask: torch.Tensor) -> torch.Tensor:
         residual = x if self.shortcut is None else self.shortcut(x, exec_mask)
-        for layer in self.block:
-            x = layer(x, exec_mask) if isinstance(layer, StreamingConv1d) else layer(x)
-        return residual + x
+        return residual + _run(self.block, x, exec_mask)
 
 
 def _run(layers: nn.ModuleList, x: torch.Tensor, exec_mask: torch.Tensor) -> torch.Tensor:

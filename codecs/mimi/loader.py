@@ -16,13 +16,12 @@ key must be used: anything missing or left over raises ``ValueError``.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from ..checkpoint import read_safetensors, safetensors_files
 from .config import MimiCodecConfig
 from .model import StreamingMimi
 
@@ -46,26 +45,6 @@ def flat_key(key: str) -> str:
         if pattern.match(key):
             return pattern.sub(replacement, key, count=1)
     return key
-
-
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (single file or shards with an index) or one file."""
-    path = Path(path)
-    if path.is_file():
-        return load_file(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        with open(index, encoding="utf-8") as handle:
-            shards = sorted(set(json.load(handle)["weight_map"].values()))
-        files = [path / shard for shard in shards]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no .safetensors file in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(file))
-    return tensors
 
 
 def build_mimi(
@@ -129,7 +108,6 @@ def build_mimi(
     for name, module in model.named_children():
         if name != "quantizer":
             module.to(dtype)
-    model.dtype = dtype
     return model
 
 
@@ -142,4 +120,6 @@ def load_mimi(
     """Loads ``path/config.json`` and ``path/*.safetensors`` (the published Mimi layout)."""
     path = Path(path)
     config = MimiCodecConfig.from_json(path / "config.json")
+    if not safetensors_files(path):
+        raise ValueError(f"no .safetensors file in {path}")
     return build_mimi(config, read_safetensors(path), num_quantizers, device, dtype)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..streaming import streaming_modules
 from .config import MimiCodecConfig
 from .conv import SeanetDecoder, SeanetEncoder, StreamingConv1d, StreamingConvTranspose1d
 from .quantizer import SplitResidualQuantizer
-from .streaming import streaming_modules
 from .transformer import StreamingTransformer
 
 
@@ -37,7 +37,11 @@ class StreamingMimi(nn.Module):
         self.decoder_transformer = StreamingTransformer(config, tokens_per_step=stride)
         self.decoder = SeanetDecoder(config)
         self.max_slots = 0
-        self.dtype = torch.float32
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the convolutions and transformers (the quantizer stays float32)."""
+        return self.encoder.layers[0].conv.weight.dtype
 
     @property
     def num_quantizers(self) -> int:
@@ -53,17 +57,13 @@ class StreamingMimi(nn.Module):
             "decoder": [self.upsample, self.decoder_transformer, self.decoder],
         }
 
-    def alloc_state(
-        self, max_slots: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> None:
+    def alloc_state(self, max_slots: int) -> None:
         """Allocates the state of ``max_slots`` streams (all reset), on the weights' device/dtype."""
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
         weight = self.encoder.layers[0].conv.weight
-        device = torch.device(device) if device is not None else weight.device
-        self.dtype = dtype or weight.dtype
         for _, module in streaming_modules(self):
-            module.alloc_state(max_slots, device, self.dtype)
+            module.alloc_state(max_slots, weight.device, weight.dtype)
         self.max_slots = max_slots
 
     def reset_slot(self, slot: int, encoder: bool = True, decoder: bool = True) -> None:

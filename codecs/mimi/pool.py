@@ -3,7 +3,9 @@
 Slot ``i`` is row ``i`` of every state buffer. ``encode``/``decode`` take a batch of the first
 ``rows`` slots (``rows <= max_slots``) and an exec mask; keep active sessions in the lowest
 slots so the batch stays small. A one-frame step runs through the CUDA graph of the smallest
-captured bucket that holds ``rows`` (padded rows are idle); other shapes run eagerly.
+captured bucket that holds ``rows`` (padded rows are idle); other shapes run eagerly. The
+buckets are those of ``buckets`` (default ``DEFAULT_BUCKETS``) up to ``max_slots``, plus
+``max_slots`` itself.
 Bad input raises ``ValueError`` before any state changes. The pool allocates its state inside
 the model's modules (``StreamingMimi.alloc_state``): one model backs one pool.
 """
@@ -36,7 +38,8 @@ class MimiSlotPool:
         self.check_codes = check_codes
         weight = model.encoder.layers[0].conv.weight
         self.device = weight.device
-        chosen = [b for b in (buckets or DEFAULT_BUCKETS) if b <= max_slots] or [max_slots]
+        # max_slots is always a bucket, so that every batch the pool accepts has a graph
+        chosen = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_slots} | {max_slots})
         frame, k = model.frame_size, model.num_quantizers
 
         def encode_inputs(rows: int) -> dict[str, torch.Tensor]:
@@ -67,15 +70,6 @@ class MimiSlotPool:
         """Captures the one-frame encode and decode graphs of every bucket (CUDA only)."""
         self.encode_runner.capture()
         self.decode_runner.capture()
-
-    @property
-    def graphs_enabled(self) -> bool:
-        return self.encode_runner.enabled
-
-    @graphs_enabled.setter
-    def graphs_enabled(self, value: bool) -> None:
-        self.encode_runner.enabled = value
-        self.decode_runner.enabled = value
 
     def reset(self, slot: int, *, encoder: bool = True, decoder: bool = True) -> None:
         """Starts a new stream in ``slot`` (in place; other slots untouched)."""

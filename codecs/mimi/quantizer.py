@@ -39,6 +39,10 @@ class SplitResidualQuantizer(nn.Module):
         self.acoustic_output_proj = nn.Parameter(zeros(shape_out), requires_grad=False)
         self.register_buffer("codebooks", zeros(num_quantizers, config.codebook_size, config.codebook_dim))
         self.register_buffer("codebook_norms", zeros(num_quantizers, config.codebook_size))
+        # where codebook k starts in the stacked tables (``decode`` looks all of them up at once)
+        self.register_buffer(
+            "code_offsets", torch.arange(num_quantizers) * config.codebook_size, persistent=False
+        )
 
     def set_codebooks(self, embed_sums: list[torch.Tensor], cluster_usages: list[torch.Tensor]) -> None:
         """Codebook k is ``embed_sum / cluster_usage.clamp(min=1e-5)``, as transformers computes it."""
@@ -73,8 +77,8 @@ class SplitResidualQuantizer(nn.Module):
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         # one lookup in the stacked tables for every codebook, then a sum per group
-        offsets = torch.arange(self.num_quantizers, device=codes.device) * self.codebook_size
-        vectors = F.embedding(codes + offsets[:, None], self.codebooks.view(-1, self.codebooks.shape[-1]))
+        offsets = self.code_offsets[:, None]
+        vectors = F.embedding(codes + offsets, self.codebooks.view(-1, self.codebooks.shape[-1]))
         semantic = vectors[:, : self.num_semantic].sum(dim=1).transpose(1, 2)
         acoustic = vectors[:, self.num_semantic :].sum(dim=1).transpose(1, 2)
         out = self._project(semantic, self.semantic_output_proj)

@@ -1,4 +1,4 @@
-"""transformers ``MimiModel`` with random weights, as the parity reference and embedded default.
+"""transformers ``MimiModel`` with random weights, the parity reference of tests and benchmarks.
 
 A freshly initialised ``MimiModel`` has all-zero codebooks (every frame encodes to code 0),
 which would make any parity check vacuous: ``random_reference_model`` fills ``embed_sum`` with

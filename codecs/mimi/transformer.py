@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from omnirt.kernels.ring_attention import ring_attention
 from torch import nn
 
+from ..streaming import StateSpec, StreamingModule, commit, rope_inv_freq
 from .config import MimiCodecConfig
-from .ring_attention import ring_attention
-from .streaming import StateSpec, StreamingModule, commit
 
 _EMPTY_POSITION = -(1 << 40)
 _MASKED = -1e9  # finite, so a row with no visible key (idle rows only) gives no NaN
@@ -33,12 +33,11 @@ _ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
 
 class LayerScale(nn.Module):
+    """Holds the per-channel ``scale`` (applied with ``addcmul`` in ``TransformerLayer``)."""
+
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class Mlp(nn.Module):
@@ -146,9 +145,8 @@ class StreamingTransformer(StreamingModule):
         self.layers = nn.ModuleList(
             [TransformerLayer(config, self.ring) for _ in range(config.num_hidden_layers)]
         )
-        dim = config.attention_head_dim
         # A plain attribute, not a buffer: it stays float32 whatever dtype the weights take.
-        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.inv_freq = rope_inv_freq(config.rope_theta, config.attention_head_dim)
 
     def state_specs(self) -> dict[str, StateSpec]:
         return {

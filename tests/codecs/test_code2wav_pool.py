@@ -113,3 +113,20 @@ def test_step_io_on_the_first_slots_leaves_the_rest_alone(hf: Qwen3OmniMoeCode2W
         torch.testing.assert_close(out["wav"][0], expected[0], rtol=1e-6, atol=1e-6)
         assert all(torch.equal(v[2:], before[k]) for k, v in prefix.state.items())
     assert prefix.state["frame"].tolist() == whole.state["frame"].tolist() == [3, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_precomputed_buffers_follow_the_weights(hf: Qwen3OmniMoeCode2Wav, dtype: torch.dtype) -> None:
+    """The SnakeBeta factors and constant index tensors are rebuilt by the pool after its cast,
+    from the cast weights, and are not part of the state dict (its keys stay transformers')."""
+    pool = Code2WavPool(Code2WavModel.from_hf(hf), SLOTS, dtype=dtype)
+    model = pool.model
+    assert model.state_dict().keys() == hf.state_dict().keys()
+    snakes = [m for m in model.modules() if type(m).__name__ == "SnakeBeta"]
+    assert len(snakes) == 1 + 4 * (1 + 3 * 2)  # the last activation, and 1 + 3 * 2 per decoder block
+    for snake in snakes:
+        assert snake.exp_alpha.dtype == snake.inv_beta.dtype == dtype
+        assert torch.equal(snake.exp_alpha, torch.exp(snake.alpha)[:, None])
+        assert torch.equal(snake.inv_beta, 1.0 / (torch.exp(snake.beta)[:, None] + 0.000000001))
+    assert torch.equal(model.sample_offsets, torch.arange(1920))
+    assert torch.equal(model.pre_transformer.ring_index, torch.arange(hf.config.sliding_window))

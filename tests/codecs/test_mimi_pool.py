@@ -131,3 +131,34 @@ def test_bad_input_raises_without_changing_state(weights, call, message):
     with pytest.raises(ValueError, match=message):
         call(pool)
     assert _same_state(before, _snapshot(pool))
+
+
+@pytest.mark.parametrize(
+    ("max_slots", "buckets", "expected"),
+    [
+        (100, None, [1, 2, 4, 8, 16, 32, 64, 100]),  # max_slots between two default buckets
+        (64, None, [1, 2, 4, 8, 16, 32, 64]),
+        (1, None, [1]),
+        (8, [1, 8], [1, 8]),
+        (5, [1, 8], [1, 5]),
+        (3, [16], [3]),
+    ],
+)
+def test_max_slots_is_always_a_graph_bucket(weights, max_slots, buckets, expected):
+    config, state = weights
+    pool = MimiSlotPool(build_mimi(config, state), max_slots, buckets=buckets)
+    assert pool.encode_runner.buckets == pool.decode_runner.buckets == expected
+
+
+def test_dtype_follows_the_weights(weights):
+    config, state = weights
+    model = build_mimi(config, state, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    assert model.quantizer.codebooks.dtype == torch.float32  # the quantizer stays float32
+    pool = MimiSlotPool(model, SLOTS)
+    assert all(
+        t.dtype == torch.bfloat16
+        for name, t in pool.model.state_buffers().items()
+        if not name.endswith(("position", "ring_positions", "started"))
+    )
+    assert build_mimi(config, state).dtype == torch.float32

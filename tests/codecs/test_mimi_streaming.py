@@ -116,6 +116,32 @@ def test_reset_restarts_a_stream(reference, audio):
     again = torch.cat([pool.encode(audio[:, i * FRAME : (i + 1) * FRAME]) for i in range(3)], -1)
     assert torch.equal(first, again)
     wav = pool.decode(first)
+    encoder_side = {
+        name: buffer.clone()
+        for name, buffer in pool.model.state_buffers().items()
+        if name.startswith(("encoder", "downsample"))
+    }
+    assert any(name.startswith("encoder_transformer.") for name in encoder_side)
+    assert any(name.startswith("downsample.") for name in encoder_side)
+    assert any(buffer.any() for buffer in encoder_side.values())  # not all at reset values
     pool.reset(0, encoder=False)
     pool.reset(1, encoder=False)
+    after = pool.model.state_buffers()
+    assert all(torch.equal(after[name], buffer) for name, buffer in encoder_side.items())
     assert torch.equal(pool.decode(first), wav)
+
+
+def test_grouped_kv_heads_match_transformers(tmp_path, audio):
+    """One KV head shared by both query heads, against transformers as above."""
+    config = {**TINY_MIMI, "num_hidden_layers": 2, "num_key_value_heads": 1}
+    model = save_reference_model(tmp_path, seed=5, **config)
+    pool = MimiSlotPool(load_mimi(tmp_path), max_slots=2)
+    for attention in (pool.model.encoder_transformer, pool.model.decoder_transformer):
+        assert [layer.self_attn.num_kv_heads for layer in attention.layers] == [1, 1]
+    with torch.no_grad():
+        expected = model.encode(audio[:, None], num_quantizers=8).audio_codes
+        wav = model.decode(expected).audio_values[:, 0]
+    got = torch.cat([pool.encode(audio[:, i * FRAME : (i + 1) * FRAME]) for i in range(FRAMES)], dim=-1)
+    assert torch.equal(got, expected)
+    decoded = torch.cat([pool.decode(expected[:, :, i : i + 1]) for i in range(FRAMES)], -1)
+    assert _relative_error(decoded, wav) < 2e-6

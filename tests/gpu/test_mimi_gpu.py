@@ -112,7 +112,7 @@ def test_bf16_streaming_decode_tracks_fp32(reference):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("tokens", "kv_heads"), [(2, 8), (1, 8), (2, 4)])
 def test_triton_ring_attention_matches_torch_reference(dtype, tokens, kv_heads):
-    from omnirt.codecs.mimi import ring_attention as ra
+    from omnirt.kernels import ring_attention as ra
 
     if ra.triton is None:
         pytest.skip("Triton not installed")

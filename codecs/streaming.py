@@ -1,4 +1,4 @@
-"""Per-slot streaming state for modules that run many streams in one fixed-size batch.
+"""Per-slot streaming state shared by the codecs (``mimi``, ``code2wav``): many streams, one batch.
 
 A streaming module declares its state as named buffers of shape ``[max_slots, ...]``. The
 buffers are allocated once (``alloc_state``) and never reallocated: a slot is reset in place
@@ -9,6 +9,8 @@ pool.
 Every step takes an exec mask (bool, one per row). State moves forward only where the mask is
 True (``commit``): a row without a new frame keeps its state bit for bit, whatever the other
 rows do, and the batch keeps one shape.
+
+Also the RoPE inverse frequencies both codecs' transformers use (:func:`rope_inv_freq`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ class StateSpec:
     shape: tuple[int, ...]
     fill: float | int | bool = 0
     dtype: torch.dtype | None = None
+
+
+def rope_inv_freq(base: float, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies, float32, computed as transformers' default rope does."""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
 
 
 def commit(buffer: torch.Tensor, new: torch.Tensor, exec_mask: torch.Tensor) -> None:
