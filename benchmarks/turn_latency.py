@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import io
 import json
@@ -53,8 +52,8 @@ from typing import Any
 
 import numpy as np
 import soundfile
-import soxr
 import websockets
+from omnirt.codecs.audio import b64encode, float_to_pcm16, resample
 from omnirt.realtime.app import create_app
 from omnirt.realtime.cli import ws_max_size
 from omnirt.realtime.config import ServerConfig
@@ -81,7 +80,7 @@ def espeak_speech(text: str) -> np.ndarray | None:
     wav = subprocess.run([exe, "--stdout", text], capture_output=True, check=True, timeout=60).stdout
     pcm, rate = soundfile.read(io.BytesIO(wav), dtype="float32", always_2d=True)
     mono = pcm.mean(axis=1)
-    return soxr.resample(mono, rate, SAMPLE_RATE).astype(np.float32) if rate != SAMPLE_RATE else mono
+    return resample(mono, rate, SAMPLE_RATE)
 
 
 def speechlike_tone(seconds: float) -> np.ndarray:
@@ -103,7 +102,7 @@ def input_audio(seconds: float, source: str) -> tuple[bytes, str]:
         what = "espeak-ng speech"
     n = int(seconds * SAMPLE_RATE)
     pcm = np.pad(pcm[:n], (0, max(0, n - len(pcm))))
-    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes(), what
+    return float_to_pcm16(pcm), what
 
 
 # -- the server, in process -----------------------------------------------------------------------
@@ -179,9 +178,7 @@ async def run_session(w: Workload, n: int) -> list[Turn]:
     url, model, pcm, engine = w.url, w.model, w.pcm, w.engine
     chunk = int(APPEND_CHUNK_SECONDS * SAMPLE_RATE) * 2
     appends = [
-        json.dumps(
-            {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i : i + chunk]).decode()}
-        )
+        json.dumps({"type": "input_audio_buffer.append", "audio": b64encode(pcm[i : i + chunk])})
         for i in range(0, len(pcm), chunk)
     ]
     response_create = json.dumps(

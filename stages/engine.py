@@ -266,8 +266,6 @@ class RequestStream:
                 if not self._done:
                     self._done = True
                     self._finished = output
-                if output.usage == Usage() and output.reason == "cancelled":
-                    output = Finished(output.reason, self.usage, output.error, output.code)
                 yield output
                 return
             self._account(output)

@@ -199,12 +199,7 @@ def make_vocoder(module: nn.Module, kind: str, *, max_streams: int, graphs: bool
     ``graphs``: the streaming decoder replays a CUDA graph of its step on CUDA (see
     :class:`StreamingVocoder`); the chunked one has none."""
     if kind == "auto":
-        on_cpu = next(module.parameters()).device.type == "cpu"
-        try:
-            import omnirt.codecs.code2wav  # noqa: F401
-        except ImportError:
-            on_cpu = True
-        kind = "chunked" if on_cpu else "stream"
+        kind = "chunked" if next(module.parameters()).device.type == "cpu" else "stream"
     if kind == "stream":
         return StreamingVocoder(module, max_streams=max_streams, graphs=graphs)
     if kind == "chunked":

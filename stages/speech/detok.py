@@ -17,7 +17,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens whose text has been returned
-        self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -33,7 +32,6 @@ class IncrementalDetokenizer:
         new = after[len(before) :]
         self._read = len(self.ids)
         self._prefix = max(0, self._read - _CONTEXT)
-        self.text += new
         return new
 
     def flush(self) -> str:
@@ -42,5 +40,4 @@ class IncrementalDetokenizer:
         after = self._decode(self.ids[self._prefix :])
         new = after[len(before) :] if len(after) > len(before) else ""
         self._read = len(self.ids)
-        self.text += new
         return new

@@ -65,15 +65,13 @@ class _Active:
     reason: str = "stop"
     position: int = 0  # RoPE position of the next thinker input
     next_token: int | None = None  # drawn, not yet fed to the thinker
-    text_ids: list[int] = field(default_factory=list)
-    text_embeds: list[torch.Tensor] = field(default_factory=list)  # thinker input embeddings of text_ids
+    text_embeds: list[torch.Tensor] = field(default_factory=list)  # thinker input embeddings of the reply
     chars_after: list[int] = field(default_factory=list)  # reply characters sent after each text token
     pending_tokens: int = 0  # tokens counted in no TextDelta yet
     unsent: str = ""  # decoded text held back (it may begin a stop string)
     sent_chars: int = 0
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
-    finished: bool = False
 
 
 class SpeechPipeline:
@@ -209,11 +207,16 @@ class SpeechPipeline:
         )
         if request.output_audio:
             if params.greedy:
-                talker_params = SamplingParams()
+                talker_params, predictor_params = SamplingParams(), SamplingParams()
             else:
                 talker_params = SamplingParams(generator=generator, **TALKER_SAMPLING)
+                predictor_params = SamplingParams(generator=generator, **CODE_PREDICTOR_SAMPLING)
             active.talker = TalkerState(
-                prompt=None, speaker_id=speaker_id, params=talker_params, max_frames=self.max_audio_frames
+                prompt=None,
+                speaker_id=speaker_id,
+                params=talker_params,
+                max_frames=self.max_audio_frames,
+                predictor_params=predictor_params,
             )
         self._active[request.request_id] = active
         if request.output_audio:
@@ -254,7 +257,7 @@ class SpeechPipeline:
                         self._fail(a, out, f"internal error: {exc}")
             self._emit_audio(out)
         for active in list(self._active.values()):
-            if active.thinker_done and (active.talker is None or active.talker.done) and not active.finished:
+            if active.thinker_done and (active.talker is None or active.talker.done):
                 self._finish(active, out)
         return out
 
@@ -316,7 +319,6 @@ class SpeechPipeline:
         if token in self.stop_token_ids:
             self._end_text(active, "stop", out)
             return
-        active.text_ids.append(token)
         if active.talker is not None:
             active.text_embeds.append(self.embed_tokens.weight[token])
         active.usage.output_text_tokens += 1
@@ -325,9 +327,7 @@ class SpeechPipeline:
         active.chars_after.append(active.sent_chars)
         if stopped:
             self._end_text(active, "stop", out, flush=False)
-        elif (
-            len(active.text_ids) >= active.max_tokens or self.thinker.length(active.slot) >= self.max_context
-        ):
+        elif active.usage.output_text_tokens >= active.max_tokens:  # max_tokens fits the context (add)
             self._end_text(active, "length", out)
         else:
             active.next_token = token
@@ -369,7 +369,7 @@ class SpeechPipeline:
         if active.chars_after:
             active.chars_after[-1] = active.sent_chars
         t = active.talker
-        if t is not None and not t.started and not active.text_ids:
+        if t is not None and not t.started and not active.usage.output_text_tokens:
             t.done = True  # nothing to say
 
     # -- talker -------------------------------------------------------------------------------------
@@ -436,9 +436,9 @@ class SpeechPipeline:
         assert t is not None
         limit = t.max_frames
         if active.thinker_done:
-            budget = self.audio_frames_base + self.audio_frames_per_token * len(active.text_ids)
+            budget = self.audio_frames_base + self.audio_frames_per_token * active.usage.output_text_tokens
             limit = min(limit, int(budget))
-        if t.next_code == self.talker.eos or t.frames >= limit:
+        if t.next_code == self.talker.eos or t.step >= limit:  # one frame per talker step
             t.done = True
 
     def _talker_ready(self, active: _Active) -> bool:
@@ -451,13 +451,7 @@ class SpeechPipeline:
         states = [a.talker for a in rows]
         hidden = torch.stack([t.hidden for t in states])  # type: ignore[union-attr, misc]
         first = torch.tensor([t.next_code for t in states], device=self.device)  # type: ignore[union-attr]
-        params = []
-        for t in states:
-            assert t is not None
-            if t.params.greedy:
-                params.append(SamplingParams())
-            else:
-                params.append(SamplingParams(generator=t.params.generator, **CODE_PREDICTOR_SAMPLING))
+        params = [t.predictor_params for t in states]  # type: ignore[union-attr]
         slots = torch.tensor([a.slot for a in rows], device=self.device)
         slot_list = [a.slot for a in rows]
         frames, codec_sum = self.talker.residual_codes(slot_list, slots, hidden, first, params)
@@ -468,7 +462,6 @@ class SpeechPipeline:
         for i, (a, t) in enumerate(zip(rows, states, strict=True)):
             assert t is not None
             self.vocoder.push(a.request.request_id, frames[i])
-            t.frames += 1
             a.usage.output_audio_tokens += 1
             item = self._text_input(a, 4 + t.step)
             if isinstance(item, torch.Tensor):
@@ -507,11 +500,7 @@ class SpeechPipeline:
         return active.chars_after[k]
 
     def _emit_audio(self, out: list[tuple[str, Output]]) -> None:
-        finishing = {
-            rid
-            for rid, a in self._active.items()
-            if a.talker is not None and a.talker.done and not a.finished
-        }
+        finishing = {rid for rid, a in self._active.items() if a.talker is not None and a.talker.done}
         for rid, (pcm, frames) in self.vocoder.pull(finishing).items():
             active = self._active.get(rid)
             if active is None or pcm.size == 0:
@@ -529,10 +518,10 @@ class SpeechPipeline:
         self._end(active, out, Finished("error", active.usage, message))
 
     def _end(self, active: _Active, out: list[tuple[str, Output]], finished: Finished) -> None:
-        active.finished = True
         rid = active.request.request_id
-        self._active.pop(rid, None)
-        self._release(active)
+        if self._active.get(rid) is active:  # whoever takes it out of _active frees its slot, once
+            del self._active[rid]
+            self._release(active)
         out.append((rid, finished))
 
     def _guard(self, active: _Active, out: list[tuple[str, Output]], fn: Any, *args: Any) -> None:
@@ -550,6 +539,5 @@ class SpeechPipeline:
         if self.has_talker:
             self.talker_decoder.reset(active.slot)
             self.vocoder.close(active.request.request_id)
-        if active.slot not in self._free:
-            self._free.append(active.slot)
+        self._free.append(active.slot)
         active.text_embeds.clear()

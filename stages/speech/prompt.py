@@ -82,8 +82,6 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
         self.image_processor = image_processor
-        self.audio_token = audio_token
-        self.image_token = image_token
         self.audio_token_id = tokenizer.convert_tokens_to_ids(audio_token)
         self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
         self.n_window = n_window

@@ -49,7 +49,7 @@ def choose_tensor(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_scores, order = torch.sort(scores, descending=False)
         cum = sorted_scores.softmax(-1).cumsum(-1)
         drop_sorted = cum <= 1 - params.top_p
-        drop_sorted[-1] = False  # always keep the most likely token
+        drop_sorted[-1:].fill_(False)  # always keep the most likely token (fill_: no host sync)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(-1)
@@ -65,6 +65,6 @@ def choose_rows_tensor(logits: torch.Tensor, params: list[SamplingParams]) -> to
     """Like :func:`choose_rows`, as a device tensor [B], without a host sync."""
     picked = torch.argmax(logits, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        picked[sampled] = torch.stack([choose_tensor(logits[i], params[i]) for i in sampled])
+    for i in sampled:  # row by row: indexing with a list would copy it to the device (a sync)
+        picked[i] = choose_tensor(logits[i], params[i])
     return picked

@@ -53,17 +53,21 @@ class SlotDecoder:
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
         self.max_len = max_len
-        self.num_slots = num_slots
         shape = (num_slots, self.num_kv_heads, max_len, self.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.host_lengths = [0] * num_slots  # the same, on the host: no device sync to read it
 
-    def reset(self, slots: int | Sequence[int]) -> None:
+    def reset(self, slots: int | Sequence[int], index: torch.Tensor | None = None) -> None:
+        """Empties ``slots`` (``index``: the same slots as a device tensor, when the caller has
+        one; then no index is copied to the device, so nothing syncs with the host)."""
         for slot in [slots] if isinstance(slots, int) else slots:
             self.host_lengths[slot] = 0
-        self.lengths[slots if isinstance(slots, int) else list(slots)] = 0
+        if index is not None:
+            self.lengths.index_fill_(0, index, 0)
+        else:
+            self.lengths[slots if isinstance(slots, int) else list(slots)] = 0
 
     def length(self, slot: int) -> int:
         return self.host_lengths[slot]

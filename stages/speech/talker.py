@@ -20,13 +20,13 @@ run by :class:`~.slots.SlotDecoder` over its layers with a per-request slot of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from .sampling import SamplingParams, apply_repetition_penalty, choose_rows, choose_rows_tensor
+from .sampling import SamplingParams, apply_repetition_penalty, choose_rows_tensor
 from .slots import SlotDecoder
 
 
@@ -48,10 +48,11 @@ class TalkerState:
     started: bool = False
     done: bool = False
     position: int = 0
-    step: int = 0  # decode steps run == index into the trailing text
+    step: int = 0  # decode steps run == frames made == index into the trailing text
     next_code: int = -1  # code group 0 of the next frame (sampled, not yet expanded)
     hidden: torch.Tensor | None = None  # last talker hidden state [Ht]
-    frames: int = 0
+    #: The code predictor's sampling (built once per request, used for every frame).
+    predictor_params: SamplingParams = field(default_factory=SamplingParams)
 
 
 def build_talker_prompt(
@@ -147,6 +148,7 @@ class Talker:
         self.repetition_penalty = repetition_penalty
         #: Per slot: the group-0 codes its request has drawn (for the repetition penalty).
         self.seen = torch.zeros((max_slots, vocab), dtype=torch.bool, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # marks ``seen`` without a host copy
         with torch.no_grad():
             special = torch.tensor(
                 [[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]], device=device
@@ -207,9 +209,9 @@ class Talker:
         request drew before, special codes suppressed, then greedy or sampled per request."""
         logits = apply_repetition_penalty(logits.float(), self.seen[slots], self.repetition_penalty)
         logits = logits.masked_fill(self.suppress, float("-inf"))
-        codes = choose_rows(logits, [s.params for s in states])
-        self.seen[slots, torch.tensor(codes, device=slots.device)] = True
-        return codes
+        codes = choose_rows_tensor(logits, [s.params for s in states])
+        self.seen.index_put_((slots, codes), self._true)
+        return codes.tolist()
 
     @torch.no_grad()
     def residual_codes(
@@ -229,7 +231,7 @@ class Talker:
         """
         predictor = self.talker.code_predictor
         decoder = self.predictor_decoder
-        decoder.reset(slots)
+        decoder.reset(slots, index)
         first = self.talker.get_input_embeddings()(first_codes)
         zeros = torch.zeros_like(first_codes)
         decoder.step(slots, hidden, zeros, index)

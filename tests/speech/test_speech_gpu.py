@@ -14,6 +14,7 @@ from omnirt.codecs.audio import float_to_int16
 from omnirt.stages.graphs import CudaGraphRunner
 from omnirt.stages.speech.code2wav import StreamingVocoder, make_vocoder
 from omnirt.stages.speech.loader import load_speech_pipeline
+from omnirt.stages.speech.sampling import SamplingParams, choose, choose_rows_tensor
 from omnirt.stages.types import AudioDelta, Finished, TextDelta
 
 from .conftest import TokenLog, audio_request, drain, of, tone
@@ -173,3 +174,29 @@ def test_cuda_sampled_turns_are_seeded_and_complete(demo_dir: Path) -> None:
         f"\n[gpu] sampled bf16 turns: seed 7 twice identical ({len(tokens_a)} tokens, "
         f"{len(pcm_a)} samples); seed 8 {'differs' if tokens_c != tokens_a else 'same tokens'}"
     )
+
+
+def test_choose_rows_tensor_never_syncs_with_the_host() -> None:
+    """Mixed greedy and sampled rows (top-k and top-p on, generators on the GPU) are chosen on
+    the device without a host sync, and equal choosing each row on its own."""
+    logits = torch.randn(4, 3072, generator=torch.Generator().manual_seed(0)).cuda()
+
+    def params(seed: int) -> list[SamplingParams]:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        return [
+            SamplingParams(),
+            SamplingParams(1.0, 0.8, 50, gen),
+            SamplingParams(),
+            SamplingParams(0.9, 0.5, 8, gen),
+        ]
+
+    choose_rows_tensor(logits, params(1))  # first call: lazy initialisation may sync
+    rows = params(2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        picked = choose_rows_tensor(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert picked.device.type == "cuda"
+    assert picked.tolist() == [choose(row, p) for row, p in zip(logits, params(2), strict=True)]
