@@ -53,10 +53,6 @@ class SessionConfig:
     tool_choice: str | dict[str, Any] = "auto"
     max_output_tokens: int | Literal["inf"] = "inf"
 
-    @property
-    def wants_audio(self) -> bool:
-        return "audio" in self.output_modalities
-
     def merged(self, patch: dict[str, Any], *, limits: SessionLimits, voice_locked: bool) -> SessionConfig:
         """A new config with ``patch`` applied; raises :class:`SessionError` and changes nothing
         when the patch asks for something this server cannot do."""
@@ -106,12 +102,7 @@ class SessionConfig:
             voice = patch["voice"]
             if isinstance(voice, dict):
                 voice = voice.get("id", "")
-            if limits.voices and voice not in limits.voices:
-                raise SessionError(
-                    ErrorCode.INVALID_VALUE,
-                    f"Unknown voice '{voice}'; this model has: {', '.join(limits.voices)}.",
-                    "session.audio.output.voice",
-                )
+            check_voice(voice, limits, "session.audio.output.voice")
             if voice != c.voice and voice_locked:
                 raise SessionError(
                     ErrorCode.INVALID_VALUE,
@@ -119,6 +110,16 @@ class SessionConfig:
                     "session.audio.output.voice",
                 )
             c.voice = voice
+
+
+def check_voice(voice: str, limits: SessionLimits, param: str) -> None:
+    """Refuse a voice the model does not have (any name passes when ``limits.voices`` is empty)."""
+    if limits.voices and voice not in limits.voices:
+        raise SessionError(
+            ErrorCode.INVALID_VALUE,
+            f"Unknown voice '{voice}'; this model has: {', '.join(limits.voices)}.",
+            param,
+        )
 
 
 def _format_type(value: dict[str, Any] | None, current: FormatType) -> FormatType:

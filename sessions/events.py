@@ -179,16 +179,6 @@ class OutputTextDone:
     transcript: bool
 
 
-@dataclass(frozen=True)
-class SessionErrorEvent:
-    """An error not tied to a client event (limits, expiry)."""
-
-    code: str
-    message: str
-    param: str | None = None
-    type: str = "invalid_request_error"
-
-
 SessionEvent = (
     SessionCreated
     | SessionUpdated
@@ -214,5 +204,4 @@ SessionEvent = (
     | OutputAudioDone
     | OutputTextDelta
     | OutputTextDone
-    | SessionErrorEvent
 )

@@ -7,12 +7,14 @@ sample since the session began, committed or not), which is the clock of server 
 from __future__ import annotations
 
 import numpy as np
-from omnirt.codecs.audio import SAMPLE_RATE, AudioDecoder, FormatType, bytes_per_ms
+from omnirt.codecs.audio import SAMPLE_RATE, AudioDecoder, FormatType, bytes_per_ms, check_wire_bytes
 
 from .errors import ErrorCode, SessionError
 
 #: A commit of less audio than this is refused (``input_audio_buffer_commit_empty``).
 MIN_COMMIT_MS = 100
+#: Bytes per ms of 24 kHz PCM16, the unit the buffer limit counts in.
+_PCM_BYTES_PER_MS = bytes_per_ms("audio/pcm")
 
 
 class InputAudioBuffer:
@@ -33,10 +35,14 @@ class InputAudioBuffer:
     def set_format(self, fmt: FormatType) -> None:
         """Later appends use ``fmt``; audio already buffered stays."""
         if fmt != self._decoder.format:
-            tail = self._decoder.flush()
-            self._chunks.append(tail)
-            self.end += len(tail)
+            self._flush_decoder()
             self._decoder = AudioDecoder(fmt)
+
+    def _flush_decoder(self) -> None:
+        """Buffer what the decoder still holds (the resampler's tail)."""
+        tail = self._decoder.flush()
+        self._chunks.append(tail)
+        self.end += len(tail)
 
     @property
     def duration_ms(self) -> float:
@@ -45,19 +51,21 @@ class InputAudioBuffer:
     @property
     def held_bytes(self) -> int:
         """What the buffer holds, counted as bytes of 24 kHz PCM16."""
-        return int(self._wire_ms * SAMPLE_RATE * 2 / 1000)
+        return int(self._wire_ms * _PCM_BYTES_PER_MS)
 
     def append(self, data: bytes) -> np.ndarray:
         """Decode and buffer ``data``; returns the new 24 kHz samples. On error nothing changes."""
         fmt = self._decoder.format
-        if fmt == "audio/pcm" and len(data) % 2:
+        try:
+            check_wire_bytes(data, fmt)
+        except ValueError:
             raise SessionError(
                 ErrorCode.INVALID_VALUE,
                 f"audio/pcm audio must be whole 16-bit samples; got {len(data)} bytes (odd).",
                 "audio",
-            )
+            ) from None
         ms = len(data) / bytes_per_ms(fmt)
-        added = int(ms * SAMPLE_RATE * 2 / 1000)
+        added = int(ms * _PCM_BYTES_PER_MS)
         if self.held_bytes + added > self.max_bytes:
             raise SessionError(
                 ErrorCode.INPUT_BACKPRESSURE,
@@ -122,9 +130,7 @@ class InputAudioBuffer:
                 f"Error committing input audio buffer: buffer too small. Expected at least "
                 f"{MIN_COMMIT_MS}ms of audio, but buffer only has {self._wire_ms:.2f}ms of audio.",
             )
-        tail = self._decoder.flush()
-        self._chunks.append(tail)
-        self.end += len(tail)
+        self._flush_decoder()
         audio = np.concatenate(self._chunks).astype(np.float32, copy=False)
         self.clear()
         return audio

@@ -28,10 +28,6 @@ class InputAudio:
     audio: np.ndarray
     transcript: str | None = None
 
-    @property
-    def duration_ms(self) -> int:
-        return len(self.audio) * 1000 // SAMPLE_RATE
-
 
 @dataclass
 class InputImage:

@@ -30,7 +30,6 @@ class SessionManager:
         self._lock = threading.Lock()
         self._active = 0
         self._total = 0
-        self._refused = 0
 
     @property
     def active(self) -> int:
@@ -41,15 +40,10 @@ class SessionManager:
         """Sessions admitted since start."""
         return self._total
 
-    @property
-    def refused(self) -> int:
-        return self._refused
-
     def admit(self) -> SessionLease | None:
         """A lease, or ``None`` when ``max_sessions`` are already active."""
         with self._lock:
             if self._active >= self.max_sessions:
-                self._refused += 1
                 return None
             self._active += 1
             self._total += 1

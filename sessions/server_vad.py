@@ -20,8 +20,6 @@ from .turns import TURN_PARAM, TurnSignal, VadSettings
 
 
 class ServerVadTurns:
-    name = "server_vad"
-
     def __init__(
         self,
         settings: VadSettings,

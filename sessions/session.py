@@ -18,11 +18,10 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from omnirt.codecs.audio import bytes_per_ms
 from omnirt.stages.types import GenerationRequest
 from omnirt.vad.worker import VadWorker
 
-from .config import SessionConfig, SessionLimits
+from .config import SessionConfig, SessionLimits, check_voice
 from .context import build_messages
 from .conversation import Conversation
 from .errors import ErrorCode, SessionError
@@ -75,7 +74,6 @@ class RealtimeSession:
         self.vad = vad
         #: Push-to-talk (extension): audio appended while a reply is in progress is dropped.
         self.push_to_talk = push_to_talk
-        self.dropped_audio_ms = 0.0
         self._emit_to = emit
         self.new_id = new_id
         self.id = new_id("sess")
@@ -139,15 +137,11 @@ class RealtimeSession:
         if notify:
             self._emit(SessionClosed(self.id))
         self.closed = True
-        for run in list(self.runs.values()):
-            if run.task is not None:
-                run.task.cancel()
 
     # -- input audio -------------------------------------------------------------------------
     def append_audio(self, data: bytes) -> None:
         if self.push_to_talk and self.active is not None:
             # Between turns (a reply is in progress): the talk button is up, this is not the user's.
-            self.dropped_audio_ms += len(data) / (bytes_per_ms(self.input.format) or 1)
             return
         turns = self.turns
         if isinstance(turns, ServerVadTurns) and turns.backlog_ms > self.limits.max_vad_backlog_ms:
@@ -338,12 +332,8 @@ class RealtimeSession:
                 f"Conversation already has an active response in progress: {self.active.id}. "
                 "Wait until the response is finished before creating a new one.",
             )
-        if options.voice and self.limits.voices and options.voice not in self.limits.voices:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"Unknown voice '{options.voice}'; this model has: {', '.join(self.limits.voices)}.",
-                "response.audio.output.voice",
-            )
+        if options.voice:
+            check_voice(options.voice, self.limits, "response.audio.output.voice")
         context = self._context_items(options.input)
         if options.input is not None:
             new = [i for i in options.input if not isinstance(i, str)]

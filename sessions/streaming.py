@@ -149,8 +149,6 @@ class ResponseRun:
                 if self.finished:
                     return
                 self._handle(output)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # a bug here must still end the response for the client
             log.exception("response %s failed", self.id)
             self._stream.cancel()

@@ -13,7 +13,7 @@ through the callback it was built with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -22,16 +22,6 @@ TURN_PARAM = "session.audio.input.turn_detection"
 
 #: ``semantic_vad`` has no semantic model here: its eagerness picks a silence duration.
 SEMANTIC_SILENCE_MS = {"low": 1200, "medium": 700, "auto": 700, "high": 350}
-
-SERVER_VAD_DEFAULTS: dict[str, Any] = {
-    "threshold": 0.5,
-    "prefix_padding_ms": 300,
-    "silence_duration_ms": 500,
-    "create_response": True,
-    "interrupt_response": True,
-    "idle_timeout_ms": None,
-}
-
 
 @dataclass(frozen=True)
 class TurnSignal:
@@ -55,9 +45,11 @@ class VadSettings:
     idle_timeout_ms: int | None = None
 
 
-class TurnPolicy(Protocol):
-    name: str
+#: The ``server_vad`` fields a ``turn_detection`` may leave out, and their values (in field order).
+SERVER_VAD_DEFAULTS: dict[str, Any] = asdict(VadSettings())
 
+
+class TurnPolicy(Protocol):
     def on_audio(self, pcm: np.ndarray) -> None:
         """Called with each appended chunk (float32, 24 kHz)."""
         ...
@@ -69,8 +61,6 @@ class TurnPolicy(Protocol):
 
 class ManualTurns:
     """The client commits and asks for responses itself."""
-
-    name = "manual"
 
     def on_audio(self, pcm: np.ndarray) -> None:
         pass

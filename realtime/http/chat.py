@@ -172,13 +172,17 @@ async def _sse(
     model: str,
     include_usage: bool,
 ) -> AsyncIterator[str]:
+    head: dict[str, Any] = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+    }
+
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
         body: dict[str, Any] = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
+            **head,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
         if include_usage:
@@ -195,17 +199,7 @@ async def _sse(
                 if output.reason in ("stop", "length"):
                     yield chunk({}, output.reason)
                     if include_usage:
-                        yield _event(
-                            {
-                                "id": cid,
-                                "object": "chat.completion.chunk",
-                                "created": created,
-                                "model": model,
-                                "system_fingerprint": None,
-                                "choices": [],
-                                "usage": usage_body(output.usage),
-                            }
-                        )
+                        yield _event({**head, "choices": [], "usage": usage_body(output.usage)})
                     yield "data: [DONE]\n\n"
                 elif output.reason == "error":
                     yield _event(from_engine_error(output).body())

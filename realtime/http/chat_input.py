@@ -196,11 +196,12 @@ def decode_audio(data: str, fmt: str, param: str) -> np.ndarray:
     fmt = fmt.lower()
     raw = _b64decode(data, f"{param}.data")
     if fmt == "pcm16":
-        if len(raw) % 2:
+        try:
+            pcm = pcm16_to_float(raw)
+        except ValueError:  # an odd byte count
             raise bad_request(
                 "pcm16 audio must hold whole 16-bit samples (an even byte count).", param=f"{param}.data"
-            )
-        pcm = pcm16_to_float(raw)
+            ) from None
     elif fmt in ENCODED_AUDIO_FORMATS:
         pcm = _decode_container(raw, f"{param}.data")
     else:

@@ -12,6 +12,7 @@ from .errors import ProtocolError, from_validation
 from .models import (
     BETA_SESSION_FIELDS,
     EVENT_MODELS,
+    IGNORED_SESSION_FIELDS,
     AudioAppend,
     ClientEvent,
     SessionPatch,
@@ -20,6 +21,9 @@ from .models import (
 APPEND = "input_audio_buffer.append"
 _APPEND_FIELDS = frozenset(("type", "audio", "event_id"))
 _construct_append = AudioAppend.model_construct
+#: ``session.update`` fields accepted and not applied: the session's type, the (fixed) model, the
+#: read-only ones a client echoing the session object sends back, and the ignored ones.
+_DROPPED_SESSION_FIELDS = ("type", "model", "id", "object", "expires_at", *IGNORED_SESSION_FIELDS)
 
 
 def event_id_of(raw: object) -> str | None:
@@ -94,23 +98,7 @@ def parse_session_patch(raw: dict[str, Any]) -> dict[str, Any]:
                 f"session.{name}",
             )
     patch = validate(SessionPatch, raw, "session")
-    if raw.get("type") == "transcription":
-        raise ProtocolError(
-            ErrorCode.INVALID_VALUE, "Transcription sessions are not supported.", "session.type"
-        )
     data = patch.model_dump(exclude_unset=True)
-    for name in (
-        "type",
-        "model",
-        "id",
-        "object",
-        "expires_at",
-        "tracing",
-        "prompt",
-        "include",
-        "truncation",
-        "reasoning",
-        "parallel_tool_calls",
-    ):
+    for name in _DROPPED_SESSION_FIELDS:
         data.pop(name, None)
     return data

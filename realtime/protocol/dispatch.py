@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omnirt.codecs.audio import b64decode
 from omnirt.sessions.errors import ErrorCode
 from omnirt.sessions.response import ResponseOptions
 from omnirt.sessions.session import RealtimeSession
@@ -13,7 +12,7 @@ from omnirt.sessions.session import RealtimeSession
 from . import models as m
 from .client_events import parse_session_patch
 from .errors import ProtocolError
-from .items import item_from_wire, response_input_from_wire
+from .items import audio_bytes, item_from_wire, response_input_from_wire
 
 
 @dataclass(frozen=True)
@@ -39,10 +38,7 @@ def decode_payload(event: m.ClientEvent, limits: Limits) -> bytes | None:
             f"Audio payload is over this server's limit of {limits.max_append_bytes} bytes per append.",
             "audio",
         )
-    try:
-        data = b64decode(event.audio)
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.INVALID_VALUE, f"'audio' is not valid base64: {exc}", "audio") from None
+    data = audio_bytes(event.audio, "audio")
     if len(data) > limits.max_append_bytes:
         raise ProtocolError(
             ErrorCode.INVALID_VALUE,
@@ -56,16 +52,15 @@ def decode_payload(event: m.ClientEvent, limits: Limits) -> bytes | None:
 def apply(
     event: m.ClientEvent,
     session: RealtimeSession,
-    limits: Limits,
     new_id: Callable[[str], str],
-    payload: bytes | None = None,
+    payload: bytes | None,
 ) -> None:
     """Run one client event; raises ``SessionError``/``ProtocolError`` (session unchanged) or
-    :class:`CloseRequested`. ``payload`` is :func:`decode_payload`'s result when the caller
-    already decoded it."""
+    :class:`CloseRequested`. ``payload`` is :func:`decode_payload`'s result for the event."""
     cfg = session.config
     if isinstance(event, m.AudioAppend):
-        session.append_audio(payload if payload is not None else decode_payload(event, limits) or b"")
+        assert payload is not None, "decode_payload() the event first"
+        session.append_audio(payload)
     elif isinstance(event, m.AudioCommit):
         session.commit_audio()
     elif isinstance(event, m.AudioClear):

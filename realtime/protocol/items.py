@@ -10,12 +10,14 @@ from typing import Any
 
 import numpy as np
 from omnirt.codecs.audio import (
+    SAMPLE_RATE,
     FormatType,
     b64decode,
     b64encode,
     decode_audio,
     encode_audio,
     float_to_int16,
+    wire_rate,
 )
 from omnirt.sessions import items as s
 from omnirt.sessions.errors import ErrorCode
@@ -44,7 +46,8 @@ MAX_RETRIEVED_AUDIO_B64 = 768 * 1024
 _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif);base64,(.*)$", re.DOTALL)
 
 
-def _audio_bytes(text: str, param: str) -> bytes:
+def audio_bytes(text: str, param: str) -> bytes:
+    """Base64 audio from the client; ``invalid_value`` naming ``param`` when it is not valid."""
     try:
         return b64decode(text)
     except ValueError as exc:
@@ -106,12 +109,12 @@ def _part_from_wire(
     if isinstance(part, OutputTextPart):
         return s.OutputText(part.text)
     if isinstance(part, InputAudioPart):
-        data = _audio_bytes(part.audio, f"{path}.audio")
+        data = audio_bytes(part.audio, f"{path}.audio")
         return s.InputAudio(_decode(data, input_format, f"{path}.audio"), part.transcript)
     if isinstance(part, OutputAudioPart):
         out = s.OutputAudio(transcript=part.transcript or "")
         if part.audio:
-            pcm = _decode(_audio_bytes(part.audio, f"{path}.audio"), output_format, f"{path}.audio")
+            pcm = _decode(audio_bytes(part.audio, f"{path}.audio"), output_format, f"{path}.audio")
             out.append(float_to_int16(pcm), len(out.transcript))
         return out
     assert isinstance(part, InputImagePart)
@@ -190,14 +193,25 @@ def _part_to_wire(
         return out
     if isinstance(part, s.InputAudio):
         out = {"type": "input_audio", "transcript": part.transcript}
-        if with_audio:
+        if with_audio and _may_fit(len(part.audio), input_format):
             _attach_audio(out, float_to_int16(part.audio), input_format)
         return out
     assert isinstance(part, s.OutputAudio)
     out = {"type": "output_audio", "transcript": part.transcript}
-    if with_audio:
+    if with_audio and _may_fit(len(part.audio), output_format):
         _attach_audio(out, part.audio, output_format)
     return out
+
+
+def _may_fit(samples: int, fmt: FormatType) -> bool:
+    """False when ``samples`` of 24 kHz audio are sure to encode over ``MAX_RETRIEVED_AUDIO_B64``
+    (so they are not converted only to be dropped). The size is a lower bound: PCM16 is exact; the
+    G.711 resampler gives about a third of the samples, less a margin to be safe."""
+    if fmt == "audio/pcm":
+        wire_bytes = samples * 2
+    else:
+        wire_bytes = max(0, samples * wire_rate(fmt) // SAMPLE_RATE - 64)
+    return 4 * -(-wire_bytes // 3) <= MAX_RETRIEVED_AUDIO_B64
 
 
 def _attach_audio(out: dict[str, Any], pcm: np.ndarray, fmt: FormatType) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from omnirt.codecs.audio import FormatType
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 #: Largest text accepted in one field (instructions, a text part): keeps echoed events < 1 MiB.
@@ -11,15 +12,13 @@ MAX_TEXT_CHARS = 256 * 1024
 #: Client-chosen item ids may be up to this long.
 MAX_ITEM_ID = 32
 
-FormatName = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
-
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class AudioFormat(Strict):
-    type: FormatName | None = None
+    type: FormatType | None = None
     rate: Literal[24000] | None = None
 
 

@@ -254,11 +254,3 @@ def _(e: ev.OutputTextDone, c: SessionConfig) -> dict[str, Any]:
     if e.transcript:
         return {"type": "response.output_audio_transcript.done", **_ref(e.ref), "transcript": e.text}
     return {"type": "response.output_text.done", **_ref(e.ref), "text": e.text}
-
-
-@_body.register
-def _(e: ev.SessionErrorEvent, c: SessionConfig) -> dict[str, Any]:
-    return {
-        "type": "error",
-        "error": {"type": e.type, "code": e.code, "message": e.message, "param": e.param, "event_id": None},
-    }
