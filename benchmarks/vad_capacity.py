@@ -45,15 +45,14 @@ import base64
 import gc
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import wave
 from pathlib import Path
 from typing import Any
 
@@ -62,31 +61,29 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omnirt.realtime.config import ServerConfig  # noqa: E402
 
-RATE = 24_000
-SENTENCE = "Hello there, I would like to book a table for two people tonight, please."
+from tests.vad.speech import RATE, SENTENCES, place, spoken  # noqa: E402
+from tests.vad.speech import to_pcm16 as pcm16  # noqa: E402
+
+#: Every session: server VAD on, no response (the model stays idle).
+VAD_UPDATE = json.dumps(
+    {
+        "type": "session.update",
+        "session": {
+            "type": "realtime",
+            "audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}},
+        },
+    }
+)
 
 
 # -- audio --------------------------------------------------------------------------------------
 def speech_loop() -> tuple[np.ndarray, float]:
-    """1 s silence + speech + 1 s silence (float32, 24 kHz), and the true onset (ms)."""
+    """1 s silence + speech + 1 s silence (float32, 24 kHz, white noise at -50 dB over it), and
+    the true onset (ms)."""
     if shutil.which("espeak-ng") is None or shutil.which("sox") is None:
         raise SystemExit("needs espeak-ng and sox (apt-get install -y espeak-ng sox)")
-    with tempfile.TemporaryDirectory() as tmp:
-        raw, out = Path(tmp) / "raw.wav", Path(tmp) / "out.wav"
-        subprocess.run(["espeak-ng", "-s", "160", "-w", str(raw), SENTENCE], check=True, capture_output=True)
-        subprocess.run(["sox", str(raw), "-r", str(RATE), "-c", "1", "-b", "16", str(out)], check=True)
-        with wave.open(str(out)) as w:
-            x = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768
-    loud = np.flatnonzero(np.abs(x) > 0.03 * np.abs(x).max())
-    speech = 0.7 * x[loud[0] : loud[-1] + 1]
-    silence = np.zeros(RATE, np.float32)
-    audio = np.concatenate([silence, speech, silence])
-    audio += np.random.default_rng(0).normal(0, 0.003, len(audio)).astype(np.float32)
-    return audio, 1000.0
-
-
-def pcm16(x: np.ndarray) -> bytes:
-    return (np.clip(x, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
+    placed = place(spoken(SENTENCES[0]), lead_ms=1000, tail_ms=1000, noise_db=20 * math.log10(0.003))
+    return placed.audio, placed.start_ms
 
 
 def process_cpu(pid: int) -> float:
@@ -109,13 +106,6 @@ async def _capacity_client(
 ) -> None:
     import websockets
 
-    update = {
-        "type": "session.update",
-        "session": {
-            "type": "realtime",
-            "audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}},
-        },
-    }
     step = RATE * 2 * chunk_ms // 1000
     chunks = [
         json.dumps(
@@ -131,7 +121,7 @@ async def _capacity_client(
             url, max_size=2**24, ping_interval=None, compression="deflate" if deflate else None
         )
         await ws.recv()
-        await ws.send(json.dumps(update))
+        await ws.send(VAD_UPDATE)
         while json.loads(await ws.recv())["type"] != "session.updated":
             pass
         conns.append(ws)
@@ -211,19 +201,7 @@ async def _barge_in(url: str, audio: np.ndarray, onset_ms: float, repeats: int) 
     for _ in range(repeats):
         async with websockets.connect(url, max_size=2**24) as ws:
             await ws.recv()
-            await ws.send(
-                json.dumps(
-                    {
-                        "type": "session.update",
-                        "session": {
-                            "type": "realtime",
-                            "audio": {
-                                "input": {"turn_detection": {"type": "server_vad", "create_response": False}}
-                            },
-                        },
-                    }
-                )
-            )
+            await ws.send(VAD_UPDATE)
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words}]}
             await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
             await ws.send(json.dumps({"type": "response.create"}))
@@ -297,7 +275,6 @@ def main() -> None:
         vad_gather_ms=args.gather_ms,
         vad_model_path=args.vad_model,
         vad_nice=args.vad_nice,
-        vad_preload=True,
     )
     app = create_app(EngineClient(Engine(EchoPipeline(step_seconds=0.03))), config)
     vad = app.state.realtime.vad
@@ -326,13 +303,14 @@ def main() -> None:
             # Steady state: the sessions' objects are in; their first full collection (one pause
             # of 15-25 ms here for 200 sessions' ~40k objects) happens now, not while measuring.
             gc.collect()
-            vad.stats.reset()
+            before = vad.stats.snapshot()
             cpu0, vad_cpu0 = time.process_time(), process_cpu(vad_pid)
             kind, client = out.get(timeout=args.seconds + 120)
             server_cpu = time.process_time() - cpu0
             vad_cpu = process_cpu(vad_pid) - vad_cpu0
             proc.join(30)
-            lat = [x * 1000 for x in vad.stats.latencies]
+            stats = vad.stats.since(before)
+            lat = [x * 1000 for x in stats.latencies]
             counts = client["counts"]
             rows.append(
                 {
@@ -340,10 +318,10 @@ def main() -> None:
                     "p50": percentile(lat, 50),
                     "p99": percentile(lat, 99),
                     "max": max(lat) if lat else float("nan"),
-                    "windows_s": vad.stats.windows / client["seconds"],
+                    "windows_s": stats.windows / client["seconds"],
                     "need_s": n * 1000 / 32,
-                    "batch": vad.stats.mean_batch,
-                    "busy": vad.stats.busy_seconds / client["seconds"],
+                    "batch": stats.mean_batch,
+                    "busy": stats.busy_seconds / client["seconds"],
                     "lag_p99": client["lag_p99_ms"],
                     "turns": counts.get("input_audio_buffer.speech_stopped", 0),
                     "errors": counts.get("error", 0),

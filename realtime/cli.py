@@ -122,7 +122,6 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         model=args.model,
         api_keys=list(dict.fromkeys(keys)),
         max_sessions=args.max_sessions,
-        vad_preload=True,
         cuda_graphs=not args.no_cuda_graphs,
     )
 

@@ -41,13 +41,14 @@ class ServerConfig:
     #: Server VAD: audio a session may have waiting for the VAD before ``input_backpressure``.
     max_vad_backlog_ms: int = 5_000
     #: Server VAD: most windows scored in one model call, and the shortest interval between the
-    #: VAD process's scoring passes (under light load, more sessions' windows share a call:
-    #: latency traded for CPU).
+    #: VAD process's scoring passes (chunks arriving within it share the model calls: latency
+    #: traded for CPU).
     vad_max_batch: int = 256
     vad_gather_ms: float = 3.0
     #: Server VAD: niceness change for the VAD process (negative: higher priority, so its short
     #: passes are not delayed behind the event loop on a busy machine; needs CAP_SYS_NICE or
     #: root, else it runs at the default priority with a warning). 0: leave it.
     vad_nice: int = 0
-    #: Server VAD: start the VAD process when the app starts (else on the first server_vad session).
-    vad_preload: bool = False
+    #: Server VAD: start the VAD process when the app starts, in a thread (else the first
+    #: server_vad session starts it, blocking the event loop for about half a second).
+    vad_preload: bool = True

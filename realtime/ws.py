@@ -5,7 +5,7 @@ sends what the session emits, in order, so responses stream while the client kee
 Session events are serialized the moment they are emitted (they may reference live state).
 
 Sessions share the app's :class:`~omnirt.vad.worker.VadWorker` (a handle on the VAD process,
-started with the app when ``vad_preload`` is set, else by the first ``server_vad`` session).
+started with the app unless ``vad_preload`` is off, then by the first ``server_vad`` session).
 ``?turn=push_to_talk`` opens a push-to-talk session (extension).
 """
 
@@ -303,7 +303,7 @@ class Connection:
                     else:
                         event, payload = self._parse(text)
                     event_id = event.event_id
-                    apply(event, self.session, self._limits, new_id, payload)
+                    apply(event, self.session, new_id, payload)
                 except CloseRequested:
                     return CLOSE_NORMAL
                 except ProtocolError as exc:

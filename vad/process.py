@@ -6,8 +6,9 @@ onnxruntime only (no torch).
 
 Per stream it keeps the 24 kHz -> 16 kHz resampler, the last 64 samples of context, the model
 state and the windows cut but not yet scored. Scoring goes in passes, at most one per
-``gather_ms`` (under light load the pass waits that long for other sessions' chunks to share
-its model call; under load passes run back to back): a pass takes every pending window of every
+``gather_ms`` (a chunk arriving within that interval of the last pass waits for the rest of it,
+so that several sessions' chunks share a model call; under load passes run back to back): a
+pass takes every pending window of every
 stream, in one batched model call per step (a stream's windows are sequential through its
 state), and sends each step's results back as soon as it is done.
 
@@ -132,6 +133,7 @@ class Scorer:
                 elif op == wire.OPEN:
                     first = int.from_bytes(payload, "little") if payload else 0
                     self.streams[sid] = _Stream(sid, first)
+                    self.ready.pop(sid, None)  # reopened: windows of the old state are dropped
                 elif op == wire.CLOSE:
                     self.streams.pop(sid, None)
                     self.ready.pop(sid, None)
@@ -161,7 +163,7 @@ class Scorer:
         windows = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
         counts = np.array([len(arrivals) for _, _, arrivals in taken])
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        state = np.ascontiguousarray(np.array([s.state for s in streams], dtype=np.float32).swapaxes(0, 1))
+        state = np.stack([s.state for s in streams], axis=1)  # [2, S, 128], fresh for this call
         for step in range(int(counts.max())):
             t0 = time.perf_counter()
             active = np.flatnonzero(counts > step) if step else np.arange(len(streams))
@@ -179,7 +181,7 @@ class Scorer:
             self.busy += time.perf_counter() - t0
             self._post()
         for i, stream in enumerate(streams):
-            stream.state = state[:, i].copy()
+            stream.state = state[:, i]  # views of this call's array, which nothing else writes
 
     def _post(self, *, answer_syncs: bool = False) -> None:
         """Sends the results so far, then (when told: nothing is pending) answers the syncs."""
@@ -203,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gather-ms", type=float, default=3.0)
     parser.add_argument("--nice", type=int, default=0, help="niceness change (negative: higher priority)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.nice:
         try:
             os.nice(args.nice)
         except OSError as exc:  # raising the priority needs CAP_SYS_NICE (or root)
             log.warning("cannot change the VAD process's priority by %d (%s); running at the default",
                         args.nice, exc)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     inp = socket.socket(fileno=args.fd_in)
     out = socket.socket(fileno=args.fd_out)
     try:
@@ -230,5 +232,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(main())

@@ -45,11 +45,11 @@ def from_vad(op: int, arg: int = 0, payload: bytes = b"", batches: int = 0, busy
 
 
 class FrameReader:
-    """Splits a byte stream into ``(header fields, payload)`` frames of one header layout."""
+    """Splits a byte stream into ``(header fields, payload)`` frames of one header layout (in both
+    layouts the payload length is the next-to-last header field)."""
 
     def __init__(self, header: struct.Struct) -> None:
         self._header = header
-        self._size_at = 2 if header is TO_VAD else 3  # index of the payload length in the header
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[tuple, bytes]]:
@@ -59,7 +59,7 @@ class FrameReader:
         buffer, header = self._buffer, self._header
         while len(buffer) - at >= header.size:
             fields = header.unpack_from(buffer, at)
-            end = at + header.size + fields[self._size_at]
+            end = at + header.size + fields[-2]
             if end > len(buffer):
                 break
             frames.append((fields, bytes(buffer[at + header.size : end])))

@@ -66,20 +66,40 @@ class VadStats:
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
 
-    @property
-    def mean_batch(self) -> float:
-        return self.windows / self.batches if self.batches else 0.0
-
     def record_latency(self, seconds: float) -> None:
         self.latencies.append(seconds)
         self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self.latency_sum += seconds
 
-    def reset(self) -> None:
-        """Clears what a benchmark reads (the histogram, a Prometheus counter, keeps counting)."""
-        self.windows = self.batches = 0
-        self.busy_seconds = 0.0
-        self.latencies.clear()
+    def snapshot(self) -> VadStats:
+        """The counters as they are now, for :meth:`since` (the counters only ever grow:
+        ``/metrics`` exports them)."""
+        return VadStats(
+            self.windows, self.batches, self.busy_seconds, self.restarts,
+            collections.deque(maxlen=0), list(self.latency_buckets), self.latency_sum,
+        )
+
+    def since(self, earlier: VadStats) -> VadStats:
+        """What was counted since the :meth:`snapshot` ``earlier``, with the latencies recorded
+        since (as far as ``latencies`` still holds them)."""
+        recorded = sum(self.latency_buckets) - sum(earlier.latency_buckets)
+        return VadStats(
+            self.windows - earlier.windows,
+            self.batches - earlier.batches,
+            self.busy_seconds - earlier.busy_seconds,
+            self.restarts - earlier.restarts,
+            collections.deque(list(self.latencies)[-recorded:] if recorded else []),
+            [now - then for now, then in zip(self.latency_buckets, earlier.latency_buckets, strict=True)],
+            self.latency_sum - earlier.latency_sum,
+        )
+
+    @property
+    def mean_batch(self) -> float:
+        return self.windows / self.batches if self.batches else 0.0
+
+
+class _ModelFailed(VadInitError):
+    """The VAD process started but its model did not load: retrying cannot help."""
 
 
 class VadWorker:
@@ -96,8 +116,9 @@ class VadWorker:
     ) -> None:
         self.model_path = model_path
         self.max_batch = max_batch
-        #: The process scores at most once per this interval, so that under light load other
-        #: sessions' chunks share its model call (less CPU per window, for this much latency).
+        #: The process scores at most once per this interval: a chunk arriving within it of the
+        #: last pass waits for the rest, so that chunks of several sessions share the model calls
+        #: (less CPU per window, for at most this much latency).
         self.gather_ms = gather_ms
         #: Niceness change for the VAD process (negative: higher priority; needs CAP_SYS_NICE, else
         #: the process logs a warning and runs at the default priority).
@@ -119,13 +140,13 @@ class VadWorker:
         self._next_id = 1
         self._syncs: dict[int, threading.Event] = {}
         self._generation = 0  # bumped by stop(): a restart scheduled before it is dropped
+        #: Set while a new process replaces one that died (streams opened meanwhile wait for it).
+        self._restarting = False
+        #: The model's load failure, raised again by :meth:`load` without another process.
+        self._failure: VadInitError | None = None
         atexit.register(self.stop)
 
     # -- the process ---------------------------------------------------------------------------
-    @property
-    def restarts(self) -> int:
-        return self.stats.restarts
-
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -133,12 +154,19 @@ class VadWorker:
     def load(self) -> None:
         """Starts the VAD process and waits until its model has loaded and run once.
 
-        Raises :class:`VadInitError` when it cannot (missing or broken model file, the process
-        failing to start); the next call tries again."""
+        Raises :class:`VadInitError` when it cannot: a model that does not load (missing or broken
+        file) is reported again by every later call without starting another process (until
+        :meth:`stop`); a process that fails to start is tried again by the next call."""
         with self._lock:
             if self._proc is not None:
                 return
-            self._proc, self._to, self._from = self._start_process()
+            if self._failure is not None:
+                raise self._failure
+            try:
+                self._proc, self._to, self._from = self._start_process()
+            except _ModelFailed as exc:
+                self._failure = exc
+                raise
             self._reader = wire.FrameReader(wire.FROM_VAD)
             log.info("server VAD: process %d ready (model %s)", self._proc.pid, self.model_path or "bundled")
 
@@ -199,15 +227,17 @@ class VadWorker:
             frames = reader.feed(data)
         (op, *_), payload = frames[0]
         if op == wire.FAILED:
-            raise VadInitError(payload.decode(errors="replace"))
+            raise _ModelFailed(payload.decode(errors="replace"))
         if op != wire.READY:
             raise VadInitError(f"the VAD process answered {op} instead of READY")
 
     # -- streams -------------------------------------------------------------------------------
     def open_stream(self, on_result: ResultCallback) -> VadStream:
         """A new stream (fresh model state) whose results arrive on the running event loop;
-        raises :class:`VadInitError` when the VAD process cannot start."""
-        self.load()
+        raises :class:`VadInitError` when the VAD process cannot start. While a process that died is
+        being replaced, the stream is opened in the new one when it is ready."""
+        if not self._restarting:
+            self.load()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -286,10 +316,15 @@ class VadWorker:
                 pass
 
     def _register(self) -> None:
+        """On the results loop: read the current process's results. Streams opened before it (in
+        a process that died) are reopened in it, going on at their audio time."""
         sock = self._from
-        if sock is not None and self._registered is not sock and self._loop is not None:
-            self._loop.add_reader(sock, self._on_readable)
-            self._registered = sock
+        if sock is None or self._registered is sock or self._loop is None:
+            return
+        self._loop.add_reader(sock, self._on_readable)
+        self._registered = sock
+        for stream in self._streams.values():
+            self._write(wire.to_vad(wire.OPEN, stream.sid, stream.resume_at().to_bytes(4, "little")))
 
     def _send(self, frame: bytes) -> None:
         self._on_home(self._write, frame)
@@ -392,6 +427,7 @@ class VadWorker:
         with self._lock:
             self._proc = None
         self._release_syncs()
+        self._restarting = True
         assert self._loop is not None
         self._loop.run_in_executor(None, self._restart, self._generation)
 
@@ -404,18 +440,20 @@ class VadWorker:
                     return
             self.load()
         except VadInitError as exc:
-            log.error("the server VAD process could not be restarted (%s); its sessions get no "
-                      "more VAD decisions", exc)
+            log.error("the server VAD process could not be restarted (%s); its sessions get VAD "
+                      "decisions again once a process starts (the next server_vad session tries)", exc)
+            self._on_home(self._end_restart)
             return
         self._on_home(self._reopen)
 
+    def _end_restart(self) -> None:
+        self._restarting = False
+
     def _reopen(self) -> None:
+        self._restarting = False
         if self._proc is None:  # stopped meanwhile
             return
         self._register()
-        for stream in list(self._streams.values()):
-            start = stream.resume_at()
-            self._write(wire.to_vad(wire.OPEN, stream.sid, start.to_bytes(4, "little")))
         self.stats.restarts += 1
         log.info("server VAD: %d stream(s) reopened in the new process", len(self._streams))
 
@@ -445,6 +483,8 @@ class VadWorker:
             proc, self._proc = self._proc, None
             private, self._private = self._private, None
             self._generation += 1
+            self._restarting = False
+            self._failure = None
         if threading.get_ident() == self._loop_thread or self._loop is None or self._loop.is_closed():
             self._close_sockets()
         else:

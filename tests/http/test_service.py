@@ -215,7 +215,7 @@ def test_realtime_route_is_mounted_and_its_counters_reach_metrics() -> None:
             url = server.base_url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
             async with websockets.connect(url) as ws:
                 created = json.loads(await ws.recv())["type"]
-                # Server VAD on, then 400 ms of silence: the VAD thread scores its 32 ms windows.
+                # Server VAD on, then 400 ms of silence: the VAD process scores its 32 ms windows.
                 vad = {"type": "server_vad", "create_response": False}
                 await ws.send(
                     json.dumps(

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from omnirt.codecs.audio import SAMPLE_RATE as RATE
+from omnirt.codecs.audio import float_to_pcm16, pcm16_to_float
+from omnirt.vad.model import VAD_RATE, WINDOW
 
-RATE = 24_000
 SENTENCES = (
     "Hello there, I would like to book a table for two people tonight, please.",
     "Could you tell me what the weather will be like tomorrow morning?",
@@ -47,7 +49,7 @@ def spoken(text: str) -> np.ndarray:
             capture_output=True,
         )
         with wave.open(str(out)) as w:
-            x = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768
+            x = pcm16_to_float(w.readframes(w.getnframes()))
     loud = np.flatnonzero(np.abs(x) > 0.03 * np.abs(x).max())
     return x[loud[0] : loud[-1] + 1].copy()
 
@@ -83,5 +85,19 @@ def white_noise(ms: int, level: float = 0.1, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).normal(0, level, RATE * ms // 1000).astype(np.float32)
 
 
-def to_pcm16(x: np.ndarray) -> bytes:
-    return (np.clip(x, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
+to_pcm16 = float_to_pcm16
+
+
+def non_speech(ms: int) -> list:
+    """``pytest.param`` signals of ``ms`` each on which no VAD may find speech."""
+    return [
+        pytest.param(hum(ms, 50), id="hum 50 Hz"),
+        pytest.param(hum(ms, 60), id="hum 60 Hz"),
+        pytest.param(white_noise(ms, 0.1), id="white noise"),
+        pytest.param(np.zeros(RATE * ms // 1000, np.float32), id="silence"),
+    ]
+
+
+def full_windows(samples: int) -> int:
+    """Whole VAD windows in ``samples`` of 24 kHz audio (the resampler holds back up to two)."""
+    return samples * VAD_RATE // RATE // WINDOW
