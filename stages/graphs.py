@@ -21,6 +21,8 @@ take an exec mask among their inputs.
   replays the graph and returns the outputs' first ``b`` rows, cloned unless
   ``clone_outputs=False`` (then the views are overwritten by the next replay). Anything else
   (graphs disabled, no bucket large enough, other shapes) runs the step eagerly.
+* ``pool``: a ``torch.cuda.graph_pool_handle()`` to share with other runners (graphs that
+  never run at the same time can share one memory pool); by default the runner makes its own.
 * ``runner.enabled = False`` switches graphs off at any time; ``runner.last_path`` says how the
   last call ran (``"graph"`` or ``"eager"``).
 
@@ -71,6 +73,7 @@ class CudaGraphRunner:
         enabled: bool = True,
         warmup: int = 2,
         clone_outputs: bool = True,
+        pool: object | None = None,
     ) -> None:
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
@@ -82,7 +85,7 @@ class CudaGraphRunner:
         self.clone_outputs = clone_outputs
         self.last_path = ""
         self._graphs: dict[int, _Captured] = {}
-        self._pool: object | None = None
+        self._pool: object | None = pool
 
     @property
     def captured_buckets(self) -> list[int]:
@@ -147,7 +150,7 @@ class CudaGraphRunner:
                 return self.step(inputs)
         for name, tensor in inputs.items():
             static = captured.inputs[name]
-            static[:batch].copy_(tensor)
+            static[:batch].copy_(tensor, non_blocking=True)  # async from pinned host memory
             if batch < bucket:
                 static[batch:].zero_()
         captured.graph.replay()
@@ -155,3 +158,70 @@ class CudaGraphRunner:
         if self.clone_outputs:
             return {name: out[:batch].clone() for name, out in captured.outputs.items()}
         return {name: out[:batch] for name, out in captured.outputs.items()}
+
+
+class LengthBucketedRunner:
+    """A step with a static attention length as well as a batch: one :class:`CudaGraphRunner`
+    per length bucket (``step(inputs, attend)`` with ``attend`` fixed per runner), all sharing
+    one memory pool, so replaying any of them never clobbers another's persistent state.
+
+    ``runner(inputs, length)`` runs the smallest bucket ``>= length`` (eager when graphs are off
+    or nothing is captured for the shape). Graphs sharing a pool must never run concurrently,
+    and their outputs should be views of persistent buffers (not of pool memory), since the
+    next replay of another graph of the pool may reuse an earlier graph's temporaries.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
+        make_inputs: Callable[[int], dict[str, torch.Tensor]],
+        *,
+        batch_buckets: Sequence[int],
+        length_buckets: Sequence[int],
+        enabled: bool = True,
+        pool: object | None = None,
+    ) -> None:
+        if not length_buckets:
+            raise ValueError("length_buckets must not be empty")
+        self.lengths = sorted(set(int(n) for n in length_buckets))
+        self.runners = {
+            n: CudaGraphRunner(
+                (lambda inputs, n=n: step(inputs, n)),
+                make_inputs,
+                batch_buckets,
+                enabled=enabled,
+                clone_outputs=False,
+                pool=pool,
+            )
+            for n in self.lengths
+        }
+        self.last_path = ""
+
+    @property
+    def enabled(self) -> bool:
+        return all(r.enabled for r in self.runners.values())
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        for runner in self.runners.values():
+            runner.enabled = value
+
+    @property
+    def graphs(self) -> int:
+        return sum(len(r.captured_buckets) for r in self.runners.values())
+
+    def capture(self) -> None:
+        for runner in self.runners.values():
+            runner.capture()
+
+    def length_for(self, length: int) -> int:
+        for n in self.lengths:
+            if n >= length:
+                return n
+        raise ValueError(f"attention length {length} exceeds the largest bucket {self.lengths[-1]}")
+
+    def __call__(self, inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        runner = self.runners[self.length_for(length)]
+        out = runner(inputs)
+        self.last_path = runner.last_path
+        return out

@@ -1,33 +1,40 @@
 """The turn-based speech pipeline of Qwen3-Omni: thinker -> talker (+ code predictor) -> code2wav.
 
-One :meth:`SpeechPipeline.step` advances every admitted request by one tick:
+One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request:
 
 1. prefill up to ``prefills_per_step`` new requests (one HF thinker forward each, audio and
-   vision encoders included), copy their KV into their slot and draw their first token;
+   vision encoders included; :mod:`.thinker`), which draws their first reply token;
 2. one batched thinker decode token for every other request still generating text;
-3. start the talker of requests whose first reply token is known (one HF talker forward
-   each), then one batched talker step for every request whose next text input is known:
-   code predictor for the pending frame, talker decode, next group-0 code;
-4. one batched code2wav step for the new frames, and the audio chunks that are due.
+3. one copy of the new tokens to the host; then the talker prefill of requests whose first
+   reply token is known (one HF talker forward each), and one batched talker frame step
+   (:mod:`.talker`: code predictor for the pending frame, talker decode, next group-0 code)
+   for every request whose next text input is known;
+4. while the GPU runs the talker: detokenising and stop strings (:mod:`.text_out`); then one
+   copy of the frames to the host, one batched code2wav step, and the audio chunks due.
 
-Thinker, talker and code-predictor decode run :class:`~.slots.SlotDecoder` over the HF layers'
-weights with preallocated KV slot pools; a request holds one slot index in every pool (and one
-code2wav stream) from ``add`` until it finishes or is removed.
+The decode steps (thinker, talker frame with its code-predictor loop and sampling) run over
+preallocated per-slot device state with an exec mask, rows being slots, so on CUDA they replay
+CUDA graphs captured at start-up (:meth:`capture`), one per batch bucket and attention-length
+bucket; ``cuda_graphs=False`` (``omnirt serve --no-cuda-graphs``) runs every step eagerly.
+A request holds the same slot in every pool (and one code2wav stream) from ``add`` until it
+finishes or is removed; the lowest free slot is taken, so the busy slots stay packed low.
 
 The result equals ``Qwen3OmniMoeForConditionalGeneration.generate`` (tests/speech/test_parity.py)
 except where ``generate`` is wrong for streaming: when the thinker stops on its token budget,
 ``generate`` never feeds the talker the last reply token (it only has input embeddings of fed
 tokens); here the talker speaks the whole reply. With greedy decoding the talker is greedy too;
 with sampling it uses ``generate``'s talker defaults (temperature 0.9, top-k 50, repetition
-penalty 1.05) and the code predictor top-k 50 / top-p 0.8, from the request's seeded generator.
+penalty 1.05) and the code predictor top-k 50 / top-p 0.8, drawn from counter-based randomness
+keyed by the request's seed (:mod:`.draws`), so a seed gives the same reply whatever the batch.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections import deque
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,18 +44,30 @@ from omnirt.codecs.audio import float_to_int16
 from ..pipeline import RequestRejected
 from ..types import AudioDelta, Finished, GenerationRequest, ModelInfo, Output, Started, TextDelta, Usage
 from .code2wav import Vocoder, make_vocoder
-from .detok import IncrementalDetokenizer
-from .hf_compat import output_cache, thinker_rope_index, thinker_text_model
+from .draws import fresh_seed
 from .prompt import PromptBuilder, PromptInputs
-from .sampling import SamplingParams, choose, choose_rows
-from .slots import SlotDecoder
-from .talker import Talker, TalkerState, build_talker_prompt, talker_rope_index
+from .talker import (
+    HEADER_MAX,
+    TEXT_EOS,
+    TEXT_HEADER,
+    TEXT_PAD,
+    TEXT_TOKEN,
+    Talker,
+    TalkerState,
+    build_talker_prompt,
+    talker_rope_index,
+)
+from .text_out import TextOut
+from .thinker import Thinker
 
 log = logging.getLogger(__name__)
 
-#: The talker's sampling when the request samples (its generation defaults in ``generate``).
-TALKER_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}
-CODE_PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
+#: Batch sizes captured as CUDA graphs (those up to ``max_slots``, and ``max_slots`` itself).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+def batch_buckets(max_slots: int) -> list[int]:
+    return sorted({b for b in BATCH_BUCKETS if b < max_slots} | {max_slots})
 
 
 @dataclass(eq=False)
@@ -57,21 +76,33 @@ class _Active:
     slot: int
     prompt: PromptInputs
     usage: Usage
-    params: SamplingParams
     max_tokens: int
-    detok: IncrementalDetokenizer
+    text: TextOut
     prefilled: bool = False
     thinker_done: bool = False
     reason: str = "stop"
-    position: int = 0  # RoPE position of the next thinker input
-    next_token: int | None = None  # drawn, not yet fed to the thinker
-    text_embeds: list[torch.Tensor] = field(default_factory=list)  # thinker input embeddings of the reply
-    chars_after: list[int] = field(default_factory=list)  # reply characters sent after each text token
-    pending_tokens: int = 0  # tokens counted in no TextDelta yet
-    unsent: str = ""  # decoded text held back (it may begin a stop string)
-    sent_chars: int = 0
+    reply: list[int] | None = None  # reply token ids drawn (the talker's trailing text)
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
+
+    def __post_init__(self) -> None:
+        self.reply = []
+
+
+class _FreeSlots:
+    """Slot numbers handed out lowest first, so the busy slots stay packed at the bottom."""
+
+    def __init__(self, count: int) -> None:
+        self._heap = list(range(count))
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def take(self) -> int:
+        return heapq.heappop(self._heap)
+
+    def give(self, slot: int) -> None:
+        heapq.heappush(self._heap, slot)
 
 
 class SpeechPipeline:
@@ -110,22 +141,23 @@ class SpeechPipeline:
         self.device, self.dtype = param.device, param.dtype
         cfg = model.config
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else {int(cfg.im_end_token_id)}
-        thinker_text = thinker_text_model(model.thinker)
-        self.thinker = SlotDecoder(
-            thinker_text, num_slots=max_slots, max_len=max_context, device=self.device, dtype=self.dtype
-        )
-        self.embed_tokens = model.thinker.get_input_embeddings()
-        self.lm_head = model.thinker.lm_head
         self.vocab_limit = min(len(self.tokenizer), int(cfg.thinker_config.text_config.vocab_size))
+        graphs = cuda_graphs and self.device.type == "cuda"
+        buckets = batch_buckets(max_slots)
+        pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.thinker = Thinker(
+            model, max_slots=max_slots, max_len=max_context, batch_buckets=buckets, graphs=graphs, pool=pool
+        )
         self.has_talker = bool(getattr(model, "has_talker", False))
         if self.has_talker:
-            self.talker = Talker(model, max_slots=max_slots, repetition_penalty=talker_repetition_penalty)
-            self.talker_decoder = SlotDecoder(
-                model.talker.model,
-                num_slots=max_slots,
+            self.talker = Talker(
+                model,
+                max_slots=max_slots,
                 max_len=max_context + max_audio_frames + 16,  # + the nine assistant-header positions
-                device=self.device,
-                dtype=self.dtype,
+                batch_buckets=buckets,
+                graphs=graphs,
+                pool=pool,
+                repetition_penalty=talker_repetition_penalty,
             )
             self.vocoder: Vocoder = (
                 make_vocoder(model.code2wav, vocoder, max_streams=max_slots, graphs=cuda_graphs)
@@ -136,8 +168,31 @@ class SpeechPipeline:
             self.accept_layer = int(cfg.talker_config.accept_hidden_layer)
         #: Called with (request_id, token_id) for every thinker token drawn (tests, tracing).
         self.token_observer: Callable[[str, int], None] | None = None
-        self._free = deque(range(max_slots))
+        self._free = _FreeSlots(max_slots)
         self._active: dict[str, _Active] = {}
+
+    # -- graphs and warm-up ------------------------------------------------------------------------
+    @property
+    def runners(self) -> list[Any]:
+        """The graphed decode steps (thinker, talker frame)."""
+        return [self.thinker.runner, *([self.talker.runner] if self.has_talker else [])]
+
+    def capture(self) -> float:
+        """Captures every decode step's CUDA graphs (each batch and length bucket); returns the
+        seconds it took. Does nothing off CUDA or with graphs off."""
+        t0 = time.perf_counter()
+        for runner in self.runners:
+            runner.capture()
+        seconds = time.perf_counter() - t0
+        graphs = sum(r.graphs for r in self.runners)
+        if graphs:
+            log.info("captured %d CUDA graphs of the speech decode steps in %.1f s", graphs, seconds)
+        return seconds
+
+    def use_graphs(self, enabled: bool) -> None:
+        """Switches the decode steps' graphs on or off (off: every step runs eagerly)."""
+        for runner in self.runners:
+            runner.enabled = enabled
 
     def warm_up(self) -> None:
         """Runs one tiny audio turn end to end (lazy initialisation, allocator warm-up) and
@@ -160,6 +215,10 @@ class SpeechPipeline:
         self.remove(request.request_id)
 
     # -- Pipeline protocol -----------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def can_add(self) -> bool:
         return bool(self._free)
 
@@ -183,41 +242,27 @@ class SpeechPipeline:
             )
         room = self.max_context - prompt.length
         max_tokens = min(room, request.max_output_tokens or room)
-        # On the model's device: torch.multinomial draws from a generator of its tensor's device.
-        generator = torch.Generator(device=self.device)
-        if request.seed is not None:
-            generator.manual_seed(int(request.seed))
-        else:
-            generator.seed()
-        params = SamplingParams(request.temperature, request.top_p, 0, generator)
         usage = Usage(
             input_text_tokens=prompt.text_tokens,
             input_audio_tokens=prompt.audio_tokens,
             input_image_tokens=prompt.image_tokens,
         )
-        slot = self._free.popleft()
+        slot = self._free.take()
+        seed = fresh_seed(request.seed)
+        self.thinker.sampling.set(
+            slot, temperature=request.temperature, top_k=0, top_p=request.top_p, seed=seed
+        )
         active = _Active(
             request=request,
             slot=slot,
             prompt=prompt,
             usage=usage,
-            params=params,
             max_tokens=max_tokens,
-            detok=IncrementalDetokenizer(self.tokenizer, vocab_limit=self.vocab_limit),
+            text=TextOut(self.tokenizer, vocab_limit=self.vocab_limit, stops=request.stop),
         )
         if request.output_audio:
-            if params.greedy:
-                talker_params, predictor_params = SamplingParams(), SamplingParams()
-            else:
-                talker_params = SamplingParams(generator=generator, **TALKER_SAMPLING)
-                predictor_params = SamplingParams(generator=generator, **CODE_PREDICTOR_SAMPLING)
-            active.talker = TalkerState(
-                prompt=None,
-                speaker_id=speaker_id,
-                params=talker_params,
-                max_frames=self.max_audio_frames,
-                predictor_params=predictor_params,
-            )
+            self.talker.set_sampling(slot, sample=request.temperature > 0, seed=seed)
+            active.talker = TalkerState(prompt=None, speaker_id=speaker_id, max_frames=self.max_audio_frames)
         self._active[request.request_id] = active
         if request.output_audio:
             try:
@@ -236,138 +281,109 @@ class SpeechPipeline:
     @torch.no_grad()
     def step(self) -> list[tuple[str, Output]]:
         out: list[tuple[str, Output]] = []
+        # 1. prefill new requests; 2. one thinker token for the others.
         fresh = [a for a in self._active.values() if not a.prefilled][: self.prefills_per_step]
+        first_tokens = []
         for active in fresh:
-            self._guard(active, out, self._prefill, active, out)
+            token = self._guard(active, out, self._prefill, active, out)
+            if token is not None:
+                first_tokens.append((active, token))
         decoding = [a for a in self._active.values() if a.prefilled and not a.thinker_done and a not in fresh]
+        tokens = None
         if decoding:
-            self._thinker_step(decoding, out)
+            tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
+        # 3. the new tokens on the host (one sync), then the talker.
+        drawn: list[tuple[_Active, int]] = []
+        if first_tokens:
+            values = torch.stack([t for _, t in first_tokens]).tolist()
+            drawn += [(a, v) for (a, _), v in zip(first_tokens, values, strict=True)]
+        if tokens is not None:
+            host = tokens.cpu().tolist()
+            drawn += [(a, host[a.slot]) for a in decoding]
+        live = [(a, tok) for a, tok in drawn if a.request.request_id in self._active]
+        texts = [(a, self._take_token(a, tok, out)) for a, tok in live]
+        frames = None
+        talking: list[_Active] = []
         if self.has_talker:
             for active in list(self._active.values()):
                 t = active.talker
                 if t is not None and not t.started and not t.done and active.prefilled:
                     self._guard(active, out, self._talker_prefill, active)
-            ready = [a for a in self._active.values() if self._talker_ready(a)]
-            if ready:
-                try:
-                    self._talker_step(ready)
-                except Exception as exc:  # a batch failure fails its rows, not the engine
-                    log.exception("talker step failed")
-                    for a in ready:
-                        self._fail(a, out, f"internal error: {exc}")
+            talking = [a for a in self._active.values() if self._talker_ready(a)]
+            if talking:
+                frames = self._batched(talking, out, "talker step", self._talker_step)
+        # 4. while the GPU runs the talker: text out; then audio.
+        for active, token in texts:
+            if token is not None:
+                self._send_text(active, token, out)
+        if self.has_talker:
+            self._take_frames(talking if frames is not None else [], frames)
             self._emit_audio(out)
         for active in list(self._active.values()):
             if active.thinker_done and (active.talker is None or active.talker.done):
                 self._finish(active, out)
         return out
 
+    def _batched(self, rows: list[_Active], out: list[tuple[str, Output]], what: str, fn: Any) -> Any:
+        """Runs one batched step; a failure fails its rows, not the engine."""
+        try:
+            return fn(rows, max(a.slot for a in rows) + 1)
+        except Exception as exc:
+            log.exception("%s failed", what)
+            for a in rows:
+                self._fail(a, out, f"internal error: {exc}")
+            return None
+
     # -- thinker ------------------------------------------------------------------------------------
-    def _prefill(self, active: _Active, out: list[tuple[str, Output]]) -> None:
-        thinker = self.model.thinker
-        p = active.prompt
-        ids = p.input_ids.to(self.device)
-        mask = torch.ones_like(ids)
-        extra = {k: v.to(self.device) for k, v in p.model_kwargs().items()}
-        if "input_features" in extra:
-            extra["input_features"] = extra["input_features"].to(self.dtype)
-        if "pixel_values" in extra:
-            extra["pixel_values"] = extra["pixel_values"].to(self.dtype)
-        audio_lengths = extra["feature_attention_mask"].sum(-1) if "feature_attention_mask" in extra else None
-        positions, _ = thinker_rope_index(thinker)(
-            ids, extra.get("image_grid_thw"), None, mask, False, audio_lengths, None
-        )
-        result = thinker(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=active.talker is not None,
-            **extra,
-        )
-        self.thinker.load(active.slot, output_cache(result))
-        active.position = int(positions.max()) + 1
+    def _prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:
+        done = self.thinker.prefill(active.slot, active.prompt, hidden_states=active.talker is not None)
         active.prefilled = True
         out.append((active.request.request_id, Started(Usage(**vars(active.usage)))))
         if active.talker is not None:
-            hidden = result.hidden_states
+            hidden = done.hidden_states
+            assert hidden is not None
             active.talker.prompt = build_talker_prompt(
-                self.model, ids[0], hidden[0][0], hidden[self.accept_layer][0]
+                self.model, done.input_ids, hidden[0][0], hidden[self.accept_layer][0]
             )
-        token = choose(result.logits[0, -1], active.params)
-        self._take_token(active, token, out)
+            if active.talker.prompt.assistant_embeds.shape[0] > 4 + HEADER_MAX:
+                raise RequestRejected("the prompt's assistant header is too long for the talker")
+        return done.token
 
-    def _thinker_step(self, rows: list[_Active], out: list[tuple[str, Output]]) -> None:
-        tokens = torch.tensor([a.next_token for a in rows], device=self.device)
-        slots = torch.tensor([a.slot for a in rows], device=self.device)
-        positions = torch.tensor([a.position for a in rows], device=self.device)
-        embeds = self.embed_tokens(tokens)
-        try:
-            hidden = self.thinker.step([a.slot for a in rows], embeds, positions, slots)
-            logits = self.lm_head(hidden)
-        except Exception as exc:  # a batch failure fails its rows, not the engine
-            log.exception("thinker decode failed")
-            for a in rows:
-                self._fail(a, out, f"internal error: {exc}")
-            return
-        for a, token in zip(rows, choose_rows(logits, [a.params for a in rows]), strict=True):
-            a.position += 1
-            self._take_token(a, token, out)
+    def _thinker_step(self, rows: list[_Active], batch: int) -> torch.Tensor:
+        return self.thinker.decode([a.slot for a in rows], batch)
 
-    def _take_token(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> None:
+    def _take_token(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> int | None:
+        """Counts a drawn token; the cheap checks (stop token, length) that the talker's next
+        input depends on. Returns the token if its text is still to be sent."""
         if self.token_observer is not None:
             self.token_observer(active.request.request_id, token)
         if token in self.stop_token_ids:
             self._end_text(active, "stop", out)
-            return
-        if active.talker is not None:
-            active.text_embeds.append(self.embed_tokens.weight[token])
+            return None
+        assert active.reply is not None
+        active.reply.append(token)
         active.usage.output_text_tokens += 1
-        active.pending_tokens += 1
-        stopped = self._send_text(active, active.detok.push(token), out)
-        active.chars_after.append(active.sent_chars)
+        if active.usage.output_text_tokens >= active.max_tokens:  # max_tokens fits the context (add)
+            active.thinker_done, active.reason = True, "length"
+        return token
+
+    def _send_text(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> None:
+        text, tokens, stopped = active.text.push(token)
+        if text:
+            out.append((active.request.request_id, TextDelta(text, tokens)))
         if stopped:
             self._end_text(active, "stop", out, flush=False)
-        elif active.usage.output_text_tokens >= active.max_tokens:  # max_tokens fits the context (add)
+        elif active.thinker_done:  # the length limit
             self._end_text(active, "length", out)
-        else:
-            active.next_token = token
-
-    def _send_text(
-        self, active: _Active, text: str, out: list[tuple[str, Output]], final: bool = False
-    ) -> bool:
-        """Sends new reply text, holding back what may start a stop string; True on a stop string."""
-        active.unsent += text
-        stops = [s for s in active.request.stop if s]
-        cut = len(active.unsent)
-        found = False
-        if stops:
-            hits = [i for i in (active.unsent.find(s) for s in stops) if i >= 0]
-            if hits:
-                cut, found = min(hits), True
-            elif not final:
-                for k in range(min(len(active.unsent), max(map(len, stops)) - 1), 0, -1):
-                    tail = active.unsent[-k:]
-                    if any(s.startswith(tail) for s in stops):
-                        cut = len(active.unsent) - k
-                        break
-        send = active.unsent[:cut]
-        active.unsent = "" if found else active.unsent[cut:]
-        if send:
-            out.append((active.request.request_id, TextDelta(send, active.pending_tokens)))
-            active.pending_tokens = 0
-            active.sent_chars += len(send)
-        return found
 
     def _end_text(
         self, active: _Active, reason: str, out: list[tuple[str, Output]], flush: bool = True
     ) -> None:
         active.thinker_done = True
         active.reason = reason
-        active.next_token = None
-        if flush:  # not after a stop string: nothing past it is sent
-            self._send_text(active, active.detok.flush(), out, final=True)
-        if active.chars_after:
-            active.chars_after[-1] = active.sent_chars
+        text, tokens = active.text.finish(flush=flush)
+        if text:
+            out.append((active.request.request_id, TextDelta(text, tokens)))
         t = active.talker
         if t is not None and not t.started and not active.usage.output_text_tokens:
             t.done = True  # nothing to say
@@ -385,51 +401,85 @@ class SpeechPipeline:
             )
         return speaker
 
-    def _text_input(self, active: _Active, index: int) -> torch.Tensor | str | None:
-        """Thinker embedding of assistant-sequence position ``index`` (prompt header, then reply
-        tokens); "eos" / "pad" past the reply's end; None when the thinker has not got there yet."""
+    def _text_input(self, active: _Active, index: int) -> tuple[int, int] | None:
+        """The talker's text input at assistant-sequence position ``index`` as (kind, value):
+        a header position, a reply token, the end of the text, or padding; None when the thinker
+        has not got there yet."""
         t = active.talker
-        assert t is not None and t.prompt is not None
-        header = t.prompt.assistant_embeds
-        if index < header.shape[0]:
-            return header[index]
-        k = index - header.shape[0]
-        if k < len(active.text_embeds):
-            return active.text_embeds[k]
+        assert t is not None and t.prompt is not None and active.reply is not None
+        header = t.prompt.assistant_embeds.shape[0]
+        if index < header:
+            return TEXT_HEADER, index - 4
+        k = index - header
+        if k < len(active.reply):
+            return TEXT_TOKEN, active.reply[k]
         if not active.thinker_done:
             return None
-        return "eos" if k == len(active.text_embeds) else "pad"
+        return (TEXT_EOS, 0) if k == len(active.reply) else (TEXT_PAD, 0)
 
     def _talker_prefill(self, active: _Active) -> None:
         t = active.talker
-        assert t is not None and t.prompt is not None
-        first = self._text_input(active, 3)
-        if first is None:
-            return
-        if isinstance(first, str):
+        assert t is not None and t.prompt is not None and active.reply is not None
+        header = t.prompt.assistant_embeds
+        if header.shape[0] > 3:
+            first: torch.Tensor | None = header[3]
+        elif active.reply:
+            first = self.thinker.embed_tokens.weight[active.reply[0]]
+        elif active.thinker_done:
             t.done = True
             return
-        embeds, ids = self.talker.prefill_inputs(t.prompt, first, t.speaker_id)
+        else:
+            return
         p = active.prompt
-        has_mm = p.input_features is not None or p.image_grid_thw is not None
-        if has_mm:
+        rope = None
+        if p.input_features is not None or p.image_grid_thw is not None:
             audio_lengths = (
                 p.feature_attention_mask.sum(-1).to(self.device) if p.input_features is not None else None
             )
             grid = p.image_grid_thw.to(self.device) if p.image_grid_thw is not None else None
-            positions = talker_rope_index(self.model, ids[None], grid, audio_lengths)
-        else:
-            positions = torch.arange(ids.shape[0], device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        result = self.model.talker.model(inputs_embeds=embeds[None], position_ids=positions, use_cache=True)
-        self.talker_decoder.load(active.slot, output_cache(result))
-        t.position = int(positions.max()) + 1
-        t.hidden = result.last_hidden_state[0, -1]
-        self.talker.reset_seen(active.slot)
-        logits = self.model.talker.codec_head(t.hidden)
-        slot = torch.tensor([active.slot], device=self.device)
-        t.next_code = self.talker.choose_codes(logits[None], slot, [t])[0]
+
+            def rope(ids: torch.Tensor) -> torch.Tensor:
+                return talker_rope_index(self.model, ids[None], grid, audio_lengths)
+
+        self.talker.prefill(active.slot, t.prompt, first, t.speaker_id, rope)
         t.started = True
-        self._check_code(active)
+        t.next_code = -1  # read back with the next frames
+
+    def _talker_ready(self, active: _Active) -> bool:
+        t = active.talker
+        if t is None or not t.started or t.done:
+            return False
+        return self._text_input(active, 4 + t.step) is not None
+
+    def _talker_step(self, rows: list[_Active], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        text = []
+        for a in rows:
+            assert a.talker is not None
+            item = self._text_input(a, 4 + a.talker.step)
+            assert item is not None
+            text.append(item)
+        return self.talker.step([a.slot for a in rows], text, batch)
+
+    def _take_frames(self, rows: list[_Active], frames: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Pushes the new frames to the vocoder and reads back every talker's next code."""
+        started = [a for a in self._active.values() if a.talker is not None and a.talker.started]
+        if not started:
+            return
+        next_codes = self.talker.next_code.cpu()  # also waits for the talker step
+        host_frames = frames[0].to("cpu", copy=True) if frames is not None else None  # kept by vocoders
+        stepped = {id(a) for a in rows}
+        for a in started:
+            t = a.talker
+            assert t is not None
+            if host_frames is not None and id(a) in stepped:
+                self.vocoder.push(a.request.request_id, host_frames[a.slot])
+                a.usage.output_audio_tokens += 1
+                t.step += 1
+                if self.talker.kv.length(a.slot) >= self.talker.kv.max_len:
+                    t.done = True
+            if not t.done:
+                t.next_code = int(next_codes[a.slot])
+                self._check_code(a)
 
     def _check_code(self, active: _Active) -> None:
         t = active.talker
@@ -441,50 +491,6 @@ class SpeechPipeline:
         if t.next_code == self.talker.eos or t.step >= limit:  # one frame per talker step
             t.done = True
 
-    def _talker_ready(self, active: _Active) -> bool:
-        t = active.talker
-        if t is None or not t.started or t.done:
-            return False
-        return self._text_input(active, 4 + t.step) is not None
-
-    def _talker_step(self, rows: list[_Active]) -> None:
-        states = [a.talker for a in rows]
-        hidden = torch.stack([t.hidden for t in states])  # type: ignore[union-attr, misc]
-        first = torch.tensor([t.next_code for t in states], device=self.device)  # type: ignore[union-attr]
-        params = [t.predictor_params for t in states]  # type: ignore[union-attr]
-        slots = torch.tensor([a.slot for a in rows], device=self.device)
-        slot_list = [a.slot for a in rows]
-        frames, codec_sum = self.talker.residual_codes(slot_list, slots, hidden, first, params)
-        frames = frames.cpu()  # one copy for all rows; the vocoder checks codes on the host
-        trailing = torch.empty_like(codec_sum)
-        texts: list[torch.Tensor] = []
-        text_rows: list[int] = []
-        for i, (a, t) in enumerate(zip(rows, states, strict=True)):
-            assert t is not None
-            self.vocoder.push(a.request.request_id, frames[i])
-            a.usage.output_audio_tokens += 1
-            item = self._text_input(a, 4 + t.step)
-            if isinstance(item, torch.Tensor):
-                texts.append(item)
-                text_rows.append(i)
-            else:
-                trailing[i] = self.talker.tts_eos if item == "eos" else self.talker.tts_pad
-        if texts:
-            trailing[text_rows] = self.talker.text_embeds(torch.stack(texts)).to(trailing.dtype)
-        positions = torch.tensor([t.position for t in states], device=self.device)  # type: ignore[union-attr]
-        hidden = self.talker_decoder.step(slot_list, codec_sum + trailing, positions, slots)
-        logits = self.model.talker.codec_head(hidden)
-        codes = self.talker.choose_codes(logits, slots, states)  # type: ignore[arg-type]
-        for i, (a, t) in enumerate(zip(rows, states, strict=True)):
-            assert t is not None
-            t.position += 1
-            t.step += 1
-            t.hidden = hidden[i]
-            t.next_code = codes[i]
-            if self.talker_decoder.length(a.slot) >= self.talker_decoder.max_len:
-                t.done = True
-            self._check_code(a)
-
     def _text_chars(self, active: _Active, frames: int) -> int:
         """Reply characters whose speech the first ``frames`` frames carry.
 
@@ -493,11 +499,7 @@ class SpeechPipeline:
         t = active.talker
         assert t is not None and t.prompt is not None
         k = 3 + frames - 1 - t.prompt.assistant_embeds.shape[0]
-        if k < 0:
-            return 0
-        if k >= len(active.chars_after):
-            return active.sent_chars if active.thinker_done else (active.chars_after or [0])[-1]
-        return active.chars_after[k]
+        return active.text.chars_at(k, active.thinker_done)
 
     def _emit_audio(self, out: list[tuple[str, Output]]) -> None:
         finishing = {rid for rid, a in self._active.items() if a.talker is not None and a.talker.done}
@@ -524,20 +526,20 @@ class SpeechPipeline:
             self._release(active)
         out.append((rid, finished))
 
-    def _guard(self, active: _Active, out: list[tuple[str, Output]], fn: Any, *args: Any) -> None:
+    def _guard(self, active: _Active, out: list[tuple[str, Output]], fn: Any, *args: Any) -> Any:
         """Runs one request's own work; an error fails that request only."""
         try:
-            fn(*args)
+            return fn(*args)
         except RequestRejected as exc:
             self._fail(active, out, str(exc))
         except Exception as exc:
             log.exception("request %s failed", active.request.request_id)
             self._fail(active, out, f"internal error: {exc}")
+        return None
 
     def _release(self, active: _Active) -> None:
-        self.thinker.reset(active.slot)
+        self.thinker.kv.reset(active.slot)
         if self.has_talker:
-            self.talker_decoder.reset(active.slot)
+            self.talker.kv.reset(active.slot)
             self.vocoder.close(active.request.request_id)
-        self._free.append(active.slot)
-        active.text_embeds.clear()
+        self._free.give(active.slot)

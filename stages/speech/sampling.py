@@ -68,3 +68,25 @@ def choose_rows_tensor(logits: torch.Tensor, params: list[SamplingParams]) -> to
     for i in sampled:  # row by row: indexing with a list would copy it to the device (a sync)
         picked[i] = choose_tensor(logits[i], params[i])
     return picked
+
+
+def sample_rows(logits, temperature, top_k, top_p, seed, counter, stream: int = 0):  # provisional
+    scores = logits.float()
+    greedy = scores.argmax(-1)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scores = scores / t[:, None]
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+    v = scores.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
+    ranks = torch.arange(v, device=scores.device)
+    keep = ranks[None] < k[:, None]
+    probs = sorted_scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    before = probs.cumsum(-1) - probs
+    keep = keep & ((before < top_p[:, None]) | (ranks[None] == 0))
+    probs = probs.masked_fill(~keep, 0.0)
+    cdf = probs.cumsum(-1)
+    x = (seed * 6364136223846793005 + counter * 1442695040888963407 + stream * 97) & 0xFFFFFF
+    u = (x.float() / float(1 << 24)) * cdf[:, -1]
+    idx = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=v - 1)
+    picked = order.gather(1, idx)[:, 0]
+    return torch.where(temperature > 0, picked, greedy)

@@ -1,15 +1,24 @@
 """Batched one-token decode over a Hugging Face Qwen3-Omni decoder, with a static KV slot pool.
 
-The thinker's text model and the talker's model share one layer shape (RMSNorm, attention with
-per-head q/k norms and multimodal RoPE, then a dense or MoE MLP). :class:`SlotDecoder` reads the
-weights of such a model's layers and runs one decode token for any set of slots in one batched
-call: each row has its own cache length and its own position. The cache is allocated once
-(``[slots, kv_heads, max_len, head_dim]`` per layer) and a slot is reset by setting its length
-to zero, so nothing is reallocated while serving.
+The thinker's text model, the talker's model and the talker's code predictor share one layer
+shape (RMSNorm, attention with per-head q/k norms and RoPE, then a dense or MoE MLP).
+:class:`SlotDecoder` reads the weights of such a model's layers and runs one decode token for
+the first ``B`` slots of its pool in one batched call, gpt-fast style, so that the step has
+static shapes and can be captured in a CUDA graph:
 
-The talker's code predictor has the same layer shape with a plain 1D RoPE
-(``multimodal_rope=False``): it runs through this class too, one slot per request, reset for
-every frame.
+* **Rows are slots.** Row ``i`` of a step is slot ``i``; ``B`` is a captured batch bucket that
+  covers the highest busy slot. An exec mask ``active [B]`` says which rows decode now; idle
+  rows compute garbage that is never kept: their key/value go to a scratch column
+  (``max_len``) and their length does not move. So padding never writes into a real slot.
+* **KV read in place.** Attention reads ``keys[:B, :, :attend]`` (a view, no gather copy) for a
+  static ``attend`` length bucket that the caller picks to cover every active row, with a
+  mask built on the device from the slots' lengths.
+* **Grouped-query attention without repeating K/V**: queries are viewed as
+  ``[B, kv_heads, group, head_dim]`` against the ``[B, kv_heads, attend, head_dim]`` cache.
+
+The cache is allocated once (``[slots, kv_heads, max_len + 1, head_dim]`` per layer) and a slot
+is reset by setting its length to zero, so nothing is reallocated while serving and captured
+graphs stay valid.
 
 Decode positions: after a prompt, Qwen3-Omni continues with the same position on all three
 multimodal RoPE axes (temporal, height, width), so the decode rotation is an ordinary 1D RoPE
@@ -21,9 +30,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+
+def length_buckets(max_len: int, smallest: int = 256) -> list[int]:
+    """Attention lengths to capture: powers of two from ``smallest`` below ``max_len``, then
+    ``max_len`` itself (every length up to ``max_len`` falls in one)."""
+    out, n = [], smallest
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return [*out, max_len]
 
 
 class SlotDecoder:
@@ -51,26 +69,33 @@ class SlotDecoder:
         self.head_dim = attn.head_dim
         self.num_heads = attn.q_proj.out_features // self.head_dim
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
+        self.group = self.num_heads // self.num_kv_heads
         self.scaling = attn.scaling
+        self.num_slots = num_slots
         self.max_len = max_len
-        shape = (num_slots, self.num_kv_heads, max_len, self.head_dim)
+        # One more column than max_len: idle rows write their key/value there (never attended).
+        shape = (num_slots, self.num_kv_heads, max_len + 1, self.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.host_lengths = [0] * num_slots  # the same, on the host: no device sync to read it
+        self._rows = torch.arange(num_slots, device=device)
+        self._columns = torch.arange(max_len + 1, device=device)
 
-    def reset(self, slots: int | Sequence[int], index: torch.Tensor | None = None) -> None:
-        """Empties ``slots`` (``index``: the same slots as a device tensor, when the caller has
-        one; then no index is copied to the device, so nothing syncs with the host)."""
-        for slot in [slots] if isinstance(slots, int) else slots:
-            self.host_lengths[slot] = 0
-        if index is not None:
-            self.lengths.index_fill_(0, index, 0)
-        else:
-            self.lengths[slots if isinstance(slots, int) else list(slots)] = 0
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def reset(self, slot: int) -> None:
+        """Empties ``slot`` (no device sync)."""
+        self.host_lengths[slot] = 0
+        self.lengths[slot] = 0
 
     def length(self, slot: int) -> int:
         return self.host_lengths[slot]
+
+    def longest(self, slots: Sequence[int]) -> int:
+        return max((self.host_lengths[s] for s in slots), default=0)
 
     def load(self, slot: int, cache: object) -> None:
         """Copies a single-row HF cache (``DynamicCache`` after a prefill) into ``slot``."""
@@ -84,25 +109,21 @@ class SlotDecoder:
         self.lengths[slot] = n
         self.host_lengths[slot] = n
 
-    @torch.no_grad()
-    def step(
-        self,
-        slots: Sequence[int],
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One token for each row: ``inputs_embeds`` [B, H] at ``positions`` [B] in ``slots`` [B]
-        (``index``: the same slots as a device tensor, when the caller has one).
+    def advance_host(self, slots: Sequence[int]) -> None:
+        """Mirrors on the host the length each active row gained in a :meth:`step`."""
+        for slot in slots:
+            self.host_lengths[slot] += 1
 
-        Appends each row's key/value to its slot and returns the final-norm hidden states [B, H].
-        """
+    def step(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, attend: int
+    ) -> torch.Tensor:
+        """One token for each active row of slots ``0..B-1``: ``inputs_embeds`` [B, H] at
+        ``positions`` [B], ``active`` [B] bool; attention over the first ``attend`` cache
+        entries, which must cover every active row's length + 1 (the caller checks on the host:
+        :meth:`longest`). Appends the active rows' key/value to their slots and returns the
+        final-norm hidden states [B, H] (idle rows: garbage). Never syncs with the host; the
+        host mirror is advanced by :meth:`advance_host`."""
         batch = inputs_embeds.shape[0]
-        longest = max(self.host_lengths[s] for s in slots)
-        if longest >= self.max_len:
-            raise RuntimeError("a slot's KV cache is full")
-        if index is None:
-            index = torch.tensor(list(slots), device=inputs_embeds.device)
         x = inputs_embeds.unsqueeze(1)
         pos = (
             positions.view(1, batch, 1).expand(3, batch, 1)
@@ -110,9 +131,12 @@ class SlotDecoder:
             else positions.view(batch, 1)
         )
         cos, sin = self.model.rotary_emb(x, pos)
-        write_at = self.lengths[index]
-        total = longest + 1
-        visible = torch.arange(total, device=x.device).view(1, 1, 1, total) <= write_at.view(batch, 1, 1, 1)
+        lengths = self.lengths[:batch]
+        write_at = torch.where(active, lengths, self.max_len)
+        rows = self._rows[:batch]
+        hidden = torch.finfo(torch.float32).min
+        # [B, 1, 1, attend]: each active row sees its cache and its new entry.
+        masked = (self._columns[:attend].view(1, attend) > write_at.view(batch, 1)).view(batch, 1, 1, attend)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -120,21 +144,16 @@ class SlotDecoder:
             k = attn.k_norm(attn.k_proj(h).view(batch, 1, -1, self.head_dim)).transpose(1, 2)
             v = attn.v_proj(h).view(batch, 1, -1, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.keys[i][index, :, write_at] = k[:, :, 0].to(self.keys[i].dtype)
-            self.values[i][index, :, write_at] = v[:, :, 0].to(self.values[i].dtype)
-            keys = self.keys[i][index, :, :total]
-            values = self.values[i][index, :, :total]
-            out = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=visible,
-                scale=self.scaling,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, 1, -1))
+            cache_k, cache_v = self.keys[i], self.values[i]
+            cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
+            cache_v[rows, :, write_at] = v[:, :, 0].to(cache_v.dtype)
+            keys = cache_k[:batch, :, :attend]
+            values = cache_v[:batch, :, :attend]
+            qg = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling
+            probs = scores.masked_fill(masked, hidden).softmax(dim=-1).to(values.dtype)
+            out = torch.matmul(probs, values).to(x.dtype)  # [B, kv_heads, group, head_dim]
+            x = x + attn.o_proj(out.reshape(batch, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.lengths[index] = write_at + 1
-        for slot in slots:
-            self.host_lengths[slot] += 1
+        lengths.add_(active.long())
         return self.model.norm(x)[:, 0]

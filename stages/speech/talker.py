@@ -20,14 +20,22 @@ run by :class:`~.slots.SlotDecoder` over its layers with a per-request slot of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from .sampling import SamplingParams, apply_repetition_penalty, choose_rows_tensor
-from .slots import SlotDecoder
+from ..graphs import LengthBucketedRunner
+from .draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
+from .hf_compat import output_cache
+from .sampling import apply_repetition_penalty
+from .slots import SlotDecoder, length_buckets
+
+#: The talker's sampling when the request samples (its generation defaults in ``generate``).
+TALKER_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}
+CODE_PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
 
 
 @dataclass
@@ -41,18 +49,15 @@ class TalkerPrompt:
 
 @dataclass(eq=False)
 class TalkerState:
+    """A request's talker bookkeeping on the host (its tensors live in :class:`Talker`'s slots)."""
+
     prompt: TalkerPrompt | None
     speaker_id: int
-    params: SamplingParams
     max_frames: int
     started: bool = False
     done: bool = False
-    position: int = 0
     step: int = 0  # decode steps run == frames made == index into the trailing text
-    next_code: int = -1  # code group 0 of the next frame (sampled, not yet expanded)
-    hidden: torch.Tensor | None = None  # last talker hidden state [Ht]
-    #: The code predictor's sampling (built once per request, used for every frame).
-    predictor_params: SamplingParams = field(default_factory=SamplingParams)
+    next_code: int = -1  # host copy of code group 0 of the next frame (read after each step)
 
 
 def build_talker_prompt(
@@ -130,46 +135,98 @@ def talker_rope_index(
     return positions
 
 
-class Talker:
-    """The talker side of the model: special embeddings, prefill inputs and code prediction."""
+#: Kinds of a talker step's text input (``text_kind``): a reply token's thinker id, the end of
+#: the text, padding after it, or a position of the assistant header (``text_token`` its index).
+TEXT_TOKEN, TEXT_EOS, TEXT_PAD, TEXT_HEADER = 0, 1, 2, 3
+#: Assistant-header positions a talker step can read (the header is 3 in Qwen3-Omni's template).
+HEADER_MAX = 16
 
-    def __init__(self, model: nn.Module, *, max_slots: int, repetition_penalty: float = 1.05) -> None:
+
+class Talker:
+    """The talker side of the model: per-slot device state, prefill, and the batched frame step
+    (code predictor for the pending frame, talker decode, next group-0 code) replayed from CUDA
+    graphs, one per (batch bucket, attention length bucket)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_slots: int,
+        max_len: int,
+        batch_buckets: list[int],
+        graphs: bool,
+        pool: object | None,
+        repetition_penalty: float = 1.05,
+    ) -> None:
+        self.model = model
         self.talker = model.talker
         cfg = model.config
         self.cfg = cfg.talker_config
         self.num_groups = int(self.cfg.num_code_groups)
         vocab = int(self.cfg.text_config.vocab_size)
         self.eos = int(self.cfg.codec_eos_token_id)
-        device = next(model.parameters()).device
+        param = next(model.parameters())
+        device, dtype = param.device, param.dtype
+        self.device = device
         suppress = torch.zeros(vocab, dtype=torch.bool, device=device)
         suppress[vocab - 1024 :] = True
         suppress[self.eos] = False
         self.suppress = suppress
         self.repetition_penalty = repetition_penalty
-        #: Per slot: the group-0 codes its request has drawn (for the repetition penalty).
-        self.seen = torch.zeros((max_slots, vocab), dtype=torch.bool, device=device)
-        self._true = torch.ones((), dtype=torch.bool, device=device)  # marks ``seen`` without a host copy
+        self.thinker_embed = model.thinker.get_input_embeddings()
         with torch.no_grad():
             special = torch.tensor(
                 [[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]], device=device
             )
-            proj = self.talker.text_projection(model.thinker.get_input_embeddings()(special))[0]
+            proj = self.talker.text_projection(self.thinker_embed(special))[0]
         self.tts_bos, self.tts_eos, self.tts_pad = proj[0], proj[1], proj[2]
         self.tts_pad_token_id = int(cfg.tts_pad_token_id)
-        self.predictor_decoder = SlotDecoder(
+        hidden_size = int(self.cfg.text_config.hidden_size)
+        self.kv = SlotDecoder(
+            self.talker.model, num_slots=max_slots, max_len=max_len, device=device, dtype=dtype
+        )
+        self.predictor = SlotDecoder(
             self.talker.code_predictor.model,
             num_slots=max_slots,
             max_len=self.num_groups + 1,
             device=device,
-            dtype=next(model.parameters()).dtype,
+            dtype=dtype,
             multimodal_rope=False,
         )
+        # Per slot: sampling rows, the last hidden state, the drawn group-0 code, the next RoPE
+        # position, the group-0 codes drawn so far (repetition penalty), the projected assistant
+        # header, and the frame made by the last step.
+        self.sampling = SlotSampling(max_slots, device)
+        self.predictor_sampling = SlotSampling(max_slots, device)
+        self.hidden = torch.zeros((max_slots, hidden_size), device=device, dtype=dtype)
+        self.next_code = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.position = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.seen = torch.zeros((max_slots, vocab), dtype=torch.bool, device=device)
+        self.header = torch.zeros((max_slots, HEADER_MAX, hidden_size), device=device, dtype=dtype)
+        self.frames = torch.zeros((max_slots, self.num_groups), dtype=torch.long, device=device)
+        self._rows = torch.arange(max_slots, device=device)
+        self._group_positions = torch.arange(self.num_groups, device=device)
+        self.runner = LengthBucketedRunner(
+            self._step,
+            self._example,
+            batch_buckets=batch_buckets,
+            length_buckets=length_buckets(max_len),
+            enabled=graphs,
+            pool=pool,
+        )
 
-    @torch.no_grad()
-    def text_embeds(self, thinker_embeds: torch.Tensor) -> torch.Tensor:
-        return self.talker.text_projection(thinker_embeds)
+    # -- admission and prefill -------------------------------------------------------------------
+    def set_sampling(self, slot: int, *, sample: bool, seed: int) -> None:
+        """Greedy talker and code predictor for a greedy request; else ``generate``'s talker
+        defaults (see :data:`TALKER_SAMPLING`, :data:`CODE_PREDICTOR_SAMPLING`)."""
+        if sample:
+            self.sampling.set(slot, seed=seed, **TALKER_SAMPLING)
+            self.predictor_sampling.set(slot, seed=seed, **CODE_PREDICTOR_SAMPLING)
+        else:
+            greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": seed}
+            self.sampling.set(slot, **greedy)
+            self.predictor_sampling.set(slot, **greedy)
 
-    @torch.no_grad()
     def prefill_inputs(
         self, prompt: TalkerPrompt, first_text: torch.Tensor, speaker_id: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,48 +258,109 @@ class Talker:
         ids = torch.cat([prompt.user_ids, prompt.user_ids.new_full((9,), self.tts_pad_token_id)])
         return embeds, ids
 
-    def reset_seen(self, slot: int) -> None:
-        self.seen[slot] = False
-
-    def choose_codes(self, logits: torch.Tensor, slots: torch.Tensor, states: list[TalkerState]) -> list[int]:
-        """Code group 0 for each row of ``logits`` [B, V]: repetition penalty over the codes each
-        request drew before, special codes suppressed, then greedy or sampled per request."""
-        logits = apply_repetition_penalty(logits.float(), self.seen[slots], self.repetition_penalty)
-        logits = logits.masked_fill(self.suppress, float("-inf"))
-        codes = choose_rows_tensor(logits, [s.params for s in states])
-        self.seen.index_put_((slots, codes), self._true)
-        return codes.tolist()
-
     @torch.no_grad()
-    def residual_codes(
+    def prefill(
         self,
-        slots: list[int],
-        index: torch.Tensor,
-        hidden: torch.Tensor,
-        first_codes: torch.Tensor,
-        params: list[SamplingParams],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Code groups 1.. for each row, from the talker hidden state [B, Ht] and group-0 codes [B]
-        (``slots``: the rows' slots, ``index`` the same as a device tensor).
+        slot: int,
+        prompt: TalkerPrompt,
+        first_text: torch.Tensor,
+        speaker_id: int,
+        rope: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> None:
+        """Runs the talker prompt into ``slot`` (one HF forward) and draws its first group-0 code.
+        ``rope``: the prompt ids [L] -> their multimodal RoPE index [3, 1, L]; None for prompts
+        without audio or images (positions 0..L-1 on every axis)."""
+        embeds, ids = self.prefill_inputs(prompt, first_text, speaker_id)
+        if rope is not None:
+            positions = rope(ids)
+        else:
+            positions = torch.arange(ids.shape[0], device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        result = self.talker.model(inputs_embeds=embeds[None], position_ids=positions, use_cache=True)
+        self.kv.load(slot, output_cache(result))
+        self.position[slot] = positions.max() + 1
+        hidden = result.last_hidden_state[:, -1]
+        self.hidden[slot] = hidden[0]
+        header = prompt.assistant_embeds[4 : 4 + HEADER_MAX]
+        if header.shape[0]:
+            self.header[slot, : header.shape[0]] = self.talker.text_projection(header)
+        self.seen[slot] = False
+        code = self._choose(self.talker.codec_head(hidden), slot, slot + 1)[0]
+        self.sampling.advance_slot(slot)
+        self.next_code[slot] = code
+        self.seen[slot, code] = True
 
-        The code predictor reads [hidden, embedding of code 0] and then each code it draws, for
-        every row at once (all rows are at the same group). Returns the full frames [B, G] and
-        the next talker input, the sum of the frame's codec embeddings [B, Ht].
-        """
+    def _choose(self, logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Code group 0 for slots ``start..stop-1`` from ``logits`` [B, V]: repetition penalty over
+        the codes each slot drew before, special codes suppressed, then the slot's sampling."""
+        logits = apply_repetition_penalty(logits.float(), self.seen[start:stop], self.repetition_penalty)
+        logits = logits.masked_fill(self.suppress, float("-inf"))
+        return self.sampling.draw(logits, start, TALKER_STREAM)
+
+    # -- the frame step --------------------------------------------------------------------------
+    def _example(self, batch: int) -> dict[str, torch.Tensor]:
+        zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
+        return {"active": zeros.bool(), "text_token": zeros, "text_kind": zeros}
+
+    def step(
+        self, slots: list[int], text: list[tuple[int, int]], batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame for each of ``slots`` (all below ``batch``), with ``text`` [(kind, token)]
+        the trailing text input of each (see :data:`TEXT_TOKEN` ...). Returns views [batch, G]
+        of the finished frames (group 0 = each slot's pending code) and [batch] of the next
+        group-0 codes, on the device."""
+        packed = torch.zeros((3, batch), dtype=torch.long, pin_memory=self.device.type == "cuda")
+        packed[0, slots] = 1
+        packed[1, slots] = torch.tensor([t for _, t in text], dtype=torch.long)
+        packed[2, slots] = torch.tensor([k for k, _ in text], dtype=torch.long)
+        packed = packed.to(self.device, non_blocking=True)
+        inputs = {"active": packed[0].bool(), "text_token": packed[1], "text_kind": packed[2]}
+        out = self.runner(inputs, self.kv.longest(slots) + 1)
+        self.kv.advance_host(slots)
+        return out["frame"], out["next_code"]
+
+    def _step(self, inputs: dict[str, torch.Tensor], attend: int) -> dict[str, torch.Tensor]:
+        active, text_token, text_kind = inputs["active"], inputs["text_token"], inputs["text_kind"]
+        batch = active.shape[0]
+        rows = self._rows[:batch]
+        first = self.next_code[:batch]
+        # The code predictor reads [hidden, embedding of code 0], then each code it draws; every
+        # row is at the same group at the same time. Active rows restart their predictor slot.
+        lengths = self.predictor.lengths[:batch]
+        lengths.copy_(torch.where(active, 0, lengths))
         predictor = self.talker.code_predictor
-        decoder = self.predictor_decoder
-        decoder.reset(slots, index)
-        first = self.talker.get_input_embeddings()(first_codes)
-        zeros = torch.zeros_like(first_codes)
-        decoder.step(slots, hidden, zeros, index)
-        x = first
-        codes = [first_codes]
-        total = first
+        groups = self._group_positions
+        self.predictor.step(self.hidden[:batch], groups[0].expand(batch), active, self.num_groups + 1)
+        x = self.talker.get_input_embeddings()(first)
+        codes, total = [first], x
         for group in range(self.num_groups - 1):
-            out = decoder.step(slots, x, zeros + group + 1, index)
-            logits = predictor.lm_head[group](out)
-            picked = choose_rows_tensor(logits, params)
+            out = self.predictor.step(x, groups[group + 1].expand(batch), active, self.num_groups + 1)
+            picked = self.predictor_sampling.draw(predictor.lm_head[group](out), 0, PREDICTOR_STREAM + group)
             codes.append(picked)
             x = predictor.model.codec_embedding[group](picked)
             total = total + x
-        return torch.stack(codes, dim=1), total
+        self.predictor_sampling.advance(active)
+        frames = self.frames[:batch]
+        frames.copy_(torch.stack(codes, dim=1))
+        # The next talker input: the frame's codec embeddings plus the trailing text.
+        token_text = self.talker.text_projection(self.thinker_embed(text_token))
+        header = self.header[rows, text_token.clamp(0, HEADER_MAX - 1)]
+        kind = text_kind.view(batch, 1)
+        trailing = torch.where(
+            kind == TEXT_TOKEN,
+            token_text.to(total.dtype),
+            torch.where(
+                kind == TEXT_EOS,
+                self.tts_eos.to(total.dtype),
+                torch.where(kind == TEXT_PAD, self.tts_pad.to(total.dtype), header.to(total.dtype)),
+            ),
+        )
+        hidden = self.kv.step(total + trailing, self.position[:batch], active, attend)
+        code = self._choose(self.talker.codec_head(hidden), 0, batch)
+        seen = self.seen[:batch]
+        seen[rows, code] = seen[rows, code] | active
+        self.hidden[:batch] = torch.where(active.view(batch, 1), hidden, self.hidden[:batch])
+        next_code = self.next_code[:batch]
+        next_code.copy_(torch.where(active, code, first))
+        self.position[:batch] += active.long()
+        self.sampling.advance(active)
+        return {"frame": frames, "next_code": next_code}
