@@ -143,7 +143,7 @@ class SpeechPipeline:
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else {int(cfg.im_end_token_id)}
         self.vocab_limit = min(len(self.tokenizer), int(cfg.thinker_config.text_config.vocab_size))
         graphs = cuda_graphs and self.device.type == "cuda"
-        buckets = batch_buckets(max_slots)
+        self._buckets = buckets = batch_buckets(max_slots)
         pool = torch.cuda.graph_pool_handle() if graphs else None
         self.thinker = Thinker(
             model, max_slots=max_slots, max_len=max_context, batch_buckets=buckets, graphs=graphs, pool=pool
@@ -327,12 +327,17 @@ class SpeechPipeline:
     def _batched(self, rows: list[_Active], out: list[tuple[str, Output]], what: str, fn: Any) -> Any:
         """Runs one batched step; a failure fails its rows, not the engine."""
         try:
-            return fn(rows, max(a.slot for a in rows) + 1)
+            return fn(rows, self._bucket(max(a.slot for a in rows) + 1))
         except Exception as exc:
             log.exception("%s failed", what)
             for a in rows:
                 self._fail(a, out, f"internal error: {exc}")
             return None
+
+    def _bucket(self, rows: int) -> int:
+        """The batch a step runs at: the smallest bucket holding ``rows`` slots. Graphs or not,
+        so eager steps compute exactly what the graphs replay (same shapes, same kernels)."""
+        return next(b for b in self._buckets if b >= rows)
 
     # -- thinker ------------------------------------------------------------------------------------
     def _prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:

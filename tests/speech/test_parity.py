@@ -148,3 +148,15 @@ def test_talker_rope_index_matches_transformers_and_covers_audio_with_image(pipe
     pipeline.add(_conversation("both", output_audio=True, max_output_tokens=4))
     outs = of(drain(pipeline), "both")
     assert outs[-1].reason == "length" and any(isinstance(o, AudioDelta) for o in outs)
+
+
+def test_sampled_path_with_top_p_near_zero_equals_generate(pipeline, hf_model) -> None:
+    """The sampled path (temperature 1, seeded counter-based draws) keeps only the best token
+    when top-p is tiny, so it must reproduce ``generate``'s greedy tokens exactly."""
+    req = _request("audio", "s", output_audio=False, max_output_tokens=MAX_NEW, temperature=1.0,
+                   top_p=1e-9, seed=5)
+    expected = _hf_tokens(hf_model, pipeline.prompts.build(req.messages), hf_model.config.im_end_token_id)
+    log = TokenLog(pipeline)
+    pipeline.add(req)
+    drain(pipeline)
+    assert log.tokens["s"] == expected

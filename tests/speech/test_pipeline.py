@@ -218,3 +218,23 @@ def test_cuda_graphs_option_is_ignored_on_cpu(demo_dir: Path, cuda_graphs: bool)
     pipe.add(audio_request("r", max_output_tokens=3))
     outs = of(drain(pipe), "r")
     assert outs[-1].reason == "length" and any(isinstance(o, AudioDelta) for o in outs)
+
+
+def test_a_seed_draws_the_same_tokens_at_batch_1_and_batch_32(demo_dir: Path) -> None:
+    """Counter-based sampling: a request's draws depend on its seed and its own count of draws,
+    not on the batch it shares or the slot it gets."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=32, max_audio_frames=8)
+    log = TokenLog(pipe)
+    target = dict(max_output_tokens=12, temperature=1.0, top_p=0.95, seed=1234, output_audio=False)
+    pipe.add(text_request("alone", "tell me a story", **target))
+    drain(pipe)
+    for i in range(31):
+        pipe.add(text_request(f"other{i}", f"question {i}", max_output_tokens=14, temperature=0.8, seed=i,
+                              output_audio=False))
+        if i == 20:
+            pipe.add(text_request("crowded", "tell me a story", **target))
+    drain(pipe)
+    assert pipe._active == {} and pipe.free_slots == 32
+    assert len(log.tokens["alone"]) >= 6
+    assert log.tokens["crowded"] == log.tokens["alone"]
+    assert log.tokens["other3"] != log.tokens["alone"]

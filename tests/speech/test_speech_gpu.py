@@ -1,6 +1,7 @@
-"""The speech pipeline on CUDA: fp32 parity with ``generate`` on the GPU, bf16 end to end, the
-streaming vocoder on CUDA graphs, and the latency of a 1 s audio turn (printed; run with
-``pytest -m gpu -s tests/speech``)."""
+"""The speech pipeline on CUDA: fp32 parity with ``generate`` on the GPU (decode steps replayed
+from CUDA graphs), graph replay == eager bitwise for every captured decode step, no host sync
+inside the steps, bf16 end to end, the streaming vocoder on CUDA graphs, and the latency of a
+1 s audio turn (printed; run with ``pytest -m gpu -s tests/speech``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from omnirt.codecs.audio import float_to_int16
 from omnirt.stages.graphs import CudaGraphRunner
 from omnirt.stages.speech.code2wav import StreamingVocoder, make_vocoder
 from omnirt.stages.speech.loader import load_speech_pipeline
-from omnirt.stages.speech.sampling import SamplingParams, choose, choose_rows_tensor
 from omnirt.stages.types import AudioDelta, Finished, TextDelta
 
 from .conftest import TokenLog, audio_request, drain, of, tone
@@ -176,27 +176,80 @@ def test_cuda_sampled_turns_are_seeded_and_complete(demo_dir: Path) -> None:
     )
 
 
-def test_choose_rows_tensor_never_syncs_with_the_host() -> None:
-    """Mixed greedy and sampled rows (top-k and top-p on, generators on the GPU) are chosen on
-    the device without a host sync, and equal choosing each row on its own."""
-    logits = torch.randn(4, 3072, generator=torch.Generator().manual_seed(0)).cuda()
+def _turns(pipe, requests) -> tuple[dict[str, list[int]], dict[str, np.ndarray], set[str]]:
+    """Runs ``requests`` at once; returns each one's tokens and PCM, and the decode paths taken."""
+    log = TokenLog(pipe)
+    paths: set[str] = set()
+    for req in requests:
+        pipe.add(req)
+    outs = []
+    while pipe.has_work():
+        for runner in pipe.runners:
+            runner.last_path = ""
+        outs += pipe.step()
+        paths |= {r.last_path for r in pipe.runners} - {""}
+    pcm = {}
+    for req in requests:
+        mine = of(outs, req.request_id)
+        assert isinstance(mine[-1], Finished) and mine[-1].reason in ("stop", "length"), mine[-1]
+        pcm[req.request_id] = np.concatenate([o.pcm for o in mine if isinstance(o, AudioDelta)])
+    return log.tokens, pcm, paths
 
-    def params(seed: int) -> list[SamplingParams]:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.dtype) -> None:
+    """Every captured decode step (thinker token, talker frame with its code-predictor loop and
+    sampling) replays to the eager step's results bitwise: the same turns (greedy and sampled,
+    6 at once, so several batch and length buckets) with graphs and with ``use_graphs(False)``
+    give identical tokens and PCM, and the paths taken are all graph / all eager."""
+    pipe = load_speech_pipeline(demo_dir, device="cuda", dtype=dtype, max_slots=8, max_audio_frames=40)
+    captured = pipe.capture()
+    assert all(r.graphs > 0 for r in pipe.runners)
+
+    def requests(tag: str):
         return [
-            SamplingParams(),
-            SamplingParams(1.0, 0.8, 50, gen),
-            SamplingParams(),
-            SamplingParams(0.9, 0.5, 8, gen),
+            audio_request(f"{tag}{i}", tone(1.0, 200.0 + 50 * i), max_output_tokens=10 + 3 * i,
+                          temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=i)
+            for i in range(6)
         ]
 
-    choose_rows_tensor(logits, params(1))  # first call: lazy initialisation may sync
-    rows = params(2)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        picked = choose_rows_tensor(logits, rows)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert picked.device.type == "cuda"
-    assert picked.tolist() == [choose(row, p) for row, p in zip(logits, params(2), strict=True)]
+    tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
+    pipe.use_graphs(False)
+    tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
+    assert paths_g == {"graph"} and paths_e == {"eager"}
+    for i in range(6):
+        assert tokens_g[f"g{i}"] == tokens_e[f"e{i}"]
+        assert np.array_equal(pcm_g[f"g{i}"], pcm_e[f"e{i}"]) and pcm_g[f"g{i}"].size > 0
+    graphs = sum(r.graphs for r in pipe.runners)
+    print(f"\n[gpu] {dtype}: {graphs} decode graphs captured in {captured:.1f} s; 6 turns "
+          "(greedy + sampled): tokens and PCM graph == eager bitwise")
+
+
+def test_no_cuda_graphs_runs_every_decode_step_eagerly(demo_dir: Path) -> None:
+    pipe = load_speech_pipeline(demo_dir, device="cuda", max_slots=4, max_audio_frames=20, cuda_graphs=False)
+    pipe.capture()
+    assert all(r.graphs == 0 and not r.enabled for r in pipe.runners)
+    _, pcm, paths = _turns(pipe, [audio_request("r", tone(1.0), max_output_tokens=8)])
+    assert paths == {"eager"} and pcm["r"].size > 0
+
+
+def test_decode_steps_never_sync_with_the_host(demo_dir: Path) -> None:
+    """The thinker and talker steps (graphed and eager) launch without one host sync."""
+    pipe = load_speech_pipeline(demo_dir, device="cuda", max_slots=4, max_audio_frames=20)
+    pipe.capture()
+    pipe.add(audio_request("r", tone(1.0), max_output_tokens=30))
+    for _ in range(4):
+        pipe.step()
+    active = pipe._active["r"]
+    assert active.talker is not None and active.talker.started
+    text = [(0, 5)]
+    for graphs in (True, False):
+        pipe.use_graphs(graphs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pipe.thinker.decode([active.slot], 1)
+            pipe.talker.step([active.slot], text, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()

@@ -1,0 +1,74 @@
+"""The static slot decoder: rows are slots, idle rows leave their slot untouched, attention
+reads each slot's cache in place under any length bucket that covers it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.stages.speech.hf_compat import thinker_text_model
+from omnirt.stages.speech.slots import SlotDecoder, length_buckets
+
+
+@pytest.fixture
+def decoder(hf_model) -> SlotDecoder:
+    return SlotDecoder(
+        thinker_text_model(hf_model.thinker), num_slots=4, max_len=40, device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+
+
+def _fill(decoder: SlotDecoder, lengths: list[int], seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for k, v in zip(decoder.keys, decoder.values, strict=True):
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    decoder.lengths.copy_(torch.tensor(lengths))
+    decoder.host_lengths = list(lengths)
+
+
+def _inputs(decoder: SlotDecoder, batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    hidden = decoder.layers[0].self_attn.q_proj.in_features
+    return torch.randn(batch, hidden, generator=gen), torch.tensor([5, 9, 3, 7][:batch])
+
+
+def test_idle_rows_keep_their_slot_bitwise(decoder: SlotDecoder) -> None:
+    _fill(decoder, [4, 8, 2, 6])
+    before = [(k.clone(), v.clone()) for k, v in zip(decoder.keys, decoder.values, strict=True)]
+    x, pos = _inputs(decoder, 4)
+    active = torch.tensor([False, True, False, True])
+    decoder.step(x, pos, active, attend=16)
+    assert decoder.lengths.tolist() == [4, 9, 2, 7]
+    for (k0, v0), k, v in zip(before, decoder.keys, decoder.values, strict=True):
+        for slot in (0, 2):  # idle: the whole slot (up to max_len) unchanged
+            assert torch.equal(k[slot, :, :40], k0[slot, :, :40])
+            assert torch.equal(v[slot, :, :40], v0[slot, :, :40])
+        for slot, at in ((1, 8), (3, 6)):  # active: exactly one new entry, at its length
+            changed = (k[slot, :, :40] != k0[slot, :, :40]).any(dim=(0, 2)).nonzero().flatten().tolist()
+            assert changed == [at]
+
+
+def test_a_row_decodes_the_same_alone_in_any_bucket_and_attention_length(decoder: SlotDecoder) -> None:
+    """Slot 1's hidden state depends on its own cache only: alone or beside busy rows, under the
+    tightest or a longer attention bucket (masked, read in place), the result is the same."""
+    _fill(decoder, [4, 8, 2, 6])
+    x, pos = _inputs(decoder, 4)
+    snapshot = [(k.clone(), v.clone()) for k, v in zip(decoder.keys, decoder.values, strict=True)]
+    results = []
+    for batch, attend, busy in ((2, 9, [1]), (4, 40, [0, 1, 2, 3]), (4, 16, [1, 3])):
+        for (k0, v0), k, v in zip(snapshot, decoder.keys, decoder.values, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        decoder.lengths.copy_(torch.tensor([4, 8, 2, 6]))
+        active = torch.zeros(batch, dtype=torch.bool)
+        active[busy] = True
+        results.append(decoder.step(x[:batch], pos[:batch], active, attend)[1])
+    for r in results[1:]:
+        torch.testing.assert_close(r, results[0], atol=1e-5, rtol=1e-5)
+
+
+def test_length_buckets_cover_every_length() -> None:
+    assert length_buckets(1000) == [256, 512, 1000]
+    assert length_buckets(256) == [256]
+    assert length_buckets(100) == [100]
+    assert length_buckets(4096, smallest=1024) == [1024, 2048, 4096]
