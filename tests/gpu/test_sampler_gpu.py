@@ -1,0 +1,118 @@
+"""The batched sampler on CUDA: Philox known answers, no host syncs, CUDA-graph replay equal to eager,
+the same token for a row alone and in a batch at the real vocabulary, and CUDA tokens against CPU.
+
+Run on the lent GPU: ``pytest -m gpu -s tests/gpu/test_sampler_gpu.py``. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.stages.speech.sampling import philox4x32, philox_uniform, sample_rows
+
+from tests.speech.test_sampler import PHILOX_KAT, float64_draw_agrees, mixed_params, philox_python
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+VOCAB = 152064  # the Qwen3-Omni thinker vocabulary
+
+
+def _inputs(rows: int, vocab: int, seed: int, dtype: torch.dtype = torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    return logits.cuda(), mixed_params(rows, gen, "cuda")
+
+
+@pytest.mark.parametrize(("ctr", "key", "want"), PHILOX_KAT)
+def test_philox_known_answers_on_cuda(ctr, key, want):
+    words = [torch.tensor([v], dtype=torch.int64, device="cuda") for v in (*key, *ctr)]
+    assert [int(w) for w in philox4x32(*words)] == list(want)
+
+
+def test_philox_on_cuda_equals_cpu():
+    gen = torch.Generator().manual_seed(1)
+    words = torch.randint(0, 2**32, (6, 4096), generator=gen, dtype=torch.int64)
+    cpu = torch.stack(philox4x32(*words))
+    assert torch.equal(torch.stack(philox4x32(*words.cuda())).cpu(), cpu)
+    for i in range(0, 4096, 512):
+        assert cpu[:, i].tolist() == philox_python(
+            (int(words[0, i]), int(words[1, i])), tuple(int(w) for w in words[2:, i])
+        )
+    seed, counter = words[0] - 2**31, words[1] * 1000
+    assert torch.equal(philox_uniform(seed.cuda(), counter.cuda(), 5).cpu(), philox_uniform(seed, counter, 5))
+
+
+def test_sample_rows_makes_no_host_sync():
+    logits, params = _inputs(32, VOCAB, seed=0)
+    sample_rows(logits, *params)  # first call: lazy CUDA initialisation outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample_rows(logits, *params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (32,) and tokens.dtype == torch.int64 and tokens.is_cuda
+
+
+def test_graph_replay_equals_eager():
+    rows = 32
+    logits, (temperature, top_k, top_p, seed, counter) = _inputs(rows, VOCAB, seed=1)
+    steps = [_inputs(rows, VOCAB, seed=100 + step)[0] for step in range(5)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture stream (allocator, lazy kernels)
+        for _ in range(3):
+            sample_rows(logits, temperature, top_k, top_p, seed, counter)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sample_rows(logits, temperature, top_k, top_p, seed, counter)
+    start = counter.clone()
+    replays = []
+    for step, new_logits in enumerate(steps):
+        logits.copy_(new_logits)  # new logits and counters copied into the static inputs
+        counter.copy_(start + step + 1)
+        graph.replay()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = sample_rows(logits, temperature, top_k, top_p, seed, counter)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(captured, eager), step
+        replays.append(captured.clone())
+    sampled = temperature > 0
+    assert not torch.equal(replays[0][sampled], replays[1][sampled])  # the counters moved the draws
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 3072, 2048, 1000])  # thinker, talker, code predictor, small
+def test_same_token_alone_and_anywhere_in_a_batch_on_cuda(vocab):
+    logits, params = _inputs(32, vocab, seed=2)
+    logits[:4, : vocab // 2] = logits[:4, vocab // 2 : 2 * (vocab // 2)]  # ties in some rows
+    batch = sample_rows(logits, *params)
+    for i in range(32):
+        alone = sample_rows(logits[i : i + 1].clone(), *(p[i : i + 1].clone() for p in params))
+        assert int(alone[0]) == int(batch[i]), i
+    perm = torch.randperm(32, device="cuda")
+    assert torch.equal(sample_rows(logits[perm], *(p[perm] for p in params)), batch[perm])
+    big = torch.cat([logits] * 8)  # 256 rows: other kernel configurations for the batch
+    assert torch.equal(sample_rows(big, *(torch.cat([p] * 8) for p in params))[:32], batch)
+
+
+def test_cuda_tokens_match_cpu_tokens():
+    """Same float32 logits on both devices. The sort, the integer CDF and the draw are exact, but the
+    softmax (exp and its row sum) may differ by an ulp between the CPU and CUDA kernels, which moves
+    the fixed-point CDF by ~1e-7: a uniform that close to a CDF step (or a top-p cut that close to a
+    cumulative) may pick the neighbouring token. So: nearly every row equal, and every row on both
+    devices where the float64 inverse CDF puts it within 1e-5."""
+    rows, vocab = 2048, 64
+    logits, params = _inputs(rows, vocab, seed=3, dtype=torch.float32)
+    cuda = sample_rows(logits, *params).cpu()
+    cpu_params = [p.cpu() for p in params]
+    cpu = sample_rows(logits.cpu(), *cpu_params)
+    assert int((cuda == cpu).sum()) >= rows - 4
+    temperature, top_k, top_p, seed, counter = cpu_params
+    uniforms = philox_uniform(seed, counter, 0)
+    for i in range(rows):
+        t, k, p, u = float(temperature[i]), int(top_k[i]), float(top_p[i]), float(uniforms[i])
+        for token in (int(cpu[i]), int(cuda[i])):
+            assert float64_draw_agrees(token, logits[i].cpu(), t, k, p, u, tol=1e-5), i
