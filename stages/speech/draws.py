@@ -4,7 +4,8 @@ Each request's sampling (temperature, top-k, top-p, seed) is written into its sl
 at admission; a decode step reads rows ``0..B-1`` and :func:`~.sampling.sample_rows` draws one
 token per row from counter-based randomness keyed by (seed, counter, stream). A row's counter
 counts its draws, so the same seed draws the same tokens whatever the batch or the slot. The
-thinker, the talker and each code-predictor group draw on streams of their own.
+thinker, the talker and the code predictor draw on streams of their own (the predictor's groups
+of one frame on consecutive counters of its stream).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import secrets
 
 import torch
 
-from .sampling import sample_rows
+from .sampling import draw_rows, philox_uniform, sample_rows
 
-#: First Philox stream of each model's draws (code-predictor groups use PREDICTOR + group).
-THINKER_STREAM, TALKER_STREAM, PREDICTOR_STREAM = 0, 1, 16
+#: The Philox stream of each model's draws.
+THINKER_STREAM, TALKER_STREAM, PREDICTOR_STREAM = 0, 1, 2
 
 
 def fresh_seed(seed: int | None) -> int:
@@ -55,6 +56,18 @@ class SlotSampling:
             self.counter[rows],
             stream,
         )
+
+    def uniforms(self, batch: int, draws: int, stream: int) -> torch.Tensor:
+        """``draws`` uniforms [B, draws] for slots ``0..B-1`` from one Philox call: draw ``j``
+        uses counter ``counter * draws + j`` (for steps that draw several times per count, like
+        the code predictor's groups of one frame)."""
+        counter = self.counter[:batch, None] * draws + torch.arange(draws, device=self.counter.device)
+        return philox_uniform(self.seed[:batch, None].expand(batch, draws), counter, stream)
+
+    def draw_with(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits`` [B, V] (slots ``0..B-1``) with the uniforms given [B]."""
+        rows = slice(0, logits.shape[0])
+        return draw_rows(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], uniform)
 
     def advance(self, active: torch.Tensor) -> None:
         """Counts one draw for each active row of slots ``0..B-1``."""

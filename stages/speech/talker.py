@@ -332,9 +332,10 @@ class Talker:
         self.predictor.step(self.hidden[:batch], groups[0].expand(batch), active, self.num_groups + 1)
         x = self.talker.get_input_embeddings()(first)
         codes, total = [first], x
+        uniforms = self.predictor_sampling.uniforms(batch, self.num_groups - 1, PREDICTOR_STREAM)
         for group in range(self.num_groups - 1):
             out = self.predictor.step(x, groups[group + 1].expand(batch), active, self.num_groups + 1)
-            picked = self.predictor_sampling.draw(predictor.lm_head[group](out), 0, PREDICTOR_STREAM + group)
+            picked = self.predictor_sampling.draw_with(predictor.lm_head[group](out), uniforms[:, group])
             codes.append(picked)
             x = predictor.model.codec_embedding[group](picked)
             total = total + x
