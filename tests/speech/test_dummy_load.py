@@ -317,3 +317,80 @@ def test_a_vocabulary_too_small_for_the_tokenizer_is_refused() -> None:
     raw = demo_config_dict(ids)
     with pytest.raises(TokenLayoutError, match="vocab_size 100 is too small"):
         config_tokenizer(Qwen3OmniMoeConfig(**raw), raw)
+
+
+# -- on CUDA (run with ``pytest -m gpu``) ------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@needs_cuda
+@needs_published
+def test_cuda_dummy_turn_in_bf16(tmp_path: Path) -> None:
+    """Built on the GPU in bf16 (the default dtype there), seeded, and serving an audio turn."""
+    raw = published_tiny(thinker_layers=4, talker_layers=2)
+    cuda = torch.device("cuda")
+    config = Qwen3OmniMoeConfig(**raw)
+    model = build_random_model(config, device=cuda, dtype=torch.bfloat16, seed=5)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    a = _state(model)
+    b = _state(build_random_model(Qwen3OmniMoeConfig(**raw), device=cuda, dtype=torch.bfloat16, seed=5))
+    assert all(t.device.type == "cuda" for t in a.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    del model, a, b
+    folder = config_folder(tmp_path / "cuda-tiny", raw)
+    pipeline = load_speech_pipeline(
+        folder, device="cuda", load_format="dummy", max_slots=2, max_audio_frames=12
+    )
+    assert pipeline.dtype == torch.bfloat16 and pipeline.info.random_weights
+    pipeline.add(audio_request("a", max_output_tokens=3))
+    outs = of(drain(pipeline), "a")
+    assert any(isinstance(o, TextDelta) for o in outs) and any(isinstance(o, AudioDelta) for o in outs)
+    assert isinstance(outs[-1], Finished) and outs[-1].reason in ("stop", "length")
+
+
+@gpu
+@needs_cuda
+@needs_published
+@pytest.mark.slow
+def test_cuda_real_size_builds_on_the_device_and_stays_finite() -> None:
+    """The published config at full size: 35.26 B parameters built on the GPU without a CPU copy
+    (the process's peak resident memory grows by far less than the 66 GB of weights, and GPU
+    memory by about their size), and a 48-layer thinker forward in bf16 stays finite."""
+    import resource
+    import time
+
+    cuda = torch.device("cuda")
+    torch.zeros(1, device=cuda)  # the CUDA context exists before host memory is measured
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(cuda)
+    torch.cuda.reset_peak_memory_stats(cuda)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    model = build_random_model(
+        Qwen3OmniMoeConfig(**json.loads(PUBLISHED.read_text())), device=cuda, dtype=torch.bfloat16
+    )
+    seconds = time.perf_counter() - start
+    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        f"\nreal-size dummy build: {seconds:.1f} s, {weights / 2**30:.1f} GiB of weights, "
+        f"peak GPU {(torch.cuda.max_memory_allocated(cuda) - base) / 2**30:.1f} GiB, "
+        f"host peak RSS +{rss_growth / 2**30:.2f} GiB"
+    )
+    try:
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(35.26e9, rel=2e-3)
+        assert rss_growth < 4 * 2**30
+        assert torch.cuda.max_memory_allocated(cuda) - base < 1.1 * weights
+        ids = torch.randint(0, 151643, (1, 64), device=cuda, generator=torch.Generator(cuda).manual_seed(0))
+        with torch.no_grad():
+            out = model.thinker(input_ids=ids, output_hidden_states=True)
+        assert len(out.hidden_states) == 49
+        for h in (*out.hidden_states, out.logits):
+            assert torch.isfinite(h).all()
+        assert float(out.logits.float().abs().max()) < 100.0
+    finally:
+        del model
+        torch.cuda.empty_cache()
