@@ -32,6 +32,9 @@ API_KEYS_ENV = "OMNIRT_API_KEYS"
 #: (docs/benchmarks.md, issue 4). Clients then send plain frames, as RFC 7692 allows.
 WS_PER_MESSAGE_DEFLATE = False
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: ``--load-format`` choices (``stages.speech.dummy.LOAD_FORMATS``, repeated here so that parsing
+#: arguments imports no torch; a test checks that the two agree).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def ws_max_size(config: ServerConfig) -> int:
@@ -86,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="'demo' (the default: embedded architecture with RANDOM weights) or a local checkpoint folder",
     )
+    serve.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="auto (the default): read the checkpoint's weights; dummy: build the model from --model's "
+        "config.json alone with seeded RANDOM weights on the device (real size, for benchmarks; "
+        "tokenizer and preprocessor from the folder when it has them, else the embedded default's)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     serve.add_argument(
@@ -126,7 +137,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
     )
 
 
-def serve(config: ServerConfig, *, device: str | None, log_level: str) -> int:
+def serve(config: ServerConfig, *, device: str | None, log_level: str, load_format: str = "auto") -> int:
     # Heavy imports (torch, the model code) only once a server is really wanted.
     import uvicorn
     from omnirt.stages.engine import Engine, EngineClient
@@ -136,13 +147,23 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str) -> int:
 
     try:
         pipeline = build_pipeline(
-            config.model, device=device, max_slots=config.max_sessions, cuda_graphs=config.cuda_graphs
+            config.model,
+            device=device,
+            max_slots=config.max_sessions,
+            cuda_graphs=config.cuda_graphs,
+            load_format=load_format,
         )
     except ValueError as exc:
         log.error("cannot load the model: %s", exc)
         return 1
     info = pipeline.info
-    if info.random_weights:
+    if info.random_weights and load_format == "dummy":
+        log.warning(
+            "model %s has RANDOM WEIGHTS (--load-format dummy): the real architecture and size, for "
+            "benchmarks; its words and speech are noise.",
+            info.id,
+        )
+    elif info.random_weights:
         log.warning(
             "model %s has the embedded RANDOM weights: its words and speech are noise. It is for trying "
             "the server and for tests; pass --model PATH to serve a real checkpoint.",
@@ -182,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     config = config_from_args(args, os.environ)
-    return serve(config, device=args.device, log_level=args.log_level)
+    return serve(config, device=args.device, log_level=args.log_level, load_format=args.load_format)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,18 @@ def _default_device() -> str:
 
 
 def build_pipeline(
-    model: str | None, *, device: str | None = None, max_slots: int = 32, cuda_graphs: bool = True
+    model: str | None,
+    *,
+    device: str | None = None,
+    max_slots: int = 32,
+    cuda_graphs: bool = True,
+    load_format: str = "auto",
 ) -> Pipeline:
     """The speech pipeline for ``model``: None or ``"demo"`` for the embedded default (a tiny
     Qwen3-Omni with random weights, built into the cache on first use), else a local checkpoint
     folder in the published layout. A missing or unloadable folder raises ``ValueError``.
-    ``cuda_graphs``: see :func:`.speech.loader.load_speech_pipeline` (ignored on CPU)."""
+    ``cuda_graphs``, ``load_format`` (``"dummy"``: random weights from config.json alone): see
+    :func:`.speech.loader.load_speech_pipeline`."""
     from .speech.demo import ensure_demo_checkpoint
     from .speech.loader import load_speech_pipeline
 
@@ -46,6 +52,7 @@ def build_pipeline(
             audio_frames_per_token=4.0,
             cuda_graphs=cuda_graphs,
             warm_up=True,
+            load_format=load_format,
         )
     path = Path(model).expanduser()  # type: ignore[arg-type]
     if not path.exists():
@@ -53,5 +60,10 @@ def build_pipeline(
             f"--model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
         )
     return load_speech_pipeline(
-        path, device=device, max_slots=max_slots, cuda_graphs=cuda_graphs, warm_up=True
+        path,
+        device=device,
+        max_slots=max_slots,
+        cuda_graphs=cuda_graphs,
+        warm_up=True,
+        load_format=load_format,
     )

@@ -3,7 +3,9 @@
 The folder holds ``config.json`` + ``*.safetensors`` (the ``Qwen3OmniMoeForConditionalGeneration``
 weights), the tokenizer files with the chat template, and ``preprocessor_config.json`` (Whisper
 feature extractor; the Qwen2-VL image processor keys when the model takes images). The demo
-checkpoint goes through this same code.
+checkpoint goes through this same code. With ``load_format="dummy"`` only ``config.json`` is
+needed: the weights are random (:mod:`.dummy`); everything after the model is built (prompt
+builder, stop tokens, model info, the pipeline) is the same code for both.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..types import ModelInfo
+from .dummy import DEFAULT_SEED, LOAD_FORMATS
 from .pipeline import SpeechPipeline
 from .prompt import PromptBuilder
 
@@ -27,29 +31,49 @@ class CheckpointError(ValueError):
     """The folder is not a loadable Qwen3-Omni checkpoint (the message says why)."""
 
 
-def _check_folder(path: Path) -> dict:
+class LoadFormatError(ValueError):
+    """An unknown ``load_format`` (``--load-format``)."""
+
+
+def _read_config(path: Path, *, allow_file: bool = False) -> dict:
+    """The ``config.json`` (a ``qwen3_omni_moe`` one) of the folder ``path``, or ``path`` itself
+    when ``allow_file`` and it is a file; else a :class:`CheckpointError`."""
     if not path.exists():
         raise CheckpointError(f"model path {str(path)!r} does not exist")
-    if not path.is_dir():
+    if path.is_file() and allow_file:
+        config_file = path
+    elif not path.is_dir():
         raise CheckpointError(f"model path {str(path)!r} is not a folder")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{str(path)!r} has no config.json (expected a Hugging Face checkpoint folder)")
+    else:
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(
+                f"{str(path)!r} has no config.json (expected a Hugging Face checkpoint folder)"
+            )
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} does not hold a JSON object")
     if config.get("model_type") != "qwen3_omni_moe":
         raise CheckpointError(
             f"{str(path)!r} holds a {config.get('model_type')!r} model; "
             "the speech pipeline serves qwen3_omni_moe"
         )
+    return config
+
+
+def _check_checkpoint_files(path: Path) -> None:
+    """What ``--load-format auto`` needs beside config.json: weights, tokenizer, preprocessor."""
     if not any(path.glob("*.safetensors")):
-        raise CheckpointError(f"{str(path)!r} has no *.safetensors weights")
+        raise CheckpointError(
+            f"{str(path)!r} has no *.safetensors weights (--load-format dummy serves random weights "
+            "from config.json alone)"
+        )
     for name in ("tokenizer_config.json", "preprocessor_config.json"):
         if not (path / name).is_file():
             raise CheckpointError(f"{str(path)!r} has no {name}")
-    return config
 
 
 def _image_processor(path: Path) -> object | None:
@@ -92,11 +116,74 @@ def _stop_tokens(model: object, tokenizer: object) -> set[int]:
     return stop
 
 
+def _folder_tokenizer(path: Path, *, template_fallback: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "chat_template", None):
+        try:
+            tokenizer.chat_template = _folder_chat_template(path)
+        except CheckpointError:
+            if template_fallback is None:
+                raise
+            log.warning("%s has no chat template: using the embedded default's", path)
+            tokenizer.chat_template = template_fallback
+    return tokenizer
+
+
+def _load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, Any, Any]:
+    """``--load-format auto``: the model, tokenizer, feature extractor and image processor, all
+    read from the checkpoint folder."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
+
+    _check_checkpoint_files(path)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    features = WhisperFeatureExtractor.from_pretrained(str(path))
+    return model, _folder_tokenizer(path), features, _image_processor(path)
+
+
+def _build_dummy(
+    path: Path, raw: dict, device: torch.device, dtype: torch.dtype, seed: int
+) -> tuple[Any, Any, Any, Any]:
+    """``--load-format dummy``: the architecture of ``config.json`` with seeded random weights
+    (:mod:`.dummy`); tokenizer and preprocessors from the folder where it has them, else the
+    embedded default's, laid out at the config's token ids. ``path`` may be the config file
+    itself (then no other file is read)."""
+    from transformers import GenerationConfig, Qwen3OmniMoeConfig, WhisperFeatureExtractor
+
+    from . import dummy
+    from .demo_tokenizer import CHAT_TEMPLATE
+
+    try:
+        config = Qwen3OmniMoeConfig(**raw)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{str(path)!r}: not a valid Qwen3-Omni config: {exc}") from None
+
+    def has(name: str) -> bool:
+        return path.is_dir() and (path / name).is_file()
+
+    if has("tokenizer_config.json"):
+        tokenizer = _folder_tokenizer(path, template_fallback=CHAT_TEMPLATE)
+    else:
+        tokenizer = dummy.config_tokenizer(config, raw)
+        log.info("%s has no tokenizer: using the embedded default's, at the config's token ids", path)
+    if has("preprocessor_config.json"):
+        features, images = WhisperFeatureExtractor.from_pretrained(str(path)), _image_processor(path)
+    else:
+        features, images = dummy.default_feature_extractor(config), dummy.default_image_processor(config)
+    model = dummy.build_random_model(config, device=device, dtype=dtype, seed=seed)
+    if has("generation_config.json"):
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    return model, tokenizer, features, images
+
+
 def load_speech_pipeline(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     *,
+    load_format: str = "auto",
+    seed: int = DEFAULT_SEED,
     max_slots: int = 32,
     max_context: int | None = None,
     max_audio_frames: int = 2048,
@@ -109,70 +196,77 @@ def load_speech_pipeline(
 ) -> SpeechPipeline:
     """A :class:`SpeechPipeline` for the checkpoint folder ``path``.
 
+    ``load_format``: ``"auto"`` reads the weights, tokenizer and preprocessor config of a
+    checkpoint in the published layout; ``"dummy"`` needs only ``config.json`` (``path`` may
+    also be that JSON file) and builds the model with random weights (``seed``) on ``device``
+    (see :mod:`.dummy`), reported as random whatever ``random_weights`` says.
     ``dtype`` defaults to float32 on CPU and bfloat16 elsewhere; ``max_context`` (thinker tokens
     per request, prompt and reply) defaults to the smaller of the model's limit and 4096.
     ``cuda_graphs``: on CUDA, the steps that have a CUDA-graph path capture it here and replay
     it (today the streaming code2wav vocoder; bitwise the same audio); ignored on CPU.
     """
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
-
+    if load_format not in LOAD_FORMATS:
+        raise LoadFormatError(
+            f"unknown load format {load_format!r}; expected one of: {', '.join(LOAD_FORMATS)}"
+        )
     path = Path(path).expanduser()
-    raw = _check_folder(path)
+    raw = _read_config(path, allow_file=load_format == "dummy")
     device = torch.device(device)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = _folder_chat_template(path)
+    if load_format == "dummy":
+        model, tokenizer, features, images = _build_dummy(path, raw, device, dtype, seed)
+        random_weights = True
+        what = f"RANDOM WEIGHTS (--load-format dummy, seed {seed})"
+    else:
+        model, tokenizer, features, images = _load_checkpoint(path, device, dtype)
+        if random_weights is None:
+            marker = path / "omnirt_demo.json"
+            random_weights = marker.is_file() and bool(json.loads(marker.read_text()).get("random_weights"))
+        what = "RANDOM WEIGHTS (demo)" if random_weights else "weights"
     cfg = model.config
-    tcfg = cfg.thinker_config
-    audio_token = tokenizer.convert_ids_to_tokens(int(tcfg.audio_token_id))
-    image_token = tokenizer.convert_ids_to_tokens(int(tcfg.image_token_id))
-    prompts = PromptBuilder(
-        tokenizer,
-        WhisperFeatureExtractor.from_pretrained(str(path)),
-        _image_processor(path),
-        audio_token=audio_token,
-        image_token=image_token,
-        n_window=int(tcfg.audio_config.n_window),
-        merge_size=int(tcfg.vision_config.spatial_merge_size),
-    )
-    limit = int(tcfg.text_config.max_position_embeddings)
-    context = min(limit, max_context or 4096)
-    marker = path / "omnirt_demo.json"
-    if random_weights is None:
-        random_weights = marker.is_file() and bool(json.loads(marker.read_text()).get("random_weights"))
-    stop = _stop_tokens(model, tokenizer)
-    voices = tuple(sorted((cfg.talker_config.speaker_id or {}).keys())) if model.has_talker else ()
+    limit = int(cfg.thinker_config.text_config.max_position_embeddings)
     info = ModelInfo(
-        id=model_id or path.name,
-        architecture=raw.get("architectures", [ARCHITECTURE])[0],
+        id=model_id or _model_name(path),
+        architecture=raw.get("architectures", [ARCHITECTURE])[0] if load_format == "auto" else ARCHITECTURE,
         random_weights=random_weights,
         source=str(path),
-        voices=voices,
-        max_context_tokens=context,
+        voices=tuple(sorted((cfg.talker_config.speaker_id or {}).keys())) if model.has_talker else (),
+        max_context_tokens=min(limit, max_context or 4096),
     )
-    log.info(
-        "loaded %s from %s on %s (%s)%s",
-        info.architecture,
-        path,
-        device,
-        dtype,
-        " -- RANDOM WEIGHTS (demo)" if random_weights else "",
-    )
+    log.info("loaded %s from %s on %s (%s): %s", info.architecture, path, device, dtype, what)
     pipeline = SpeechPipeline(
         model,
-        prompts,
+        _prompt_builder(model, tokenizer, features, images),
         info,
         max_slots=max_slots,
-        max_context=context,
+        max_context=info.max_context_tokens,
         max_audio_frames=max_audio_frames,
         audio_frames_per_token=audio_frames_per_token,
-        stop_token_ids=stop,
+        stop_token_ids=_stop_tokens(model, tokenizer),
         vocoder=vocoder,
         cuda_graphs=cuda_graphs,
     )
     if warm_up:
         pipeline.warm_up()
     return pipeline
+
+
+def _prompt_builder(model: Any, tokenizer: Any, features: Any, images: Any) -> PromptBuilder:
+    tcfg = model.config.thinker_config
+    return PromptBuilder(
+        tokenizer,
+        features,
+        images,
+        audio_token=tokenizer.convert_ids_to_tokens(int(tcfg.audio_token_id)),
+        image_token=tokenizer.convert_ids_to_tokens(int(tcfg.image_token_id)),
+        n_window=int(tcfg.audio_config.n_window),
+        merge_size=int(tcfg.vision_config.spatial_merge_size),
+    )
+
+
+def _model_name(path: Path) -> str:
+    """The folder's name, or a config file's name without ``.json`` / ``.config.json``."""
+    if path.is_dir():
+        return path.name
+    return path.name.removesuffix(".json").removesuffix(".config")

@@ -27,7 +27,9 @@ def test_serve_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
         main(["serve", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    options = "--model --host --port --api-key --max-sessions --device --no-cuda-graphs --log-level"
+    options = (
+        "--model --load-format --host --port --api-key --max-sessions --device --no-cuda-graphs --log-level"
+    )
     for option in options.split():
         assert option in out
 
@@ -49,6 +51,7 @@ def test_console_script_is_installed_and_answers_help() -> None:
         (["serve", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
         (["serve", "--model", "/no/such/checkpoint"], "neither 'demo' nor an existing local path"),
         (["serve", "--log-level", "loud"], "invalid choice: 'loud'"),
+        (["serve", "--load-format", "pt"], "invalid choice: 'pt'"),
         (["serve", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -96,6 +99,33 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     eager = config_from_args(build_parser().parse_args(["serve", "--no-cuda-graphs"]), {})
     assert not eager.cuda_graphs
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
+
+
+def test_load_format_parses_and_matches_the_loader(tmp_path: Path) -> None:
+    from omnirt.realtime.cli import LOAD_FORMATS
+    from omnirt.stages.speech.dummy import LOAD_FORMATS as LOADER_FORMATS
+
+    assert LOAD_FORMATS == LOADER_FORMATS
+    assert build_parser().parse_args(["serve"]).load_format == "auto"
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--load-format", "dummy"])
+    assert (args.model, args.load_format) == (str(tmp_path), "dummy")
+
+
+def test_serve_passes_the_load_format_and_reports_a_bad_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``omnirt serve --load-format dummy`` on a folder whose config.json is not Qwen3-Omni: exit 1
+    with the loader's message (the load format reached the loader: auto would ask for weights)."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with caplog.at_level("ERROR"):
+        code = main(["serve", "--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu"])
+    assert code == 1
+    assert "cannot load the model" in caplog.text and "'llama' model" in caplog.text
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_omni_moe"}')
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        assert main(["serve", "--model", str(tmp_path), "--device", "cpu"]) == 1
+    assert "no *.safetensors weights" in caplog.text
 
 
 def _wait_healthy(base_url: str, proc: subprocess.Popen[str], timeout: float) -> dict:
