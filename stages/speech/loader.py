@@ -202,8 +202,11 @@ def load_speech_pipeline(
     (see :mod:`.dummy`), reported as random whatever ``random_weights`` says.
     ``dtype`` defaults to float32 on CPU and bfloat16 elsewhere; ``max_context`` (thinker tokens
     per request, prompt and reply) defaults to the smaller of the model's limit and 4096.
-    ``cuda_graphs``: on CUDA, the steps that have a CUDA-graph path capture it here and replay
-    it (today the streaming code2wav vocoder; bitwise the same audio); ignored on CPU.
+    ``cuda_graphs``: on CUDA, every decode step (thinker token, talker frame with the code
+    predictor's loop and sampling) and the streaming code2wav vocoder capture their CUDA graphs
+    here, for every batch and attention-length bucket, and replay them (bitwise the same output
+    as eager); ``False`` runs them all eagerly. Ignored on CPU. MoE layers run transformers'
+    ``grouped_mm`` experts (no host sync, capturable).
     """
     if load_format not in LOAD_FORMATS:
         raise LoadFormatError(
@@ -224,6 +227,7 @@ def load_speech_pipeline(
             marker = path / "omnirt_demo.json"
             random_weights = marker.is_file() and bool(json.loads(marker.read_text()).get("random_weights"))
         what = "RANDOM WEIGHTS (demo)" if random_weights else "weights"
+    model.set_experts_implementation("grouped_mm")
     cfg = model.config
     limit = int(cfg.thinker_config.text_config.max_position_embeddings)
     info = ModelInfo(
@@ -247,6 +251,7 @@ def load_speech_pipeline(
         vocoder=vocoder,
         cuda_graphs=cuda_graphs,
     )
+    pipeline.capture()
     if warm_up:
         pipeline.warm_up()
     return pipeline
