@@ -12,7 +12,8 @@ One :meth:`SpeechPipeline.step` advances every admitted request by one tick:
 
 Thinker, talker and code-predictor decode run :class:`~.slots.SlotDecoder` over the HF layers'
 weights with preallocated KV slot pools; a request holds one slot index in every pool (and one
-code2wav stream) from ``add`` until it finishes or is removed.
+code2wav stream) from ``add`` until it finishes or is removed. ``prepare`` (the prompt's tokens and
+audio / image features) runs before, on the engine's prompt threads.
 
 The result equals ``Qwen3OmniMoeForConditionalGeneration.generate`` (tests/speech/test_parity.py)
 except where ``generate`` is wrong for streaming: when the thinker stops on its token budget,
@@ -24,7 +25,9 @@ penalty 1.05) and the code predictor top-k 50 / top-p 0.8, from the request's se
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 from omnirt.codecs.audio import float_to_int16
 
-from ..pipeline import RequestRejected
+from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import AudioDelta, Finished, GenerationRequest, ModelInfo, Output, Started, TextDelta, Usage
 from .code2wav import Vocoder, make_vocoder
 from .detok import IncrementalDetokenizer
@@ -49,6 +52,15 @@ log = logging.getLogger(__name__)
 #: The talker's sampling when the request samples (its generation defaults in ``generate``).
 TALKER_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}
 CODE_PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
+
+
+@dataclass(frozen=True)
+class SpeechPrompt:
+    """What :meth:`SpeechPipeline.prepare` makes of a request, off the engine thread."""
+
+    prompt: PromptInputs
+    speaker_id: int  # -1 without audio output
+    max_tokens: int
 
 
 @dataclass(eq=False)
@@ -76,6 +88,9 @@ class _Active:
 
 class SpeechPipeline:
     """Implements :class:`~omnirt.stages.pipeline.Pipeline` for ``Qwen3OmniMoeForConditionalGeneration``."""
+
+    kind = "speech"
+    priority = Priority.REALTIME
 
     def __init__(
         self,
@@ -138,6 +153,8 @@ class SpeechPipeline:
         self.token_observer: Callable[[str, int], None] | None = None
         self._free = deque(range(max_slots))
         self._active: dict[str, _Active] = {}
+        self.calls: CallCounter = collections.Counter()
+        self.step_timer = StepTimer()
 
     def warm_up(self) -> None:
         """Runs one tiny audio turn end to end (lazy initialisation, allocator warm-up) and
@@ -166,11 +183,17 @@ class SpeechPipeline:
     def has_work(self) -> bool:
         return bool(self._active)
 
-    def add(self, request: GenerationRequest) -> None:
-        if request.request_id in self._active:
-            raise RequestRejected(f"request id {request.request_id!r} is already active")
-        if not self._free:
-            raise RequestRejected("no free slot")
+    def accepts(self, request: object) -> bool:
+        return isinstance(request, GenerationRequest)
+
+    def next_deadline(self) -> float | None:
+        return None  # every tick while it has work
+
+    def step_cost(self) -> float:
+        return self.step_timer.seconds
+
+    def prepare(self, request: GenerationRequest) -> SpeechPrompt:
+        """Validation, the prompt's tokens and audio / image features, the voice (any thread)."""
         if request.temperature < 0 or not 0 < request.top_p <= 1:
             raise RequestRejected("temperature must be >= 0 and top_p in (0, 1]")
         if request.max_output_tokens is not None and request.max_output_tokens < 1:
@@ -182,7 +205,17 @@ class SpeechPipeline:
                 f"the prompt is {prompt.length} tokens; this model's context is {self.max_context} tokens"
             )
         room = self.max_context - prompt.length
-        max_tokens = min(room, request.max_output_tokens or room)
+        return SpeechPrompt(prompt, speaker_id, min(room, request.max_output_tokens or room))
+
+    def add(self, request: GenerationRequest, prepared: SpeechPrompt | None = None) -> None:
+        """Takes a slot; ``prepared`` defaults to ``self.prepare(request)``, run here."""
+        if request.request_id in self._active:
+            raise RequestRejected(f"request id {request.request_id!r} is already active")
+        if not self._free:
+            raise RequestRejected("no free slot")
+        if prepared is None:
+            prepared = self.prepare(request)
+        prompt, speaker_id, max_tokens = prepared.prompt, prepared.speaker_id, prepared.max_tokens
         # On the model's device: torch.multinomial draws from a generator of its tensor's device.
         generator = torch.Generator(device=self.device)
         if request.seed is not None:
@@ -235,6 +268,7 @@ class SpeechPipeline:
 
     @torch.no_grad()
     def step(self) -> list[tuple[str, Output]]:
+        t0 = time.perf_counter()
         out: list[tuple[str, Output]] = []
         fresh = [a for a in self._active.values() if not a.prefilled][: self.prefills_per_step]
         for active in fresh:
@@ -259,6 +293,7 @@ class SpeechPipeline:
         for active in list(self._active.values()):
             if active.thinker_done and (active.talker is None or active.talker.done):
                 self._finish(active, out)
+        self.step_timer.record(time.perf_counter() - t0)
         return out
 
     # -- thinker ------------------------------------------------------------------------------------
@@ -276,6 +311,7 @@ class SpeechPipeline:
         positions, _ = thinker_rope_index(thinker)(
             ids, extra.get("image_grid_thw"), None, mask, False, audio_lengths, None
         )
+        self.calls["thinker_prefill", 1] += 1
         result = thinker(
             input_ids=ids,
             attention_mask=mask,
@@ -301,6 +337,7 @@ class SpeechPipeline:
         slots = torch.tensor([a.slot for a in rows], device=self.device)
         positions = torch.tensor([a.position for a in rows], device=self.device)
         embeds = self.embed_tokens(tokens)
+        self.calls["thinker", len(rows)] += 1
         try:
             hidden = self.thinker.step([a.slot for a in rows], embeds, positions, slots)
             logits = self.lm_head(hidden)
@@ -420,6 +457,7 @@ class SpeechPipeline:
             positions = talker_rope_index(self.model, ids[None], grid, audio_lengths)
         else:
             positions = torch.arange(ids.shape[0], device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        self.calls["talker_prefill", 1] += 1
         result = self.model.talker.model(inputs_embeds=embeds[None], position_ids=positions, use_cache=True)
         self.talker_decoder.load(active.slot, output_cache(result))
         t.position = int(positions.max()) + 1
@@ -448,6 +486,7 @@ class SpeechPipeline:
         return self._text_input(active, 4 + t.step) is not None
 
     def _talker_step(self, rows: list[_Active]) -> None:
+        self.calls["talker", len(rows)] += 1
         states = [a.talker for a in rows]
         hidden = torch.stack([t.hidden for t in states])  # type: ignore[union-attr, misc]
         first = torch.tensor([t.next_code for t in states], device=self.device)  # type: ignore[union-attr]
