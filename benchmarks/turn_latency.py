@@ -20,7 +20,7 @@ Per turn it records:
   base64, session logic, event-loop and thread hand-offs, admission and scheduling gaps).
   ``first-audio overhead`` is the same split up to the first audio delta.
 
-``mean batch`` is the mean number of active requests per engine step over the level, warm-up
+``mean batch`` is the mean number of rows per batched thinker decode call over the level, warm-up
 included. With several sessions the steps are shared (one batched step advances all of them), so a
 step counts fully as model time for every turn it overlaps. A step already running when the
 commit is sent is counted whole, so overhead is underestimated by at most one step. The client
@@ -339,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     with in_process_server(engine, config) as url:
         workload = Workload(url, info.id, pcm, args.warmup_turns, args.turns, args.max_output_tokens, engine)
         for n in levels:
-            before = Counter(engine.stats.batch_sizes)
+            before = engine.stats.rows("speech", "thinker")
             t0 = time.perf_counter()
             results[n] = asyncio.run(run_level(workload, n))
-            batches[n] = mean_batch(before, Counter(engine.stats.batch_sizes))
+            batches[n] = mean_batch(before, engine.stats.rows("speech", "thinker"))
             log.info("%d sessions: %d turns in %.1f s", n, len(results[n]), time.perf_counter() - t0)
 
     import torch

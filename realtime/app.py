@@ -1,10 +1,11 @@
 """The Starlette application: every HTTP route and the realtime WebSocket, on one engine.
 
 ``create_app(client, config)`` wires the endpoints of :mod:`.http` and the realtime service
-onto an :class:`~omnirt.stages.engine.EngineClient`. Its lifespan starts the engine thread
-when nobody has yet (and then stops it on shutdown). The browser UI is served at ``/`` from
-the ``omnirt.web_ui`` package's ``static/`` folder when it exists; otherwise ``/`` answers a
-small JSON index of the APIs.
+onto an :class:`~omnirt.stages.engine.EngineClient` (``/v1/models`` lists every pipeline's
+model; ``/health``, the index and the sessions name the first one, the speech model). Its
+lifespan starts the engine thread when nobody has yet (and then stops it on shutdown). The
+browser UI is served at ``/`` from the ``omnirt.web_ui`` package's ``static/`` folder when it
+exists; otherwise ``/`` answers a small JSON index of the APIs.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     )
     realtime = RealtimeService(client, config, vad)
     chat = ChatCompletions(client, config)
-    models = Models(info, config)
+    models = Models(client.infos, config)
     metrics = Metrics(client.engine, lambda: realtime)
 
     async def health(request: Request) -> JSONResponse:

@@ -1,13 +1,27 @@
 """The engine thread and its asyncio client.
 
-The engine owns the models (through a :class:`~omnirt.stages.pipeline.Pipeline`) and runs the
-scheduler loop in a thread of its own; the asyncio loop only does I/O. Requests from every
+The engine owns the models (through one or more :class:`~omnirt.stages.pipeline.Pipeline`\\ s)
+and runs their steps in a thread of its own; the asyncio loop only does I/O. Requests from every
 session and HTTP handler go through one :class:`EngineClient`; their outputs come back into
 per-request queues with ``loop.call_soon_threadsafe``.
 
+A request's way through:
+
+1. ``submit`` hands it to a small pool of prompt threads (``omnirt-prepare_N``), which route it to
+   the pipeline that accepts it and run that pipeline's ``prepare`` (tokenising, audio features,
+   image decoding) while the engine thread keeps stepping. Bad input ends there, with a
+   ``rejected`` :class:`~omnirt.stages.types.Finished`, and never reaches the engine thread.
+2. The prepared request enters the engine's inbox; the engine thread queues it in its pipeline's
+   waiting queue (``overloaded`` when that queue is full) and the
+   :class:`~omnirt.stages.scheduler.Scheduler` admits and steps it, tick by tick, in the order it
+   decides (realtime work by deadline, then batch work in the time left).
+
 Cancellation is immediate on the client side: once :meth:`RequestStream.cancel` is called the
 stream yields its :class:`Finished` (``cancelled``) and nothing after it, whatever the engine
-thread still had in flight. The engine drops the request at its next step boundary.
+thread still had in flight. A request still being prepared is dropped when its prompt work ends;
+a queued or running one at the engine thread's next step boundary. Sinks are called from the
+engine thread, a prompt thread, or (for a cancel during prompt work or a shutdown) the caller's
+thread; each request's sink receives nothing after its ``Finished``.
 """
 
 from __future__ import annotations
@@ -16,16 +30,16 @@ import asyncio
 import collections
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
-from .pipeline import Pipeline, RequestRejected
+from .pipeline import CallCounter, Pipeline, Request, RequestRejected
+from .scheduler import Scheduler
 from .types import (
     AudioDelta,
-    ErrorCode,
     Finished,
-    GenerationRequest,
     ModelInfo,
     Output,
     Started,
@@ -37,11 +51,15 @@ log = logging.getLogger(__name__)
 
 Sink = Callable[[Output], None]
 
+#: Threads running ``Pipeline.prepare``.
+PREPARE_THREADS = 2
+
 
 @dataclass
 class EngineStats:
-    """Counters read by ``/metrics`` and the benchmarks (written by the engine thread only)."""
+    """Counters read by ``/metrics`` and the benchmarks."""
 
+    #: Pipeline steps run, all kinds together, and the wall time spent in them.
     steps: int = 0
     step_seconds: float = 0.0
     requests_submitted: int = 0
@@ -50,26 +68,65 @@ class EngineStats:
     requests_failed: int = 0
     active: int = 0
     waiting: int = 0
-    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    #: Per pipeline kind: steps and their wall time.
+    steps_by_kind: dict[str, int] = field(default_factory=dict)
+    step_seconds_by_kind: dict[str, float] = field(default_factory=dict)
+    #: Per pipeline kind, its batched model calls: ``{(call name, rows): count}`` (the pipeline's
+    #: own counter, which it updates as it calls its models).
+    model_calls: dict[str, CallCounter] = field(default_factory=dict)
+
+    def rows(self, kind: str, call: str) -> collections.Counter[int]:
+        """How many calls of model ``call`` of pipeline ``kind`` ran with each number of rows."""
+        calls = dict(self.model_calls.get(kind, {}))  # one copy: the engine thread adds keys
+        return collections.Counter({rows: n for (name, rows), n in calls.items() if name == call})
 
 
 class Engine:
-    """Runs ``pipeline.step()`` in a dedicated thread while any request is active."""
+    """Runs the pipelines' steps in a dedicated thread while any request is active.
 
-    def __init__(self, pipeline: Pipeline, *, max_waiting: int = 256) -> None:
-        self.pipeline = pipeline
-        self.max_waiting = max_waiting
-        self.stats = EngineStats()
-        self._cond = threading.Condition()
-        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
-        self._waiting: collections.deque[tuple[GenerationRequest, Sink]] = collections.deque()
-        self._sinks: dict[str, Sink] = {}
+    ``Engine(pipeline)`` for one pipeline, ``Engine([speech, diffusion, ...])`` for several (one
+    per kind; the first is the one whose :attr:`info` describes the server)."""
+
+    def __init__(
+        self,
+        pipelines: Pipeline[Any, Any] | Sequence[Pipeline[Any, Any]],
+        *,
+        max_waiting: int = 256,
+        starvation_limit: float = 1.0,
+    ) -> None:
+        """``max_waiting``: requests that may wait for a slot, per pipeline; ``starvation_limit``:
+        see :class:`~omnirt.stages.scheduler.Scheduler`."""
+        listed = list(pipelines) if isinstance(pipelines, Sequence) else [pipelines]
+        self.scheduler = Scheduler(
+            listed, max_waiting=max_waiting, starvation_limit=starvation_limit, on_step=self._count_step
+        )
+        self.pipelines: dict[str, Pipeline[Any, Any]] = self.scheduler.pipelines
+        self.stats = EngineStats(
+            steps_by_kind=dict.fromkeys(self.pipelines, 0),
+            step_seconds_by_kind=dict.fromkeys(self.pipelines, 0.0),
+            model_calls={kind: p.calls for kind, p in self.pipelines.items()},
+        )
+        self._cond = threading.Condition()  # guards the inbox, _preparing, _running
+        self._stats_lock = threading.Lock()  # counters written from several threads
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._preparing: dict[str, Sink] = {}  # request id -> sink, while its prompt work runs
+        self._sinks: dict[str, Sink] = {}  # engine thread: requests queued or admitted
         self._running = False
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def pipeline(self) -> Pipeline[Any, Any]:
+        """The first pipeline."""
+        return next(iter(self.pipelines.values()))
 
     @property
     def info(self) -> ModelInfo:
         return self.pipeline.info
+
+    @property
+    def infos(self) -> tuple[ModelInfo, ...]:
+        return tuple(p.info for p in self.pipelines.values())
 
     @property
     def running(self) -> bool:
@@ -84,132 +141,173 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread; every request in flight ends with a ``shutdown`` error."""
         with self._cond:
             self._running = False
+            preparing = list(self._preparing.values())
+            self._preparing.clear()
+            pool, self._pool = self._pool, None
             self._cond.notify_all()
+        for sink in preparing:
+            self._end(sink, Finished("error", Usage(), "server shutting down", "shutdown"))
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        else:  # never started: what was submitted waits in the inbox
+            self._shut_down()
 
-    def submit(self, request: GenerationRequest, sink: Sink) -> None:
-        """Queue a request; ``sink`` is called from the engine thread with each output."""
+    def submit(self, request: Request, sink: Sink) -> None:
+        """Start a request; ``sink`` gets each of its outputs, the last one a ``Finished``."""
+        rid = request.request_id
+        self._count("requests_submitted")
         with self._cond:
-            self._inbox.append(("add", (request, sink)))
-            self._cond.notify_all()
+            duplicate = rid in self._preparing
+            if not duplicate:
+                self._preparing[rid] = sink
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="omnirt-prepare")
+                self._pool.submit(self._prepare, request, sink)
+        if duplicate:
+            message = f"request id {rid!r} is already in flight"
+            self._end(sink, Finished("error", Usage(), message, "rejected"))
 
     def cancel(self, request_id: str) -> None:
         with self._cond:
-            self._inbox.append(("cancel", request_id))
+            sink = self._preparing.pop(request_id, None)
+            if sink is None:  # queued or admitted: the engine thread drops it
+                self._inbox.append(("cancel", request_id))
+                self._cond.notify_all()
+                return
+        self._end(sink, Finished("cancelled", Usage()))
+
+    # -- prompt threads ----------------------------------------------------------------------
+    def _prepare(self, request: Request, sink: Sink) -> None:
+        rid = request.request_id
+        with self._cond:
+            if self._preparing.get(rid) is not sink:
+                return  # cancelled before its prompt work started
+        try:
+            kind = self.scheduler.route(request)
+            prepared = self.pipelines[kind].prepare(request)
+        except Exception as exc:
+            if isinstance(exc, RequestRejected):
+                finished = Finished("error", Usage(), str(exc), "rejected")
+            else:  # a bug in prompt code must not take the engine down
+                log.exception("prepare failed for %s", rid)
+                finished = Finished("error", Usage(), f"internal error: {exc}", "internal")
+            if self._claim(rid, sink):
+                self._end(sink, finished)
+            return
+        with self._cond:
+            if self._preparing.get(rid) is not sink:
+                return  # cancelled (or the engine stopped) during its prompt work
+            del self._preparing[rid]
+            self._inbox.append(("add", (kind, request, prepared, sink)))
             self._cond.notify_all()
+
+    def _claim(self, request_id: str, sink: Sink) -> bool:
+        with self._cond:
+            if self._preparing.get(request_id) is not sink:
+                return False
+            del self._preparing[request_id]
+            return True
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
+        scheduler = self.scheduler
         while True:
             with self._cond:
-                while self._running and not self._inbox and not self._has_work():
-                    self._cond.wait()
+                while self._running and not self._inbox:
+                    due = scheduler.next_due()
+                    if due is None:
+                        self._cond.wait()
+                        continue
+                    delay = due - scheduler.clock()
+                    if delay <= 0:
+                        break
+                    self._cond.wait(delay)
                 if not self._running:
                     break
                 inbox = list(self._inbox)
                 self._inbox.clear()
             for kind, payload in inbox:
                 if kind == "add":
-                    request, sink = payload  # type: ignore[misc]
-                    self._enqueue(request, sink)
+                    self._enqueue(*payload)
                 else:
-                    self._cancel(payload)  # type: ignore[arg-type]
-            self._admit()
-            if self.pipeline.has_work():
-                self._step()
-        self._fail_all("server shutting down", "shutdown")
+                    self._cancel(payload)
+            for request_id, output in scheduler.tick():
+                self._deliver(request_id, output)
+            self.stats.active, self.stats.waiting = scheduler.counts()
+        self._shut_down()
 
-    def _has_work(self) -> bool:
-        return self.pipeline.has_work() or (bool(self._waiting) and self.pipeline.can_add())
-
-    def _enqueue(self, request: GenerationRequest, sink: Sink) -> None:
-        self.stats.requests_submitted += 1
-        if len(self._waiting) >= self.max_waiting:
-            sink(Finished("error", Usage(), "engine queue is full", "overloaded"))
-            self.stats.requests_failed += 1
+    def _enqueue(self, kind: str, request: Request, prepared: Any, sink: Sink) -> None:
+        try:
+            queued = self.scheduler.enqueue(kind, request, prepared)
+        except RequestRejected as exc:  # its id is taken by a request in flight
+            self._end(sink, Finished("error", Usage(), str(exc), "rejected"))
             return
-        self._waiting.append((request, sink))
-        self.stats.waiting = len(self._waiting)
-
-    def _admit(self) -> None:
-        while self._waiting and self.pipeline.can_add():
-            request, sink = self._waiting.popleft()
-            try:
-                self.pipeline.add(request)
-            except RequestRejected as exc:
-                sink(Finished("error", Usage(), str(exc), "rejected"))
-                self.stats.requests_failed += 1
-                continue
-            except Exception as exc:  # a model bug must not take the engine down
-                log.exception("pipeline.add failed for %s", request.request_id)
-                sink(Finished("error", Usage(), f"internal error: {exc}", "internal"))
-                self.stats.requests_failed += 1
-                continue
+        if queued:
             self._sinks[request.request_id] = sink
-        self.stats.waiting = len(self._waiting)
-        self.stats.active = len(self._sinks)
+        else:
+            self._end(sink, Finished("error", Usage(), f"the {kind} queue is full", "overloaded"))
 
     def _cancel(self, request_id: str) -> None:
-        for i, (request, sink) in enumerate(self._waiting):
-            if request.request_id == request_id:
-                del self._waiting[i]
-                sink(Finished("cancelled", Usage()))
-                self.stats.requests_cancelled += 1
-                return
         sink = self._sinks.pop(request_id, None)
         if sink is None:
             return
-        usage = self.pipeline.remove(request_id)
-        sink(Finished("cancelled", usage or Usage()))
-        self.stats.requests_cancelled += 1
-        self.stats.active = len(self._sinks)
+        usage = self.scheduler.cancel(request_id)
+        self._end(sink, Finished("cancelled", usage or Usage()))
 
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        self.stats.batch_sizes[len(self._sinks)] += 1
-        try:
-            outputs = self.pipeline.step()
-        except Exception as exc:
-            log.exception("pipeline step failed; failing its active requests")
-            for request_id in list(self._sinks):
-                self.pipeline.remove(request_id)
-            self._fail_all(f"internal error: {exc}", "internal")
+    def _deliver(self, request_id: str, output: Output) -> None:
+        if isinstance(output, Finished):
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                self._end(sink, output)
             return
-        finally:
-            self.stats.steps += 1
-            self.stats.step_seconds += time.perf_counter() - t0
-        for request_id, output in outputs:
-            sink = self._sinks.get(request_id)
-            if sink is None:
-                continue
-            if isinstance(output, Finished):
-                del self._sinks[request_id]
-                if output.reason == "error":
-                    self.stats.requests_failed += 1
-                else:
-                    self.stats.requests_finished += 1
+        sink = self._sinks.get(request_id)
+        if sink is not None:
             sink(output)
-        self.stats.active = len(self._sinks)
 
-    def _fail_all(self, message: str, code: ErrorCode) -> None:
-        for sink in self._sinks.values():
-            sink(Finished("error", Usage(), message, code))
-        self.stats.requests_failed += len(self._sinks)
+    def _shut_down(self) -> None:
+        with self._cond:
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        sinks = [payload[3] for kind, payload in inbox if kind == "add"]
+        self.scheduler.remove_all()
+        sinks += self._sinks.values()
         self._sinks.clear()
-        while self._waiting:
-            _, sink = self._waiting.popleft()
-            sink(Finished("error", Usage(), message, code))
+        for sink in sinks:
+            self._end(sink, Finished("error", Usage(), "server shutting down", "shutdown"))
         self.stats.active = self.stats.waiting = 0
+
+    # -- stats -------------------------------------------------------------------------------
+    def _end(self, sink: Sink, finished: Finished) -> None:
+        if finished.reason == "cancelled":
+            self._count("requests_cancelled")
+        elif finished.reason == "error":
+            self._count("requests_failed")
+        else:
+            self._count("requests_finished")
+        sink(finished)
+
+    def _count(self, name: str) -> None:
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _count_step(self, kind: str, seconds: float) -> None:  # engine thread
+        s = self.stats
+        s.steps += 1
+        s.step_seconds += seconds
+        s.steps_by_kind[kind] += 1
+        s.step_seconds_by_kind[kind] += seconds
 
 
 class RequestStream:
     """The async side of one request: iterate for outputs; ``cancel()`` ends it at once."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+    def __init__(self, engine: Engine, request: Request) -> None:
         self._engine = engine
         self.request = request
         self.request_id = request.request_id
@@ -219,7 +317,7 @@ class RequestStream:
         self._done = False
         self._finished: Finished | None = None
 
-    def _sink(self, output: Output) -> None:  # engine thread
+    def _sink(self, output: Output) -> None:  # any thread
         self._loop.call_soon_threadsafe(self._deliver, output)
 
     def _deliver(self, output: Output) -> None:  # event loop
@@ -280,9 +378,15 @@ class EngineClient:
 
     @property
     def info(self) -> ModelInfo:
+        """The first (speech) pipeline's model."""
         return self.engine.info
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
+    @property
+    def infos(self) -> tuple[ModelInfo, ...]:
+        """Every pipeline's model, the first one first."""
+        return self.engine.infos
+
+    def submit(self, request: Request) -> RequestStream:
         """Start a request; must be called from the event loop."""
         stream = RequestStream(self.engine, request)
         self.engine.submit(request, stream._sink)

@@ -1,40 +1,123 @@
 """What the engine needs of a model pipeline.
 
-A pipeline holds the models and the per-request GPU state (slots). The engine thread is its
-only caller: ``add`` admits a request, ``step`` advances every admitted request by one
-scheduler tick (batched into shared model calls), ``remove`` drops a request at once (cancel),
-freeing its slot. A request ends when ``step`` returns a :class:`Finished` for it; the pipeline
-has then already freed its state.
+A pipeline holds one family of models (speech, duplex, diffusion) and the per-request GPU state
+(slots) of the requests it serves. Several pipelines share one engine; the
+:class:`~omnirt.stages.scheduler.Scheduler` decides which of them runs at each tick.
+
+The life of a request:
+
+1. ``accepts(request)`` routes it: each request type is served by one pipeline.
+2. ``prepare(request)`` does the CPU prompt work (validation, tokenising, audio features, image
+   decoding) on a worker thread, off the engine thread, and returns an opaque prepared value
+   for ``add``. Bad input raises :class:`RequestRejected`. It must not touch slot or GPU state,
+   since the engine thread may be running ``step`` at the same time.
+3. The request then waits in its pipeline's own queue until ``can_add()``; ``add(request,
+   prepared)`` takes its slot (engine thread).
+4. ``step`` advances every admitted request of the pipeline by one tick (batched into shared
+   model calls) and returns their outputs. A request ends when ``step`` returns a
+   :class:`~omnirt.stages.types.Finished` for it; the pipeline has then already freed its state.
+   ``remove`` drops a request at once (cancel, or its pipeline's step failed), freeing its slot.
+
+The scheduler orders the work by ``priority``, ``next_deadline()`` and ``step_cost()``, and each
+pipeline counts its batched model calls in ``calls`` (``/metrics``, benchmarks, tests).
+Everything but ``accepts`` and ``prepare`` is called from the engine thread only.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import collections
+import enum
+from typing import Any, Protocol, TypeVar
 
-from .types import GenerationRequest, ModelInfo, Output, Usage
+from .types import ModelInfo, Usage
 
 
 class RequestRejected(ValueError):
     """The request cannot run (bad input, over a limit). The message is shown to the client."""
 
 
-class Pipeline(Protocol):
+class Priority(enum.Enum):
+    """A pipeline's scheduling class."""
+
+    #: Steps run when due (deadline ordered); others wait for them.
+    REALTIME = "realtime"
+    #: Steps fill the time left before the next realtime deadline (diffusion).
+    BATCH = "batch"
+
+
+class Request(Protocol):
+    """What the engine needs of any request: an id unique among the requests in flight."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+Req = TypeVar("Req", bound=Request, contravariant=True)
+Out = TypeVar("Out", covariant=True)
+
+#: Batched model calls of a pipeline: ``calls[name, rows] += 1`` for each call of model ``name``
+#: over ``rows`` requests (a prefill of one prompt is one row).
+CallCounter = collections.Counter[tuple[str, int]]
+
+
+class Pipeline(Protocol[Req, Out]):
+    #: Names the pipeline in the scheduler, stats and metrics: "speech", "duplex", "diffusion".
+    kind: str
+    priority: Priority
     info: ModelInfo
+    calls: CallCounter
+
+    def accepts(self, request: object) -> bool:
+        """True for the request types this pipeline serves (any thread; no side effects)."""
+        ...
+
+    def prepare(self, request: Req) -> Any:
+        """Prompt work off the engine thread; raises :class:`RequestRejected` for bad input.
+        The result goes to :meth:`add` unchanged."""
+        ...
 
     def can_add(self) -> bool:
         """True when a slot is free for one more request."""
         ...
 
-    def add(self, request: GenerationRequest) -> None:
-        """Admit a request; raises :class:`RequestRejected` for input it cannot serve."""
+    def add(self, request: Req, prepared: Any) -> None:
+        """Admit a prepared request into a slot; raises :class:`RequestRejected` when it cannot
+        (the request then holds nothing)."""
         ...
 
     def has_work(self) -> bool: ...
 
-    def step(self) -> list[tuple[str, Output]]:
+    def next_deadline(self) -> float | None:
+        """``time.monotonic()`` at which the next step is due; None: no deadline, as soon as
+        possible. Only asked while ``has_work()``."""
+        ...
+
+    def step_cost(self) -> float:
+        """Estimated seconds of the next step (e.g. a moving average of measured steps)."""
+        ...
+
+    def step(self) -> list[tuple[str, Out]]:
         """One tick: advance all admitted requests; outputs tagged by request id, in order."""
         ...
 
     def remove(self, request_id: str) -> Usage | None:
         """Drop a request now (cancel). Returns its usage so far, or None if unknown."""
         ...
+
+
+class StepTimer:
+    """Exponential moving average of a pipeline's measured step times: its ``step_cost()``."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        #: 0 until the first step is measured.
+        self.seconds = 0.0
+        self._measured = False
+
+    def record(self, seconds: float) -> None:
+        if self._measured:
+            self.seconds += self.alpha * (seconds - self.seconds)
+        else:
+            self.seconds, self._measured = seconds, True

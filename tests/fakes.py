@@ -2,16 +2,19 @@
 
 It runs inside the real :class:`~omnirt.stages.engine.Engine` and answers each request with
 ``"You said: <last user text | N ms of audio>."`` one word per step, plus 80 ms of a tone per
-word when audio is asked for. End-to-end tests use the real speech pipeline instead.
+word when audio is asked for. Its kind is "speech" (realtime, no deadline), like the pipeline it
+stands in for; the prompt work (``prepare``) parses the request and rejects ``"reject me"``.
+End-to-end tests use the real speech pipeline instead.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from omnirt.stages.pipeline import RequestRejected
+from omnirt.stages.pipeline import CallCounter, Priority, RequestRejected
 from omnirt.stages.types import (
     SAMPLE_RATE,
     AudioDelta,
@@ -40,7 +43,16 @@ class _Active:
     phase: float = field(default=0.0)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    words: list[str]
+    usage: Usage
+
+
 class EchoPipeline:
+    kind = "speech"
+    priority = Priority.REALTIME
+
     def __init__(self, slots: int = 8, step_seconds: float = 0.0) -> None:
         self.info = ModelInfo(
             id="echo-test", architecture="echo", random_weights=True, source="tests", voices=("echo",)
@@ -49,11 +61,21 @@ class EchoPipeline:
         self.step_seconds = step_seconds
         self.active: dict[str, _Active] = {}
         self.steps = 0
+        self.calls: CallCounter = collections.Counter()
+
+    def accepts(self, request: object) -> bool:
+        return isinstance(request, GenerationRequest)
 
     def can_add(self) -> bool:
         return len(self.active) < self.slots
 
-    def add(self, request: GenerationRequest) -> None:
+    def next_deadline(self) -> float | None:
+        return None
+
+    def step_cost(self) -> float:
+        return self.step_seconds
+
+    def prepare(self, request: GenerationRequest) -> _Prepared:
         said = "nothing"
         audio_ms = 0
         for message in request.messages:
@@ -70,9 +92,14 @@ class EchoPipeline:
         usage = Usage(
             input_text_tokens=sum(len(m.parts) for m in request.messages), input_audio_tokens=audio_ms // 40
         )
-        self.active[request.request_id] = _Active(request, words[:limit] if limit else words, usage)
         if limit is not None and limit < len(words):
-            self.active[request.request_id].words = words[:limit] + ["\x00length"]
+            words = words[:limit] + ["\x00length"]
+        return _Prepared(words, usage)
+
+    def add(self, request: GenerationRequest, prepared: _Prepared) -> None:
+        if request.request_id in self.active:
+            raise RequestRejected(f"request id {request.request_id!r} is already active")
+        self.active[request.request_id] = _Active(request, list(prepared.words), prepared.usage)
 
     def has_work(self) -> bool:
         return bool(self.active)
@@ -81,6 +108,7 @@ class EchoPipeline:
         if self.step_seconds:
             time.sleep(self.step_seconds)
         self.steps += 1
+        self.calls["echo", len(self.active)] += 1
         out: list[tuple[str, Output]] = []
         for rid, a in list(self.active.items()):
             if not a.started:

@@ -1,9 +1,10 @@
 """``GET /metrics``: Prometheus text format, one registry per app.
 
 Engine and realtime numbers are read when scraped, by a custom collector, from the counters
-their owners already keep (``engine.stats``, the realtime service's counters); nothing on the
-hot path is touched for them. HTTP requests are counted by a small ASGI middleware, labelled
-by route template (never by raw path, which would let clients create label values).
+their owners already keep (``engine.stats``, with each pipeline's own count of batched model
+calls, and the realtime service's counters); nothing on the hot path is touched for them. HTTP
+requests are counted by a small ASGI middleware, labelled by route template (never by raw path,
+which would let clients create label values).
 """
 
 from __future__ import annotations
@@ -57,21 +58,22 @@ class ServerCollector(Collector):
         self.realtime = realtime
 
     def collect(self) -> Iterator[Metric]:
-        info = self.engine.info
-        model = InfoMetricFamily("omnirt_model", "The loaded model")
-        model.add_metric(
-            [],
-            {
-                "id": info.id,
-                "architecture": info.architecture,
-                "source": info.source,
-                "random_weights": str(info.random_weights).lower(),
-            },
-        )
+        model = InfoMetricFamily("omnirt_model", "The loaded models, one per pipeline", labels=["kind"])
+        for kind, pipeline in self.engine.pipelines.items():
+            info = pipeline.info
+            model.add_metric(
+                [kind],
+                {
+                    "id": info.id,
+                    "architecture": info.architecture,
+                    "source": info.source,
+                    "random_weights": str(info.random_weights).lower(),
+                },
+            )
         yield model
 
         s = self.engine.stats
-        yield CounterMetricFamily("omnirt_engine_steps", "Engine scheduler steps run", value=s.steps)
+        yield CounterMetricFamily("omnirt_engine_steps", "Pipeline steps run, all pipelines", value=s.steps)
         yield CounterMetricFamily(
             "omnirt_engine_step_seconds", "Wall time spent inside pipeline steps", value=s.step_seconds
         )
@@ -91,12 +93,24 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily(
             "omnirt_engine_requests_waiting", "Requests waiting for a slot", value=s.waiting
         )
-        batches = CounterMetricFamily(
-            "omnirt_engine_batches", "Engine steps by number of active requests", labels=["batch_size"]
+        steps = CounterMetricFamily("omnirt_pipeline_steps", "Pipeline steps run", labels=["kind"])
+        seconds = CounterMetricFamily(
+            "omnirt_pipeline_step_seconds", "Wall time spent inside the pipeline's steps", labels=["kind"]
         )
-        for size, count in sorted(dict(s.batch_sizes).items()):
-            batches.add_metric([str(size)], count)
-        yield batches
+        for kind, count in s.steps_by_kind.items():
+            steps.add_metric([kind], count)
+            seconds.add_metric([kind], s.step_seconds_by_kind[kind])
+        yield steps
+        yield seconds
+        calls = CounterMetricFamily(
+            "omnirt_model_calls",
+            "Batched model calls by pipeline, model and rows (requests advanced by the one call)",
+            labels=["kind", "call", "rows"],
+        )
+        for kind, counter in s.model_calls.items():
+            for (call, rows), count in sorted(dict(counter).items()):
+                calls.add_metric([kind, call, str(rows)], count)
+        yield calls
 
         rt = self.realtime()
         if rt is None:

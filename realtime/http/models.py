@@ -1,8 +1,10 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server has loaded."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the models this server has loaded, one per
+pipeline (speech first)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from omnirt.stages.types import ModelInfo
@@ -33,18 +35,22 @@ def model_card(info: ModelInfo, created: int) -> dict[str, Any]:
 
 
 class Models:
-    def __init__(self, info: ModelInfo, config: ServerConfig) -> None:
-        self.info = info
+    def __init__(self, infos: Sequence[ModelInfo], config: ServerConfig) -> None:
+        self.infos: dict[str, ModelInfo] = {}
+        for info in infos:
+            self.infos.setdefault(info.id, info)  # two pipelines of one model: listed once
         self.config = config
         self.created = int(time.time())
 
     async def list(self, request: Request) -> JSONResponse:
         require_api_key(request, self.config.api_keys)
-        return JSONResponse({"object": "list", "data": [model_card(self.info, self.created)]})
+        cards = [model_card(info, self.created) for info in self.infos.values()]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def retrieve(self, request: Request) -> JSONResponse:
         require_api_key(request, self.config.api_keys)
         model = request.path_params["model"]
-        if model != self.info.id:
+        info = self.infos.get(model)
+        if info is None:
             raise model_not_found(model)
-        return JSONResponse(model_card(self.info, self.created))
+        return JSONResponse(model_card(info, self.created))

@@ -18,6 +18,8 @@ CUDA graphs captured at start-up (:meth:`capture`), one per batch bucket and att
 bucket; ``cuda_graphs=False`` (``omnirt serve --no-cuda-graphs``) runs every step eagerly.
 A request holds the same slot in every pool (and one code2wav stream) from ``add`` until it
 finishes or is removed; the lowest free slot is taken, so the busy slots stay packed low.
+``prepare`` (validation, the prompt's tokens and audio / image features) runs before ``add``, on
+the engine's prompt threads.
 
 The result equals ``Qwen3OmniMoeForConditionalGeneration.generate`` (tests/speech/test_parity.py)
 except where ``generate`` is wrong for streaming: when the thinker stops on its token budget,
@@ -30,6 +32,7 @@ keyed by the request's seed (:mod:`.draws`), so a seed gives the same reply what
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import time
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 from omnirt.codecs.audio import float_to_int16
 
-from ..pipeline import RequestRejected
+from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import AudioDelta, Finished, GenerationRequest, ModelInfo, Output, Started, TextDelta, Usage
 from .code2wav import Vocoder, make_vocoder
 from .draws import fresh_seed
@@ -68,6 +71,15 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 def batch_buckets(max_slots: int) -> list[int]:
     return sorted({b for b in BATCH_BUCKETS if b < max_slots} | {max_slots})
+
+
+@dataclass(frozen=True)
+class SpeechPrompt:
+    """What :meth:`SpeechPipeline.prepare` makes of a request, off the engine thread."""
+
+    prompt: PromptInputs
+    speaker_id: int  # -1 without audio output
+    max_tokens: int
 
 
 @dataclass(eq=False)
@@ -107,6 +119,9 @@ class _FreeSlots:
 
 class SpeechPipeline:
     """Implements :class:`~omnirt.stages.pipeline.Pipeline` for ``Qwen3OmniMoeForConditionalGeneration``."""
+
+    kind = "speech"
+    priority = Priority.REALTIME
 
     def __init__(
         self,
@@ -170,6 +185,9 @@ class SpeechPipeline:
         self.token_observer: Callable[[str, int], None] | None = None
         self._free = _FreeSlots(max_slots)
         self._active: dict[str, _Active] = {}
+        #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
+        self.calls: CallCounter = collections.Counter()
+        self.step_timer = StepTimer()
 
     # -- graphs and warm-up ------------------------------------------------------------------------
     @property
@@ -225,11 +243,17 @@ class SpeechPipeline:
     def has_work(self) -> bool:
         return bool(self._active)
 
-    def add(self, request: GenerationRequest) -> None:
-        if request.request_id in self._active:
-            raise RequestRejected(f"request id {request.request_id!r} is already active")
-        if not self._free:
-            raise RequestRejected("no free slot")
+    def accepts(self, request: object) -> bool:
+        return isinstance(request, GenerationRequest)
+
+    def next_deadline(self) -> float | None:
+        return None  # every tick while it has work
+
+    def step_cost(self) -> float:
+        return self.step_timer.seconds
+
+    def prepare(self, request: GenerationRequest) -> SpeechPrompt:
+        """Validation, the prompt's tokens and audio / image features, the voice (any thread)."""
         if request.temperature < 0 or not 0 < request.top_p <= 1:
             raise RequestRejected("temperature must be >= 0 and top_p in (0, 1]")
         if request.max_output_tokens is not None and request.max_output_tokens < 1:
@@ -241,7 +265,17 @@ class SpeechPipeline:
                 f"the prompt is {prompt.length} tokens; this model's context is {self.max_context} tokens"
             )
         room = self.max_context - prompt.length
-        max_tokens = min(room, request.max_output_tokens or room)
+        return SpeechPrompt(prompt, speaker_id, min(room, request.max_output_tokens or room))
+
+    def add(self, request: GenerationRequest, prepared: SpeechPrompt | None = None) -> None:
+        """Takes a slot; ``prepared`` defaults to ``self.prepare(request)``, run here."""
+        if request.request_id in self._active:
+            raise RequestRejected(f"request id {request.request_id!r} is already active")
+        if not self._free:
+            raise RequestRejected("no free slot")
+        if prepared is None:
+            prepared = self.prepare(request)
+        prompt, speaker_id, max_tokens = prepared.prompt, prepared.speaker_id, prepared.max_tokens
         usage = Usage(
             input_text_tokens=prompt.text_tokens,
             input_audio_tokens=prompt.audio_tokens,
@@ -280,6 +314,7 @@ class SpeechPipeline:
 
     @torch.no_grad()
     def step(self) -> list[tuple[str, Output]]:
+        t0 = time.perf_counter()
         out: list[tuple[str, Output]] = []
         # 1. prefill new requests; 2. one thinker token for the others.
         fresh = [a for a in self._active.values() if not a.prefilled][: self.prefills_per_step]
@@ -322,6 +357,7 @@ class SpeechPipeline:
         for active in list(self._active.values()):
             if active.thinker_done and (active.talker is None or active.talker.done):
                 self._finish(active, out)
+        self.step_timer.record(time.perf_counter() - t0)
         return out
 
     def _batched(self, rows: list[_Active], out: list[tuple[str, Output]], what: str, fn: Any) -> Any:
@@ -341,6 +377,7 @@ class SpeechPipeline:
 
     # -- thinker ------------------------------------------------------------------------------------
     def _prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:
+        self.calls["thinker_prefill", 1] += 1
         done = self.thinker.prefill(active.slot, active.prompt, hidden_states=active.talker is not None)
         active.prefilled = True
         out.append((active.request.request_id, Started(Usage(**vars(active.usage)))))
@@ -355,6 +392,7 @@ class SpeechPipeline:
         return done.token
 
     def _thinker_step(self, rows: list[_Active], batch: int) -> torch.Tensor:
+        self.calls["thinker", len(rows)] += 1
         return self.thinker.decode([a.slot for a in rows], batch)
 
     def _take_token(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> int | None:
@@ -446,6 +484,7 @@ class SpeechPipeline:
             def rope(ids: torch.Tensor) -> torch.Tensor:
                 return talker_rope_index(self.model, ids[None], grid, audio_lengths)
 
+        self.calls["talker_prefill", 1] += 1
         self.talker.prefill(active.slot, t.prompt, first, t.speaker_id, rope)
         t.started = True
         t.next_code = -1  # read back with the next frames
@@ -457,6 +496,7 @@ class SpeechPipeline:
         return self._text_input(active, 4 + t.step) is not None
 
     def _talker_step(self, rows: list[_Active], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls["talker", len(rows)] += 1
         text = []
         for a in rows:
             assert a.talker is not None

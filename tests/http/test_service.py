@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes import EchoPipeline
 from tests.server import serve
+from tests.stages.pipelines import JobPipeline, RealClock
 
 from .conftest import MODEL, Server, run, running, user, wait_for
 
@@ -40,6 +41,19 @@ def test_models_list_and_retrieve_say_the_weights_are_random(server: Server) -> 
     assert listed[0].owned_by == "omnirt" and listed[0].object == "model"
     assert listed[0].model_extra["random_weights"] is True
     assert one.id == MODEL and one.model_extra["architecture"] == "echo"
+
+
+def test_models_and_metrics_list_every_pipeline() -> None:
+    engine = Engine([EchoPipeline(), JobPipeline(RealClock(), cost=0.001)])
+    with serve(create_app(EngineClient(engine), ServerConfig())) as url, httpx.Client(base_url=url) as http:
+        listed = http.get("/v1/models").json()["data"]
+        one = http.get("/v1/models/diffusion-test")
+        metrics = _samples(http.get("/metrics").text)
+    assert [m["id"] for m in listed] == [MODEL, "diffusion-test"]
+    assert one.status_code == 200 and one.json()["architecture"] == "diffusion"
+    kinds = {dict(labels)["kind"] for name, labels in metrics if name == "omnirt_model_info"}
+    assert kinds == {"speech", "diffusion"}
+    assert metrics[("omnirt_pipeline_steps_total", (("kind", "diffusion"),))] == 0
 
 
 def test_root_serves_the_web_ui_or_points_to_the_apis(server: Server) -> None:
@@ -94,14 +108,26 @@ def test_metrics_after_traffic() -> None:
     assert m[("omnirt_engine_steps_total", ())] == server.engine.stats.steps >= 3 * 4
     assert m[("omnirt_engine_step_seconds_total", ())] > 0
     assert m[("omnirt_engine_requests_active", ())] == 0
-    assert m[("omnirt_engine_batches_total", (("batch_size", "1"),))] >= 3
+    assert m[("omnirt_pipeline_steps_total", (("kind", "speech"),))] == server.engine.stats.steps
+    assert m[("omnirt_pipeline_step_seconds_total", (("kind", "speech"),))] > 0
+    # One request at a time: every echo call advanced one row ("You said: nI." and the finish).
+    echo_calls = {k: v for k, v in m.items() if k[0] == "omnirt_model_calls_total"}
+    assert echo_calls == {
+        ("omnirt_model_calls_total", (("call", "echo"), ("kind", "speech"), ("rows", "1"))): 3 * 4
+    }
     assert m[("omnirt_realtime_sessions_active", ())] == 0
     assert ("omnirt_realtime_sessions_total", ()) in m
     assert (
         m[
             (
                 "omnirt_model_info",
-                (("architecture", "echo"), ("id", MODEL), ("random_weights", "true"), ("source", "tests")),
+                (
+                    ("architecture", "echo"),
+                    ("id", MODEL),
+                    ("kind", "speech"),
+                    ("random_weights", "true"),
+                    ("source", "tests"),
+                ),
             )
         ]
         == 1
@@ -123,8 +149,8 @@ def test_concurrent_requests_all_complete_and_share_engine_steps() -> None:
         done = run(go())
         assert [c.choices[0].message.content for c in done] == [f"You said: request {i}." for i in range(8)]
         assert len({c.id for c in done}) == 8
-        # The requests overlapped in the engine: some steps advanced several of them at once.
-        assert max(server.engine.stats.batch_sizes) > 1
+        # The requests overlapped in the engine: some model calls advanced several of them at once.
+        assert max(server.engine.stats.rows("speech", "echo")) > 1
         assert server.engine.stats.requests_finished == 8
 
 

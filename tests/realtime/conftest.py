@@ -50,9 +50,9 @@ class RecordingPipeline(EchoPipeline):
         self.requests: list[GenerationRequest] = []
         self.removed: list[str] = []
 
-    def add(self, request: GenerationRequest) -> None:
+    def add(self, request: GenerationRequest, prepared: Any) -> None:
         self.requests.append(request)
-        super().add(request)
+        super().add(request, prepared)
 
     def remove(self, request_id: str):  # type: ignore[no-untyped-def]
         usage = super().remove(request_id)

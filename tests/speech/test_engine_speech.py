@@ -1,4 +1,5 @@
-"""The real speech pipeline inside the engine thread, through the asyncio client."""
+"""The real speech pipeline inside the engine thread, through the asyncio client; its scheduling
+surface (prepare / add, deadline, step cost, model-call counts)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 from omnirt.stages.engine import Engine, EngineClient
+from omnirt.stages.pipeline import Priority, RequestRejected
 from omnirt.stages.speech.loader import load_speech_pipeline
 from omnirt.stages.types import AudioDelta, Finished, Started, TextDelta
 
-from .conftest import audio_request, text_request
+from .conftest import audio_request, drain, text_request
 
 
 def test_engine_serves_batched_turns_and_cancels(demo_dir: Path) -> None:
@@ -47,5 +50,26 @@ def test_engine_serves_batched_turns_and_cancels(demo_dir: Path) -> None:
     assert t[-1].reason == "length" and t[-1].usage.output_text_tokens == 12
     assert not any(isinstance(o, AudioDelta) for o in t)
     assert isinstance(c[-1], Finished) and c[-1].reason == "cancelled" and len(c) == 5
-    assert max(engine.stats.batch_sizes) == 2
+    # "a" and "t" decoded in shared thinker calls; "c" waited for a slot, so never three rows.
+    thinker = engine.stats.rows("speech", "thinker")
+    assert max(thinker) == 2 and thinker[2] >= 3
+    assert engine.stats.rows("speech", "thinker_prefill") == {1: 3}
     assert pipe.can_add() and not pipe.has_work()
+
+
+def test_prepare_builds_the_prompt_and_add_takes_the_slot(demo_dir: Path) -> None:
+    pipe = load_speech_pipeline(demo_dir, max_slots=1, max_audio_frames=4)
+    assert pipe.kind == "speech" and pipe.priority is Priority.REALTIME
+    assert pipe.accepts(text_request("t")) and not pipe.accepts("t")
+    with pytest.raises(RequestRejected, match="unknown voice"):
+        pipe.prepare(audio_request("a", voice="nobody"))
+    prepared = pipe.prepare(text_request("t", max_output_tokens=3))
+    assert prepared.max_tokens == 3 and prepared.speaker_id == -1
+    assert prepared.prompt.text_tokens == prepared.prompt.length > 0
+    assert pipe.can_add() and not pipe.has_work()  # prompt work holds no slot
+    pipe.add(text_request("t", max_output_tokens=3), prepared)
+    assert not pipe.can_add() and pipe.next_deadline() is None and pipe.step_cost() == 0.0
+    outs = drain(pipe)
+    assert outs[-1] == ("t", Finished("length", outs[-1][1].usage))
+    assert pipe.step_cost() > 0
+    assert pipe.calls["thinker_prefill", 1] == 1 and pipe.calls["thinker", 1] == 2  # tokens 2 and 3

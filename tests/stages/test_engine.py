@@ -59,7 +59,7 @@ def test_requests_are_batched_into_shared_steps(engine: Engine) -> None:
         for outs in results:
             assert outs[-1].reason == "stop"
         # Two requests of 4 words each: shared steps, so far fewer than 2 * 5 steps with batch 1.
-        assert engine.stats.batch_sizes[2] >= 3
+        assert engine.stats.rows("speech", "echo")[2] >= 3
 
     asyncio.run(main())
 
@@ -70,7 +70,7 @@ def test_more_requests_than_slots_wait_for_a_free_slot(engine: Engine) -> None:
         streams = [client.submit(_request(f"r{i}")) for i in range(5)]
         results = await asyncio.gather(*(_collect(s) for s in streams))
         assert [r[-1].reason for r in results] == ["stop"] * 5
-        assert max(engine.stats.batch_sizes) == 2
+        assert max(engine.stats.rows("speech", "echo")) == 2
 
     asyncio.run(main())
 

@@ -1,0 +1,263 @@
+"""Which pipeline steps run, in what order: the engine thread's tick.
+
+The :class:`Scheduler` owns the engine's pipelines by kind (``{"speech": ..., "diffusion": ...}``),
+routes each request to the pipeline that accepts it and keeps one waiting queue per pipeline, so a
+full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
+
+1. admits waiting requests into every pipeline with free slots;
+2. runs the realtime pipelines whose step is due (no deadline, or a deadline already reached),
+   earliest deadline first;
+3. runs batch pipelines' steps (round robin) in the time left before the earliest realtime
+   deadline: a batch step starts only when its ``step_cost()`` fits before that deadline. With no
+   realtime deadline pending, one batch step runs per tick (so realtime work without deadlines,
+   which runs every tick, alternates with batch steps). A batch pipeline that has not stepped for
+   ``starvation_limit`` seconds gets one step even when it does not fit: a realtime step then
+   waits at most one batch step.
+
+A step that raises fails only its own pipeline's active requests (each is removed from it and
+ends with an ``internal`` error); the other pipelines and every waiting request go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .pipeline import Pipeline, Priority, Request, RequestRejected
+from .types import Finished, Usage
+
+log = logging.getLogger(__name__)
+
+#: Outputs of a tick, tagged by request id.
+Outputs = list[tuple[str, Any]]
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One pipeline and its queue."""
+
+    pipeline: Pipeline[Any, Any]
+    waiting: collections.deque[tuple[Request, Any]] = field(default_factory=collections.deque)
+    active: set[str] = field(default_factory=set)
+    #: When the pipeline last stepped, or last got work while idle (batch starvation clock).
+    served_at: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        return self.pipeline.kind
+
+
+class Scheduler:
+    """Routes, queues, admits and steps the requests of several pipelines (engine thread only,
+    except :meth:`route`, which any thread may call)."""
+
+    def __init__(
+        self,
+        pipelines: Sequence[Pipeline[Any, Any]],
+        *,
+        max_waiting: int = 256,
+        starvation_limit: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_step: Callable[[str, float], None] | None = None,
+    ) -> None:
+        """``max_waiting``: queue length per pipeline; ``on_step(kind, seconds)`` is called after
+        every pipeline step (stats)."""
+        if not pipelines:
+            raise ValueError("the scheduler needs at least one pipeline")
+        self._lanes: dict[str, _Lane] = {}
+        for pipeline in pipelines:
+            if pipeline.kind in self._lanes:
+                raise ValueError(f"two pipelines of kind {pipeline.kind!r}")
+            self._lanes[pipeline.kind] = _Lane(pipeline)
+        self.max_waiting = max_waiting
+        self.starvation_limit = starvation_limit
+        self.clock = clock
+        self.on_step = on_step
+        self._owner: dict[str, _Lane] = {}  # request id -> its lane, waiting or active
+        self._batch_turn = 0
+
+    @property
+    def pipelines(self) -> dict[str, Pipeline[Any, Any]]:
+        return {kind: lane.pipeline for kind, lane in self._lanes.items()}
+
+    # -- requests ------------------------------------------------------------------------------
+    def route(self, request: Request) -> str:
+        """The kind of the pipeline that serves ``request``; :class:`RequestRejected` if none."""
+        for kind, lane in self._lanes.items():
+            if lane.pipeline.accepts(request):
+                return kind
+        raise RequestRejected(f"no loaded model serves {type(request).__name__} requests")
+
+    def enqueue(self, kind: str, request: Request, prepared: Any) -> bool:
+        """Queue a prepared request for its pipeline; False when that pipeline's queue is full."""
+        lane = self._lanes[kind]
+        if request.request_id in self._owner:
+            raise RequestRejected(f"request id {request.request_id!r} is already in flight")
+        if len(lane.waiting) >= self.max_waiting:
+            return False
+        lane.waiting.append((request, prepared))
+        self._owner[request.request_id] = lane
+        return True
+
+    def cancel(self, request_id: str) -> Usage | None:
+        """Drop a waiting or active request; its usage so far, or None if it is not here."""
+        lane = self._owner.pop(request_id, None)
+        if lane is None:
+            return None
+        if request_id in lane.active:
+            lane.active.discard(request_id)
+            return lane.pipeline.remove(request_id) or Usage()
+        for i, (request, _) in enumerate(lane.waiting):
+            if request.request_id == request_id:
+                del lane.waiting[i]
+                break
+        return Usage()
+
+    def remove_all(self) -> None:
+        """Drop every waiting and active request (shutdown)."""
+        for lane in self._lanes.values():
+            for request_id in lane.active:
+                self._remove_quietly(lane, request_id)
+            lane.active.clear()
+            lane.waiting.clear()
+        self._owner.clear()
+
+    def counts(self) -> tuple[int, int]:
+        """(active, waiting) requests over all pipelines."""
+        lanes = self._lanes.values()
+        return sum(len(lane.active) for lane in lanes), sum(len(lane.waiting) for lane in lanes)
+
+    # -- the tick ------------------------------------------------------------------------------
+    def next_due(self) -> float | None:
+        """When the next tick has something to do (``clock()`` time; past or now: at once), or
+        None when there is no work at all."""
+        now = self.clock()
+        due: list[float] = []
+        for lane in self._lanes.values():
+            p = lane.pipeline
+            if lane.waiting and p.can_add():
+                return now
+            if not p.has_work():
+                continue
+            if p.priority is Priority.REALTIME:
+                deadline = p.next_deadline()
+                due.append(now if deadline is None else deadline)
+        horizon = self._horizon()
+        for lane in self._batch_lanes_with_work():
+            if horizon is None or now + lane.pipeline.step_cost() <= horizon:
+                return now
+            due.append(min(horizon, lane.served_at + self.starvation_limit))
+        return min(due) if due else None
+
+    def tick(self) -> Outputs:
+        out: Outputs = []
+        for lane in self._lanes.values():
+            self._admit(lane, out)
+        now = self.clock()
+        due = []
+        for lane in self._lanes.values():
+            p = lane.pipeline
+            if p.priority is Priority.REALTIME and p.has_work():
+                deadline = p.next_deadline()
+                if deadline is None or deadline <= now:
+                    due.append((now if deadline is None else deadline, lane))
+        due.sort(key=lambda item: item[0])  # stable: registration order among equals
+        for _, lane in due:
+            self._step(lane, out)
+        self._batch_steps(out)
+        return out
+
+    def _batch_steps(self, out: Outputs) -> None:
+        stepped = False
+        while True:
+            lanes = self._batch_lanes_with_work()
+            if not lanes:
+                return
+            lane = lanes[self._batch_turn % len(lanes)]
+            now = self.clock()
+            horizon = self._horizon()
+            if horizon is None:
+                if stepped:  # one per tick: the engine reads its inbox between batch steps
+                    return
+            elif now + lane.pipeline.step_cost() > horizon:
+                if stepped or now - lane.served_at < self.starvation_limit:
+                    return
+                log.debug("%s: a batch step runs past a realtime deadline (starved)", lane.kind)
+                self._batch_turn += 1
+                self._step(lane, out)
+                return
+            self._batch_turn += 1
+            self._step(lane, out)
+            stepped = True
+
+    def _batch_lanes_with_work(self) -> list[_Lane]:
+        return [
+            lane
+            for lane in self._lanes.values()
+            if lane.pipeline.priority is Priority.BATCH and lane.pipeline.has_work()
+        ]
+
+    def _horizon(self) -> float | None:
+        """The earliest deadline of realtime work (None: there is none with a deadline)."""
+        deadlines = [
+            d
+            for lane in self._lanes.values()
+            if lane.pipeline.priority is Priority.REALTIME and lane.pipeline.has_work()
+            if (d := lane.pipeline.next_deadline()) is not None
+        ]
+        return min(deadlines, default=None)
+
+    def _admit(self, lane: _Lane, out: Outputs) -> None:
+        p = lane.pipeline
+        if lane.waiting and not p.has_work():
+            lane.served_at = self.clock()
+        while lane.waiting and p.can_add():
+            request, prepared = lane.waiting.popleft()
+            rid = request.request_id
+            try:
+                p.add(request, prepared)
+            except RequestRejected as exc:
+                del self._owner[rid]
+                out.append((rid, Finished("error", Usage(), str(exc), "rejected")))
+                continue
+            except Exception as exc:  # a model bug must not take the engine down
+                log.exception("%s: add failed for %s", lane.kind, rid)
+                del self._owner[rid]
+                out.append((rid, Finished("error", Usage(), f"internal error: {exc}", "internal")))
+                continue
+            lane.active.add(rid)
+
+    def _step(self, lane: _Lane, out: Outputs) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = lane.pipeline.step()
+        except Exception as exc:
+            log.exception("%s step failed; failing its %d active requests", lane.kind, len(lane.active))
+            for rid in lane.active:
+                usage = self._remove_quietly(lane, rid)
+                del self._owner[rid]
+                out.append((rid, Finished("error", usage or Usage(), f"internal error: {exc}", "internal")))
+            lane.active.clear()
+            return
+        finally:
+            lane.served_at = self.clock()
+            if self.on_step is not None:
+                self.on_step(lane.kind, time.perf_counter() - t0)
+        for rid, output in outputs:
+            if rid not in lane.active:
+                continue  # removed earlier (cancelled): nothing of it goes out any more
+            if isinstance(output, Finished):
+                lane.active.discard(rid)
+                del self._owner[rid]
+            out.append((rid, output))
+
+    def _remove_quietly(self, lane: _Lane, request_id: str) -> Usage | None:
+        try:
+            return lane.pipeline.remove(request_id)
+        except Exception:
+            log.exception("%s: remove(%s) failed", lane.kind, request_id)
+            return None

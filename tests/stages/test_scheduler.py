@@ -1,0 +1,180 @@
+"""The scheduler alone, on simulated time: tick order, per-pipeline queues, failure isolation."""
+
+from __future__ import annotations
+
+import pytest
+from omnirt.stages.pipeline import RequestRejected
+from omnirt.stages.scheduler import Outputs, Scheduler
+from omnirt.stages.types import ContextMessage, Finished, GenerationRequest, TextDelta, TextPart, Usage
+
+from tests.fakes import EchoPipeline
+
+from .pipelines import FakeClock, FramePipeline, FrameRequest, JobPipeline, JobRequest
+
+
+def _enqueue(s: Scheduler, request) -> bool:  # type: ignore[no-untyped-def]
+    kind = s.route(request)
+    return s.enqueue(kind, request, s.pipelines[kind].prepare(request))
+
+
+def _run(s: Scheduler, clock: FakeClock, max_ticks: int = 10_000) -> Outputs:
+    """Ticks as the engine thread does, sleeping (in simulated time) until work is due."""
+    out: Outputs = []
+    for _ in range(max_ticks):
+        due = s.next_due()
+        if due is None:
+            return out
+        clock.t = max(clock.t, due)
+        out.extend(s.tick())
+    raise AssertionError("the scheduler never ran out of work")
+
+
+def _finished(out: Outputs) -> dict[str, Finished]:
+    return {rid: o for rid, o in out if isinstance(o, Finished)}
+
+
+@pytest.mark.parametrize("batch_cost", [0.03, 0.2])
+def test_realtime_frames_never_wait_more_than_one_batch_step(batch_cost: float) -> None:
+    clock = FakeClock()
+    frames = FramePipeline(clock, period=0.08, cost=0.01)
+    jobs = JobPipeline(clock, cost=batch_cost)
+    s = Scheduler([frames, jobs], clock=clock.now, starvation_limit=1.0)
+    _enqueue(s, JobRequest("job", steps=1000))
+    _enqueue(s, FrameRequest("call", frames=60))
+    out = _run_until_frames_done(s, clock, frames)
+    assert [o.text for rid, o in out if rid == "call" and isinstance(o, TextDelta)][-1] == "duplex 60"
+    assert max(frames.lateness) <= batch_cost + 1e-9
+    batch_steps = sum(jobs.calls.values())
+    if batch_cost == 0.03:
+        # Two 30 ms steps fit in each 70 ms gap between 10 ms frames: never late at all.
+        assert max(frames.lateness) < 1e-9
+        assert batch_steps >= 2 * 59
+    else:
+        # A 200 ms step never fits an 80 ms period: it runs once starved for a second, late.
+        assert max(frames.lateness) > 0.1
+        assert 3 <= batch_steps <= 6
+
+
+def _run_until_frames_done(s: Scheduler, clock: FakeClock, frames: FramePipeline) -> Outputs:
+    out: Outputs = []
+    for _ in range(10_000):
+        if out and not frames.has_work():
+            return out
+        out.extend(_tick_when_due(s, clock))
+    raise AssertionError("ticks that did nothing (next_due and tick disagree)")
+
+
+def test_without_realtime_work_one_batch_step_runs_per_tick() -> None:
+    clock = FakeClock()
+    jobs = JobPipeline(clock, cost=0.5)
+    s = Scheduler([FramePipeline(clock), jobs], clock=clock.now)
+    _enqueue(s, JobRequest("a", steps=5))
+    _enqueue(s, JobRequest("b", steps=5))
+    assert s.next_due() == clock.t  # admission is due
+    s.tick()
+    assert jobs.calls == {("diffusion", 2): 1}  # both jobs in one batched step
+    s.tick()
+    assert jobs.calls == {("diffusion", 2): 2}
+
+
+def test_realtime_work_without_a_deadline_alternates_with_batch_steps() -> None:
+    clock = FakeClock()
+    echo, jobs = EchoPipeline(), JobPipeline(clock, cost=0.5)
+    s = Scheduler([echo, jobs], clock=clock.now)
+    _enqueue(s, JobRequest("job", steps=10))
+    _enqueue(s, GenerationRequest("talk", [ContextMessage("user", (TextPart("a b c d e f"),))]))
+    for _ in range(3):
+        s.tick()
+    assert echo.steps == 3 and sum(jobs.calls.values()) == 3
+
+
+def _tick_when_due(s: Scheduler, clock: FakeClock) -> Outputs:
+    due = s.next_due()
+    assert due is not None
+    clock.t = max(clock.t, due)
+    return s.tick()
+
+
+def test_a_failing_step_fails_only_its_pipelines_active_requests() -> None:
+    clock = FakeClock()
+    frames, jobs = FramePipeline(clock), JobPipeline(clock, cost=0.03, slots=1)
+    s = Scheduler([frames, jobs], clock=clock.now)
+    for request in (FrameRequest("call", frames=5), JobRequest("j1", steps=99), JobRequest("j2", steps=2)):
+        _enqueue(s, request)
+    _tick_when_due(s, clock)
+    done = jobs.done["j1"]
+    assert done == 2  # two 30 ms steps fitted before the next frame
+    jobs.explode = True
+    out = _tick_when_due(s, clock)
+    failed = _finished(out)
+    assert list(failed) == ["j1"]
+    assert failed["j1"].reason == "error" and failed["j1"].code == "internal"
+    assert "diffusion boom" in (failed["j1"].error or "")
+    assert failed["j1"].usage == Usage(output_text_tokens=done)  # what it had done, from remove()
+    assert jobs.removed == ["j1"] and not jobs.has_work()
+    assert ("call", TextDelta("duplex 2")) in out  # the realtime pipeline stepped on
+    jobs.explode = False
+    out = _run(s, clock)
+    assert _finished(out) == {
+        "call": Finished("stop", Usage(output_text_tokens=5)),
+        "j2": Finished("stop", Usage(output_text_tokens=2)),  # the waiting job was admitted after
+    }
+    assert s.counts() == (0, 0)
+
+
+def test_each_pipeline_has_its_own_waiting_queue() -> None:
+    clock = FakeClock()
+    frames, jobs = FramePipeline(clock), JobPipeline(clock, slots=1)
+    s = Scheduler([frames, jobs], clock=clock.now, max_waiting=1)
+    assert _enqueue(s, JobRequest("j1"))
+    s.tick()  # j1 takes the only diffusion slot
+    assert _enqueue(s, JobRequest("j2"))  # waits
+    assert not _enqueue(s, JobRequest("j3"))  # the diffusion queue is full
+    assert _enqueue(s, FrameRequest("call"))  # not behind the diffusion queue's head
+    out = s.tick()
+    assert ("call", TextDelta("duplex 1")) in out
+    assert jobs.added == ["j1"] and s.counts() == (2, 1)
+
+
+def test_routing_by_request_type() -> None:
+    clock = FakeClock()
+    s = Scheduler([EchoPipeline(), FramePipeline(clock), JobPipeline(clock)], clock=clock.now)
+    assert s.route(GenerationRequest("g", [])) == "speech"
+    assert s.route(FrameRequest("f")) == "duplex"
+    assert s.route(JobRequest("j")) == "diffusion"
+    with pytest.raises(RequestRejected, match="no loaded model serves str requests"):
+        s.route("hello")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="two pipelines of kind 'duplex'"):
+        Scheduler([FramePipeline(clock), FramePipeline(clock)])
+
+
+def test_an_id_in_flight_is_refused() -> None:
+    clock = FakeClock()
+    s = Scheduler([JobPipeline(clock)], clock=clock.now)
+    assert _enqueue(s, JobRequest("same"))
+    with pytest.raises(RequestRejected, match="already in flight"):
+        _enqueue(s, JobRequest("same"))
+
+
+def test_cancel_drops_waiting_and_active_requests() -> None:
+    clock = FakeClock()
+    jobs = JobPipeline(clock, slots=1)
+    s = Scheduler([jobs], clock=clock.now)
+    _enqueue(s, JobRequest("active", steps=5))
+    _enqueue(s, JobRequest("queued", steps=5))
+    s.tick()
+    assert s.cancel("queued") == Usage()
+    assert s.cancel("active") == Usage(output_text_tokens=1)
+    assert s.cancel("active") is None and s.cancel("unknown") is None
+    assert jobs.removed == ["active"] and jobs.added == ["active"]
+    assert s.tick() == [] and s.next_due() is None
+
+
+def test_next_due_waits_for_the_next_frame() -> None:
+    clock = FakeClock()
+    frames = FramePipeline(clock, period=0.08)
+    s = Scheduler([frames], clock=clock.now)
+    assert s.next_due() is None
+    _enqueue(s, FrameRequest("call", frames=3))
+    s.tick()
+    assert s.next_due() == pytest.approx(clock.t - frames.cost + 0.08)
