@@ -10,6 +10,8 @@ static shapes and can be captured in a CUDA graph:
   covers the highest busy slot. An exec mask ``active [B]`` says which rows decode now; idle
   rows compute garbage that is never kept: their key/value go to a scratch column
   (``max_len``) and their length does not move. So padding never writes into a real slot.
+  They run on zero inputs with their attention zeroed, so they are the same whatever their
+  slot held before (the MoE routing of idle rows sizes the expert matmuls active rows share).
 * **KV read in place.** Attention reads ``keys[:B, :, :attend]`` (a view, no gather copy) for a
   static ``attend`` length bucket that the caller picks to cover every active row, with a
   mask built on the device from the slots' lengths.
@@ -124,7 +126,11 @@ class SlotDecoder:
         final-norm hidden states [B, H] (idle rows: garbage). Never syncs with the host; the
         host mirror is advanced by :meth:`advance_host`."""
         batch = inputs_embeds.shape[0]
-        x = inputs_embeds.unsqueeze(1)
+        # Idle rows compute on zeros and attend to nothing, so what they compute (and the MoE
+        # routing of their garbage, which sizes the grouped expert matmuls that active rows
+        # share) never depends on what a slot held before: same active rows, same bits.
+        keep = active.view(batch, 1, 1)
+        x = torch.where(keep, inputs_embeds.unsqueeze(1), 0)
         pos = (
             positions.view(1, batch, 1).expand(3, batch, 1)
             if self.multimodal_rope
@@ -151,7 +157,8 @@ class SlotDecoder:
             values = cache_v[:batch, :, :attend]
             qg = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling
-            probs = scores.masked_fill(masked, hidden).softmax(dim=-1).to(values.dtype)
+            probs = scores.masked_fill(masked, hidden).softmax(dim=-1)
+            probs = torch.where(keep.view(batch, 1, 1, 1), probs, 0.0).to(values.dtype)
             out = torch.matmul(probs, values).to(x.dtype)  # [B, kv_heads, group, head_dim]
             x = x + attn.o_proj(out.reshape(batch, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

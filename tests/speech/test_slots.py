@@ -72,3 +72,20 @@ def test_length_buckets_cover_every_length() -> None:
     assert length_buckets(256) == [256]
     assert length_buckets(100) == [100]
     assert length_buckets(4096, smallest=1024) == [1024, 2048, 4096]
+
+
+def test_idle_rows_content_never_changes_the_active_rows_bits(decoder: SlotDecoder) -> None:
+    """Whatever an idle slot held (stale cache, stale inputs), the active rows' results are the
+    same bits: idle rows compute on zeros and attend to nothing."""
+    results = []
+    for stale in (0, 7):
+        _fill(decoder, [4, 8, 2, 6], seed=3)
+        gen = torch.Generator().manual_seed(stale)
+        for k, v in zip(decoder.keys, decoder.values, strict=True):  # idle slots 0 and 2: other history
+            k[[0, 2]] = torch.randn(k[[0, 2]].shape, generator=gen)
+            v[[0, 2]] = torch.randn(v[[0, 2]].shape, generator=gen)
+        x, pos = _inputs(decoder, 4)
+        x[[0, 2]] = torch.randn(2, x.shape[1], generator=gen) * (stale + 1)
+        active = torch.tensor([False, True, False, True])
+        results.append(decoder.step(x, pos, active, attend=16)[[1, 3]])
+    assert torch.equal(results[0], results[1])
