@@ -1,0 +1,185 @@
+"""Time of each stage of a speech tick, alone, at each batch size: where a frame's time goes.
+
+Builds the speech pipeline (``--model DIR --load-format dummy`` for the real-size model with
+random weights) and times, with ``torch.cuda.synchronize()`` around each call:
+
+* **prefill**: one prompt of ``--audio-seconds`` of audio + a short text, thinker prefill (the
+  audio encoder and one HF forward) then talker prefill, as a new turn's first tick pays them;
+* for each batch size B, the decode steps of B busy slots (each with ``--cached`` tokens of
+  KV): the thinker token step and the talker frame step (code predictor's 15 groups, talker
+  decode, sampling), graphed and eager (``use_graphs(False)``) in the same run, and one
+  code2wav vocoder step for B streams; their sum is the floor of a tick in which B sessions
+  speak (no prefill, no host work).
+
+Prints a markdown table (median of ``--iters`` calls; eager: of ``--eager-iters``) and the
+start-up time (load + graph capture).
+
+On the H200 at real size::
+
+    python benchmarks/speech_steps.py --load-format dummy \
+        --model benchmarks/models/qwen3-omni-30b-a3b-instruct/config.json --batches 1 8 32 64 128
+
+Checked on CPU with the demo model::
+
+    python benchmarks/speech_steps.py --device cpu --batches 1 4 --iters 3 --eager-iters 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, iters: int) -> float:
+    """Median milliseconds of ``iters`` calls (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def _measure(pipe, batch: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """The decode steps of ``batch`` busy slots, graphed and eager, and a code2wav step."""
+    busy = list(range(batch))
+    bucket = pipe._bucket(batch)
+    text = [(0, 100 + i) for i in busy]
+    row: dict = {"batch": batch, "bucket": bucket}
+
+    def rewind(kv) -> None:  # keep every slot at the same cached length
+        kv.lengths[:batch] = args.cached
+        kv.host_lengths[:batch] = [args.cached] * batch
+
+    def thinker() -> None:
+        pipe.thinker.decode(busy, bucket)
+        rewind(pipe.thinker.kv)
+
+    def talker() -> None:
+        pipe.talker.step(busy, text, bucket)
+        rewind(pipe.talker.kv)
+
+    for mode in ("graphs", "eager"):
+        pipe.use_graphs(mode == "graphs")
+        iters = args.iters if mode == "graphs" else args.eager_iters
+        row[f"thinker {mode}"] = _timed(thinker, device, iters)
+        row[f"talker {mode}"] = _timed(talker, device, iters)
+    pipe.use_graphs(True)
+    vocoder = pipe.vocoder
+    keys = [f"v{i}" for i in busy]
+    for k in keys:
+        vocoder.open(k)
+    frame = torch.zeros(pipe.talker.num_groups, dtype=torch.long)
+
+    def code2wav() -> None:
+        for k in keys:
+            vocoder.push(k, frame)
+        vocoder.pull(())
+
+    row["code2wav"] = _timed(code2wav, device, args.iters)
+    for k in keys:
+        vocoder.close(k)
+    row["tick floor graphs"] = row["thinker graphs"] + row["talker graphs"] + row["code2wav"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder or config (default: the demo)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--cached", type=int, default=200, help="KV entries per busy slot")
+    ap.add_argument("--audio-seconds", type=float, default=1.0)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--eager-iters", type=int, default=3)
+    args = ap.parse_args()
+
+    from omnirt.stages.speech.demo import ensure_demo_checkpoint
+    from omnirt.stages.speech.loader import load_speech_pipeline
+    from omnirt.stages.types import SAMPLE_RATE, AudioPart, ContextMessage, GenerationRequest, TextPart
+
+    device = torch.device(args.device)
+    slots = max(args.batches)
+    t0 = time.perf_counter()
+    pipe = load_speech_pipeline(
+        args.model or ensure_demo_checkpoint(),
+        device=device,
+        load_format=args.load_format,
+        max_slots=slots,
+        max_context=args.max_context,
+        max_audio_frames=64,
+    )
+    _sync(device)
+    startup = time.perf_counter() - t0
+    graphs = sum(r.graphs for r in pipe.runners)
+    params = sum(p.numel() for p in pipe.model.parameters()) / 1e9
+
+    # -- prefill: a new turn's first tick ------------------------------------------------------------
+    n = int(SAMPLE_RATE * args.audio_seconds)
+    t = np.arange(n) / SAMPLE_RATE
+    pcm = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    parts = (AudioPart(pcm), TextPart("hi"))
+    request = GenerationRequest("p", [ContextMessage("user", parts)], max_output_tokens=8)
+    prepared = pipe.prepare(request)
+
+    def prefill() -> None:
+        pipe.add(request, prepared)
+        active = pipe._active["p"]
+        token = pipe._prefill(active, [])
+        active.reply.append(int(token))
+        pipe._talker_prefill(active)
+        pipe.remove("p")
+
+    prefill_ms = _timed(prefill, device, max(3, args.iters // 4))
+
+    # -- decode steps at each batch ------------------------------------------------------------------
+    vocab = int(pipe.model.config.thinker_config.text_config.vocab_size)
+    for kv in (pipe.thinker.kv, pipe.talker.kv):
+        kv.lengths.fill_(args.cached)
+        kv.host_lengths = [args.cached] * slots
+    pipe.thinker.next_token.copy_(torch.randint(0, vocab, (slots,), device=device))
+    pipe.talker.hidden.normal_()
+    rows = []
+    for batch in args.batches:
+        row = _measure(pipe, batch, args, device)
+        rows.append(row)
+        print(f"batch {batch}: {row}", file=sys.stderr, flush=True)
+
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    print(f"# Speech steps: {pipe.info.id} ({params:.2f} B parameters), {device}, {pipe.dtype}\n")
+    print(f"- start-up (build/load + capture of {graphs} decode graphs): {startup:.1f} s; "
+          f"peak GPU memory {mem:.1f} GiB; {slots} slots x {args.max_context} context tokens")
+    print(f"- prefill of one turn ({args.audio_seconds:.1f} s audio + text; thinker with audio encoder, "
+          f"then talker): {prefill_ms:.1f} ms")
+    print(f"- decode steps with {args.cached} cached tokens per slot; median of {args.iters} (eager: "
+          f"{args.eager_iters}) calls\n")
+    cols = ["thinker graphs", "thinker eager", "talker graphs", "talker eager", "code2wav"]
+    cols.append("tick floor graphs")
+    print("| batch | bucket | " + " | ".join(f"{c} (ms)" for c in cols) + " | graphs speed-up |")
+    print("|---|---|" + "---|" * (len(cols) + 1))
+    for r in rows:
+        speedup = (r["thinker eager"] + r["talker eager"]) / (r["thinker graphs"] + r["talker graphs"])
+        cells = " | ".join(f"{r[c]:.2f}" for c in cols)
+        print(f"| {r['batch']} | {r['bucket']} | {cells} | {speedup:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
