@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,10 @@ class Code2WavStreamer:
     ``Qwen3OmniMoeCode2Wav`` (its weights are shared, not copied). Each :meth:`step` runs one
     batched model step over the whole pool, always at ``max_slots`` rows, so a stream's output
     never depends on which other slots are busy (bitwise, on one device); slots without a frame
-    in it keep their state. :meth:`acquire` hands out the lowest free slot.
+    in it keep their state. :meth:`acquire` hands out the lowest free slot. With ``buckets``
+    (row counts), a step runs only the first rows of the pool, the smallest bucket that covers
+    the highest busy slot: far cheaper when few streams are busy, at the price of last-bit
+    differences between buckets (the same bucket gives the same bits).
 
     ``runner`` runs that step: ``pool.step_io`` by default; an engine may set it to a
     ``stages.graphs.CudaGraphRunner(pool.step_io, pool.make_inputs, buckets=[max_slots])``
@@ -31,9 +34,14 @@ class Code2WavStreamer:
     """
 
     def __init__(self, model: Code2WavModel | nn.Module, max_slots: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 buckets: Sequence[int] | None = None) -> None:
         if not isinstance(model, Code2WavModel):
             model = Code2WavModel.from_hf(model)
+        if buckets is not None and any(not 1 <= b <= max_slots for b in buckets):
+            raise ValueError(f"code2wav buckets must lie in [1, {max_slots}], got {list(buckets)}")
+        #: Row counts a step runs at: the smallest that covers the highest busy slot.
+        self.buckets = sorted({*(buckets or ()), max_slots})
         self.pool = Code2WavPool(model, max_slots, device, dtype)
         self.model = self.pool.model
         self.runner: Callable[[dict[str, Tensor]], dict[str, Tensor]] = self.pool.step_io
@@ -85,9 +93,10 @@ class Code2WavStreamer:
             self._check_slot(slot)
         rows = sorted(frames)
         codes = torch.stack([self._check_codes(slot, frames[slot]) for slot in rows])
-        exec_mask = torch.zeros(self.pool.max_slots, dtype=torch.bool)
+        batch = next(b for b in self.buckets if b > rows[-1])
+        exec_mask = torch.zeros(batch, dtype=torch.bool)
         exec_mask[rows] = True
-        all_codes = torch.zeros(self.pool.max_slots, self.model.num_quantizers, dtype=torch.int64)
+        all_codes = torch.zeros(batch, self.model.num_quantizers, dtype=torch.int64)
         all_codes[rows] = codes
         inputs = {"codes": all_codes.to(self.pool.device), "exec_mask": exec_mask.to(self.pool.device)}
         wav = self.runner(inputs)["wav"][rows].float().cpu().numpy()

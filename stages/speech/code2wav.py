@@ -17,7 +17,7 @@ once per tick pulls the audio that is due. Two implementations:
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -59,11 +59,12 @@ class _Chunking:
 class StreamingVocoder(_Chunking):
     """Exact streaming code2wav, batched across streams (``omnirt.codecs.code2wav``).
 
-    Every step runs the whole pool of ``max_streams`` slots, so with ``graphs`` (the default)
-    on a CUDA module it captures one CUDA graph of that step at construction
-    (``stages/graphs.py``: warm-up and capture on idle rows, no stream's state moves) and
-    replays it on every tick; its PCM equals the eager step's bitwise. ``graphs`` is ignored
-    off CUDA (the step runs eagerly).
+    A step runs the first rows of the pool up to the smallest of ``buckets`` (default: the whole
+    pool of ``max_streams``) that covers the highest busy stream slot (slots are handed out
+    lowest first). With ``graphs`` (the default) on a CUDA module it captures one CUDA graph of
+    that step per bucket at construction (``stages/graphs.py``: warm-up and capture on idle
+    rows, no stream's state moves) and replays them on every tick; the PCM equals the eager
+    step's bitwise at the same bucket. ``graphs`` is ignored off CUDA (the step runs eagerly).
     """
 
     def __init__(
@@ -74,20 +75,21 @@ class StreamingVocoder(_Chunking):
         first_chunk: int = 2,
         chunk: int = 6,
         graphs: bool = True,
+        buckets: Sequence[int] | None = None,
     ) -> None:
         super().__init__(first_chunk, chunk)
         from omnirt.codecs.code2wav import Code2WavStreamer
 
         param = next(module.parameters())
         self.streamer = Code2WavStreamer(
-            module, max_slots=max_streams, device=param.device, dtype=param.dtype
+            module, max_slots=max_streams, device=param.device, dtype=param.dtype, buckets=buckets
         )
         if graphs and param.device.type == "cuda":
             pool = self.streamer.pool
             # The streamer indexes the rows it needs out of the output (a copy), so the
             # runner can hand out views of its static output buffer.
             runner = CudaGraphRunner(
-                pool.step_io, pool.make_inputs, buckets=[max_streams], clone_outputs=False
+                pool.step_io, pool.make_inputs, buckets=self.streamer.buckets, clone_outputs=False
             )
             with torch.cuda.device(param.device):
                 runner.capture()
@@ -191,17 +193,24 @@ class _ContextStream:
         self.emitted = 0  # samples
 
 
-def make_vocoder(module: nn.Module, kind: str, *, max_streams: int, graphs: bool = True) -> Vocoder:
+def make_vocoder(
+    module: nn.Module,
+    kind: str,
+    *,
+    max_streams: int,
+    graphs: bool = True,
+    buckets: Sequence[int] | None = None,
+) -> Vocoder:
     """``kind``: "stream" (exact streaming decoder), "chunked" (transformers module), or "auto":
     the streaming decoder on accelerators; on CPU the chunked one, since the streaming decoder
     steps its whole pool of ``max_streams`` slots every tick (CUDA-graph friendly, but about a
     millisecond per slot on a CPU core), while chunks cost only the streams that are due.
     ``graphs``: the streaming decoder replays a CUDA graph of its step on CUDA (see
-    :class:`StreamingVocoder`); the chunked one has none."""
+    :class:`StreamingVocoder`) per row bucket of ``buckets``; the chunked one has none."""
     if kind == "auto":
         kind = "chunked" if next(module.parameters()).device.type == "cpu" else "stream"
     if kind == "stream":
-        return StreamingVocoder(module, max_streams=max_streams, graphs=graphs)
+        return StreamingVocoder(module, max_streams=max_streams, graphs=graphs, buckets=buckets)
     if kind == "chunked":
         return ChunkedVocoder(module)
     raise ValueError(f"unknown vocoder {kind!r} (stream, chunked or auto)")

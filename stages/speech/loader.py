@@ -206,7 +206,7 @@ def load_speech_pipeline(
     predictor's loop and sampling) and the streaming code2wav vocoder capture their CUDA graphs
     here, for every batch and attention-length bucket, and replay them (bitwise the same output
     as eager); ``False`` runs them all eagerly. Ignored on CPU. MoE layers run transformers'
-    ``grouped_mm`` experts (no host sync, capturable).
+    ``grouped_mm`` experts (no host sync, capturable; ``batched_mm`` for fp32 on CUDA).
     """
     if load_format not in LOAD_FORMATS:
         raise LoadFormatError(
@@ -227,7 +227,10 @@ def load_speech_pipeline(
             marker = path / "omnirt_demo.json"
             random_weights = marker.is_file() and bool(json.loads(marker.read_text()).get("random_weights"))
         what = "RANDOM WEIGHTS (demo)" if random_weights else "weights"
-    model.set_experts_implementation("grouped_mm")
+    # grouped_mm needs no host sync and can be captured, but only in bf16 on CUDA: in fp32 there
+    # it falls back to a path that copies from the host, so fp32 CUDA runs batched_mm.
+    fp32_cuda = device.type == "cuda" and dtype == torch.float32
+    model.set_experts_implementation("batched_mm" if fp32_cuda else "grouped_mm")
     cfg = model.config
     limit = int(cfg.thinker_config.text_config.max_position_embeddings)
     info = ModelInfo(

@@ -175,7 +175,9 @@ class SpeechPipeline:
                 repetition_penalty=talker_repetition_penalty,
             )
             self.vocoder: Vocoder = (
-                make_vocoder(model.code2wav, vocoder, max_streams=max_slots, graphs=cuda_graphs)
+                make_vocoder(
+                    model.code2wav, vocoder, max_streams=max_slots, graphs=cuda_graphs, buckets=buckets
+                )
                 if isinstance(vocoder, str)
                 else vocoder
             )

@@ -84,6 +84,13 @@ class SlotDecoder:
         self._rows = torch.arange(num_slots, device=device)
         self._columns = torch.arange(max_len + 1, device=device)
 
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor a step changes, by name (tests compare graph and eager steps on them)."""
+        named = {f"{prefix}.lengths": self.lengths}
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            named[f"{prefix}.keys[{i}]"], named[f"{prefix}.values[{i}]"] = k, v
+        return named
+
     @property
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

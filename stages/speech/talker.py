@@ -297,6 +297,20 @@ class Talker:
         return self.sampling.draw(logits, start, TALKER_STREAM)
 
     # -- the frame step --------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every tensor a frame step changes, by name."""
+        return {
+            **self.kv.state("kv"),
+            **self.predictor.state("predictor"),
+            "hidden": self.hidden,
+            "next_code": self.next_code,
+            "position": self.position,
+            "seen": self.seen,
+            "frames": self.frames,
+            "counter": self.sampling.counter,
+            "predictor_counter": self.predictor_sampling.counter,
+        }
+
     def _example(self, batch: int) -> dict[str, torch.Tensor]:
         zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
         return {"active": zeros.bool(), "text_token": zeros, "text_kind": zeros}

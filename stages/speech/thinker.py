@@ -65,6 +65,15 @@ class Thinker:
             pool=pool,
         )
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every tensor a decode step changes, by name."""
+        return {
+            **self.kv.state("kv"),
+            "next_token": self.next_token,
+            "position": self.position,
+            "counter": self.sampling.counter,
+        }
+
     def _example(self, batch: int) -> dict[str, torch.Tensor]:
         return {"active": torch.zeros(batch, dtype=torch.bool, device=self.device)}
 

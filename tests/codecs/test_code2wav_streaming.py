@@ -125,3 +125,33 @@ def test_bf16_follows_fp32() -> None:
     assert streamed.shape == reference.shape
     error = np.sqrt(np.mean((streamed - reference) ** 2) / np.mean(reference**2))
     assert error < 0.1
+
+
+def test_bucketed_steps_run_only_the_rows_that_cover_the_busy_slots() -> None:
+    """With row buckets a step runs the smallest bucket over the highest busy slot (not the whole
+    pool), and a stream in slot 2 still equals the offline decode; bad buckets are refused."""
+    hf = _hf()
+    codes = _codes(hf.config, FRAMES)
+    streamer = Code2WavStreamer(hf, max_slots=8, buckets=[1, 2, 4])
+    assert streamer.buckets == [1, 2, 4, 8]
+    rows_seen = []
+    step = streamer.runner
+
+    def spy(inputs):
+        rows_seen.append(inputs["codes"].shape[0])
+        return step(inputs)
+
+    streamer.runner = spy
+    slots = [streamer.acquire() for _ in range(3)]
+    assert slots == [0, 1, 2]
+    streamer.release(0)
+    streamer.release(1)
+    chunks = [streamer.step({2: codes[:, f]})[2] for f in range(FRAMES)]
+    assert set(rows_seen) == {4}  # slot 2 is covered by the bucket of 4 rows, not the pool of 8
+    reference = _offline(hf, codes)
+    streamed = np.concatenate(chunks)
+    np.testing.assert_allclose(streamed, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    with pytest.raises(ValueError, match="buckets"):
+        Code2WavStreamer(hf, max_slots=4, buckets=[0, 2])
+    with pytest.raises(ValueError, match="buckets"):
+        Code2WavStreamer(hf, max_slots=4, buckets=[8])

@@ -77,7 +77,7 @@ def test_cuda_vocoder_replays_graphs_bitwise(demo_dir: Path) -> None:
     vocoder = pipe.vocoder
     assert isinstance(vocoder, StreamingVocoder)
     runner = vocoder.streamer.runner
-    assert isinstance(runner, CudaGraphRunner) and runner.captured_buckets == [4]
+    assert isinstance(runner, CudaGraphRunner) and runner.captured_buckets == [1, 2, 4]
     pushed: list[torch.Tensor] = []
     pulled: list[np.ndarray] = []
     paths: set[str] = set()
@@ -113,7 +113,7 @@ def test_cuda_vocoder_replays_graphs_bitwise(demo_dir: Path) -> None:
     sent = np.concatenate([o.pcm for o in outs if isinstance(o, AudioDelta)])
     assert np.array_equal(sent, float_to_int16(expected))
     print(
-        f"\n[gpu] speech pipeline bf16: vocoder replayed its CUDA graph (bucket 4) for {len(pushed)} "
+        f"\n[gpu] speech pipeline bf16: vocoder replayed its CUDA graphs (buckets 1, 2, 4) for {len(pushed)} "
         "frames; PCM == graphs=False vocoder bitwise"
     )
 
@@ -253,3 +253,46 @@ def test_decode_steps_never_sync_with_the_host(demo_dir: Path) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_decode_step_replays_its_eager_step_bitwise(demo_dir: Path, dtype: torch.dtype) -> None:
+    """From the same state (five turns mid-stream, greedy and sampled), one replay of the thinker
+    step and of the talker frame step leaves every state tensor and output bitwise equal to the
+    eager step at the same bucket."""
+    pipe = load_speech_pipeline(demo_dir, device="cuda", dtype=dtype, max_slots=8, max_audio_frames=40)
+    for i in range(5):
+        pipe.add(audio_request(f"r{i}", tone(1.0, 200.0 + 50 * i), max_output_tokens=40,
+                               temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=i))
+    for _ in range(6):
+        pipe.step()
+    rows = [a for a in pipe._active.values() if a.talker is not None and a.talker.started]
+    assert len(rows) >= 3
+    slots = [a.slot for a in rows]
+    bucket = pipe._bucket(max(slots) + 1)
+    text = [(0, 7 + i) for i in range(len(slots))]
+    steps = {
+        "thinker": (pipe.thinker, lambda: pipe.thinker.decode(slots, bucket)),
+        "talker": (pipe.talker, lambda: pipe.talker.step(slots, text, bucket)),
+    }
+    for name, (owner, call) in steps.items():
+        saved = {k: t.clone() for k, t in owner.state().items()}
+        hosts = [list(kv.host_lengths) for kv in (pipe.thinker.kv, pipe.talker.kv)]
+        results = []
+        for graphs in (True, False):
+            for k, t in owner.state().items():
+                t.copy_(saved[k])
+            pipe.thinker.kv.host_lengths, pipe.talker.kv.host_lengths = (list(h) for h in hosts)
+            pipe.use_graphs(graphs)
+            out = call()
+            out = out if isinstance(out, tuple) else (out,)
+            assert owner.runner.last_path == ("graph" if graphs else "eager")
+            results.append(([o.clone() for o in out], {k: t.clone() for k, t in owner.state().items()}))
+        (out_g, state_g), (out_e, state_e) = results
+        differ = [k for k in state_g if not torch.equal(state_g[k], state_e[k])]
+        pairs = enumerate(zip(out_g, out_e, strict=True))
+        differ += [f"output {i}" for i, (a, b) in pairs if not torch.equal(a, b)]
+        assert not differ, f"{name} step: graph != eager in {differ}"
+        assert any(not torch.equal(state_g[k], saved[k]) for k in saved)  # the step did something
+    print(f"\n[gpu] {dtype}: thinker and talker steps at bucket {bucket}: graph == eager bitwise in "
+          "every state tensor")
