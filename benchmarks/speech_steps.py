@@ -140,12 +140,9 @@ def main() -> None:
     request = GenerationRequest("p", [ContextMessage("user", parts)], max_output_tokens=8)
     prepared = pipe.prepare(request)
 
-    def prefill() -> None:
+    def prefill() -> None:  # what the prefill worker does for one new turn
         pipe.add(request, prepared)
-        active = pipe._active["p"]
-        token = pipe._prefill(active, [])
-        active.reply.append(int(token))
-        pipe._talker_prefill(active)
+        pipe._prefill(pipe._active["p"])
         pipe.remove("p")
 
     prefill_ms = _timed(prefill, device, max(3, args.iters // 4))

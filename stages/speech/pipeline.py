@@ -2,11 +2,15 @@
 
 One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request:
 
-1. prefill up to ``prefills_per_step`` new requests (one HF thinker forward each, audio and
-   vision encoders included; :mod:`.thinker`), which draws their first reply token;
+1. the prefill of each new request: one HF thinker forward (audio and vision encoders
+   included; :mod:`.thinker`) that draws the first reply token, then one HF talker forward
+   that draws the first codec code. On CUDA it runs on a worker thread and CUDA stream of its
+   own, beside the decode steps, which never wait for it (a long prompt does not stall the
+   sessions that are speaking); the tick that finds it done loads its caches into the
+   request's slots. Inline (CPU, or ``prefill_worker=False``) up to ``prefills_per_step``
+   prompts are read per tick;
 2. one batched thinker decode token for every other request still generating text;
-3. one copy of the new tokens to the host; then the talker prefill of requests whose first
-   reply token is known (one HF talker forward each), and one batched talker frame step
+3. one copy of the new tokens to the host; then one batched talker frame step
    (:mod:`.talker`: code predictor for the pending frame, talker decode, next group-0 code)
    for every request whose next text input is known;
 4. while the GPU runs the talker: detokenising and stop strings (:mod:`.text_out`); then one
@@ -33,10 +37,12 @@ keyed by the request's seed (:mod:`.draws`), so a seed gives the same reply what
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import logging
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +62,14 @@ from .talker import (
     TEXT_PAD,
     TEXT_TOKEN,
     Talker,
+    TalkerPrefill,
+    TalkerPrompt,
     TalkerState,
     build_talker_prompt,
     talker_rope_index,
 )
 from .text_out import TextOut
-from .thinker import Thinker
+from .thinker import Thinker, ThinkerPrefill
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +90,16 @@ class SpeechPrompt:
     max_tokens: int
 
 
+@dataclass
+class _Prefilled:
+    """What a prefill job hands the engine thread (see ``SpeechPipeline._prefill``)."""
+
+    thinker: ThinkerPrefill
+    talker_prompt: TalkerPrompt | None
+    talker: TalkerPrefill | None
+    event: torch.cuda.Event | None  # recorded on the prefill stream after its last kernel
+
+
 @dataclass(eq=False)
 class _Active:
     request: GenerationRequest
@@ -94,6 +112,7 @@ class _Active:
     thinker_done: bool = False
     reason: str = "stop"
     reply: list[int] | None = None  # reply token ids drawn (the talker's trailing text)
+    job: futures.Future[_Prefilled] | None = None  # the prompt's prefill, once started
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
 
@@ -139,6 +158,7 @@ class SpeechPipeline:
         talker_repetition_penalty: float = 1.05,
         vocoder: str | Vocoder = "auto",
         cuda_graphs: bool = True,
+        prefill_worker: bool | None = None,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -187,6 +207,17 @@ class SpeechPipeline:
         self.token_observer: Callable[[str, int], None] | None = None
         self._free = _FreeSlots(max_slots)
         self._active: dict[str, _Active] = {}
+        # Prompts are read on a worker thread (and CUDA stream) beside the decode steps, by
+        # default on CUDA; else inline, up to ``prefills_per_step`` per tick.
+        if prefill_worker is None:
+            prefill_worker = self.device.type == "cuda"
+        self._worker = (
+            futures.ThreadPoolExecutor(1, thread_name_prefix="omnirt-prefill") if prefill_worker else None
+        )
+        self._prefill_stream = (
+            torch.cuda.Stream(self.device) if prefill_worker and self.device.type == "cuda" else None
+        )
+        self._retired: list[_Prefilled] = []
         #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
         self.calls: CallCounter = collections.Counter()
         self.step_timer = StepTimer()
@@ -311,6 +342,8 @@ class SpeechPipeline:
         active = self._active.pop(request_id, None)
         if active is None:
             return None
+        if active.job is not None:
+            active.job.cancel()  # if it has not started; a running one's result is dropped
         self._release(active)
         return active.usage
 
@@ -318,14 +351,10 @@ class SpeechPipeline:
     def step(self) -> list[tuple[str, Output]]:
         t0 = time.perf_counter()
         out: list[tuple[str, Output]] = []
-        # 1. prefill new requests; 2. one thinker token for the others.
-        fresh = [a for a in self._active.values() if not a.prefilled][: self.prefills_per_step]
-        first_tokens = []
-        for active in fresh:
-            token = self._guard(active, out, self._prefill, active, out)
-            if token is not None:
-                first_tokens.append((active, token))
-        decoding = [a for a in self._active.values() if a.prefilled and not a.thinker_done and a not in fresh]
+        self._retired.clear()  # prefill results the last tick loaded: its sync has passed
+        # 1. start new prompts' prefills, load the finished ones; 2. a thinker token for the others.
+        decoding = [a for a in self._active.values() if a.prefilled and not a.thinker_done]
+        first_tokens = self._take_prefills(out, idle=not decoding)
         tokens = None
         if decoding:
             tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
@@ -342,10 +371,6 @@ class SpeechPipeline:
         frames = None
         talking: list[_Active] = []
         if self.has_talker:
-            for active in list(self._active.values()):
-                t = active.talker
-                if t is not None and not t.started and not t.done and active.prefilled:
-                    self._guard(active, out, self._talker_prefill, active)
             talking = [a for a in self._active.values() if self._talker_ready(a)]
             if talking:
                 frames = self._batched(talking, out, "talker step", self._talker_step)
@@ -378,20 +403,100 @@ class SpeechPipeline:
         return next(b for b in self._buckets if b >= rows)
 
     # -- thinker ------------------------------------------------------------------------------------
-    def _prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:
-        self.calls["thinker_prefill", 1] += 1
-        done = self.thinker.prefill(active.slot, active.prompt, hidden_states=active.talker is not None)
+    def _take_prefills(self, out: list[tuple[str, Output]], idle: bool) -> list[tuple[_Active, torch.Tensor]]:
+        """Starts the prefill of every new request and loads those that are done; returns their
+        first tokens (on the device). Inline (CPU), up to ``prefills_per_step`` prompts run here;
+        on the prefill worker they run beside the decode steps, which never wait for them,
+        except on a tick with nothing else to do."""
+        new = [a for a in self._active.values() if a.job is None]
+        if self._worker is None:
+            new = new[: self.prefills_per_step]
+        for active in new:
+            active.job = self._start_prefill(active)
+        pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
+        if idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
+            futures.wait([a.job for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)
+        first = []
+        for active in pending:
+            if active.job.done():  # type: ignore[union-attr]
+                token = self._guard(active, out, self._load_prefill, active, out)
+                if token is not None:
+                    first.append((active, token))
+        return first
+
+    def _start_prefill(self, active: _Active) -> futures.Future[_Prefilled]:
+        if self._worker is not None:
+            return self._worker.submit(self._prefill, active)
+        job: futures.Future[_Prefilled] = futures.Future()
+        try:
+            job.set_result(self._prefill(active))
+        except Exception as exc:
+            job.set_exception(exc)
+        return job
+
+    def _prefill(self, active: _Active) -> _Prefilled:
+        """A prompt's thinker and talker prefill (any thread; writes no shared state). On the
+        worker it runs on a CUDA stream of its own and records an event for the engine thread."""
+        stream = self._prefill_stream
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.calls["thinker_prefill", 1] += 1
+            thinker = self.thinker.forward_prompt(
+                active.slot, active.prompt, hidden_states=active.talker is not None
+            )
+            talker_prompt = talker = None
+            t = active.talker
+            if t is not None:
+                hidden = thinker.hidden_states
+                assert hidden is not None
+                talker_prompt = build_talker_prompt(
+                    self.model, thinker.input_ids, hidden[0][0], hidden[self.accept_layer][0]
+                )
+                header = talker_prompt.assistant_embeds
+                if header.shape[0] > 4 + HEADER_MAX:
+                    raise RequestRejected("the prompt's assistant header is too long for the talker")
+                # Talker input 3: the header's fourth position, else reply token 0.
+                first = header[3] if header.shape[0] > 3 else self.thinker.embed_tokens.weight[thinker.token]
+                self.calls["talker_prefill", 1] += 1
+                talker = self.talker.forward_prompt(
+                    active.slot, talker_prompt, first, t.speaker_id, self._talker_rope(active)
+                )
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        return _Prefilled(thinker, talker_prompt, talker, event)
+
+    def _talker_rope(self, active: _Active) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        p = active.prompt
+        if p.input_features is None and p.image_grid_thw is None:
+            return None
+        audio_lengths = (
+            p.feature_attention_mask.sum(-1).to(self.device) if p.input_features is not None else None
+        )
+        grid = p.image_grid_thw.to(self.device) if p.image_grid_thw is not None else None
+
+        def rope(ids: torch.Tensor) -> torch.Tensor:
+            return talker_rope_index(self.model, ids[None], grid, audio_lengths)
+
+        return rope
+
+    def _load_prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:
+        """Loads a finished prefill into the request's slots (engine thread, stream order)."""
+        assert active.job is not None
+        done = active.job.result()  # re-raises the prefill's error: it fails this request only
+        if done.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(done.event)
+        self._retired.append(done)  # its tensors stay alive until this tick's sync has passed
+        self.thinker.load(active.slot, done.thinker)
         active.prefilled = True
         out.append((active.request.request_id, Started(Usage(**vars(active.usage)))))
-        if active.talker is not None:
-            hidden = done.hidden_states
-            assert hidden is not None
-            active.talker.prompt = build_talker_prompt(
-                self.model, done.input_ids, hidden[0][0], hidden[self.accept_layer][0]
-            )
-            if active.talker.prompt.assistant_embeds.shape[0] > 4 + HEADER_MAX:
-                raise RequestRejected("the prompt's assistant header is too long for the talker")
-        return done.token
+        t = active.talker
+        if t is not None:
+            assert done.talker is not None
+            t.prompt = done.talker_prompt
+            self.talker.load(active.slot, done.talker)
+            t.started = True
+        return done.thinker.token
 
     def _thinker_step(self, rows: list[_Active], batch: int) -> torch.Tensor:
         self.calls["thinker", len(rows)] += 1
@@ -430,7 +535,7 @@ class SpeechPipeline:
         if text:
             out.append((active.request.request_id, TextDelta(text, tokens)))
         t = active.talker
-        if t is not None and not t.started and not active.usage.output_text_tokens:
+        if t is not None and not active.usage.output_text_tokens:
             t.done = True  # nothing to say
 
     # -- talker -------------------------------------------------------------------------------------
@@ -461,35 +566,6 @@ class SpeechPipeline:
         if not active.thinker_done:
             return None
         return (TEXT_EOS, 0) if k == len(active.reply) else (TEXT_PAD, 0)
-
-    def _talker_prefill(self, active: _Active) -> None:
-        t = active.talker
-        assert t is not None and t.prompt is not None and active.reply is not None
-        header = t.prompt.assistant_embeds
-        if header.shape[0] > 3:
-            first: torch.Tensor | None = header[3]
-        elif active.reply:
-            first = self.thinker.embed_tokens.weight[active.reply[0]]
-        elif active.thinker_done:
-            t.done = True
-            return
-        else:
-            return
-        p = active.prompt
-        rope = None
-        if p.input_features is not None or p.image_grid_thw is not None:
-            audio_lengths = (
-                p.feature_attention_mask.sum(-1).to(self.device) if p.input_features is not None else None
-            )
-            grid = p.image_grid_thw.to(self.device) if p.image_grid_thw is not None else None
-
-            def rope(ids: torch.Tensor) -> torch.Tensor:
-                return talker_rope_index(self.model, ids[None], grid, audio_lengths)
-
-        self.calls["talker_prefill", 1] += 1
-        self.talker.prefill(active.slot, t.prompt, first, t.speaker_id, rope)
-        t.started = True
-        t.next_code = -1  # read back with the next frames
 
     def _talker_ready(self, active: _Active) -> bool:
         t = active.talker

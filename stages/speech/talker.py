@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -133,6 +134,17 @@ def talker_rope_index(
     mask = torch.ones_like(ids)
     positions, _ = Base.get_rope_index(shim, ids, image_grid_thw, None, mask, False, audio_lengths, None)
     return positions
+
+
+@dataclass
+class TalkerPrefill:
+    """A talker prompt's prefill, before it is loaded into its slot."""
+
+    cache: Any
+    next_position: torch.Tensor  # 0-d
+    hidden: torch.Tensor  # [Ht] the last hidden state
+    header: torch.Tensor | None  # projected assistant-header positions from 4 on, if any
+    code: torch.Tensor  # 0-d: the first group-0 code
 
 
 #: Kinds of a talker step's text input (``text_kind``): a reply token's thinker id, the end of
@@ -259,35 +271,47 @@ class Talker:
         return embeds, ids
 
     @torch.no_grad()
-    def prefill(
+    def forward_prompt(
         self,
         slot: int,
         prompt: TalkerPrompt,
         first_text: torch.Tensor,
         speaker_id: int,
         rope: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> None:
-        """Runs the talker prompt into ``slot`` (one HF forward) and draws its first group-0 code.
-        ``rope``: the prompt ids [L] -> their multimodal RoPE index [3, 1, L]; None for prompts
-        without audio or images (positions 0..L-1 on every axis)."""
+    ) -> TalkerPrefill:
+        """Runs the talker prompt (one HF forward) and draws its first group-0 code with
+        ``slot``'s sampling row. Writes no shared state (it may run on another thread and CUDA
+        stream); :meth:`load` fills the slot. ``rope``: the prompt ids [L] -> their multimodal
+        RoPE index [3, 1, L]; None for prompts without audio or images (positions 0..L-1)."""
         embeds, ids = self.prefill_inputs(prompt, first_text, speaker_id)
         if rope is not None:
             positions = rope(ids)
         else:
             positions = torch.arange(ids.shape[0], device=self.device).view(1, 1, -1).expand(3, 1, -1)
         result = self.talker.model(inputs_embeds=embeds[None], position_ids=positions, use_cache=True)
-        self.kv.load(slot, output_cache(result))
-        self.position[slot] = positions.max() + 1
         hidden = result.last_hidden_state[:, -1]
-        self.hidden[slot] = hidden[0]
         header = prompt.assistant_embeds[4 : 4 + HEADER_MAX]
-        if header.shape[0]:
-            self.header[slot, : header.shape[0]] = self.talker.text_projection(header)
+        # A fresh slot has drawn no code yet: no repetition penalty on the first one.
+        logits = self.talker.codec_head(hidden).float().masked_fill(self.suppress, float("-inf"))
+        return TalkerPrefill(
+            output_cache(result),
+            positions.max() + 1,
+            hidden[0],
+            self.talker.text_projection(header) if header.shape[0] else None,
+            self.sampling.draw(logits, slot, TALKER_STREAM)[0],
+        )
+
+    def load(self, slot: int, prefill: TalkerPrefill) -> None:
+        """Fills ``slot`` from a prefill (on the engine thread, in stream order)."""
+        self.kv.load(slot, prefill.cache)
+        self.position[slot] = prefill.next_position
+        self.hidden[slot] = prefill.hidden
+        if prefill.header is not None:
+            self.header[slot, : prefill.header.shape[0]] = prefill.header
         self.seen[slot] = False
-        code = self._choose(self.talker.codec_head(hidden), slot, slot + 1)[0]
+        self.seen[slot, prefill.code] = True
+        self.next_code[slot] = prefill.code
         self.sampling.advance_slot(slot)
-        self.next_code[slot] = code
-        self.seen[slot, code] = True
 
     def _choose(self, logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Code group 0 for slots ``start..stop-1`` from ``logits`` [B, V]: repetition penalty over

@@ -24,10 +24,12 @@ from .slots import SlotDecoder, length_buckets
 
 
 @dataclass
-class Prefilled:
-    """What a prompt's prefill leaves besides the slot's state."""
+class ThinkerPrefill:
+    """A prompt's prefill, before it is loaded into its slot (see :meth:`Thinker.forward_prompt`)."""
 
-    token: torch.Tensor  # the first reply token, 0-d on the device
+    cache: Any  # the HF cache of the prompt (one row)
+    next_position: torch.Tensor  # 0-d: the RoPE position of the first reply token
+    token: torch.Tensor  # 0-d: the first reply token, drawn on the device
     input_ids: torch.Tensor  # [L] prompt ids on the device
     hidden_states: tuple[torch.Tensor, ...] | None  # all layers' hidden states (for the talker)
 
@@ -78,9 +80,10 @@ class Thinker:
         return {"active": torch.zeros(batch, dtype=torch.bool, device=self.device)}
 
     @torch.no_grad()
-    def prefill(self, slot: int, prompt: PromptInputs, *, hidden_states: bool) -> Prefilled:
-        """Reads a prompt into ``slot`` (one HF forward, audio and vision encoders included) and
-        draws the first reply token on the device."""
+    def forward_prompt(self, slot: int, prompt: PromptInputs, *, hidden_states: bool) -> ThinkerPrefill:
+        """Reads a prompt (one HF forward, audio and vision encoders included) and draws the first
+        reply token with ``slot``'s sampling row. Writes no shared state, so it may run on
+        another thread and CUDA stream while decode steps run; :meth:`load` then fills the slot."""
         ids = prompt.input_ids.to(self.device)
         mask = torch.ones_like(ids)
         extra: dict[str, Any] = {k: v.to(self.device) for k, v in prompt.model_kwargs().items()}
@@ -99,12 +102,21 @@ class Thinker:
             output_hidden_states=hidden_states,
             **extra,
         )
-        self.kv.load(slot, output_cache(result))
-        self.position[slot] = positions.max() + 1
         token = self.sampling.draw(result.logits[:, -1], slot, THINKER_STREAM)[0]
+        return ThinkerPrefill(
+            output_cache(result),
+            positions.max() + 1,
+            token,
+            ids[0],
+            result.hidden_states if hidden_states else None,
+        )
+
+    def load(self, slot: int, prefill: ThinkerPrefill) -> None:
+        """Fills ``slot`` from a prefill (on the engine thread, in stream order)."""
+        self.kv.load(slot, prefill.cache)
+        self.position[slot] = prefill.next_position
+        self.next_token[slot] = prefill.token
         self.sampling.advance_slot(slot)
-        self.next_token[slot] = token
-        return Prefilled(token, ids[0], result.hidden_states if hidden_states else None)
 
     def decode(self, slots: list[int], batch: int) -> torch.Tensor:
         """One token for each of ``slots`` (all below ``batch``): returns a view [batch] of the

@@ -238,3 +238,47 @@ def test_a_seed_draws_the_same_tokens_at_batch_1_and_batch_32(demo_dir: Path) ->
     assert len(log.tokens["alone"]) >= 6
     assert log.tokens["crowded"] == log.tokens["alone"]
     assert log.tokens["other3"] != log.tokens["alone"]
+
+
+def test_prefill_worker_reads_prompts_beside_the_decode_steps(demo_dir: Path) -> None:
+    """With the prefill worker (the CUDA default), a new prompt is read on its own thread: the
+    speaking session's ticks go on while it is blocked, and the turns equal inline prefill's."""
+    import threading
+
+    inline = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40)
+    worker = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40, prefill_worker=True)
+    assert worker._worker is not None
+    threads: set[str] = set()
+    release = threading.Event()
+    forward = worker.thinker.forward_prompt
+
+    def slow_forward(slot, prompt, **kw):
+        threads.add(threading.current_thread().name)
+        if prompt.length > 40:  # the second, longer prompt: held until the test lets it go
+            assert release.wait(10)
+        return forward(slot, prompt, **kw)
+
+    worker.thinker.forward_prompt = slow_forward
+    logs = {id(p): TokenLog(p) for p in (inline, worker)}
+    first = audio_request("a", tone(0.5), max_output_tokens=30)
+    second = audio_request("b", tone(3.0, 330.0), max_output_tokens=6)
+    worker.add(first)
+    outs = []
+    while not any(isinstance(o, AudioDelta) for _, o in outs):
+        outs += worker.step()
+    worker.add(second)
+    ticks_while_blocked = []
+    talker = worker._active["a"].talker
+    frames = talker.step
+    for _ in range(5):  # "b" is blocked in its prefill; "a" keeps speaking, a frame a tick
+        ticks_while_blocked.append(worker.step())
+    assert talker.step == frames + 5
+    assert not any(rid == "b" for tick in ticks_while_blocked for rid, _ in tick)
+    release.set()
+    outs += [o for tick in ticks_while_blocked for o in tick] + drain(worker)
+    assert threads == {t for t in threads if t.startswith("omnirt-prefill")} and threads
+    for req in (first, second):
+        inline.add(req)
+        drain(inline)
+    assert logs[id(worker)].tokens == logs[id(inline)].tokens
+    assert of(outs, "b")[-1].reason == "length"
