@@ -190,7 +190,7 @@ def load_speech_pipeline(
     audio_frames_per_token: float = 12.0,
     vocoder: str = "auto",
     cuda_graphs: bool = True,
-    prefill_worker: bool | None = None,
+    prefill_worker: bool = False,
     warm_up: bool = False,
     model_id: str | None = None,
     random_weights: bool | None = None,
@@ -208,8 +208,8 @@ def load_speech_pipeline(
     here, for every batch and attention-length bucket, and replay them (bitwise the same output
     as eager); ``False`` runs them all eagerly. Ignored on CPU. MoE layers run transformers'
     ``grouped_mm`` experts (no host sync, capturable; ``batched_mm`` for fp32 on CUDA).
-    ``prefill_worker``: read prompts on a thread and CUDA stream beside the decode steps
-    (default: on CUDA); see :class:`~.pipeline.SpeechPipeline`.
+    ``prefill_worker``: read prompts on a thread and CUDA stream beside the decode steps (see
+    :class:`~.pipeline.SpeechPipeline`; off by default).
     """
     if load_format not in LOAD_FORMATS:
         raise LoadFormatError(

@@ -4,11 +4,10 @@ One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request
 
 1. the prefill of each new request: one HF thinker forward (audio and vision encoders
    included; :mod:`.thinker`) that draws the first reply token, then one HF talker forward
-   that draws the first codec code. On CUDA it runs on a worker thread and CUDA stream of its
-   own, beside the decode steps, which never wait for it (a long prompt does not stall the
-   sessions that are speaking); the tick that finds it done loads its caches into the
-   request's slots. Inline (CPU, or ``prefill_worker=False``) up to ``prefills_per_step``
-   prompts are read per tick;
+   that draws the first codec code; inline, up to ``prefills_per_step`` prompts per tick. With
+   ``prefill_worker=True`` it runs on a worker thread and CUDA stream of its own instead,
+   beside the decode steps, which never wait for it; the tick that finds it done loads its
+   caches into the request's slots (the prefill itself writes no shared state);
 2. one batched thinker decode token for every other request still generating text;
 3. one copy of the new tokens to the host; then one batched talker frame step
    (:mod:`.talker`: code predictor for the pending frame, talker decode, next group-0 code)
@@ -158,7 +157,7 @@ class SpeechPipeline:
         talker_repetition_penalty: float = 1.05,
         vocoder: str | Vocoder = "auto",
         cuda_graphs: bool = True,
-        prefill_worker: bool | None = None,
+        prefill_worker: bool = False,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -207,10 +206,10 @@ class SpeechPipeline:
         self.token_observer: Callable[[str, int], None] | None = None
         self._free = _FreeSlots(max_slots)
         self._active: dict[str, _Active] = {}
-        # Prompts are read on a worker thread (and CUDA stream) beside the decode steps, by
-        # default on CUDA; else inline, up to ``prefills_per_step`` per tick.
-        if prefill_worker is None:
-            prefill_worker = self.device.type == "cuda"
+        # Prompts are read inline, up to ``prefills_per_step`` per tick, or with
+        # ``prefill_worker`` on a thread (and CUDA stream) beside the decode steps. Off by default:
+        # the HF prefill forwards are Python-bound, and on the H200 the worker thread and the
+        # engine thread starved each other of the GIL (docs/benchmarks.md).
         self._worker = (
             futures.ThreadPoolExecutor(1, thread_name_prefix="omnirt-prefill") if prefill_worker else None
         )

@@ -241,7 +241,7 @@ def test_a_seed_draws_the_same_tokens_at_batch_1_and_batch_32(demo_dir: Path) ->
 
 
 def test_prefill_worker_reads_prompts_beside_the_decode_steps(demo_dir: Path) -> None:
-    """With the prefill worker (the CUDA default), a new prompt is read on its own thread: the
+    """With the prefill worker, a new prompt is read on its own thread: the
     speaking session's ticks go on while it is blocked, and the turns equal inline prefill's."""
     import threading
 

@@ -30,11 +30,12 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def test_cuda_fp32_reply_equals_generate(demo_dir: Path, no_tf32) -> None:
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_fp32_reply_equals_generate(demo_dir: Path, no_tf32, graphs: bool) -> None:
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(demo_dir)).eval().cuda()
-    pipe = load_speech_pipeline(demo_dir, device="cuda", dtype=torch.float32, max_slots=4)
+    pipe = load_speech_pipeline(demo_dir, device="cuda", dtype=torch.float32, max_slots=4, cuda_graphs=graphs)
     req = audio_request("r", tone(1.0), max_output_tokens=24)
     prompt = pipe.prompts.build(req.messages)
     ids = prompt.input_ids.cuda()
@@ -59,12 +60,18 @@ def test_cuda_fp32_reply_equals_generate(demo_dir: Path, no_tf32) -> None:
     pipe.stop_token_ids = {eos}
     pipe.max_audio_frames = 39
     log = TokenLog(pipe)
+    frames: list[torch.Tensor] = []
+    push = pipe.vocoder.push
+    pipe.vocoder.push = lambda key, frame: (frames.append(frame.clone()), push(key, frame))[1]
     pipe.add(req)
     outs = of(drain(pipe), "r")
     assert log.tokens["r"] == seq[0, ids.shape[1] :].tolist()
     pcm = np.concatenate([o.pcm for o in outs if isinstance(o, AudioDelta)])
     expected = wav.reshape(-1).float().cpu().numpy()
     assert pcm.shape == expected.shape
+    off = np.flatnonzero(np.abs(pcm / 32768.0 - expected) > 2e-4)
+    first_frame = (off[0] + 555) // 1920 if off.size else None
+    print(f"\n[gpu] fp32 graphs={graphs}: {len(frames)} frames; first frame off generate's audio: {first_frame}")
     np.testing.assert_allclose(pcm / 32768.0, expected, atol=2e-4, rtol=0)
 
 
@@ -264,10 +271,13 @@ def test_each_decode_step_replays_its_eager_step_bitwise(demo_dir: Path, dtype: 
     for i in range(5):
         pipe.add(audio_request(f"r{i}", tone(1.0, 200.0 + 50 * i), max_output_tokens=40,
                                temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=i))
-    for _ in range(6):
+    rows: list = []
+    for _ in range(20):
         pipe.step()
-    rows = [a for a in pipe._active.values() if a.talker is not None and a.talker.started]
-    assert len(rows) >= 3
+        rows = [a for a in pipe._active.values() if a.talker is not None and a.talker.started]
+        if len(rows) >= 4:
+            break
+    assert len(rows) >= 4
     slots = [a.slot for a in rows]
     bucket = pipe._bucket(max(slots) + 1)
     text = [(0, 7 + i) for i in range(len(slots))]
