@@ -50,6 +50,18 @@ class _Captured:
     outputs: dict[str, torch.Tensor]
 
 
+def check_distinct(inputs: Mapping[str, torch.Tensor]) -> None:
+    """Static inputs must not share a storage: each call copies every input into its buffer, so
+    two names on one buffer would hand the graph the last one's values under both names."""
+    seen: dict[int, str] = {}
+    for name, tensor in inputs.items():
+        if tensor.numel() == 0:
+            continue
+        other = seen.setdefault(tensor.untyped_storage().data_ptr(), name)
+        if other != name:
+            raise ValueError(f"make_inputs gave {other!r} and {name!r} one buffer; give each input its own")
+
+
 def batch_size(tensors: Mapping[str, torch.Tensor]) -> int:
     """The shared leading dimension of ``tensors``; ValueError when they disagree or are empty."""
     if not tensors:
@@ -101,6 +113,7 @@ class CudaGraphRunner:
             inputs = self.make_inputs(bucket)
             if batch_size(inputs) != bucket:
                 raise ValueError(f"make_inputs({bucket}) returned a batch of {batch_size(inputs)}")
+            check_distinct(inputs)
             if any(t.device.type != "cuda" for t in inputs.values()):
                 return
             side = torch.cuda.Stream()

@@ -336,8 +336,10 @@ class Talker:
         }
 
     def _example(self, batch: int) -> dict[str, torch.Tensor]:
-        zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
-        return {"active": zeros.bool(), "text_token": zeros, "text_kind": zeros}
+        def zeros() -> torch.Tensor:  # one buffer per input: the graph copies into each
+            return torch.zeros(batch, dtype=torch.long, device=self.device)
+
+        return {"active": zeros().bool(), "text_token": zeros(), "text_kind": zeros()}
 
     def step(
         self, slots: list[int], text: list[tuple[int, int]], batch: int

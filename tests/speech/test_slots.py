@@ -89,3 +89,10 @@ def test_idle_rows_content_never_changes_the_active_rows_bits(decoder: SlotDecod
         active = torch.tensor([False, True, False, True])
         results.append(decoder.step(x, pos, active, attend=16)[[1, 3]])
     assert torch.equal(results[0], results[1])
+
+
+def test_graphed_steps_give_each_static_input_its_own_buffer(pipeline) -> None:
+    from omnirt.stages.graphs import check_distinct
+
+    check_distinct(pipeline.thinker._example(4))
+    check_distinct(pipeline.talker._example(4))

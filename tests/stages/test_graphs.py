@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnirt.stages.graphs import CudaGraphRunner, batch_size
+from omnirt.stages.graphs import CudaGraphRunner, batch_size, check_distinct
 
 SLOTS = 8
 
@@ -46,6 +46,15 @@ def test_batch_size_checks_the_leading_dimension():
         batch_size({"a": torch.zeros(())})
     with pytest.raises(ValueError, match="at least one"):
         batch_size({})
+
+
+def test_static_inputs_must_not_share_a_buffer():
+    """Two inputs on one buffer would both read the last one copied in (the talker's text token
+    and text kind once did, and the graph saw the kind as the token)."""
+    zeros = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="'a' and 'b' one buffer"):
+        check_distinct({"a": zeros, "b": zeros})
+    check_distinct({"a": zeros, "b": torch.zeros(4, dtype=torch.long), "c": zeros.bool()})
 
 
 def test_buckets_must_be_positive():
