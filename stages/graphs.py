@@ -174,25 +174,28 @@ class CudaGraphRunner:
 
 
 class LengthBucketedRunner:
-    """A step with a static attention length as well as a batch: one :class:`CudaGraphRunner`
-    per length bucket (``step(inputs, attend)`` with ``attend`` fixed per runner), all sharing
-    one memory pool, so replaying any of them never clobbers another's persistent state.
+    """A step with a static length as well as a batch: one :class:`CudaGraphRunner` per length
+    bucket (``step(inputs, length)`` and ``make_inputs(batch, length)`` with the bucket's
+    length), all sharing one memory pool, so replaying any of them never clobbers another's
+    persistent state.
 
     ``runner(inputs, length)`` runs the smallest bucket ``>= length`` (eager when graphs are off
     or nothing is captured for the shape). Graphs sharing a pool must never run concurrently,
     and their outputs should be views of persistent buffers (not of pool memory), since the
-    next replay of another graph of the pool may reuse an earlier graph's temporaries.
+    next replay of another graph of the pool may reuse an earlier graph's temporaries; else
+    ``clone_outputs=True``.
     """
 
     def __init__(
         self,
         step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
-        make_inputs: Callable[[int], dict[str, torch.Tensor]],
+        make_inputs: Callable[[int, int], dict[str, torch.Tensor]],
         *,
         batch_buckets: Sequence[int],
         length_buckets: Sequence[int],
         enabled: bool = True,
         pool: object | None = None,
+        clone_outputs: bool = False,
     ) -> None:
         if not length_buckets:
             raise ValueError("length_buckets must not be empty")
@@ -200,10 +203,10 @@ class LengthBucketedRunner:
         self.runners = {
             n: CudaGraphRunner(
                 (lambda inputs, n=n: step(inputs, n)),
-                make_inputs,
+                (lambda batch, n=n: make_inputs(batch, n)),
                 batch_buckets,
                 enabled=enabled,
-                clone_outputs=False,
+                clone_outputs=clone_outputs,
                 pool=pool,
             )
             for n in self.lengths

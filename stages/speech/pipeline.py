@@ -179,15 +179,22 @@ class SpeechPipeline:
         graphs = cuda_graphs and self.device.type == "cuda"
         self._buckets = buckets = batch_buckets(max_slots)
         pool = torch.cuda.graph_pool_handle() if graphs else None
-        self.thinker = Thinker(
-            model, max_slots=max_slots, max_len=max_context, batch_buckets=buckets, graphs=graphs, pool=pool
-        )
         self.has_talker = bool(getattr(model, "has_talker", False))
+        self.thinker = Thinker(
+            model,
+            max_slots=max_slots,
+            max_len=max_context,
+            batch_buckets=buckets,
+            graphs=graphs,
+            pool=pool,
+            accept_layer=int(cfg.talker_config.accept_hidden_layer) if self.has_talker else 0,
+        )
         if self.has_talker:
             self.talker = Talker(
                 model,
                 max_slots=max_slots,
                 max_len=max_context + max_audio_frames + 16,  # + the nine assistant-header positions
+                max_prompt=max_context + 16,
                 batch_buckets=buckets,
                 graphs=graphs,
                 pool=pool,
@@ -201,7 +208,6 @@ class SpeechPipeline:
                 else vocoder
             )
             self.speakers = {k.lower(): int(v) for k, v in (cfg.talker_config.speaker_id or {}).items()}
-            self.accept_layer = int(cfg.talker_config.accept_hidden_layer)
         #: Called with (request_id, token_id) for every thinker token drawn (tests, tracing).
         self.token_observer: Callable[[str, int], None] | None = None
         self._free = _FreeSlots(max_slots)
@@ -224,8 +230,11 @@ class SpeechPipeline:
     # -- graphs and warm-up ------------------------------------------------------------------------
     @property
     def runners(self) -> list[Any]:
-        """The graphed decode steps (thinker, talker frame)."""
-        return [self.thinker.runner, *([self.talker.runner] if self.has_talker else [])]
+        """The graphed steps: thinker decode and prompt pass, talker frame (and prompt pass)."""
+        runners = [self.thinker.runner, self.thinker.prompt_runner]
+        if self.has_talker:
+            runners += [self.talker.runner, self.talker.prompt_runner]
+        return runners
 
     def capture(self) -> float:
         """Captures every decode step's CUDA graphs (each batch and length bucket); returns the
@@ -439,17 +448,12 @@ class SpeechPipeline:
         stream = self._prefill_stream
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.calls["thinker_prefill", 1] += 1
-            thinker = self.thinker.forward_prompt(
-                active.slot, active.prompt, hidden_states=active.talker is not None
-            )
+            thinker = self.thinker.forward_prompt(active.slot, active.prompt)
             talker_prompt = talker = None
             t = active.talker
             if t is not None:
-                hidden = thinker.hidden_states
-                assert hidden is not None
-                talker_prompt = build_talker_prompt(
-                    self.model, thinker.input_ids, hidden[0][0], hidden[self.accept_layer][0]
-                )
+                accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds
+                talker_prompt = build_talker_prompt(self.model, thinker.input_ids, thinker.embeds, accepted)
                 header = talker_prompt.assistant_embeds
                 if header.shape[0] > 4 + HEADER_MAX:
                     raise RequestRejected("the prompt's assistant header is too long for the talker")

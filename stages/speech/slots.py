@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
@@ -106,18 +107,6 @@ class SlotDecoder:
     def longest(self, slots: Sequence[int]) -> int:
         return max((self.host_lengths[s] for s in slots), default=0)
 
-    def load(self, slot: int, cache: object) -> None:
-        """Copies a single-row HF cache (``DynamicCache`` after a prefill) into ``slot``."""
-        layers = cache.layers  # type: ignore[attr-defined]
-        n = layers[0].keys.shape[-2]
-        if n > self.max_len:
-            raise ValueError(f"prompt of {n} tokens exceeds the slot length {self.max_len}")
-        for i, layer in enumerate(layers):
-            self.keys[i][slot, :, :n] = layer.keys[0]
-            self.values[i][slot, :, :n] = layer.values[0]
-        self.lengths[slot] = n
-        self.host_lengths[slot] = n
-
     def advance_host(self, slots: Sequence[int]) -> None:
         """Mirrors on the host the length each active row gained in a :meth:`step`."""
         for slot in slots:
@@ -171,3 +160,57 @@ class SlotDecoder:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         lengths.add_(active.long())
         return self.model.norm(x)[:, 0]
+
+    def prompt_step(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        slot: torch.Tensor,
+        length: torch.Tensor,
+        *,
+        keep: int | None = None,
+        deepstack: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A whole prompt through the layers into one slot, at a static length bucket ``P``:
+        ``embeds`` [P, H] (the prompt, then padding), ``positions`` [3, P] (multimodal) or
+        [P], ``slot`` and ``length`` 1-element device tensors. Writes the prompt's keys/values
+        into the slot's first ``P`` cache entries (entries past ``length`` are padding, beyond
+        the slot's length, and overwritten later); the slot's length is the caller's to set
+        (:meth:`set_length`), so this writes nothing a decode step of other slots touches.
+        Causal attention: the prompt never sees its padding. ``deepstack`` [n, P, H] is added
+        to the output of layers ``0..n-1`` (Qwen3-Omni's visual features; zeros elsewhere).
+        Returns the final-norm hidden state at ``length - 1`` [H] and, with ``keep = j``, the
+        output of layer ``j - 1`` [P, H] (``j = 0``: the embeddings; what transformers records
+        as hidden state ``j``)."""
+        count = embeds.shape[0]
+        x = embeds.unsqueeze(0)
+        pos = positions.view(3, 1, count) if self.multimodal_rope else positions.view(1, count)
+        cos, sin = self.model.rotary_emb(x, pos)
+        kept = x[0] if keep == 0 else None
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(1, count, -1, self.head_dim)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(h).view(1, count, -1, self.head_dim)).transpose(1, 2)
+            v = attn.v_proj(h).view(1, count, -1, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            self.keys[i][:, :, :count].index_copy_(0, slot, k.to(self.keys[i].dtype))
+            self.values[i][:, :, :count].index_copy_(0, slot, v.to(self.values[i].dtype))
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
+            )
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, count, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if keep == i + 1:
+                kept = x[0]
+            if deepstack is not None and i < deepstack.shape[0]:
+                x = x + deepstack[i].unsqueeze(0).to(x.dtype)
+        last = x[0].index_select(0, length - 1)
+        return self.model.norm(last)[0], kept
+
+    def set_length(self, slot: int, length: int) -> None:
+        """After :meth:`prompt_step`: the slot holds ``length`` entries (host and device)."""
+        if length > self.max_len:
+            raise ValueError(f"prompt of {length} tokens exceeds the slot length {self.max_len}")
+        self.lengths[slot] = length
+        self.host_lengths[slot] = length

@@ -23,14 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..graphs import LengthBucketedRunner
 from .draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
-from .hf_compat import output_cache
 from .sampling import apply_repetition_penalty
 from .slots import SlotDecoder, length_buckets
 
@@ -140,7 +139,7 @@ def talker_rope_index(
 class TalkerPrefill:
     """A talker prompt's prefill, before it is loaded into its slot."""
 
-    cache: Any
+    length: int  # prompt positions (their keys/values are in the slot already)
     next_position: torch.Tensor  # 0-d
     hidden: torch.Tensor  # [Ht] the last hidden state
     header: torch.Tensor | None  # projected assistant-header positions from 4 on, if any
@@ -165,6 +164,7 @@ class Talker:
         *,
         max_slots: int,
         max_len: int,
+        max_prompt: int,
         batch_buckets: list[int],
         graphs: bool,
         pool: object | None,
@@ -226,6 +226,16 @@ class Talker:
             enabled=graphs,
             pool=pool,
         )
+        #: The prompt pass (one talker prompt at a time, static length buckets from 64 tokens).
+        self.prompt_runner = LengthBucketedRunner(
+            self._prompt_step,
+            self._prompt_example,
+            batch_buckets=[1],
+            length_buckets=length_buckets(min(max_prompt, max_len), smallest=64),
+            enabled=graphs,
+            pool=pool,
+            clone_outputs=True,
+        )
 
     # -- admission and prefill -------------------------------------------------------------------
     def set_sampling(self, slot: int, *, sample: bool, seed: int) -> None:
@@ -284,26 +294,49 @@ class Talker:
         stream); :meth:`load` fills the slot. ``rope``: the prompt ids [L] -> their multimodal
         RoPE index [3, 1, L]; None for prompts without audio or images (positions 0..L-1)."""
         embeds, ids = self.prefill_inputs(prompt, first_text, speaker_id)
+        length = ids.shape[0]
         if rope is not None:
             positions = rope(ids)
         else:
-            positions = torch.arange(ids.shape[0], device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        result = self.talker.model(inputs_embeds=embeds[None], position_ids=positions, use_cache=True)
-        hidden = result.last_hidden_state[:, -1]
+            positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        pad = self.prompt_runner.length_for(length) - length
+        inputs = {
+            "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
+            "positions": F.pad(positions[:, 0], (0, pad))[None],
+            "slot": torch.tensor([slot], device=self.device),
+            "length": torch.tensor([length], device=self.device),
+        }
+        hidden = self.prompt_runner(inputs, length)["last"]
         header = prompt.assistant_embeds[4 : 4 + HEADER_MAX]
         # A fresh slot has drawn no code yet: no repetition penalty on the first one.
         logits = self.talker.codec_head(hidden).float().masked_fill(self.suppress, float("-inf"))
         return TalkerPrefill(
-            output_cache(result),
+            length,
             positions.max() + 1,
             hidden[0],
             self.talker.text_projection(header) if header.shape[0] else None,
             self.sampling.draw(logits, slot, TALKER_STREAM)[0],
         )
 
+    def _prompt_example(self, batch: int, length: int) -> dict[str, torch.Tensor]:
+        # As the thinker's: harmless at start-up, when capture runs it on slot 0.
+        hidden = self.hidden.shape[-1]
+        return {
+            "embeds": torch.zeros((batch, length, hidden), device=self.device, dtype=self.hidden.dtype),
+            "positions": torch.zeros((batch, 3, length), dtype=torch.long, device=self.device),
+            "slot": torch.zeros(batch, dtype=torch.long, device=self.device),
+            "length": torch.ones(batch, dtype=torch.long, device=self.device),
+        }
+
+    def _prompt_step(self, inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        last, _ = self.kv.prompt_step(
+            inputs["embeds"][0], inputs["positions"][0], inputs["slot"], inputs["length"]
+        )
+        return {"last": last[None]}
+
     def load(self, slot: int, prefill: TalkerPrefill) -> None:
-        """Fills ``slot`` from a prefill (on the engine thread, in stream order)."""
-        self.kv.load(slot, prefill.cache)
+        """Ends a prefill in ``slot`` (on the engine thread, in stream order)."""
+        self.kv.set_length(slot, prefill.length)
         self.position[slot] = prefill.next_position
         self.hidden[slot] = prefill.hidden
         if prefill.header is not None:
@@ -335,7 +368,7 @@ class Talker:
             "predictor_counter": self.predictor_sampling.counter,
         }
 
-    def _example(self, batch: int) -> dict[str, torch.Tensor]:
+    def _example(self, batch: int, length: int = 0) -> dict[str, torch.Tensor]:
         def zeros() -> torch.Tensor:  # one buffer per input: the graph copies into each
             return torch.zeros(batch, dtype=torch.long, device=self.device)
 

@@ -14,24 +14,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..graphs import LengthBucketedRunner
 from .draws import THINKER_STREAM, SlotSampling
-from .hf_compat import output_cache, thinker_rope_index, thinker_text_model
+from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
 from .slots import SlotDecoder, length_buckets
 
 
 @dataclass
 class ThinkerPrefill:
-    """A prompt's prefill, before it is loaded into its slot (see :meth:`Thinker.forward_prompt`)."""
+    """A prompt's prefill (see :meth:`Thinker.forward_prompt`); :meth:`Thinker.load` ends it."""
 
-    cache: Any  # the HF cache of the prompt (one row)
+    length: int  # prompt tokens (their keys/values are in the slot already)
     next_position: torch.Tensor  # 0-d: the RoPE position of the first reply token
     token: torch.Tensor  # 0-d: the first reply token, drawn on the device
     input_ids: torch.Tensor  # [L] prompt ids on the device
-    hidden_states: tuple[torch.Tensor, ...] | None  # all layers' hidden states (for the talker)
+    embeds: torch.Tensor  # [L, H] the prompt's input embeddings (for the talker)
+    accepted: torch.Tensor | None  # [L, H] hidden state ``accept_layer`` (for the talker)
 
 
 class Thinker:
@@ -44,6 +46,7 @@ class Thinker:
         batch_buckets: list[int],
         graphs: bool,
         pool: object | None,
+        accept_layer: int = 0,
     ) -> None:
         self.model = model
         self.thinker = model.thinker
@@ -66,6 +69,19 @@ class Thinker:
             enabled=graphs,
             pool=pool,
         )
+        #: The prompt pass (one prompt at a time, static length buckets from 64 tokens).
+        self.accept_layer = accept_layer
+        vision = self.thinker.config.vision_config
+        self.deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        self.prompt_runner = LengthBucketedRunner(
+            self._prompt_step,
+            self._prompt_example,
+            batch_buckets=[1],
+            length_buckets=length_buckets(max_len, smallest=64),
+            enabled=graphs,
+            pool=pool,
+            clone_outputs=True,
+        )
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every tensor a decode step changes, by name."""
@@ -76,14 +92,16 @@ class Thinker:
             "counter": self.sampling.counter,
         }
 
-    def _example(self, batch: int) -> dict[str, torch.Tensor]:
+    def _example(self, batch: int, length: int = 0) -> dict[str, torch.Tensor]:
         return {"active": torch.zeros(batch, dtype=torch.bool, device=self.device)}
 
     @torch.no_grad()
-    def forward_prompt(self, slot: int, prompt: PromptInputs, *, hidden_states: bool) -> ThinkerPrefill:
-        """Reads a prompt (one HF forward, audio and vision encoders included) and draws the first
-        reply token with ``slot``'s sampling row. Writes no shared state, so it may run on
-        another thread and CUDA stream while decode steps run; :meth:`load` then fills the slot."""
+    def forward_prompt(self, slot: int, prompt: PromptInputs) -> ThinkerPrefill:
+        """Reads a prompt into ``slot``'s cache entries and draws the first reply token with the
+        slot's sampling row: the audio and vision encoders and the embedding merge eagerly (as
+        transformers does), then the layers as one static-length pass (a CUDA graph per length
+        bucket). Writes only the slot's own cache entries, which no decode step touches while
+        the slot waits for its prompt; :meth:`load` then sets the slot's length and tokens."""
         ids = prompt.input_ids.to(self.device)
         mask = torch.ones_like(ids)
         extra: dict[str, Any] = {k: v.to(self.device) for k, v in prompt.model_kwargs().items()}
@@ -94,26 +112,78 @@ class Thinker:
         positions, _ = thinker_rope_index(self.thinker)(
             ids, extra.get("image_grid_thw"), None, mask, False, audio_lengths, None
         )
-        result = self.thinker(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=hidden_states,
-            **extra,
+        embeds, deepstack = self._prompt_embeds(ids, extra)
+        length = ids.shape[1]
+        bucket = self.prompt_runner.length_for(length)
+        pad = bucket - length
+        inputs = {
+            "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
+            "positions": F.pad(positions[:, 0], (0, pad))[None],
+            "slot": torch.tensor([slot], device=self.device),
+            "length": torch.tensor([length], device=self.device),
+            "deepstack": F.pad(deepstack, (0, 0, 0, pad))[None],
+        }
+        out = self.prompt_runner(inputs, length)
+        token = self.sampling.draw(self.lm_head(out["last"]), slot, THINKER_STREAM)[0]
+        accepted = out["accepted"][0, :length] if self.accept_layer else None
+        return ThinkerPrefill(length, positions.max() + 1, token, ids[0], embeds, accepted)
+
+    def _prompt_embeds(self, ids: torch.Tensor, extra: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's input embeddings [L, H] with the audio and image features merged in, and
+        the visual deepstack features placed at the image positions [n, L, H] (zeros elsewhere),
+        as ``Qwen3OmniMoeThinkerModel.forward`` builds them."""
+        model = self.thinker.model
+        embeds = model.get_input_embeddings()(ids)
+        if "input_features" in extra:
+            audio = model.get_audio_features(
+                extra["input_features"], extra["feature_attention_mask"], None, return_dict=True
+            ).last_hidden_state.to(embeds.device, embeds.dtype)
+            _, _, audio_mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
+            embeds = embeds.masked_scatter(audio_mask, audio)
+        deepstack = embeds.new_zeros((self.deepstack, ids.shape[1], embeds.shape[-1]))
+        if "pixel_values" in extra:
+            image = model.get_image_features(extra["pixel_values"], extra["image_grid_thw"], return_dict=True)
+            image_embeds = torch.cat(image.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+            image_mask, _, _ = model.get_placeholder_mask(
+                ids, inputs_embeds=embeds, image_features=image_embeds
+            )
+            embeds = embeds.masked_scatter(image_mask, image_embeds)
+            at = image_mask[0, :, 0]
+            for i, features in enumerate(image.deepstack_features[: self.deepstack]):
+                deepstack[i, at] = torch.cat(features, dim=0).to(deepstack.dtype)
+        return embeds[0], deepstack
+
+    def _prompt_example(self, batch: int, length: int) -> dict[str, torch.Tensor]:
+        # Capture runs the pass on these: slot 0's entries get zeros-derived values, which is
+        # harmless at start-up (no slot is in use when the pipeline captures).
+        hidden = self.embed_tokens.embedding_dim
+        return {
+            "embeds": torch.zeros((batch, length, hidden), device=self.device, dtype=self.dtype),
+            "positions": torch.zeros((batch, 3, length), dtype=torch.long, device=self.device),
+            "slot": torch.zeros(batch, dtype=torch.long, device=self.device),
+            "length": torch.ones(batch, dtype=torch.long, device=self.device),
+            "deepstack": torch.zeros(
+                (batch, self.deepstack, length, hidden), device=self.device, dtype=self.dtype
+            ),
+        }
+
+    def _prompt_step(self, inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        last, accepted = self.kv.prompt_step(
+            inputs["embeds"][0],
+            inputs["positions"][0],
+            inputs["slot"],
+            inputs["length"],
+            keep=self.accept_layer or None,
+            deepstack=inputs["deepstack"][0],
         )
-        token = self.sampling.draw(result.logits[:, -1], slot, THINKER_STREAM)[0]
-        return ThinkerPrefill(
-            output_cache(result),
-            positions.max() + 1,
-            token,
-            ids[0],
-            result.hidden_states if hidden_states else None,
-        )
+        out = {"last": last[None]}
+        if accepted is not None:
+            out["accepted"] = accepted[None]
+        return out
 
     def load(self, slot: int, prefill: ThinkerPrefill) -> None:
-        """Fills ``slot`` from a prefill (on the engine thread, in stream order)."""
-        self.kv.load(slot, prefill.cache)
+        """Ends a prefill in ``slot`` (on the engine thread, in stream order)."""
+        self.kv.set_length(slot, prefill.length)
         self.position[slot] = prefill.next_position
         self.next_token[slot] = prefill.token
         self.sampling.advance_slot(slot)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnirt.stages.speech.hf_compat import thinker_text_model
+from omnirt.stages.speech.hf_compat import thinker_rope_index, thinker_text_model
 from omnirt.stages.speech.slots import SlotDecoder, length_buckets
+from omnirt.stages.types import ContextMessage, GenerationRequest, ImagePart, TextPart
+
+from .conftest import audio_request, png, tone
 
 
 @pytest.fixture
@@ -96,3 +99,39 @@ def test_graphed_steps_give_each_static_input_its_own_buffer(pipeline) -> None:
 
     check_distinct(pipeline.thinker._example(4))
     check_distinct(pipeline.talker._example(4))
+
+
+@pytest.mark.parametrize("with_image", [False, True])
+def test_prompt_pass_equals_the_transformers_prefill(pipeline, hf_model, with_image: bool) -> None:
+    """The thinker's static-length prompt pass (padded to its bucket) leaves the slot's cache,
+    the embeddings and the accepted hidden state of a transformers forward, and touches no other
+    slot; the image prompt checks the deepstack features."""
+    if with_image:
+        req = GenerationRequest("r", [ContextMessage("user", (ImagePart(png()), TextPart("what is it?")))])
+    else:
+        req = audio_request("r", tone(0.7))
+    prompt = pipeline.prompts.build(req.messages)
+    thinker = pipeline.thinker
+    others = [k[[0, 2]].clone() for k in thinker.kv.keys]
+    done = thinker.forward_prompt(1, prompt)
+    ids = prompt.input_ids
+    extra = prompt.model_kwargs()
+    audio_lengths = extra["feature_attention_mask"].sum(-1) if "feature_attention_mask" in extra else None
+    positions, _ = thinker_rope_index(hf_model.thinker)(
+        ids, extra.get("image_grid_thw"), None, torch.ones_like(ids), False, audio_lengths, None
+    )
+    with torch.no_grad():
+        ref = hf_model.thinker(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions,
+                               use_cache=True, output_hidden_states=True, **extra)
+    n = ids.shape[1]
+    assert done.length == n and bool(thinker.prompt_runner.length_for(n) > n)  # padded
+    cache = ref.cache if getattr(ref, "cache", None) is not None else ref.past_key_values
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(thinker.kv.keys[i][1, :, :n], layer.keys[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(thinker.kv.values[i][1, :, :n], layer.values[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(done.embeds, ref.hidden_states[0][0])
+    accepted = ref.hidden_states[thinker.accept_layer][0]
+    torch.testing.assert_close(done.accepted, accepted, atol=1e-4, rtol=1e-4)
+    assert int(done.token) == int(ref.logits[0, -1].argmax())
+    for before, k in zip(others, thinker.kv.keys, strict=True):
+        assert torch.equal(k[[0, 2]], before)
