@@ -302,7 +302,8 @@ class Talker:
         pad = self.prompt_runner.length_for(length) - length
         inputs = {
             "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
-            "positions": F.pad(positions[:, 0], (0, pad))[None],
+            # float32 (exact for integers): transformers gives audio prompts float positions
+            "positions": F.pad(positions[:, 0].float(), (0, pad))[None],
             "slot": torch.tensor([slot], device=self.device),
             "length": torch.tensor([length], device=self.device),
         }
@@ -323,7 +324,7 @@ class Talker:
         hidden = self.hidden.shape[-1]
         return {
             "embeds": torch.zeros((batch, length, hidden), device=self.device, dtype=self.hidden.dtype),
-            "positions": torch.zeros((batch, 3, length), dtype=torch.long, device=self.device),
+            "positions": torch.zeros((batch, 3, length), dtype=torch.float32, device=self.device),
             "slot": torch.zeros(batch, dtype=torch.long, device=self.device),
             "length": torch.ones(batch, dtype=torch.long, device=self.device),
         }

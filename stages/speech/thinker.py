@@ -118,7 +118,8 @@ class Thinker:
         pad = bucket - length
         inputs = {
             "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
-            "positions": F.pad(positions[:, 0], (0, pad))[None],
+            # float32 (exact for integers): transformers gives audio prompts float positions
+            "positions": F.pad(positions[:, 0].float(), (0, pad))[None],
             "slot": torch.tensor([slot], device=self.device),
             "length": torch.tensor([length], device=self.device),
             "deepstack": F.pad(deepstack, (0, 0, 0, pad))[None],
@@ -159,7 +160,7 @@ class Thinker:
         hidden = self.embed_tokens.embedding_dim
         return {
             "embeds": torch.zeros((batch, length, hidden), device=self.device, dtype=self.dtype),
-            "positions": torch.zeros((batch, 3, length), dtype=torch.long, device=self.device),
+            "positions": torch.zeros((batch, 3, length), dtype=torch.float32, device=self.device),
             "slot": torch.zeros(batch, dtype=torch.long, device=self.device),
             "length": torch.ones(batch, dtype=torch.long, device=self.device),
             "deepstack": torch.zeros(

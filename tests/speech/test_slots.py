@@ -9,7 +9,7 @@ from omnirt.stages.speech.hf_compat import thinker_rope_index, thinker_text_mode
 from omnirt.stages.speech.slots import SlotDecoder, length_buckets
 from omnirt.stages.types import ContextMessage, GenerationRequest, ImagePart, TextPart
 
-from .conftest import audio_request, png, tone
+from .conftest import audio_request, drain, png, tone
 
 
 @pytest.fixture
@@ -135,3 +135,38 @@ def test_prompt_pass_equals_the_transformers_prefill(pipeline, hf_model, with_im
     assert int(done.token) == int(ref.logits[0, -1].argmax())
     for before, k in zip(others, thinker.kv.keys, strict=True):
         assert torch.equal(k[[0, 2]], before)
+
+
+def test_prompt_passes_feed_their_graphs_the_captured_shapes_and_dtypes(pipeline) -> None:
+    """A prompt's pass inputs match the example inputs its graphs are captured with (shape past
+    the batch, dtype), for audio, image and text prompts: else it would silently run eagerly
+    (transformers gives audio prompts float positions)."""
+    from omnirt.stages.graphs import CudaGraphRunner, _Captured
+
+    seen: list[tuple[object, int, dict]] = []
+    for owner in (pipeline.thinker, pipeline.talker):
+        for length, runner in owner.prompt_runner.runners.items():
+            def spy(self, inputs, length=length, owner=owner):
+                seen.append((owner, length, inputs))
+                return CudaGraphRunner.__call__(self, inputs)
+
+            runner.__class__ = type("Spied", (CudaGraphRunner,), {"__call__": spy})
+    try:
+        image = ContextMessage("user", (ImagePart(png()), TextPart("what is it?")))
+        for req in (
+            audio_request("a", tone(0.6), max_output_tokens=4),
+            GenerationRequest("i", [image], max_output_tokens=4),
+        ):
+            pipeline.add(req)
+            drain(pipeline)
+    finally:
+        for owner in (pipeline.thinker, pipeline.talker):
+            for runner in owner.prompt_runner.runners.values():
+                runner.__class__ = CudaGraphRunner
+    assert {type(o).__name__ for o, _, _ in seen} == {"Thinker", "Talker"} and len(seen) == 4
+    for owner, length, inputs in seen:
+        example = owner._prompt_example(1, length)
+        assert CudaGraphRunner._matches(None, _Captured(None, example, {}), inputs), (
+            {k: (tuple(v.shape), v.dtype) for k, v in inputs.items()},
+            {k: (tuple(v.shape), v.dtype) for k, v in example.items()},
+        )
