@@ -229,7 +229,8 @@ def test_stop_fails_preparing_waiting_and_active_requests_with_shutdown() -> Non
     engine.submit(_talk("preparing", "slow"), preparing)
     assert echo.entered.wait(5)
     deadline = time.monotonic() + 5
-    while engine.stats.waiting != 1 and time.monotonic() < deadline:
+    # "active" admitted and started (else it could be the one request waiting), "waiting" queued.
+    while (not active.outputs or engine.stats.waiting != 1) and time.monotonic() < deadline:
         time.sleep(0.005)
     engine.stop()
     echo.gate.set()
