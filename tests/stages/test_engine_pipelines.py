@@ -224,13 +224,14 @@ def test_stop_fails_preparing_waiting_and_active_requests_with_shutdown() -> Non
     engine = Engine(echo)
     engine.start()
     active, waiting, preparing = _Sink(), _Sink(), _Sink()
-    engine.submit(_talk("active", " ".join(["w"] * 500)), active)
+    engine.submit(_talk("active", " ".join(["w"] * 100_000)), active)  # never ends on its own here
+    deadline = time.monotonic() + 5
+    while not active.outputs and time.monotonic() < deadline:  # admitted first: it holds the slot
+        time.sleep(0.005)
     engine.submit(_talk("waiting"), waiting)
     engine.submit(_talk("preparing", "slow"), preparing)
     assert echo.entered.wait(5)
-    deadline = time.monotonic() + 5
-    # "active" admitted and started (else it could be the one request waiting), "waiting" queued.
-    while (not active.outputs or engine.stats.waiting != 1) and time.monotonic() < deadline:
+    while engine.stats.waiting != 1 and time.monotonic() < deadline:
         time.sleep(0.005)
     engine.stop()
     echo.gate.set()
