@@ -19,6 +19,7 @@ import torch
 
 from ..types import ModelInfo
 from .dummy import DEFAULT_SEED, LOAD_FORMATS
+from .memory import plan_slots
 from .pipeline import SpeechPipeline
 from .prompt import PromptBuilder
 
@@ -202,7 +203,9 @@ def load_speech_pipeline(
     also be that JSON file) and builds the model with random weights (``seed``) on ``device``
     (see :mod:`.dummy`), reported as random whatever ``random_weights`` says.
     ``dtype`` defaults to float32 on CPU and bfloat16 elsewhere; ``max_context`` (thinker tokens
-    per request, prompt and reply) defaults to the smaller of the model's limit and 4096.
+    per request, prompt and reply) defaults to the smaller of the model's limit and 4096, or on
+    CUDA to the longest power of two up to that whose slots fit the free memory (see
+    :mod:`.memory`; a given ``max_context`` whose slots do not fit is refused with the sizes).
     ``cuda_graphs``: on CUDA, every decode step (thinker token, talker frame with the code
     predictor's loop and sampling) and the streaming code2wav vocoder capture their CUDA graphs
     here, for every batch and attention-length bucket, and replay them (bitwise the same output
@@ -236,13 +239,24 @@ def load_speech_pipeline(
     model.set_experts_implementation("batched_mm" if fp32_cuda else "grouped_mm")
     cfg = model.config
     limit = int(cfg.thinker_config.text_config.max_position_embeddings)
+    # The slots' KV caches, planned against what the GPU has free once the weights are in.
+    plan = plan_slots(
+        cfg,
+        max_slots=max_slots,
+        max_context=min(limit, max_context) if max_context else None,
+        default_context=min(limit, 4096),
+        max_audio_frames=max_audio_frames,
+        element_size=torch.empty((), dtype=dtype).element_size(),
+        free_bytes=torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None,
+    )
+    log.info("speech slots: %s", plan.describe())
     info = ModelInfo(
         id=model_id or _model_name(path),
         architecture=raw.get("architectures", [ARCHITECTURE])[0] if load_format == "auto" else ARCHITECTURE,
         random_weights=random_weights,
         source=str(path),
         voices=tuple(sorted((cfg.talker_config.speaker_id or {}).keys())) if model.has_talker else (),
-        max_context_tokens=min(limit, max_context or 4096),
+        max_context_tokens=plan.max_context,
     )
     log.info("loaded %s from %s on %s (%s): %s", info.architecture, path, device, dtype, what)
     pipeline = SpeechPipeline(
