@@ -197,28 +197,32 @@ def build_demo_checkpoint(directory: Path, *, seed: int = DEMO_SEED) -> None:
     )
 
 
+def image_processor_settings(patch_size: int, temporal_patch_size: int, merge_size: int) -> dict[str, Any]:
+    """The Qwen2-VL image processor keys of the embedded default (small images) for a vision
+    encoder's patch and merge sizes."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "patch_size": patch_size,
+        "temporal_patch_size": temporal_patch_size,
+        "merge_size": merge_size,
+        "min_pixels": 32 * 32,
+        "max_pixels": 256 * 256,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+    }
+
+
 def _add_image_processor(directory: Path) -> None:
     """Merges the Qwen2-VL image processor keys into ``preprocessor_config.json`` (published layout)."""
     path = directory / "preprocessor_config.json"
     cfg = json.loads(path.read_text())
-    cfg.update(
-        {
-            "image_processor_type": "Qwen2VLImageProcessor",
-            "patch_size": 16,
-            "temporal_patch_size": 2,
-            "merge_size": 2,
-            "min_pixels": 32 * 32,
-            "max_pixels": 256 * 256,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_resize": True,
-            "do_rescale": True,
-            "do_normalize": True,
-            "do_convert_rgb": True,
-            "resample": 3,
-            "rescale_factor": 1 / 255,
-        }
-    )
+    cfg.update(image_processor_settings(16, 2, 2))
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

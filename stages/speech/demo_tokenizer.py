@@ -47,15 +47,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> Tokenizer:
-    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+def role_merges() -> tuple[list[str], list[tuple[str, str]]]:
+    """The BPE merges that make each role word one token, and the tokens they produce."""
+    products: list[str] = []
     merges: list[tuple[str, str]] = []
     for word in ROLE_WORDS:
         prefix = word[0]
         for ch in word[1:]:
             merges.append((prefix, ch))
             prefix += ch
-            vocab.setdefault(prefix, len(vocab))
+            if prefix not in products:
+                products.append(prefix)
+    return products, merges
+
+
+def build_tokenizer() -> Tokenizer:
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    products, merges = role_merges()
+    for token in products:
+        vocab.setdefault(token, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .demo_tokenizer import CHAT_TEMPLATE, ROLE_WORDS, SPECIAL_TOKENS
+from .demo_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, role_merges
 
 log = logging.getLogger(__name__)
 
@@ -193,20 +193,6 @@ def _filler(token_id: int, width: int) -> str:
     return "\u0120" + "".join(parts)
 
 
-def _role_merges() -> tuple[list[str], list[tuple[str, str]]]:
-    """The merge products that make each role word one token (as ``demo_tokenizer`` does)."""
-    products: list[str] = []
-    merges: list[tuple[str, str]] = []
-    for word in ROLE_WORDS:
-        prefix = word[0]
-        for ch in word[1:]:
-            merges.append((prefix, ch))
-            prefix += ch
-            if prefix not in products:
-                products.append(prefix)
-    return products, merges
-
-
 def config_vocab(config: Any, raw: dict[str, Any]) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The byte-level BPE vocabulary (token -> id, dense over ``vocab_size``) and merges of the
     tokenizer :func:`config_tokenizer` builds."""
@@ -214,7 +200,7 @@ def config_vocab(config: Any, raw: dict[str, Any]) -> tuple[dict[str, int], list
 
     vocab_size = int(config.thinker_config.text_config.vocab_size)
     vocab = dict(config_token_ids(config, raw))
-    products, merges = _role_merges()
+    products, merges = role_merges()
     needed = [*sorted(ByteLevel.alphabet()), *products, *SPECIAL_TOKENS]
     taken = set(vocab.values())
     free = (i for i in range(vocab_size) if i not in taken)
@@ -278,21 +264,11 @@ def default_image_processor(config: Any) -> Any:
     settings are the embedded default's)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from .demo import image_processor_settings
+
     vision = config.thinker_config.vision_config
-    return Qwen2VLImageProcessorPil.from_dict(
-        {
-            "patch_size": int(vision.patch_size),
-            "temporal_patch_size": int(vision.temporal_patch_size),
-            "merge_size": int(vision.spatial_merge_size),
-            "min_pixels": 32 * 32,
-            "max_pixels": 256 * 256,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_resize": True,
-            "do_rescale": True,
-            "do_normalize": True,
-            "do_convert_rgb": True,
-            "resample": 3,
-            "rescale_factor": 1 / 255,
-        }
+    settings = image_processor_settings(
+        int(vision.patch_size), int(vision.temporal_patch_size), int(vision.spatial_merge_size)
     )
+    del settings["image_processor_type"]
+    return Qwen2VLImageProcessorPil.from_dict(settings)
