@@ -36,7 +36,6 @@ keyed by the request's seed (:mod:`.draws`), so a seed gives the same reply what
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import logging
 import time
@@ -53,22 +52,18 @@ from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import AudioDelta, Finished, GenerationRequest, ModelInfo, Output, Started, TextDelta, Usage
 from .code2wav import Vocoder, make_vocoder
 from .draws import fresh_seed
+from .prefill import Prefilled, Prefiller
 from .prompt import PromptBuilder, PromptInputs
 from .talker import (
-    HEADER_MAX,
     TEXT_EOS,
     TEXT_HEADER,
     TEXT_PAD,
     TEXT_TOKEN,
     Talker,
-    TalkerPrefill,
-    TalkerPrompt,
     TalkerState,
-    build_talker_prompt,
-    talker_rope_index,
 )
 from .text_out import TextOut
-from .thinker import Thinker, ThinkerPrefill
+from .thinker import Thinker
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +84,6 @@ class SpeechPrompt:
     max_tokens: int
 
 
-@dataclass
-class _Prefilled:
-    """What a prefill job hands the engine thread (see ``SpeechPipeline._prefill``)."""
-
-    thinker: ThinkerPrefill
-    talker_prompt: TalkerPrompt | None
-    talker: TalkerPrefill | None
-    event: torch.cuda.Event | None  # recorded on the prefill stream after its last kernel
-
-
 @dataclass(eq=False)
 class _Active:
     request: GenerationRequest
@@ -111,7 +96,7 @@ class _Active:
     thinker_done: bool = False
     reason: str = "stop"
     reply: list[int] | None = None  # reply token ids drawn (the talker's trailing text)
-    job: futures.Future[_Prefilled] | None = None  # the prompt's prefill, once started
+    job: futures.Future[Prefilled] | None = None  # the prompt's prefill, once started
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
 
@@ -216,15 +201,12 @@ class SpeechPipeline:
         # ``prefill_worker`` on a thread (and CUDA stream) beside the decode steps. Off by default:
         # the HF prefill forwards are Python-bound, and on the H200 the worker thread and the
         # engine thread starved each other of the GIL (docs/benchmarks.md).
-        self._worker = (
-            futures.ThreadPoolExecutor(1, thread_name_prefix="omnirt-prefill") if prefill_worker else None
-        )
-        self._prefill_stream = (
-            torch.cuda.Stream(self.device) if prefill_worker and self.device.type == "cuda" else None
-        )
-        self._retired: list[_Prefilled] = []
         #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
         self.calls: CallCounter = collections.Counter()
+        self._prefiller = Prefiller(
+            model, self.thinker, self.talker if self.has_talker else None, self.calls, worker=prefill_worker
+        )
+        self._retired: list[Prefilled] = []
         self.step_timer = StepTimer()
 
     # -- graphs and warm-up ------------------------------------------------------------------------
@@ -417,10 +399,11 @@ class SpeechPipeline:
         on the prefill worker they run beside the decode steps, which never wait for them,
         except on a tick with nothing else to do."""
         new = [a for a in self._active.values() if a.job is None]
-        if self._worker is None:
+        if self._prefiller.worker is None:
             new = new[: self.prefills_per_step]
         for active in new:
-            active.job = self._start_prefill(active)
+            t = active.talker
+            active.job = self._prefiller.start(active.slot, active.prompt, t.speaker_id if t else None)
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
         if idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
             futures.wait([a.job for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)
@@ -432,63 +415,11 @@ class SpeechPipeline:
                     first.append((active, token))
         return first
 
-    def _start_prefill(self, active: _Active) -> futures.Future[_Prefilled]:
-        if self._worker is not None:
-            return self._worker.submit(self._prefill, active)
-        job: futures.Future[_Prefilled] = futures.Future()
-        try:
-            job.set_result(self._prefill(active))
-        except Exception as exc:
-            job.set_exception(exc)
-        return job
-
-    def _prefill(self, active: _Active) -> _Prefilled:
-        """A prompt's thinker and talker prefill (any thread; writes no shared state). On the
-        worker it runs on a CUDA stream of its own and records an event for the engine thread."""
-        stream = self._prefill_stream
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.calls["thinker_prefill", 1] += 1
-            thinker = self.thinker.forward_prompt(active.slot, active.prompt)
-            talker_prompt = talker = None
-            t = active.talker
-            if t is not None:
-                accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds
-                talker_prompt = build_talker_prompt(self.model, thinker.input_ids, thinker.embeds, accepted)
-                header = talker_prompt.assistant_embeds
-                if header.shape[0] > 4 + HEADER_MAX:
-                    raise RequestRejected("the prompt's assistant header is too long for the talker")
-                # Talker input 3: the header's fourth position, else reply token 0.
-                first = header[3] if header.shape[0] > 3 else self.thinker.embed_tokens.weight[thinker.token]
-                self.calls["talker_prefill", 1] += 1
-                talker = self.talker.forward_prompt(
-                    active.slot, talker_prompt, first, t.speaker_id, self._talker_rope(active)
-                )
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-        return _Prefilled(thinker, talker_prompt, talker, event)
-
-    def _talker_rope(self, active: _Active) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        p = active.prompt
-        if p.input_features is None and p.image_grid_thw is None:
-            return None
-        audio_lengths = (
-            p.feature_attention_mask.sum(-1).to(self.device) if p.input_features is not None else None
-        )
-        grid = p.image_grid_thw.to(self.device) if p.image_grid_thw is not None else None
-
-        def rope(ids: torch.Tensor) -> torch.Tensor:
-            return talker_rope_index(self.model, ids[None], grid, audio_lengths)
-
-        return rope
-
     def _load_prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:
         """Loads a finished prefill into the request's slots (engine thread, stream order)."""
         assert active.job is not None
         done = active.job.result()  # re-raises the prefill's error: it fails this request only
-        if done.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(done.event)
+        done.wait(self.device)
         self._retired.append(done)  # its tensors stay alive until this tick's sync has passed
         self.thinker.load(active.slot, done.thinker)
         active.prefilled = True

@@ -247,7 +247,7 @@ def test_prefill_worker_reads_prompts_beside_the_decode_steps(demo_dir: Path) ->
 
     inline = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40)
     worker = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40, prefill_worker=True)
-    assert worker._worker is not None
+    assert worker._prefiller.worker is not None
     threads: set[str] = set()
     release = threading.Event()
     forward = worker.thinker.forward_prompt

@@ -1,0 +1,100 @@
+"""Reading a new turn's prompt: the thinker's prompt pass (first reply token), the talker prompt
+built from it and the talker's prompt pass (first codec code).
+
+A prefill writes only the request's own slot entries, which no decode step touches while the
+slot waits, so it can run inline in the tick (the default) or, with ``worker=True``, on a thread
+and CUDA stream of its own beside the decode steps; either way its result is a future that the
+engine thread loads (``Thinker.load``, ``Talker.load``) in stream order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..pipeline import CallCounter, RequestRejected
+from .prompt import PromptInputs
+from .talker import HEADER_MAX, Talker, TalkerPrefill, TalkerPrompt, build_talker_prompt, talker_rope_index
+from .thinker import Thinker, ThinkerPrefill
+
+
+@dataclass
+class Prefilled:
+    """What a prefill hands the engine thread."""
+
+    thinker: ThinkerPrefill
+    talker_prompt: TalkerPrompt | None
+    talker: TalkerPrefill | None
+    event: torch.cuda.Event | None  # recorded on the prefill stream after its last kernel
+
+    def wait(self, device: torch.device) -> None:
+        """Orders the engine thread's stream after the prefill's kernels."""
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+
+
+class Prefiller:
+    def __init__(
+        self, model: Any, thinker: Thinker, talker: Talker | None, calls: CallCounter, *, worker: bool
+    ) -> None:
+        self.model = model
+        self.thinker = thinker
+        self.talker = talker
+        self.calls = calls
+        self.device = thinker.device
+        self.worker = futures.ThreadPoolExecutor(1, thread_name_prefix="omnirt-prefill") if worker else None
+        self.stream = torch.cuda.Stream(self.device) if worker and self.device.type == "cuda" else None
+
+    def start(self, slot: int, prompt: PromptInputs, speaker_id: int | None) -> futures.Future[Prefilled]:
+        """The prefill of ``prompt`` into ``slot`` (``speaker_id``: the voice, None for text
+        only), run now (inline) or queued on the worker."""
+        if self.worker is not None:
+            return self.worker.submit(self._run, slot, prompt, speaker_id)
+        job: futures.Future[Prefilled] = futures.Future()
+        try:
+            job.set_result(self._run(slot, prompt, speaker_id))
+        except Exception as exc:
+            job.set_exception(exc)
+        return job
+
+    def _run(self, slot: int, prompt: PromptInputs, speaker_id: int | None) -> Prefilled:
+        stream = self.stream
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.calls["thinker_prefill", 1] += 1
+            thinker = self.thinker.forward_prompt(slot, prompt)
+            talker_prompt = talker = None
+            if speaker_id is not None:
+                assert self.talker is not None
+                accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds
+                talker_prompt = build_talker_prompt(self.model, thinker.input_ids, thinker.embeds, accepted)
+                header = talker_prompt.assistant_embeds
+                if header.shape[0] > 4 + HEADER_MAX:
+                    raise RequestRejected("the prompt's assistant header is too long for the talker")
+                # Talker input 3: the header's fourth position, else reply token 0.
+                first = header[3] if header.shape[0] > 3 else self.thinker.embed_tokens.weight[thinker.token]
+                self.calls["talker_prefill", 1] += 1
+                rope = self._rope(prompt)
+                talker = self.talker.forward_prompt(slot, talker_prompt, first, speaker_id, rope)
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        return Prefilled(thinker, talker_prompt, talker, event)
+
+    def _rope(self, prompt: PromptInputs) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The talker prompt's multimodal RoPE index, for prompts with audio or images."""
+        if prompt.input_features is None and prompt.image_grid_thw is None:
+            return None
+        audio = prompt.input_features is not None
+        audio_lengths = prompt.feature_attention_mask.sum(-1).to(self.device) if audio else None
+        grid = prompt.image_grid_thw.to(self.device) if prompt.image_grid_thw is not None else None
+
+        def rope(ids: torch.Tensor) -> torch.Tensor:
+            return talker_rope_index(self.model, ids[None], grid, audio_lengths)
+
+        return rope
