@@ -2,12 +2,12 @@
 
 One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request:
 
-1. the prefill of each new request: one HF thinker forward (audio and vision encoders
-   included; :mod:`.thinker`) that draws the first reply token, then one HF talker forward
-   that draws the first codec code; inline, up to ``prefills_per_step`` prompts per tick. With
-   ``prefill_worker=True`` it runs on a worker thread and CUDA stream of its own instead,
-   beside the decode steps, which never wait for it; the tick that finds it done loads its
-   caches into the request's slots (the prefill itself writes no shared state);
+1. the prefill of each new request (:mod:`.prefill`): the thinker's prompt pass (audio and
+   vision encoders, then the layers as one static-length pass, :mod:`.thinker`) that draws
+   the first reply token, then the talker's prompt pass that draws the first codec code;
+   inline, up to ``prefills_per_step`` prompts per tick, or with ``prefill_worker=True`` on a
+   thread and CUDA stream of their own, beside the decode steps, which never wait for them;
+   the tick that finds a prefill done loads it into the request's slots;
 2. one batched thinker decode token for every other request still generating text;
 3. one copy of the new tokens to the host; then one batched talker frame step
    (:mod:`.talker`: code predictor for the pending frame, talker decode, next group-0 code)
@@ -18,7 +18,8 @@ One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request
 The decode steps (thinker, talker frame with its code-predictor loop and sampling) run over
 preallocated per-slot device state with an exec mask, rows being slots, so on CUDA they replay
 CUDA graphs captured at start-up (:meth:`capture`), one per batch bucket and attention-length
-bucket; ``cuda_graphs=False`` (``omnirt serve --no-cuda-graphs``) runs every step eagerly.
+bucket, as do the prompt passes (one per prompt-length bucket) and code2wav;
+``cuda_graphs=False`` (``omnirt serve --no-cuda-graphs``) runs every step eagerly.
 A request holds the same slot in every pool (and one code2wav stream) from ``add`` until it
 finishes or is removed; the lowest free slot is taken, so the busy slots stay packed low.
 ``prepare`` (validation, the prompt's tokens and audio / image features) runs before ``add``, on
@@ -41,7 +42,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -95,13 +96,10 @@ class _Active:
     prefilled: bool = False
     thinker_done: bool = False
     reason: str = "stop"
-    reply: list[int] | None = None  # reply token ids drawn (the talker's trailing text)
+    reply: list[int] = field(default_factory=list)  # reply token ids drawn (the talker's text)
     job: futures.Future[Prefilled] | None = None  # the prompt's prefill, once started
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
-
-    def __post_init__(self) -> None:
-        self.reply = []
 
 
 class _FreeSlots:
@@ -350,12 +348,12 @@ class SpeechPipeline:
             tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
         # 3. the new tokens on the host (one sync), then the talker.
         drawn: list[tuple[_Active, int]] = []
-        if first_tokens:
-            values = torch.stack([t for _, t in first_tokens]).tolist()
-            drawn += [(a, v) for (a, _), v in zip(first_tokens, values, strict=True)]
-        if tokens is not None:
-            host = tokens.cpu().tolist()
-            drawn += [(a, host[a.slot]) for a in decoding]
+        if first_tokens or tokens is not None:
+            parts = [torch.stack([t for _, t in first_tokens])] if first_tokens else []
+            host = torch.cat([*parts, *([tokens] if tokens is not None else [])]).tolist()
+            drawn += [(a, v) for (a, _), v in zip(first_tokens, host, strict=False)]
+            if tokens is not None:
+                drawn += [(a, host[len(first_tokens) + a.slot]) for a in decoding]
         live = [(a, tok) for a, tok in drawn if a.request.request_id in self._active]
         texts = [(a, self._take_token(a, tok, out)) for a, tok in live]
         frames = None
@@ -395,7 +393,7 @@ class SpeechPipeline:
     # -- thinker ------------------------------------------------------------------------------------
     def _take_prefills(self, out: list[tuple[str, Output]], idle: bool) -> list[tuple[_Active, torch.Tensor]]:
         """Starts the prefill of every new request and loads those that are done; returns their
-        first tokens (on the device). Inline (CPU), up to ``prefills_per_step`` prompts run here;
+        first tokens (on the device). Inline (the default), up to ``prefills_per_step`` run here;
         on the prefill worker they run beside the decode steps, which never wait for them,
         except on a tick with nothing else to do."""
         new = [a for a in self._active.values() if a.job is None]
@@ -444,7 +442,6 @@ class SpeechPipeline:
         if token in self.stop_token_ids:
             self._end_text(active, "stop", out)
             return None
-        assert active.reply is not None
         active.reply.append(token)
         active.usage.output_text_tokens += 1
         if active.usage.output_text_tokens >= active.max_tokens:  # max_tokens fits the context (add)
@@ -490,7 +487,7 @@ class SpeechPipeline:
         a header position, a reply token, the end of the text, or padding; None when the thinker
         has not got there yet."""
         t = active.talker
-        assert t is not None and t.prompt is not None and active.reply is not None
+        assert t is not None and t.prompt is not None
         header = t.prompt.assistant_embeds.shape[0]
         if index < header:
             return TEXT_HEADER, index - 4
