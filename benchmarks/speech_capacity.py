@@ -37,7 +37,7 @@ it as ``config.json``), bf16; ``--time-budget`` skips the levels that might not 
 (each level can take up to ``--level-timeout`` seconds)::
 
     python benchmarks/speech_capacity.py --load-format dummy \\
-        --model ../shared/models/qwen3-omni-30b-a3b-instruct.config.json \\
+        --model benchmarks/models/qwen3-omni-30b-a3b-instruct \\
         --sessions 1 8 32 64 128 256 --seconds 10 --profile 128 --time-budget 480
 
 Checked on CPU with the demo model::

@@ -1,0 +1,86 @@
+"""``omnirt serve --model DIR --load-format dummy`` as a user runs it: the real CLI in a process
+of its own on loopback, a config-only folder (a shrunken copy of the published Qwen3-Omni
+config, every token id as published), the official SDK as client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.speech.test_dummy_load import config_folder, published_tiny
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = config_folder(tmp_path_factory.mktemp("qwen3-omni-dummy"), published_tiny())
+    port = _free_port()
+    env = dict(os.environ, OMNIRT_CACHE=str(tmp_path_factory.mktemp("cache")), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "omnirt.realtime.cli", "serve", "--model", str(folder), "--load-format",
+           "dummy", "--port", str(port), "--device", "cpu", "--max-sessions", "2"]
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"omnirt serve exited: {log.read_text()[-2000:]}"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"omnirt serve did not come up: {log.read_text()[-2000:]}"
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert "RANDOM WEIGHTS (--load-format dummy" in log.read_text()
+
+
+def test_a_config_only_folder_serves_chat_and_says_its_weights_are_random(server: str) -> None:
+    client = OpenAI(api_key="k", base_url=server + "/v1", max_retries=0)
+    models = client.models.list().data
+    assert len(models) == 1
+    assert json.loads(httpx.get(server + "/health").text)["random_weights"] is True
+    reply = client.chat.completions.create(
+        model=models[0].id, messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0.7,
+        seed=3,
+    )
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 5
+    again = client.chat.completions.create(
+        model=models[0].id, messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0.7,
+        seed=3,
+    )
+    assert again.choices[0].message.content == reply.choices[0].message.content  # seeded draws
+
+
+def test_the_published_vocabulary_is_served(server: str) -> None:
+    """Prompt tokens are counted with the published ids' tokenizer (the chat template's tokens
+    exist at 151644 and on), and /metrics shows the thinker's model calls by rows."""
+    client = OpenAI(api_key="k", base_url=server + "/v1", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert reply.usage.prompt_tokens > 3
+    metrics = httpx.get(server + "/metrics").text
+    prefills = re.search(r'^omnirt_model_calls_total\{call="thinker_prefill",kind="speech",rows="1"\} (\S+)$',
+                         metrics, re.M)
+    assert prefills is not None and float(prefills.group(1)) >= 1, metrics
