@@ -8,7 +8,9 @@ One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request
    inline, up to ``prefills_per_step`` prompts per tick, or with ``prefill_worker=True`` on a
    thread and CUDA stream of their own, beside the decode steps, which never wait for them;
    the tick that finds a prefill done loads it into the request's slots;
-2. one batched thinker decode token for every other request still generating text;
+2. one batched thinker decode token for every prefilled request still generating text, the
+   ones prefilled in this tick included (so a new turn's talker takes its first step, which
+   needs reply token 1, in the tick of its prefill: first audio one tick sooner);
 3. one copy of the new tokens to the host; then one batched talker frame step
    (:mod:`.talker`: code predictor for the pending frame, talker decode, next group-0 code)
    for every request whose next text input is known;
@@ -340,9 +342,12 @@ class SpeechPipeline:
         t0 = time.perf_counter()
         out: list[tuple[str, Output]] = []
         self._retired.clear()  # prefill results the last tick loaded: its sync has passed
-        # 1. start new prompts' prefills, load the finished ones; 2. a thinker token for the others.
+        # 1. start new prompts' prefills, load the finished ones; 2. a thinker token for every
+        # prefilled request, the new ones included (their first token is fed at once, so their
+        # talker can take its first step in this tick).
+        busy = any(a.prefilled and not a.thinker_done for a in self._active.values())
+        first_tokens = self._take_prefills(out, idle=not busy)
         decoding = [a for a in self._active.values() if a.prefilled and not a.thinker_done]
-        first_tokens = self._take_prefills(out, idle=not decoding)
         tokens = None
         if decoding:
             tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
@@ -354,8 +359,10 @@ class SpeechPipeline:
             drawn += [(a, v) for (a, _), v in zip(first_tokens, host, strict=False)]
             if tokens is not None:
                 drawn += [(a, host[len(first_tokens) + a.slot]) for a in decoding]
-        live = [(a, tok) for a, tok in drawn if a.request.request_id in self._active]
-        texts = [(a, self._take_token(a, tok, out)) for a, tok in live]
+        texts = []
+        for a, tok in drawn:  # a new request's first token before its second
+            if a.request.request_id in self._active and not a.thinker_done:
+                texts.append((a, self._take_token(a, tok, out)))
         frames = None
         talking: list[_Active] = []
         if self.has_talker:

@@ -192,12 +192,13 @@ def test_stop_string_cuts_the_text(pipeline) -> None:
 
 @pytest.mark.parametrize(("vocoder", "first_chunk"), [("stream", 2), ("chunked", 4)])
 def test_first_audio_comes_with_the_first_chunk(demo_dir: Path, vocoder: str, first_chunk: int) -> None:
-    """Step 1 prefills (reply token 0) and starts the talker, step 2 makes frame 0 (it needs
-    reply token 1), step k + 1 frame k: the first chunk of n frames is out after step n + 1."""
+    """Step 1 prefills (reply token 0, the talker's prompt), feeds token 0 at once (reply token
+    1) and makes frame 0, which needs token 1; step k makes frame k - 1: the first chunk of n
+    frames is out after step n."""
     pipe = load_speech_pipeline(demo_dir, max_slots=2, warm_up=True, vocoder=vocoder)
     assert pipe.can_add() and not pipe.has_work()
     pipe.add(audio_request("r", tone(1.0), max_output_tokens=20))
-    steps = [pipe.step() for _ in range(first_chunk + 1)]
+    steps = [pipe.step() for _ in range(first_chunk)]
     assert isinstance(steps[0][0][1], Started) and any(isinstance(o, TextDelta) for _, o in steps[0])
     assert not any(isinstance(o, AudioDelta) for step in steps[:-1] for _, o in step)
     first = [o for _, o in steps[-1] if isinstance(o, AudioDelta)]
