@@ -19,7 +19,8 @@ import torch
 
 from ..pipeline import CallCounter, RequestRejected
 from .prompt import PromptInputs
-from .talker import HEADER_MAX, Talker, TalkerPrefill, TalkerPrompt, build_talker_prompt, talker_rope_index
+from .talker import HEADER_MAX, Talker, TalkerPrefill
+from .talker_prompt import TalkerPrompt, build_talker_prompt, talker_rope_index
 from .thinker import Thinker, ThinkerPrefill
 
 

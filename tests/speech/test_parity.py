@@ -138,7 +138,7 @@ def test_audio_reply_waveform_equals_generate(demo_dir: Path, hf_model, vocoder:
 
 
 def test_talker_rope_index_matches_transformers_and_covers_audio_with_image(pipeline, hf_model) -> None:
-    from omnirt.stages.speech.talker import talker_rope_index
+    from omnirt.stages.speech.talker_prompt import talker_rope_index
 
     prompt = pipeline.prompts.build(_request("image", "r").messages)
     ids, grid = prompt.input_ids, prompt.image_grid_thw

@@ -1,0 +1,108 @@
+"""The talker's prompt, as ``Qwen3OmniMoeForConditionalGeneration.generate`` builds it, but streamed.
+
+``generate`` runs the whole thinker first, then feeds the talker:
+
+* a prompt of the user turns (text tokens through ``text_projection`` of their thinker input
+  embeddings, audio/image tokens through ``hidden_projection`` of the thinker's
+  ``accept_hidden_layer`` states) followed by nine assistant positions: ``<|im_start|>``,
+  ``assistant``, ``\\n`` + zero codec, four ``tts_pad`` + codec ``nothink, think_bos, think_eos,
+  speaker``, ``tts_bos`` + codec ``pad``, and the first reply token + codec ``bos``;
+* then, at decode step ``k``, the sum of the previous frame's codec embeddings plus the text
+  embedding of reply token ``k + 1`` (``tts_eos`` right after the last one, ``tts_pad`` after).
+
+So talker step ``k`` needs only reply token ``k + 1``: the talker runs one step behind the
+thinker. This module builds the user part and the assistant header from a prompt's prefill
+and the talker prompt's multimodal RoPE index; :mod:`.talker` runs the steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TalkerPrompt:
+    """What a request's talker needs from its thinker prefill (all on the model's device)."""
+
+    user_embeds: torch.Tensor  # [U, Ht] talker-space embeddings of the user turns
+    user_ids: torch.Tensor  # [U] their thinker token ids (for the multimodal RoPE index)
+    assistant_embeds: torch.Tensor  # [A, Dthinker] thinker input embeddings from <|im_start|>assistant on
+
+
+def build_talker_prompt(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    thinker_embeds: torch.Tensor,
+    thinker_hidden: torch.Tensor,
+) -> TalkerPrompt:
+    """The user part of the talker prompt and the assistant header, from one prompt's prefill.
+
+    ``input_ids`` [L]; ``thinker_embeds`` / ``thinker_hidden`` [L, D] (hidden states 0 and
+    ``accept_hidden_layer`` of the thinker prefill).
+    """
+    cfg = model.config
+    tcfg = cfg.thinker_config
+    length = input_ids.shape[0]
+    positions = torch.arange(length, device=input_ids.device)
+    starts = torch.where(input_ids == cfg.im_start_token_id, positions, positions.new_full((), -1))
+    previous_start = torch.cummax(starts, dim=0).values.clamp_min(0)
+    roles = input_ids[(previous_start + 1).clamp_max(length - 1)]
+    user = roles == cfg.user_token_id
+    multimodal = (
+        (input_ids == tcfg.audio_token_id)
+        | (input_ids == tcfg.image_token_id)
+        | (input_ids == tcfg.video_token_id)
+    )
+    talker = model.talker
+    embeds = torch.empty(
+        (length, cfg.talker_config.text_config.hidden_size),
+        device=input_ids.device,
+        dtype=thinker_embeds.dtype,
+    )
+    mm = user & multimodal
+    txt = user & ~multimodal
+    if bool(mm.any()):
+        embeds[mm] = talker.hidden_projection(thinker_hidden[mm]).to(embeds.dtype)
+    if bool(txt.any()):
+        embeds[txt] = talker.text_projection(thinker_embeds[txt]).to(embeds.dtype)
+    header = (input_ids[:-1] == cfg.im_start_token_id) & (input_ids[1:] == cfg.assistant_token_id)
+    if not bool(header.any()):
+        raise ValueError("the prompt has no open assistant turn (<|im_start|>assistant)")
+    assistant_start = int(torch.nonzero(header).flatten()[-1])
+    return TalkerPrompt(
+        user_embeds=embeds[user],
+        user_ids=input_ids[user],
+        assistant_embeds=thinker_embeds[assistant_start:],
+    )
+
+
+def talker_rope_index(
+    model: nn.Module,
+    ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    audio_lengths: torch.Tensor | None,
+) -> torch.Tensor:
+    """Multimodal RoPE positions [3, 1, L] of a talker prompt, as ``generate`` computes them.
+
+    transformers' talker ``get_rope_index`` reads ``config.audio_config.n_window``, which the
+    talker config lacks, whenever a prompt holds an image *and* audio (it raises
+    AttributeError there). The window is the thinker audio encoder's, so this runs the same
+    function with the talker's config plus that one value.
+    """
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoePreTrainedModelForConditionalGeneration as Base,
+    )
+
+    talker = model.talker
+    config = SimpleNamespace(**talker.config.to_dict())
+    config.audio_config = SimpleNamespace(n_window=model.config.thinker_config.audio_config.n_window)
+    merge = getattr(talker, "spatial_merge_size", None) or talker.config.spatial_merge_size
+    shim = SimpleNamespace(config=config, spatial_merge_size=merge)
+    shim.get_llm_pos_ids_for_vision = lambda *args: Base.get_llm_pos_ids_for_vision(shim, *args)
+    mask = torch.ones_like(ids)
+    positions, _ = Base.get_rope_index(shim, ids, image_grid_thw, None, mask, False, audio_lengths, None)
+    return positions
