@@ -7,8 +7,13 @@ Public API (import from the modules; importing this package loads nothing heavy)
 - :func:`.demo.ensure_demo_checkpoint` -- the embedded default: a tiny Qwen3-Omni with
   deterministic random weights, built into the cache on first use.
 
-Modules: ``pipeline`` (scheduling, the Pipeline protocol), ``slots`` (batched decode over HF
-layers with a KV slot pool), ``talker`` (talker inputs, code predictor), ``code2wav`` (vocoder
-interface: exact streaming or chunked), ``prompt`` (messages -> prompt tensors), ``detok``,
-``sampling``, ``hf_compat``, ``demo`` / ``demo_tokenizer``.
+Modules: ``pipeline`` (the tick, the Pipeline protocol), ``thinker`` / ``talker`` (per-slot
+device state, prompt passes and decode steps on CUDA graphs), ``talker_prompt`` (the talker's
+prompt as ``generate`` builds it), ``prefill`` (reading new prompts, inline or on a worker),
+``slots`` (batched decode and prompt passes over HF layers with a static KV slot pool),
+``sampling`` / ``draws`` (the batched counter-based sampler, per-slot parameters), ``text_out``
+(detokenising, stop strings), ``code2wav`` (vocoder interface: exact streaming or chunked),
+``prompt`` (messages -> prompt tensors), ``memory`` (the slots' GPU memory plan), ``loader`` /
+``dummy`` (checkpoints, and random weights at real size from a config), ``detok``,
+``hf_compat``, ``demo`` / ``demo_tokenizer``.
 """
