@@ -140,9 +140,11 @@ def main() -> None:
     request = GenerationRequest("p", [ContextMessage("user", parts)], max_output_tokens=8)
     prepared = pipe.prepare(request)
 
-    def prefill() -> None:  # what the prefill worker does for one new turn
+    def prefill() -> None:  # the prefill of one new turn (thinker, then talker), then loaded
         pipe.add(request, prepared)
-        pipe._prefill(pipe._active["p"])
+        active = pipe._active["p"]
+        active.job = pipe._prefiller.start(active.slot, active.prompt, prepared.speaker_id)
+        pipe._load_prefill(active, [])
         pipe.remove("p")
 
     prefill_ms = _timed(prefill, device, max(3, args.iters // 4))
