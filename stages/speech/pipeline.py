@@ -197,12 +197,12 @@ class SpeechPipeline:
         self.token_observer: Callable[[str, int], None] | None = None
         self._free = _FreeSlots(max_slots)
         self._active: dict[str, _Active] = {}
-        # Prompts are read inline, up to ``prefills_per_step`` per tick, or with
-        # ``prefill_worker`` on a thread (and CUDA stream) beside the decode steps. Off by default:
-        # the HF prefill forwards are Python-bound, and on the H200 the worker thread and the
-        # engine thread starved each other of the GIL (docs/benchmarks.md).
         #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
         self.calls: CallCounter = collections.Counter()
+        # Prompts are read inline, up to ``prefills_per_step`` per tick, or with
+        # ``prefill_worker`` on a thread (and CUDA stream) beside the decode steps. Off by default:
+        # prefill is Python-bound (eager encoders), and on the H200 the worker thread and the
+        # engine thread starved each other of the GIL (docs/benchmarks.md).
         self._prefiller = Prefiller(
             model, self.thinker, self.talker if self.has_talker else None, self.calls, worker=prefill_worker
         )
@@ -219,19 +219,24 @@ class SpeechPipeline:
         return runners
 
     def capture(self) -> float:
-        """Captures every decode step's CUDA graphs (each batch and length bucket); returns the
-        seconds it took. Does nothing off CUDA or with graphs off."""
+        """Captures the CUDA graphs of every step (decode steps per batch and length bucket,
+        prompt passes per length bucket; the vocoder captures its own when built); returns the
+        seconds it took. Does nothing off CUDA or with graphs off. Needs an idle pipeline:
+        capturing a prompt pass writes into slot 0's cache (the loader captures at start-up)."""
+        if self._active:
+            raise RuntimeError("capture() needs an idle pipeline")
         t0 = time.perf_counter()
         for runner in self.runners:
             runner.capture()
         seconds = time.perf_counter() - t0
         graphs = sum(r.graphs for r in self.runners)
         if graphs:
-            log.info("captured %d CUDA graphs of the speech decode steps in %.1f s", graphs, seconds)
+            log.info("captured %d CUDA graphs of the speech steps in %.1f s", graphs, seconds)
         return seconds
 
     def use_graphs(self, enabled: bool) -> None:
-        """Switches the decode steps' graphs on or off (off: every step runs eagerly)."""
+        """Switches the graphs of the thinker and talker steps and prompt passes on or off (off:
+        they run eagerly). The vocoder's graphs follow ``cuda_graphs`` at construction."""
         for runner in self.runners:
             runner.enabled = enabled
 

@@ -29,12 +29,14 @@ at that position; it is computed with the model's own rotary module, exactly as 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+from ..graphs import LengthBucketedRunner
 
 
 def length_buckets(max_len: int, smallest: int = 256) -> list[int]:
@@ -45,6 +47,70 @@ def length_buckets(max_len: int, smallest: int = 256) -> list[int]:
         out.append(n)
         n *= 2
     return [*out, max_len]
+
+
+def decode_runner(
+    step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
+    example: Callable[[int, int], dict[str, torch.Tensor]],
+    *,
+    batch_buckets: Sequence[int],
+    max_len: int,
+    graphs: bool,
+    pool: object | None,
+) -> LengthBucketedRunner:
+    """Graphs of a decode step: per batch bucket and attention-length bucket; its outputs are
+    views of persistent per-slot buffers."""
+    return LengthBucketedRunner(
+        step, example, batch_buckets=batch_buckets, length_buckets=length_buckets(max_len),
+        enabled=graphs, pool=pool,
+    )
+
+
+def prompt_runner(
+    step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
+    example: Callable[[int, int], dict[str, torch.Tensor]],
+    *,
+    max_len: int,
+    graphs: bool,
+    pool: object | None,
+) -> LengthBucketedRunner:
+    """Graphs of a prompt pass: one prompt at a time, per prompt-length bucket from 64 tokens;
+    its outputs live in the shared pool, so they are cloned."""
+    return LengthBucketedRunner(
+        step, example, batch_buckets=[1], length_buckets=length_buckets(max_len, smallest=64),
+        enabled=graphs, pool=pool, clone_outputs=True,
+    )
+
+
+def prompt_inputs(
+    embeds: torch.Tensor, positions: torch.Tensor, slot: int, bucket: int
+) -> dict[str, torch.Tensor]:
+    """A prompt pass's graph inputs: ``embeds`` [L, H] and ``positions`` [3, 1, L] padded to the
+    ``bucket`` length, the slot and the prompt length (see :meth:`SlotDecoder.prompt_step`).
+    Positions go in as float32 (exact for integers): transformers gives audio prompts float
+    positions and text prompts integer ones, and a graph takes one dtype."""
+    pad = bucket - embeds.shape[0]
+    device = embeds.device
+    return {
+        "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
+        "positions": F.pad(positions[:, 0].float(), (0, pad))[None],
+        "slot": torch.tensor([slot], device=device),
+        "length": torch.tensor([embeds.shape[0]], device=device),
+    }
+
+
+def prompt_example(
+    batch: int, length: int, hidden: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Example inputs of a prompt pass with :func:`prompt_inputs`' layout. Capture runs the pass
+    on them, which writes zeros-derived entries into slot 0: harmless while no slot is in use
+    (``SpeechPipeline.capture`` needs an idle pipeline)."""
+    return {
+        "embeds": torch.zeros((batch, length, hidden), device=device, dtype=dtype),
+        "positions": torch.zeros((batch, 3, length), dtype=torch.float32, device=device),
+        "slot": torch.zeros(batch, dtype=torch.long, device=device),
+        "length": torch.ones(batch, dtype=torch.long, device=device),
+    }
 
 
 class SlotDecoder:

@@ -10,13 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..graphs import LengthBucketedRunner
 from .draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
 from .sampling import apply_repetition_penalty
-from .slots import SlotDecoder, length_buckets
+from .slots import SlotDecoder, decode_runner, prompt_example, prompt_inputs, prompt_runner
 from .talker_prompt import TalkerPrompt
 
 #: The talker's sampling when the request samples (its generation defaults in ``generate``).
@@ -120,23 +118,12 @@ class Talker:
         self.frames = torch.zeros((max_slots, self.num_groups), dtype=torch.long, device=device)
         self._rows = torch.arange(max_slots, device=device)
         self._group_positions = torch.arange(self.num_groups, device=device)
-        self.runner = LengthBucketedRunner(
-            self._step,
-            self._example,
-            batch_buckets=batch_buckets,
-            length_buckets=length_buckets(max_len),
-            enabled=graphs,
-            pool=pool,
+        self.runner = decode_runner(
+            self._step, self._example, batch_buckets=batch_buckets, max_len=max_len, graphs=graphs, pool=pool
         )
-        #: The prompt pass (one talker prompt at a time, static length buckets from 64 tokens).
-        self.prompt_runner = LengthBucketedRunner(
-            self._prompt_step,
-            self._prompt_example,
-            batch_buckets=[1],
-            length_buckets=length_buckets(min(max_prompt, max_len), smallest=64),
-            enabled=graphs,
+        self.prompt_runner = prompt_runner(
+            self._prompt_step, self._prompt_example, max_len=min(max_prompt, max_len), graphs=graphs,
             pool=pool,
-            clone_outputs=True,
         )
 
     # -- admission and prefill -------------------------------------------------------------------
@@ -191,24 +178,18 @@ class Talker:
         speaker_id: int,
         rope: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> TalkerPrefill:
-        """Runs the talker prompt (one HF forward) and draws its first group-0 code with
-        ``slot``'s sampling row. Writes no shared state (it may run on another thread and CUDA
-        stream); :meth:`load` fills the slot. ``rope``: the prompt ids [L] -> their multimodal
-        RoPE index [3, 1, L]; None for prompts without audio or images (positions 0..L-1)."""
+        """Runs the talker prompt as one static-length pass into ``slot``'s cache entries and
+        draws its first group-0 code with the slot's sampling row. Writes only entries no decode
+        step touches while the slot waits (it may run on another thread and CUDA stream);
+        :meth:`load` ends the prefill. ``rope``: the prompt ids [L] -> their multimodal RoPE
+        index [3, 1, L]; None for prompts without audio or images (positions 0..L-1)."""
         embeds, ids = self.prefill_inputs(prompt, first_text, speaker_id)
         length = ids.shape[0]
         if rope is not None:
             positions = rope(ids)
         else:
             positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        pad = self.prompt_runner.length_for(length) - length
-        inputs = {
-            "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
-            # float32 (exact for integers): transformers gives audio prompts float positions
-            "positions": F.pad(positions[:, 0].float(), (0, pad))[None],
-            "slot": torch.tensor([slot], device=self.device),
-            "length": torch.tensor([length], device=self.device),
-        }
+        inputs = prompt_inputs(embeds, positions, slot, self.prompt_runner.length_for(length))
         hidden = self.prompt_runner(inputs, length)["last"]
         header = prompt.assistant_embeds[4 : 4 + HEADER_MAX]
         # A fresh slot has drawn no code yet: no repetition penalty on the first one.
@@ -222,14 +203,7 @@ class Talker:
         )
 
     def _prompt_example(self, batch: int, length: int) -> dict[str, torch.Tensor]:
-        # As the thinker's: harmless at start-up, when capture runs it on slot 0.
-        hidden = self.hidden.shape[-1]
-        return {
-            "embeds": torch.zeros((batch, length, hidden), device=self.device, dtype=self.hidden.dtype),
-            "positions": torch.zeros((batch, 3, length), dtype=torch.float32, device=self.device),
-            "slot": torch.zeros(batch, dtype=torch.long, device=self.device),
-            "length": torch.ones(batch, dtype=torch.long, device=self.device),
-        }
+        return prompt_example(batch, length, self.hidden.shape[-1], self.hidden.dtype, self.device)
 
     def _prompt_step(self, inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
         last, _ = self.kv.prompt_step(

@@ -1,5 +1,6 @@
-"""The thinker side of the speech pipeline: prompt prefill (eager, one HF forward) and the
-batched decode step (one token for every decoding slot), replayed from CUDA graphs.
+"""The thinker side of the speech pipeline: the prompt pass (the encoders and the embedding
+merge eagerly, then the layers as one static-length pass) and the batched decode step (one
+token for every decoding slot), both replayed from CUDA graphs.
 
 Per-slot device state: the KV cache (:class:`~.slots.SlotDecoder`), the token drawn but not yet
 fed (``next_token``), the RoPE position of that token, and the sampling rows
@@ -17,11 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graphs import LengthBucketedRunner
 from .draws import THINKER_STREAM, SlotSampling
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
-from .slots import SlotDecoder, length_buckets
+from .slots import SlotDecoder, decode_runner, prompt_example, prompt_inputs, prompt_runner
 
 
 @dataclass
@@ -61,26 +61,14 @@ class Thinker:
         self.sampling = SlotSampling(max_slots, self.device)
         self.next_token = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self.position = torch.zeros(max_slots, dtype=torch.long, device=self.device)
-        self.runner = LengthBucketedRunner(
-            self._step,
-            self._example,
-            batch_buckets=batch_buckets,
-            length_buckets=length_buckets(max_len),
-            enabled=graphs,
-            pool=pool,
+        self.runner = decode_runner(
+            self._step, self._example, batch_buckets=batch_buckets, max_len=max_len, graphs=graphs, pool=pool
         )
-        #: The prompt pass (one prompt at a time, static length buckets from 64 tokens).
         self.accept_layer = accept_layer
         vision = self.thinker.config.vision_config
         self.deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
-        self.prompt_runner = LengthBucketedRunner(
-            self._prompt_step,
-            self._prompt_example,
-            batch_buckets=[1],
-            length_buckets=length_buckets(max_len, smallest=64),
-            enabled=graphs,
-            pool=pool,
-            clone_outputs=True,
+        self.prompt_runner = prompt_runner(
+            self._prompt_step, self._prompt_example, max_len=max_len, graphs=graphs, pool=pool
         )
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -115,15 +103,8 @@ class Thinker:
         embeds, deepstack = self._prompt_embeds(ids, extra)
         length = ids.shape[1]
         bucket = self.prompt_runner.length_for(length)
-        pad = bucket - length
-        inputs = {
-            "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
-            # float32 (exact for integers): transformers gives audio prompts float positions
-            "positions": F.pad(positions[:, 0].float(), (0, pad))[None],
-            "slot": torch.tensor([slot], device=self.device),
-            "length": torch.tensor([length], device=self.device),
-            "deepstack": F.pad(deepstack, (0, 0, 0, pad))[None],
-        }
+        inputs = prompt_inputs(embeds, positions, slot, bucket)
+        inputs["deepstack"] = F.pad(deepstack, (0, 0, 0, bucket - length))[None]
         out = self.prompt_runner(inputs, length)
         token = self.sampling.draw(self.lm_head(out["last"]), slot, THINKER_STREAM)[0]
         accepted = out["accepted"][0, :length] if self.accept_layer else None
@@ -155,18 +136,12 @@ class Thinker:
         return embeds[0], deepstack
 
     def _prompt_example(self, batch: int, length: int) -> dict[str, torch.Tensor]:
-        # Capture runs the pass on these: slot 0's entries get zeros-derived values, which is
-        # harmless at start-up (no slot is in use when the pipeline captures).
         hidden = self.embed_tokens.embedding_dim
-        return {
-            "embeds": torch.zeros((batch, length, hidden), device=self.device, dtype=self.dtype),
-            "positions": torch.zeros((batch, 3, length), dtype=torch.float32, device=self.device),
-            "slot": torch.zeros(batch, dtype=torch.long, device=self.device),
-            "length": torch.ones(batch, dtype=torch.long, device=self.device),
-            "deepstack": torch.zeros(
-                (batch, self.deepstack, length, hidden), device=self.device, dtype=self.dtype
-            ),
-        }
+        example = prompt_example(batch, length, hidden, self.dtype, self.device)
+        example["deepstack"] = torch.zeros(
+            (batch, self.deepstack, length, hidden), device=self.device, dtype=self.dtype
+        )
+        return example
 
     def _prompt_step(self, inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
         last, accepted = self.kv.prompt_step(
