@@ -59,9 +59,6 @@ PREPARE_THREADS = 2
 class EngineStats:
     """Counters read by ``/metrics`` and the benchmarks."""
 
-    #: Pipeline steps run, all kinds together, and the wall time spent in them.
-    steps: int = 0
-    step_seconds: float = 0.0
     requests_submitted: int = 0
     requests_finished: int = 0
     requests_cancelled: int = 0
@@ -74,6 +71,16 @@ class EngineStats:
     #: Per pipeline kind, its batched model calls: ``{(call name, rows): count}`` (the pipeline's
     #: own counter, which it updates as it calls its models).
     model_calls: dict[str, CallCounter] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        """Pipeline steps run, all kinds together."""
+        return sum(self.steps_by_kind.values())
+
+    @property
+    def step_seconds(self) -> float:
+        """Wall time spent in pipeline steps, all kinds together."""
+        return sum(self.step_seconds_by_kind.values())
 
     def rows(self, kind: str, call: str) -> collections.Counter[int]:
         """How many calls of model ``call`` of pipeline ``kind`` ran with each number of rows."""
@@ -298,8 +305,6 @@ class Engine:
 
     def _count_step(self, kind: str, seconds: float) -> None:  # engine thread
         s = self.stats
-        s.steps += 1
-        s.step_seconds += seconds
         s.steps_by_kind[kind] += 1
         s.step_seconds_by_kind[kind] += seconds
 

@@ -379,7 +379,7 @@ class SpeechPipeline:
             if token is not None:
                 self._send_text(active, token, out)
         if self.has_talker:
-            self._take_frames(talking if frames is not None else [], frames)
+            self._take_frames(talking if frames is not None else [])
             self._emit_audio(out)
         for active in list(self._active.values()):
             if active.thinker_done and (active.talker is None or active.talker.done):
@@ -526,25 +526,27 @@ class SpeechPipeline:
             text.append(item)
         return self.talker.step([a.slot for a in rows], text, batch)
 
-    def _take_frames(self, rows: list[_Active], frames: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Pushes the new frames to the vocoder and reads back every talker's next code."""
+    def _take_frames(self, stepped_rows: list[_Active]) -> None:
+        """Pushes the frames of the rows the talker stepped to the vocoder and reads back every
+        started talker's next code."""
         started = [a for a in self._active.values() if a.talker is not None and a.talker.started]
         if not started:
             return
-        next_codes = self.talker.next_code.cpu()  # also waits for the talker step
-        host_frames = frames[0].to("cpu", copy=True) if frames is not None else None  # kept by vocoders
-        stepped = {id(a) for a in rows}
+        # One copy (it waits for the talker step): each slot's next group-0 code, then the frame
+        # its last step made; a copy, since vocoders may keep the frames.
+        host = torch.cat((self.talker.next_code.unsqueeze(1), self.talker.frames), dim=1).cpu()
+        stepped = {id(a) for a in stepped_rows}
         for a in started:
             t = a.talker
             assert t is not None
-            if host_frames is not None and id(a) in stepped:
-                self.vocoder.push(a.request.request_id, host_frames[a.slot])
+            if id(a) in stepped:
+                self.vocoder.push(a.request.request_id, host[a.slot, 1:])
                 a.usage.output_audio_tokens += 1
                 t.step += 1
                 if self.talker.kv.length(a.slot) >= self.talker.kv.max_len:
                     t.done = True
             if not t.done:
-                t.next_code = int(next_codes[a.slot])
+                t.next_code = int(host[a.slot, 0])
                 self._check_code(a)
 
     def _check_code(self, active: _Active) -> None:
