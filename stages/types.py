@@ -8,7 +8,7 @@ WebSockets or about model internals.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -37,7 +37,57 @@ class ImagePart:
     data: bytes
 
 
-Part = TextPart | AudioPart | ImagePart
+@dataclass(frozen=True)
+class ToolCallPart:
+    """A function call the assistant made (in an ``assistant`` message)."""
+
+    call_id: str
+    name: str
+    #: The arguments as the model wrote them: a JSON object, as text.
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolResultPart:
+    """What a function returned (in a ``tool`` message), for the call ``call_id``."""
+
+    call_id: str
+    output: str
+
+
+Part = TextPart | AudioPart | ImagePart | ToolCallPart | ToolResultPart
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call."""
+
+    name: str
+    description: str = ""
+    #: JSON Schema of the arguments object.
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NamedTool:
+    """``tool_choice`` naming one function: the model must call it."""
+
+    name: str
+
+
+#: ``auto``: the model decides; ``none``: no calls (tools still shown to the model);
+#: ``required``: at least one call, of any tool; :class:`NamedTool`: a call of that function.
+#: ``required`` and :class:`NamedTool` are enforced by constrained decoding.
+ToolChoice = Literal["auto", "none", "required"] | NamedTool
+
+
+@dataclass(frozen=True)
+class JsonSchemaFormat:
+    """Structured output: the reply text is one JSON value valid against ``schema``
+    (constrained decoding). ``{"type": "object"}`` is chat completions' ``json_object``."""
+
+    schema: dict[str, Any]
+    name: str = "response"
 
 
 @dataclass(frozen=True)
@@ -60,6 +110,11 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    #: Functions the model may call (rendered into the prompt by the model's chat template).
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    #: Constrain the reply text to JSON valid against a schema (text output only).
+    response_format: JsonSchemaFormat | None = None
 
 
 @dataclass
@@ -86,6 +141,16 @@ class TextDelta:
 
     text: str
     tokens: int = 1
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A complete function call the model made, parsed out of its output (never in any
+    :class:`TextDelta`). ``arguments`` is a JSON object as text; with ``tool_choice``
+    ``required`` or a :class:`NamedTool` it is valid against the tool's schema."""
+
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
@@ -123,7 +188,7 @@ class Finished:
     code: ErrorCode | None = None
 
 
-Output = Started | TextDelta | AudioDelta | Finished
+Output = Started | TextDelta | ToolCall | AudioDelta | Finished
 
 
 @dataclass(frozen=True)
