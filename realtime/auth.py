@@ -1,5 +1,6 @@
 """API keys: ``Authorization: Bearer KEY`` for HTTP and WebSocket clients that can set headers,
-and the ``openai-insecure-api-key.KEY`` subprotocol for browsers, which cannot."""
+``api-key: KEY`` for clients written for Azure OpenAI (livekit's Azure mode), and the
+``openai-insecure-api-key.KEY`` subprotocol for browsers, which cannot set headers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from starlette.datastructures import Headers
 
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 REALTIME_SUBPROTOCOL = "realtime"
+#: Azure OpenAI's key header.
+AZURE_KEY_HEADER = "api-key"
 
 
 def _matches(candidate: str | None, keys: list[str]) -> bool:
@@ -43,7 +46,11 @@ def authorized(headers: Headers, keys: list[str]) -> bool:
     """True when no keys are configured, or the request presents one of them."""
     if not keys:
         return True
-    return _matches(bearer_key(headers), keys) or _matches(subprotocol_key(headers), keys)
+    return (
+        _matches(bearer_key(headers), keys)
+        or _matches(headers.get(AZURE_KEY_HEADER), keys)
+        or _matches(subprotocol_key(headers), keys)
+    )
 
 
 def accepted_subprotocol(headers: Headers) -> str | None:

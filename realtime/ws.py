@@ -6,7 +6,10 @@ Session events are serialized the moment they are emitted (they may reference li
 
 Sessions share the app's :class:`~omnirt.vad.worker.VadWorker` (a handle on the VAD process,
 started with the app unless ``vad_preload`` is off, then by the first ``server_vad`` session).
-``?turn=push_to_talk`` opens a push-to-talk session (extension).
+``?turn=push_to_talk`` opens a push-to-talk session (extension). A client asking for the beta
+protocol (``OpenAI-Beta: realtime=v1``; :mod:`.protocol.beta`) gets it by translation here, at the
+edge: its events are made GA before they are parsed, the session's GA events beta before they
+are sent.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from omnirt.sessions.streaming import Submitter
 from omnirt.vad.worker import VadStats, VadWorker
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from .auth import accepted_subprotocol, authorized
+from .auth import accepted_subprotocol, authorized, subprotocols
 from .config import ServerConfig
 from .ids import new_id
+from .protocol.beta import beta_requested, client_event_to_ga, server_event_to_beta
 from .protocol.client_events import parse_client_event
 from .protocol.dispatch import CloseRequested, Limits, apply, decode_payload
 from .protocol.errors import ProtocolError
@@ -119,9 +123,15 @@ class RealtimeService:
                 type="server_error",
             )
             return
+        beta = beta_requested(websocket.headers, websocket.query_params, subprotocols(websocket.headers))
         with lease:
-            connection = Connection(self, websocket, push_to_talk=turn == "push_to_talk")
-            log.info("realtime session %s opened (%d active)", connection.session.id, self.active_sessions)
+            connection = Connection(self, websocket, push_to_talk=turn == "push_to_talk", beta=beta)
+            log.info(
+                "realtime session %s opened%s (%d active)",
+                connection.session.id,
+                " (beta protocol)" if beta else "",
+                self.active_sessions,
+            )
             try:
                 await connection.run()
             finally:
@@ -145,9 +155,19 @@ class RealtimeService:
 class Connection:
     """One client connection: its session, reader and writer."""
 
-    def __init__(self, service: RealtimeService, websocket: WebSocket, *, push_to_talk: bool = False) -> None:
+    def __init__(
+        self,
+        service: RealtimeService,
+        websocket: WebSocket,
+        *,
+        push_to_talk: bool = False,
+        beta: bool = False,
+    ) -> None:
         self.service = service
         self.ws = websocket
+        #: The beta protocol's translations (None: GA, as the session speaks).
+        self._to_ga = client_event_to_ga if beta else None
+        self._to_beta = server_event_to_beta if beta else None
         #: Serialized frames to send, each with whether it is an error event (for the counters).
         self.outbox: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()
         self.session = RealtimeSession(
@@ -167,6 +187,11 @@ class Connection:
         self._send(self._serialize(event))
 
     def _send(self, event: dict[str, Any]) -> None:
+        if self._to_beta is not None:
+            translated = self._to_beta(event)
+            if translated is None:  # no beta counterpart
+                return
+            event = translated
         frame = dumps(event)
         if len(frame) > MAX_SERVER_FRAME // 4 and len(frame.encode()) > MAX_SERVER_FRAME:
             log.error("dropping a %s event of %d bytes (over the frame limit)", event["type"], len(frame))
@@ -244,7 +269,9 @@ class Connection:
             await asyncio.wait_for(asyncio.shield(writer), timeout=10)
 
     def _parse(self, text: str) -> tuple[ClientEvent, bytes | None]:
-        event = parse_client_event(text, max_bytes=self.service.config.max_client_event_bytes)
+        event = parse_client_event(
+            text, max_bytes=self.service.config.max_client_event_bytes, translate=self._to_ga
+        )
         try:
             return event, decode_payload(event, self._limits)
         except ProtocolError as exc:

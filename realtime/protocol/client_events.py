@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from omnirt.sessions.errors import ErrorCode
@@ -32,9 +33,17 @@ def event_id_of(raw: object) -> str | None:
     return None
 
 
-def parse_client_event(text: str | bytes, *, max_bytes: int) -> ClientEvent:
+def parse_client_event(
+    text: str | bytes,
+    *,
+    max_bytes: int,
+    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> ClientEvent:
     """One text frame to a validated event; raises :class:`ProtocolError` (with the client's
-    ``event_id`` when it could be read)."""
+    ``event_id`` when it could be read).
+
+    ``translate`` turns another protocol's event (the beta one) into its GA form before the
+    validation; the audio appends, alike in both, skip it."""
     if len(text) > max_bytes:
         raise ProtocolError(
             ErrorCode.INVALID_EVENT,
@@ -69,6 +78,12 @@ def parse_client_event(text: str | bytes, *, max_bytes: int) -> ClientEvent:
         raise ProtocolError(
             ErrorCode.INVALID_EVENT, f"Invalid event type '{kind}'.", "type", event_id=event_id
         )
+    if translate is not None:
+        try:
+            raw = translate(raw)
+        except ProtocolError as exc:
+            exc.event_id = event_id
+            raise
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -94,7 +109,8 @@ def parse_session_patch(raw: dict[str, Any]) -> dict[str, Any]:
             where = f"; in the GA API it is '{ga}'" if ga else "; it has no GA equivalent"
             raise ProtocolError(
                 ErrorCode.UNKNOWN_PARAMETER,
-                f"Unknown parameter: 'session.{name}' (a beta-only field{where}).",
+                f"Unknown parameter: 'session.{name}' (a beta-only field{where}; beta clients "
+                "connect with the 'OpenAI-Beta: realtime=v1' header).",
                 f"session.{name}",
             )
     patch = validate(SessionPatch, raw, "session")
