@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from omnirt.stages.types import AudioPart, TextPart
 
-from tests.vad.speech import SENTENCES, place, spoken
+from tests.vad.speech import RATE, SENTENCES, place, spoken, to_pcm16
 
 from .conftest import Server, _Receiver, connect, pcm_b64, run, sdk_connect
 from .vad_helpers import kinds, stream_audio
@@ -143,3 +144,29 @@ def test_transcription_setting_is_validated_and_null_turns_it_off(server: Server
     ]
     assert [u["session"]["audio"]["input"]["transcription"] for u in updates] == [{}, None]
     assert not [e for e in after if e["type"].startswith(TRANSCRIBED)]
+
+
+def test_idle_timeout_commit_is_transcribed(server: Server) -> None:
+    """The item server VAD commits when its idle timeout fires is transcribed too, after the reply
+    it starts has been created."""
+
+    async def main() -> list[dict]:
+        async with connect(server) as c:
+            vad = {"type": "server_vad", "idle_timeout_ms": 600}
+            await c.send(transcription_update({"model": "gpt-4o-transcribe", "language": "de"}, vad))
+            await c.until("session.updated")
+            await stream_audio(c, to_pcm16(np.zeros(RATE * 2, np.float32)))
+            return await until_all(c, {"response.done", f"{TRANSCRIBED}.completed"})
+
+    events = run(main())
+    types = kinds(events)
+    assert types[:5] == [
+        "input_audio_buffer.timeout_triggered",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+        "response.created",
+    ]
+    (completed,) = [e for e in events if e["type"] == f"{TRANSCRIBED}.completed"]
+    assert completed["item_id"] == events[0]["item_id"]
+    assert completed["transcript"] == "You said: Transcribe the German audio into text.."
