@@ -82,7 +82,9 @@ class SessionConfig:
         if "format" in patch:
             c.input_format = _format_type(patch["format"], c.input_format)
         if "transcription" in patch:
-            c.transcription = patch["transcription"] or None
+            # Replaced whole; ``{}`` turns it on with the defaults, ``null`` off.
+            value = patch["transcription"]
+            c.transcription = dict(value) if isinstance(value, dict) else None
         if "noise_reduction" in patch:
             c.noise_reduction = patch["noise_reduction"] or None
         if "turn_detection" in patch:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from omnirt.stages.types import Usage
+
 from .config import SessionConfig
 from .items import Item
 from .response import Response
@@ -99,6 +101,37 @@ class ItemTruncated:
     item_id: str
     content_index: int
     audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class InputTranscriptionDelta:
+    """More of the transcript of a user audio part."""
+
+    item_id: str
+    content_index: int
+    delta: str
+
+
+@dataclass(frozen=True)
+class InputTranscriptionCompleted:
+    item_id: str
+    content_index: int
+    transcript: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class TranscriptionError:
+    type: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class InputTranscriptionFailed:
+    item_id: str
+    content_index: int
+    error: TranscriptionError
 
 
 @dataclass(frozen=True)
@@ -194,6 +227,9 @@ SessionEvent = (
     | ItemRetrieved
     | ItemDeleted
     | ItemTruncated
+    | InputTranscriptionDelta
+    | InputTranscriptionCompleted
+    | InputTranscriptionFailed
     | ResponseCreated
     | ResponseDone
     | OutputItemAdded

@@ -47,6 +47,7 @@ from .items import InputAudio, InputImage, Item, MessageItem, OutputAudio
 from .response import Response, ResponseOptions
 from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
+from .transcription import TranscriptionRun, TranscriptionSettings, transcription_request
 from .turns import TURN_PARAM, ManualTurns, TurnPolicy, TurnSignal, vad_settings
 
 #: Responses remembered for ``playback.ack`` (the most recent ones).
@@ -86,6 +87,8 @@ class RealtimeSession:
         self.runs: dict[str, ResponseRun] = {}
         #: In-conversation responses by id, for playback acks (bounded, most recent last).
         self.responses: collections.OrderedDict[str, Response] = collections.OrderedDict()
+        #: Input audio transcriptions in flight, by user item id.
+        self.transcriptions: dict[str, TranscriptionRun] = {}
         #: Played audio (ms) acknowledged per assistant item of a still-streaming response.
         self._played: dict[str, int] = {}
         #: The user item server VAD will commit, and its first sample, while speech goes on.
@@ -133,6 +136,8 @@ class RealtimeSession:
         """Cancel everything in flight; with ``notify``, end with ``session.closed``."""
         for run in list(self.runs.values()):
             run.cancel()
+        for transcription in list(self.transcriptions.values()):
+            transcription.cancel()
         self.turns.close()
         if notify:
             self._emit(SessionClosed(self.id))
@@ -163,7 +168,9 @@ class RealtimeSession:
         self.turns.reset()
         item_id = self._speech[0] if self._speech is not None else self.new_id("item")
         self._speech = None
-        return self._add_user_audio(item_id, audio)
+        item = self._add_user_audio(item_id, audio)
+        self._transcribe(item)
+        return item
 
     def _add_user_audio(self, item_id: str, audio: Any) -> MessageItem:
         item = MessageItem(item_id, "user", [InputAudio(audio)])
@@ -172,6 +179,28 @@ class RealtimeSession:
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))
         return item
+
+    def _transcribe(self, item: MessageItem) -> None:
+        """With input transcription on, start transcribing a committed user audio item. Callers
+        that also create a response create it first: the reply is never queued behind this."""
+        config = self.config.transcription
+        if config is None or self.closed or item.id not in self.conversation:
+            return
+        part = item.content[0]
+        assert isinstance(part, InputAudio)
+        settings = TranscriptionSettings.of(config)
+        request = transcription_request(
+            self.new_id("tr"), part.audio, settings, max_tokens=self.limits.max_output_tokens
+        )
+        run = TranscriptionRun(
+            item.id, 0, part, request, client=self.client, emit=self._emit, on_done=self._on_transcribed
+        )
+        self.transcriptions[item.id] = run
+        run.start()
+
+    def _on_transcribed(self, run: TranscriptionRun) -> None:
+        if self.transcriptions.get(run.item_id) is run:
+            del self.transcriptions[run.item_id]
 
     def clear_audio(self) -> None:
         self.input.clear()
@@ -199,11 +228,14 @@ class RealtimeSession:
             self._speech = None
             self._emit(SpeechStopped(signal.audio_ms, item_id))
             audio = self.input.take(start, self.input.ms_to_sample(signal.audio_ms))
-            self._add_user_audio(item_id, audio)
-            if settings.create_response and self.active is None:
-                self.create_response()
-            else:
-                turns.arm_idle(signal.audio_ms)
+            item = self._add_user_audio(item_id, audio)
+            try:
+                if settings.create_response and self.active is None:
+                    self.create_response()
+                else:
+                    turns.arm_idle(signal.audio_ms)
+            finally:
+                self._transcribe(item)
         elif signal.kind == "timeout":
             if self.active is not None:
                 return
@@ -214,8 +246,11 @@ class RealtimeSession:
             audio = self.input.take(
                 self.input.ms_to_sample(start_ms), self.input.ms_to_sample(signal.audio_ms)
             )
-            self._add_user_audio(item_id, audio)
-            self.create_response()
+            item = self._add_user_audio(item_id, audio)
+            try:
+                self.create_response()
+            finally:
+                self._transcribe(item)
 
     # -- items -------------------------------------------------------------------------------
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
@@ -231,6 +266,9 @@ class RealtimeSession:
 
     def delete_item(self, item_id: str) -> None:
         self.conversation.delete(item_id)
+        transcription = self.transcriptions.get(item_id)
+        if transcription is not None:
+            transcription.cancel()
         self._emit(ItemDeleted(item_id))
 
     def truncate_item(self, item_id: str, content_index: int, audio_end_ms: int) -> None:

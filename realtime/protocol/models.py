@@ -66,9 +66,22 @@ TurnDetection = Annotated[
 ]
 
 
+class Transcription(Strict):
+    """``audio.input.transcription``: the served model transcribes, whatever ``model`` names;
+    ``language``, ``prompt`` and ``keywords`` guide it; ``languages`` and ``delay`` are accepted
+    and have no effect."""
+
+    model: str | None = Field(default=None, max_length=256)
+    language: str | None = Field(default=None, max_length=64)
+    prompt: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    keywords: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=256)
+    languages: list[Annotated[str, Field(max_length=64)]] | None = Field(default=None, max_length=64)
+    delay: Literal["minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
 class AudioInputPatch(Strict):
     format: AudioFormat | None = None
-    transcription: dict[str, Any] | None = None
+    transcription: Transcription | None = None
     noise_reduction: NoiseReduction | None = None
     turn_detection: TurnDetection | None = None
 

@@ -254,3 +254,46 @@ def _(e: ev.OutputTextDone, c: SessionConfig) -> dict[str, Any]:
     if e.transcript:
         return {"type": "response.output_audio_transcript.done", **_ref(e.ref), "transcript": e.text}
     return {"type": "response.output_text.done", **_ref(e.ref), "text": e.text}
+
+
+def transcription_usage_to_wire(u: Usage) -> dict[str, Any]:
+    """``usage`` of ``input_audio_transcription.completed`` (the SDK's token-billed shape)."""
+    return {
+        "type": "tokens",
+        "input_tokens": u.input_tokens,
+        "output_tokens": u.output_text_tokens,
+        "total_tokens": u.input_tokens + u.output_text_tokens,
+        "input_token_details": {"text_tokens": u.input_text_tokens, "audio_tokens": u.input_audio_tokens},
+    }
+
+
+@_body.register
+def _(e: ev.InputTranscriptionDelta, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "conversation.item.input_audio_transcription.delta",
+        "item_id": e.item_id,
+        "content_index": e.content_index,
+        "delta": e.delta,
+    }
+
+
+@_body.register
+def _(e: ev.InputTranscriptionCompleted, c: SessionConfig) -> dict[str, Any]:
+    return {
+        "type": "conversation.item.input_audio_transcription.completed",
+        "item_id": e.item_id,
+        "content_index": e.content_index,
+        "transcript": e.transcript,
+        "usage": transcription_usage_to_wire(e.usage),
+    }
+
+
+@_body.register
+def _(e: ev.InputTranscriptionFailed, c: SessionConfig) -> dict[str, Any]:
+    error = e.error
+    return {
+        "type": "conversation.item.input_audio_transcription.failed",
+        "item_id": e.item_id,
+        "content_index": e.content_index,
+        "error": {"type": error.type, "code": error.code, "message": error.message, "param": None},
+    }
