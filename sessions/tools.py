@@ -50,13 +50,16 @@ def check_schema(schema: object) -> None:
         ) from None
 
 
+def check_name(name: str) -> None:
+    """Raise :class:`ToolError` (``field`` ``name``) unless ``name`` matches :data:`NAME_PATTERN`."""
+    if not _NAME.match(name):
+        raise ToolError(f"{name!r} must be 1 to 64 letters, digits, underscores or dashes", "name")
+
+
 def tool_spec(name: str, description: str | None, parameters: dict[str, Any] | None) -> ToolSpec:
     """One function tool, checked: ``name`` per :data:`NAME_PATTERN`, ``parameters`` a JSON Schema
     (absent: no arguments)."""
-    if not _NAME.match(name):
-        raise ToolError(
-            f"function name {name!r} must be 1 to 64 letters, digits, underscores or dashes", "name"
-        )
+    check_name(name)
     if parameters is None:
         parameters = NO_PARAMETERS
     try:

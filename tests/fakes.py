@@ -161,7 +161,10 @@ class EchoPipeline:
         if named:
             pieces: list[Piece] = []
             for tool in named:
-                pieces += [*_words(f"Calling {tool.name}."), _call(tool, said)]
+                words = _words(f"Calling {tool.name}.")
+                if pieces:
+                    words[0] = " " + words[0]
+                pieces += [*words, _call(tool, said)]
             return pieces
         if request.response_format is not None:
             text = json.dumps(instance(request.response_format.schema, said))
