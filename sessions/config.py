@@ -14,6 +14,7 @@ from typing import Any, Literal
 from omnirt.codecs.audio import FormatType
 
 from .errors import ErrorCode, SessionError
+from .tools import realtime_tools
 from .turns import effective_turn_detection
 
 Modality = Literal["audio", "text"]
@@ -49,7 +50,9 @@ class SessionConfig:
     noise_reduction: dict[str, Any] | None = None
     turn_detection: dict[str, Any] | None = None
     speed: float = 1.0
+    #: Function tools as the client sent them (``{"type": "function", "name", ...}``).
     tools: list[dict[str, Any]] = field(default_factory=list)
+    #: ``auto | none | required`` or ``{"type": "function", "name": ...}``.
     tool_choice: str | dict[str, Any] = "auto"
     max_output_tokens: int | Literal["inf"] = "inf"
 
@@ -65,9 +68,11 @@ class SessionConfig:
             value = patch["max_output_tokens"]
             c.max_output_tokens = "inf" if value is None else value
         if "tools" in patch:
-            c.tools = list(patch["tools"] or [])
+            c.tools = [{"type": "function", **tool} for tool in patch["tools"] or []]
         if "tool_choice" in patch:
             c.tool_choice = patch["tool_choice"] or "auto"
+        if "tools" in patch or "tool_choice" in patch:
+            realtime_tools(c.tools, c.tool_choice, "session")  # raises: a choice must match the tools
         if "audio" in patch:
             audio = patch["audio"] or {"input": None, "output": None}
             if "input" in audio:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
 import numpy as np
-from omnirt.stages.types import AudioPart, ContextMessage, ImagePart, Part, TextPart
+from omnirt.stages.types import (
+    AudioPart,
+    ContextMessage,
+    ImagePart,
+    Part,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+)
 
 from .items import (
     FunctionCallItem,
@@ -24,7 +31,11 @@ from .items import (
 def build_messages(instructions: str, items: Iterable[Item]) -> list[ContextMessage]:
     """History as the model sees it: user audio/text/images, assistant text or the transcript of
     what it said (as truncated), function calls and their outputs. Items still streaming are left
-    out."""
+    out.
+
+    A function call joins the assistant message right before it (the reply's text, or the calls
+    before it), as one assistant turn that says something and calls; each output is a ``tool``
+    message of its own."""
     messages: list[ContextMessage] = []
     if instructions:
         messages.append(ContextMessage("system", (TextPart(instructions),)))
@@ -36,10 +47,13 @@ def build_messages(instructions: str, items: Iterable[Item]) -> list[ContextMess
             if parts:
                 messages.append(ContextMessage(item.role, parts))
         elif isinstance(item, FunctionCallItem):
-            call = json.dumps({"function_call": {"name": item.name, "arguments": item.arguments}})
-            messages.append(ContextMessage("assistant", (TextPart(call),)))
+            call = ToolCallPart(item.call_id, item.name, item.arguments)
+            if messages and messages[-1].role == "assistant":
+                messages[-1] = ContextMessage("assistant", (*messages[-1].parts, call))
+            else:
+                messages.append(ContextMessage("assistant", (call,)))
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append(ContextMessage("tool", (TextPart(item.output),)))
+            messages.append(ContextMessage("tool", (ToolResultPart(item.call_id, item.output),)))
     return messages
 
 

@@ -212,6 +212,25 @@ class OutputTextDone:
     transcript: bool
 
 
+@dataclass(frozen=True)
+class FunctionCallArgumentsDelta:
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class FunctionCallArgumentsDone:
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
 SessionEvent = (
     SessionCreated
     | SessionUpdated
@@ -240,4 +259,6 @@ SessionEvent = (
     | OutputAudioDone
     | OutputTextDelta
     | OutputTextDone
+    | FunctionCallArgumentsDelta
+    | FunctionCallArgumentsDone
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from omnirt.codecs.audio import FormatType
 from omnirt.stages.types import Usage
@@ -29,6 +29,9 @@ class ResponseOptions:
     metadata: dict[str, str] | None = None
     voice: str | None = None
     output_format: FormatType | None = None
+    #: Function tools for this response only (wire shape, as ``SessionConfig.tools``).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 @dataclass

@@ -43,10 +43,19 @@ from .events import (
     TimeoutTriggered,
 )
 from .input_buffer import InputAudioBuffer
-from .items import InputAudio, InputImage, Item, MessageItem, OutputAudio
+from .items import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputAudio,
+    InputImage,
+    Item,
+    MessageItem,
+    OutputAudio,
+)
 from .response import Response, ResponseOptions
 from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
+from .tools import realtime_tools
 from .transcription import TranscriptionRun, TranscriptionSettings, transcription_request
 from .turns import TURN_PARAM, ManualTurns, TurnPolicy, TurnSignal, vad_settings
 
@@ -255,6 +264,7 @@ class RealtimeSession:
     # -- items -------------------------------------------------------------------------------
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
         self._check_images([item], "item")
+        self._check_call_outputs([("item.call_id", item)])
         previous = self.conversation.insert(item, previous_item_id)
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))
@@ -319,8 +329,7 @@ class RealtimeSession:
                 "item_id",
             )
         item = self.conversation.get(item_id)  # item_not_found once deleted
-        assert isinstance(item, MessageItem)
-        part = item.content[0] if item.content else None
+        part = item.content[0] if isinstance(item, MessageItem) and item.content else None
         if not isinstance(part, OutputAudio):
             raise SessionError(ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio.", "item_id")
         if played_ms < 0 or played_ms > part.duration_ms:
@@ -335,6 +344,18 @@ class RealtimeSession:
             part.truncate(played_ms)
             self._played.pop(item_id, None)
         self._emit(PlaybackAcknowledged(response_id, item_id, played_ms, part.duration_ms))
+
+    def _check_call_outputs(self, items: list[tuple[str, Item]], context: Iterable[Item] = ()) -> None:
+        """A ``function_call_output`` must answer a ``function_call`` of the conversation (or of the
+        response's own ``input``), as OpenAI checks; ``items`` pairs each item with its param."""
+        calls = {i.call_id for i in (*self.conversation, *context) if isinstance(i, FunctionCallItem)}
+        for param, item in items:
+            if isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+                raise SessionError(
+                    ErrorCode.INVALID_VALUE,
+                    f"Tool call ID '{item.call_id}' not found in conversation.",
+                    param,
+                )
 
     def _check_images(self, items: Iterable[Item], param: str) -> None:
         def images(its: Iterable[Item]) -> list[InputImage]:
@@ -372,11 +393,20 @@ class RealtimeSession:
             )
         if options.voice:
             check_voice(options.voice, self.limits, "response.audio.output.voice")
+        cfg = self.config
+        overridden = options.tools is not None or options.tool_choice is not None
+        tools, tool_choice = realtime_tools(
+            cfg.tools if options.tools is None else options.tools,
+            cfg.tool_choice if options.tool_choice is None else options.tool_choice,
+            "response" if overridden else "session",
+        )
         context = self._context_items(options.input)
         if options.input is not None:
-            new = [i for i in options.input if not isinstance(i, str)]
-            self._check_images(new, "response.input")
-        cfg = self.config
+            new = [
+                (f"response.input.{i}", it) for i, it in enumerate(options.input) if not isinstance(it, str)
+            ]
+            self._check_images([it for _, it in new], "response.input")
+            self._check_call_outputs([(f"{param}.call_id", it) for param, it in new], context)
         modalities = list(options.output_modalities or cfg.output_modalities)
         max_tokens = (
             options.max_output_tokens if options.max_output_tokens is not None else cfg.max_output_tokens
@@ -398,6 +428,8 @@ class RealtimeSession:
             output_audio=response.wants_audio,
             max_output_tokens=cap if max_tokens == "inf" else min(int(max_tokens), cap),
             voice=response.voice,
+            tools=tools,
+            tool_choice=tool_choice,
         )
         run = ResponseRun(
             response,

@@ -5,6 +5,12 @@ Event order per PROTOCOL.md: ``response.created``; on the first output the assis
 ``output_audio.done``, transcript/text done, ``content_part.done``, ``output_item.done``,
 ``conversation.item.done``, ``response.done``. Cancelling closes the response synchronously, so
 nothing of it follows its ``response.done``.
+
+A function call (:class:`ToolCall`, always complete) becomes a ``function_call`` item of its own
+output index: ``output_item.added``, ``conversation.item.added``, ``function_call_arguments.delta``
+and ``.done``, ``output_item.done``, ``conversation.item.done``, all at once. While the message item
+is open (its audio lags the text) calls wait, and follow it when it closes at the end; a
+cancelled or failed response drops the calls still waiting.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from typing import Protocol
 
 import numpy as np
 from omnirt.codecs.audio import AudioEncoder, FormatType, bytes_per_ms
-from omnirt.stages.types import AudioDelta, Finished, GenerationRequest, Output, TextDelta, Usage
+from omnirt.stages.types import AudioDelta, Finished, GenerationRequest, Output, TextDelta, ToolCall, Usage
 
 from .conversation import Conversation
 from .events import (
     ContentPartAdded,
     ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
     ItemAdded,
     ItemDone,
     OutputAudioDelta,
@@ -36,7 +44,7 @@ from .events import (
     ResponseDone,
     SessionEvent,
 )
-from .items import MessageItem, OutputAudio, OutputText
+from .items import FunctionCallItem, MessageItem, OutputAudio, OutputText
 from .response import Response, ResponseError, StatusReason
 
 log = logging.getLogger(__name__)
@@ -112,6 +120,8 @@ class ResponseRun:
         self._item: MessageItem | None = None
         self._ref: PartRef | None = None
         self._generated = ""
+        #: Calls made while the reply's message item is open: they follow it when it closes.
+        self._held: list[ToolCall] = []
         self._encoder = AudioEncoder(response.output_format)
         self._chunker = AudioChunker(response.output_format)
         self._stream: OutputStream | None = None
@@ -159,6 +169,11 @@ class ResponseRun:
             self._text(output)
         elif isinstance(output, AudioDelta):
             self._audio(output)
+        elif isinstance(output, ToolCall):
+            if self._ref is not None:  # the message's audio may still be coming: it stays open
+                self._held.append(output)
+            else:
+                self._call(output)
         elif isinstance(output, Finished):
             self._finish(output)
 
@@ -206,6 +221,29 @@ class ResponseRun:
         for chunk in self._chunker.push(self._encoder.encode(delta.pcm)):
             self._emit(OutputAudioDelta(ref, chunk))
 
+    def _call(self, call: ToolCall) -> None:
+        """A complete function call becomes a ``function_call`` item, opened and closed at once."""
+        item = FunctionCallItem(
+            self._new_id("item"), self._new_id("call"), call.name, "", status="in_progress"
+        )
+        output_index = len(self.response.output)
+        self.response.output.append(item)
+        self._emit(OutputItemAdded(self.id, output_index, item))
+        if self._conversation is not None:
+            self._emit(ItemAdded(item, self._conversation.insert(item)))
+        if call.arguments:
+            self._emit(
+                FunctionCallArgumentsDelta(self.id, item.id, output_index, item.call_id, call.arguments)
+            )
+        item.arguments = call.arguments
+        self._emit(
+            FunctionCallArgumentsDone(self.id, item.id, output_index, item.call_id, call.name, call.arguments)
+        )
+        item.status = "completed"
+        self._emit(OutputItemDone(self.id, output_index, item))
+        if self._conversation is not None:
+            self._emit(ItemDone(item, self._conversation.previous_id(item.id)))
+
     # -- the end -----------------------------------------------------------------------------
     def _finish(self, finished: Finished, cancel_reason: StatusReason = "client_cancelled") -> None:
         if self.finished:
@@ -231,6 +269,13 @@ class ResponseRun:
         response.usage = finished.usage
         if self._ref is not None and self._item is not None:
             self._close_item(self._ref, self._item, complete=finished.reason == "stop")
+        if finished.reason in ("stop", "length"):
+            for call in self._held:
+                self._call(call)
+        elif self._held:  # cancelled or failed: the model's calls are not offered to the client
+            log.info(
+                "response %s ended %s; %d function call(s) dropped", self.id, finished.reason, len(self._held)
+            )
         self._emit(ResponseDone(response))
         self._on_done(self)
 

@@ -5,13 +5,25 @@ It runs inside the real :class:`~omnirt.stages.engine.Engine` and answers each r
 word when audio is asked for. Its kind is "speech" (realtime, no deadline), like the pipeline it
 stands in for; the prompt work (``prepare``) parses the request and rejects ``"reject me"``.
 End-to-end tests use the real speech pipeline instead.
+
+Tools and structured output, as the real engine honours them (one step per output):
+
+- ``tool_choice`` a :class:`NamedTool`: one call of it, nothing else; ``required``: one call of
+  the first tool; ``auto``: ``"Calling NAME."`` and then a call, for every tool whose name the
+  last user text holds (none named: the echo as usual); ``none``: never a call.
+- A call's arguments are an instance of the tool's parameters schema (:func:`instance`), its
+  strings being the last user text.
+- After a ``tool`` message the answer is ``"The tool said: <output>."``.
+- ``response_format``: the text is an instance of the schema, as JSON, in 8-character pieces.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from omnirt.stages.pipeline import CallCounter, Priority, RequestRejected
@@ -22,20 +34,58 @@ from omnirt.stages.types import (
     Finished,
     GenerationRequest,
     ModelInfo,
+    NamedTool,
     Output,
     Started,
     TextDelta,
     TextPart,
+    ToolCall,
+    ToolResultPart,
+    ToolSpec,
     Usage,
 )
 
 FRAME = SAMPLE_RATE * 80 // 1000
 
 
+#: A piece of the answer: exact text of one step, a call, or the ``length`` marker.
+Piece = str | ToolCall
+LENGTH = "\x00length"
+
+
+def instance(schema: dict[str, Any], text: str) -> Any:
+    """A value valid against ``schema`` (the subset tests use): strings are ``text``."""
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return instance(schema[key][0], text)
+    kind = schema.get("type", "object")
+    if isinstance(kind, list):
+        kind = kind[0]
+    if kind == "object":
+        props = schema.get("properties", {})
+        return {name: instance(sub, text) for name, sub in props.items()}
+    if kind == "array":
+        return [instance(schema.get("items", {}), text)] * max(1, schema.get("minItems", 1))
+    return {"string": text, "integer": len(text), "number": 0.5, "boolean": True, "null": None}[kind]
+
+
+def _call(tool: ToolSpec, said: str) -> ToolCall:
+    return ToolCall(tool.name, json.dumps(instance(tool.parameters, said)))
+
+
+def _words(text: str) -> list[Piece]:
+    words = text.split(" ")
+    return [w if i == 0 else " " + w for i, w in enumerate(words)]
+
+
 @dataclass
 class _Active:
     request: GenerationRequest
-    words: list[str]
+    words: list[Piece]
     usage: Usage
     sent: int = 0
     text: str = ""
@@ -45,7 +95,7 @@ class _Active:
 
 @dataclass(frozen=True)
 class _Prepared:
-    words: list[str]
+    words: list[Piece]
     usage: Usage
 
 
@@ -87,14 +137,39 @@ class EchoPipeline:
                     said = f"{audio_ms} ms of audio"
         if said == "reject me":
             raise RequestRejected("the echo pipeline rejects this input")
-        words = f"You said: {said}.".split(" ")
+        words = self._answer(request, said)
         limit = request.max_output_tokens
         usage = Usage(
             input_text_tokens=sum(len(m.parts) for m in request.messages), input_audio_tokens=audio_ms // 40
         )
         if limit is not None and limit < len(words):
-            words = words[:limit] + ["\x00length"]
+            words = words[:limit] + [LENGTH]
         return _Prepared(words, usage)
+
+    @staticmethod
+    def _answer(request: GenerationRequest, said: str) -> list[Piece]:
+        last = request.messages[-1] if request.messages else None
+        if last is not None and last.role == "tool":
+            outputs = [p.output for p in last.parts if isinstance(p, ToolResultPart)]
+            return _words(f"The tool said: {' '.join(outputs)}.")
+        choice, tools = request.tool_choice, request.tools
+        if isinstance(choice, NamedTool):
+            return [_call(next(t for t in tools if t.name == choice.name), said)]
+        if choice == "required":
+            return [_call(tools[0], said)]
+        named = [t for t in tools if t.name in said] if choice == "auto" else []
+        if named:
+            pieces: list[Piece] = []
+            for tool in named:
+                words = _words(f"Calling {tool.name}.")
+                if pieces:
+                    words[0] = " " + words[0]
+                pieces += [*words, _call(tool, said)]
+            return pieces
+        if request.response_format is not None:
+            text = json.dumps(instance(request.response_format.schema, said))
+            return [text[i : i + 8] for i in range(0, len(text), 8)]
+        return _words(f"You said: {said}.")
 
     def add(self, request: GenerationRequest, prepared: _Prepared) -> None:
         if request.request_id in self.active:
@@ -116,16 +191,19 @@ class EchoPipeline:
                 out.append(
                     (rid, Started(Usage(**{k: v for k, v in vars(a.usage).items() if k.startswith("input")})))
                 )
-            if a.sent >= len(a.words) or a.words[a.sent] == "\x00length":
+            if a.sent >= len(a.words) or a.words[a.sent] == LENGTH:
                 reason = "length" if a.sent < len(a.words) else "stop"
                 out.append((rid, Finished(reason, a.usage)))
                 del self.active[rid]
                 continue
-            word = a.words[a.sent] if a.sent == 0 else " " + a.words[a.sent]
+            piece = a.words[a.sent]
             a.sent += 1
-            a.text += word
             a.usage.output_text_tokens += 1
-            out.append((rid, TextDelta(word)))
+            if isinstance(piece, ToolCall):
+                out.append((rid, piece))
+                continue
+            a.text += piece
+            out.append((rid, TextDelta(piece)))
             if a.request.output_audio:
                 t = (np.arange(FRAME) + a.phase) / SAMPLE_RATE
                 a.phase += FRAME

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omnirt.stages.engine import EngineClient, RequestStream
-from omnirt.stages.types import Finished, Output, TextDelta, Usage
+from omnirt.stages.types import Finished, Output, TextDelta, ToolCall, Usage
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -96,7 +96,7 @@ class ChatCompletions:
                 outputs = aiter(stream)
                 first = await anext(outputs)
                 if isinstance(first, Finished):
-                    return _complete_or_raise(first, "", cid, created, model_id)
+                    return _complete_or_raise(first, "", [], cid, created, model_id)
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 events = _sse(stream, first, outputs, cid, created, model_id, include_usage)
                 # The background task runs after the body ends, disconnect included: a stream
@@ -109,11 +109,14 @@ class ChatCompletions:
                     background=BackgroundTask(stream.cancel),
                 )
             text: list[str] = []
+            calls: list[ToolCall] = []
             async for output in stream:
                 if isinstance(output, TextDelta):
                     text.append(output.text)
+                elif isinstance(output, ToolCall):
+                    calls.append(output)
                 elif isinstance(output, Finished):
-                    return _complete_or_raise(output, "".join(text), cid, created, model_id)
+                    return _complete_or_raise(output, "".join(text), calls, cid, created, model_id)
             raise RuntimeError("engine stream ended without Finished")
         finally:
             watcher.cancel()
@@ -133,12 +136,35 @@ async def _cancel_on_disconnect(request: Request, stream: RequestStream) -> None
             return
 
 
-def _complete_or_raise(finished: Finished, text: str, cid: str, created: int, model: str) -> JSONResponse:
+def call_id() -> str:
+    return "call_" + "".join(secrets.choice(ALPHABET) for _ in range(24))
+
+
+def _finish_reason(finished: Finished, calls: int) -> str:
+    """``tool_calls`` when the model called and stopped; otherwise ``stop`` or ``length``."""
+    return "tool_calls" if calls and finished.reason == "stop" else finished.reason
+
+
+def _complete_or_raise(
+    finished: Finished, text: str, calls: list[ToolCall], cid: str, created: int, model: str
+) -> JSONResponse:
     if finished.reason == "error":
         raise from_engine_error(finished)
     if finished.reason == "cancelled":
         # Only the client's disconnect or a shutdown cancel a chat request.
         raise APIError(503, "The request was cancelled before it completed.", type="server_error")
+    message: dict[str, Any] = {
+        "role": "assistant",
+        # null when the model only called (as OpenAI answers), "" when it said nothing at all
+        "content": text or (None if calls else ""),
+        "refusal": None,
+        "annotations": [],
+    }
+    if calls:
+        message["tool_calls"] = [
+            {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
     body = {
         "id": cid,
         "object": "chat.completion",
@@ -147,9 +173,9 @@ def _complete_or_raise(finished: Finished, text: str, cid: str, created: int, mo
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": finished.reason,
+                "finish_reason": _finish_reason(finished, len(calls)),
             }
         ],
         "usage": usage_body(finished.usage),
@@ -189,15 +215,31 @@ async def _sse(
             body["usage"] = None
         return _event(body)
 
+    said = False  # the role goes with the first delta: content "" before text, null before a call
+    calls = 0
     try:
-        yield chunk({"role": "assistant", "content": ""})
         output: Output | None = first
         while output is not None:
             if isinstance(output, TextDelta) and output.text:
+                if not said:
+                    yield chunk({"role": "assistant", "content": ""})
+                    said = True
                 yield chunk({"content": output.text})
+            elif isinstance(output, ToolCall):
+                opening = {} if said else {"role": "assistant", "content": None}
+                said = True
+                function = {"name": output.name, "arguments": ""}
+                call = {"index": calls, "id": call_id(), "type": "function", "function": function}
+                yield chunk({**opening, "tool_calls": [call]})
+                if output.arguments:
+                    arguments = {"index": calls, "function": {"arguments": output.arguments}}
+                    yield chunk({"tool_calls": [arguments]})
+                calls += 1
             elif isinstance(output, Finished):
                 if output.reason in ("stop", "length"):
-                    yield chunk({}, output.reason)
+                    if not said:
+                        yield chunk({"role": "assistant", "content": ""})
+                    yield chunk({}, _finish_reason(output, calls))
                     if include_usage:
                         yield _event({**head, "choices": [], "usage": usage_body(output.usage)})
                     yield "data: [DONE]\n\n"

@@ -9,7 +9,6 @@ fetched), audio decoded and resampled to 24 kHz mono.
 from __future__ import annotations
 
 import io
-import json
 
 import numpy as np
 import soundfile
@@ -22,12 +21,15 @@ from omnirt.stages.types import (
     ImagePart,
     Part,
     TextPart,
+    ToolCallPart,
+    ToolResultPart,
 )
 
 from .chat_schema import (
     AssistantMessage,
     AudioContent,
     ChatCompletionRequest,
+    CustomToolCall,
     DeveloperMessage,
     FileContent,
     ImageContent,
@@ -36,6 +38,7 @@ from .chat_schema import (
     ToolMessage,
     UserMessage,
 )
+from .chat_tools import engine_format, engine_tools
 from .errors import bad_request
 
 #: Longest decoded input audio accepted in one part (checked before decoding).
@@ -60,17 +63,8 @@ def check_supported(req: ChatCompletionRequest) -> None:
         raise bad_request(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
         )
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format '{req.response_format.type}' is not supported; only 'text'.",
-            param="response_format.type",
-        )
     if req.logprobs:
         raise bad_request("logprobs are not supported by this server.", param="logprobs")
-    if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
-        raise bad_request(
-            "This server cannot force a tool call: tool_choice must be 'auto' or 'none'.", param="tool_choice"
-        )
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
         raise bad_request(f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed.", param="stop")
 
@@ -81,6 +75,7 @@ def generation_request(
     """The engine request for ``req`` (text output only). Decodes media: run it off the event loop."""
     limit = req.output_token_limit
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    tools, tool_choice = engine_tools(req)
     return GenerationRequest(
         request_id=request_id,
         messages=context_messages(req),
@@ -91,22 +86,36 @@ def generation_request(
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
         stop=[s for s in stop if s],
+        tools=tools,
+        tool_choice=tool_choice,
+        response_format=engine_format(req),
     )
 
 
 def context_messages(req: ChatCompletionRequest) -> list[ContextMessage]:
     out: list[ContextMessage] = []
+    calls: set[str] = set()  # ids of the tool calls so far
     for i, message in enumerate(req.messages):
         where = f"messages[{i}]"
         match message:
             case SystemMessage() | DeveloperMessage():
                 out.append(ContextMessage("system", _text_parts(message.content)))
             case ToolMessage():
-                out.append(ContextMessage("tool", _text_parts(message.content)))
+                if message.tool_call_id not in calls:
+                    raise bad_request(
+                        f"Invalid parameter: a 'tool' message must answer a tool call of an earlier "
+                        f"assistant message; no call has the id '{message.tool_call_id}'.",
+                        param=f"{where}.tool_call_id",
+                    )
+                content = message.content
+                text = content if isinstance(content, str) else "".join(p.text for p in content)
+                out.append(ContextMessage("tool", (ToolResultPart(message.tool_call_id, text),)))
             case UserMessage():
                 out.append(ContextMessage("user", _user_parts(message, where)))
             case AssistantMessage():
-                out.append(ContextMessage("assistant", _assistant_parts(message, where)))
+                parts = _assistant_parts(message, where)
+                calls.update(p.call_id for p in parts if isinstance(p, ToolCallPart))
+                out.append(ContextMessage("assistant", parts))
     return out
 
 
@@ -146,8 +155,13 @@ def _assistant_parts(message: AssistantMessage, where: str) -> tuple[Part, ...]:
             parts.append(TextPart(part.text if isinstance(part, TextContent) else part.refusal))
     if message.refusal:
         parts.append(TextPart(message.refusal))
-    if message.tool_calls:
-        parts.append(TextPart(json.dumps(message.tool_calls, ensure_ascii=False)))
+    for j, call in enumerate(message.tool_calls or []):
+        if isinstance(call, CustomToolCall):
+            raise bad_request(
+                "Custom tool calls are not supported by this server; only 'function' calls.",
+                param=f"{where}.tool_calls[{j}].type",
+            )
+        parts.append(ToolCallPart(call.id, call.function.name, call.function.arguments))
     if message.audio is not None and not parts:
         raise bad_request(
             "Assistant audio references cannot be resolved (this server stores no earlier replies); "

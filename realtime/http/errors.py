@@ -115,16 +115,17 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     ``messages[0].content[1].text``.
 
     Union members show up in pydantic locations: discriminator tags right after a list index
-    (``'user'`` above: every list of objects in the request schema is a discriminated union)
-    and member names such as ``'str'`` or ``'list[...]'``. Both are dropped.
+    (``'user'`` above: every list of objects in the request schema is a discriminated union),
+    class names (the tags of unions that are not list items) and member names such as ``'str'``
+    or ``'list[...]'``. All are dropped.
     """
     out = ""
     prev: int | str | None = None
     for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" in part or part in {"str", "int", "float", "bool", "none", "dict"}:
-            pass
+        elif "[" in part or part in {"str", "int", "float", "bool", "none", "dict"} or part[:1].isupper():
+            pass  # a union member: a type, or the class-name tag of ``chat_schema.by_type``
         elif isinstance(prev, int) and i + 1 < len(loc):
             pass  # a discriminator tag
         else:

@@ -16,7 +16,9 @@ from .models import (
     IGNORED_SESSION_FIELDS,
     AudioAppend,
     ClientEvent,
+    McpTool,
     SessionPatch,
+    ToolChoiceMcp,
 )
 
 APPEND = "input_audio_buffer.append"
@@ -114,7 +116,27 @@ def parse_session_patch(raw: dict[str, Any]) -> dict[str, Any]:
                 f"session.{name}",
             )
     patch = validate(SessionPatch, raw, "session")
+    refuse_mcp(patch.tools, patch.tool_choice, "session")
     data = patch.model_dump(exclude_unset=True)
     for name in _DROPPED_SESSION_FIELDS:
         data.pop(name, None)
     return data
+
+
+def refuse_mcp(tools: list[Any] | None, tool_choice: Any, where: str) -> None:
+    """MCP tools (and a ``tool_choice`` naming one) get ``unsupported``: this server connects to no
+    MCP server, and leaving them out silently would change what the model can do."""
+    for i, tool in enumerate(tools or []):
+        if isinstance(tool, McpTool):
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED,
+                "MCP tools are not supported by this server (it connects to no MCP server); "
+                "declare what the model may call as function tools.",
+                f"{where}.tools.{i}.type",
+            )
+    if isinstance(tool_choice, ToolChoiceMcp):
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED,
+            "MCP tools are not supported by this server; tool_choice may name a function tool.",
+            f"{where}.tool_choice.type",
+        )

@@ -10,7 +10,7 @@ from omnirt.sessions.response import ResponseOptions
 from omnirt.sessions.session import RealtimeSession
 
 from . import models as m
-from .client_events import parse_session_patch
+from .client_events import parse_session_patch, refuse_mcp
 from .errors import ProtocolError
 from .items import audio_bytes, item_from_wire, response_input_from_wire
 
@@ -102,6 +102,7 @@ def response_options(
             f"response.conversation must be 'auto' or 'none' (got '{conversation}').",
             "response.conversation",
         )
+    refuse_mcp(params.tools, params.tool_choice, "response")
     cfg = session.config
     output = params.audio.output if params.audio and params.audio.output else None
     output_format = output.format.type if output and output.format and output.format.type else None
@@ -119,4 +120,10 @@ def response_options(
         metadata=params.metadata,
         voice=output.voice if output else None,
         output_format=output_format,
+        tools=None if params.tools is None else [t.model_dump(exclude_unset=True) for t in params.tools],
+        tool_choice=(
+            params.tool_choice.model_dump()
+            if isinstance(params.tool_choice, m.ToolChoiceFunction)
+            else params.tool_choice
+        ),
     )

@@ -102,10 +102,66 @@ class AudioPatch(Strict):
 
 
 class FunctionTool(Strict):
+    """A function the model may call (``RealtimeFunctionTool``); its name and schema are checked
+    by the session (``sessions/tools.py``)."""
+
     type: Literal["function"] = "function"
     name: str
-    description: str | None = None
+    description: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     parameters: dict[str, Any] | None = None
+
+
+class McpTool(BaseModel):
+    """An MCP server as a tool: recognised only to be refused with ``unsupported`` (this server
+    connects to no MCP server), so its fields are not checked."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["mcp"]
+
+
+def _typed_tag(tags: dict[str, str], default: str | None) -> Any:
+    def tag(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    return tag
+
+
+#: ``type`` defaults to ``function``, as in the SDK's ``RealtimeFunctionTool``.
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("FunctionTool")] | Annotated[McpTool, Tag("McpTool")],
+    Discriminator(
+        _typed_tag({"function": "FunctionTool", "mcp": "McpTool"}, "function"),
+        custom_error_type="invalid_tool",
+        custom_error_message="type must be 'function'",
+    ),
+]
+
+
+class ToolChoiceFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ToolChoiceMcp(BaseModel):
+    """Refused with ``unsupported``, as :class:`McpTool`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["mcp"]
+
+
+ToolChoice = (
+    Literal["auto", "none", "required"]
+    | Annotated[
+        Annotated[ToolChoiceFunction, Tag("ToolChoiceFunction")]
+        | Annotated[ToolChoiceMcp, Tag("ToolChoiceMcp")],
+        Discriminator(
+            _typed_tag({"function": "ToolChoiceFunction", "mcp": "ToolChoiceMcp"}, None),
+            custom_error_type="invalid_tool_choice",
+            custom_error_message="expected 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        ),
+    ]
+)
 
 
 TokenLimit = Annotated[int, Field(ge=1, le=4096)] | Literal["inf"]
@@ -134,8 +190,8 @@ class SessionPatch(Strict):
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = None
     audio: AudioPatch | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     max_output_tokens: TokenLimit | None = Field(default=None)
     tracing: Any = None
     prompt: Any = None
@@ -251,8 +307,8 @@ class ResponseParams(Strict):
     input: list[dict[str, Any]] | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     audio: ResponseAudio | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     prompt: Any = None
     reasoning: Any = None
     parallel_tool_calls: Any = None

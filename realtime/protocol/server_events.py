@@ -153,6 +153,8 @@ _FLAT: dict[type, str] = {
     ev.PlaybackAcknowledged: "playback.acknowledged",
     ev.ItemDeleted: "conversation.item.deleted",
     ev.ItemTruncated: "conversation.item.truncated",
+    ev.FunctionCallArgumentsDelta: "response.function_call_arguments.delta",
+    ev.FunctionCallArgumentsDone: "response.function_call_arguments.done",
 }
 
 #: Wire types of the events that come in pairs of one shape (added / done).

@@ -38,6 +38,105 @@ def image_part(url: str) -> dict[str, Any]:
     }
 
 
+def with_tools(*tools: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": user("x"), "tools": list(tools), **fields}
+
+
+def function(name: str = "f", **fields: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, **fields}}
+
+
+def schema_format(**spec: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": user("x"), "response_format": {"type": "json_schema", **spec}}
+
+
+TOOL_ERRORS: dict[str, tuple[Any, str | None, str]] = {
+    "tool_choice naming an unknown function": (
+        with_tools(function("f"), tool_choice={"type": "function", "function": {"name": "g"}}),
+        "tool_choice",
+        "invalid_value",
+    ),
+    "tool_choice of an unknown mode": (
+        with_tools(function(), tool_choice="always"),
+        "tool_choice",
+        "invalid_value",
+    ),
+    "allowed_tools naming an unknown function": (
+        with_tools(
+            function("f"),
+            tool_choice={
+                "type": "allowed_tools",
+                "allowed_tools": {"mode": "required", "tools": [function("g")]},
+            },
+        ),
+        "tool_choice.allowed_tools.tools[0].function.name",
+        "invalid_value",
+    ),
+    "parameters that are not a JSON Schema": (
+        with_tools(function("f", parameters={"type": "object", "properties": {"a": {"type": "strng"}}})),
+        "tools[0].function.parameters",
+        "invalid_value",
+    ),
+    "parameters that are not an object": (
+        with_tools(function("f", parameters=["a"])),
+        "tools[0].function.parameters",
+        "invalid_type",
+    ),
+    "a function name with spaces": (
+        with_tools(function("get weather")),
+        "tools[0].function.name",
+        "invalid_value",
+    ),
+    "two functions of one name": (
+        with_tools(function("f"), function("f")),
+        "tools[1].function.name",
+        "invalid_value",
+    ),
+    "a function without a name": (
+        with_tools({"type": "function", "function": {}}),
+        "tools[0].function.name",
+        "missing_required_parameter",
+    ),
+    "a custom tool": (
+        with_tools({"type": "custom", "custom": {"name": "c"}}),
+        "tools[0].type",
+        "invalid_value",
+    ),
+    "legacy functions": (
+        {"model": MODEL, "messages": user("x"), "functions": [{"name": "f"}]},
+        "functions",
+        "invalid_value",
+    ),
+    "json_schema without its spec": (
+        schema_format(),
+        "response_format.json_schema",
+        "missing_required_parameter",
+    ),
+    "json_schema with a bad schema": (
+        schema_format(json_schema={"name": "out", "schema": {"type": "object", "required": "a"}}),
+        "response_format.json_schema.schema",
+        "invalid_value",
+    ),
+    "json_schema with a bad name": (
+        schema_format(json_schema={"name": "my format", "schema": {"type": "object"}}),
+        "response_format.json_schema.name",
+        "invalid_value",
+    ),
+    "unknown response_format type": (
+        {"model": MODEL, "messages": user("x"), "response_format": {"type": "yaml"}},
+        "response_format",
+        "invalid_value",
+    ),
+    "tool message answering no call": (
+        {
+            "model": MODEL,
+            "messages": [*user("x"), {"role": "tool", "tool_call_id": "call_nope", "content": "1"}],
+        },
+        "messages[1].tool_call_id",
+        "invalid_value",
+    ),
+}
+
 # (what is sent, expected param, expected code): each answered 400 invalid_request_error.
 BAD_BODIES: dict[str, tuple[Any, str | None, str]] = {
     "body is not JSON": (b'{"model": "echo-test", ', None, "invalid_json"),
@@ -91,17 +190,13 @@ BAD_BODIES: dict[str, tuple[Any, str | None, str]] = {
         "stream_options",
         "invalid_value",
     ),
-    "json response_format": (
-        {"model": MODEL, "messages": user("x"), "response_format": {"type": "json_object"}},
-        "response_format.type",
-        "invalid_value",
-    ),
     "logprobs": ({"model": MODEL, "messages": user("x"), "logprobs": True}, "logprobs", "invalid_value"),
-    "forced tool call": (
+    "required tool_choice without tools": (
         {"model": MODEL, "messages": user("x"), "tool_choice": "required"},
         "tool_choice",
         "invalid_value",
     ),
+    **TOOL_ERRORS,
     "five stop sequences": (
         {"model": MODEL, "messages": user("x"), "stop": ["a", "b", "c", "d", "e"]},
         "stop",

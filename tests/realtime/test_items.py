@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from omnirt.stages.types import ImagePart, TextPart
+from omnirt.stages.types import ImagePart, TextPart, ToolCallPart, ToolResultPart
 
 from .conftest import Server, b64, connect, pcm_b64, run, tone
 
@@ -56,6 +56,12 @@ def test_create_places_items_and_accepts_32_char_ids(server: Server) -> None:
             await c.send(
                 {
                     "type": "conversation.item.create",
+                    "item": {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                }
+            )
+            await c.send(
+                {
+                    "type": "conversation.item.create",
                     "item": {"type": "function_call_output", "call_id": "call_1", "output": '{"ok":true}'},
                 }
             )
@@ -75,12 +81,15 @@ def test_create_places_items_and_accepts_32_char_ids(server: Server) -> None:
     ]
     image = added[4]["item"]["content"][1]
     assert image["type"] == "input_image" and image["image_url"].startswith("data:image/png")
-    assert added[5]["item"]["type"] == "function_call_output"
+    assert [e["item"]["type"] for e in added[5:7]] == ["function_call", "function_call_output"]
     messages = server.pipeline.requests[-1].messages
-    assert [m.role for m in messages] == ["user", "user", "user", "user", "user", "tool", "assistant"]
+    roles = [m.role for m in messages]
+    assert roles == ["user", "user", "user", "user", "user", "assistant", "tool", "assistant"]
     assert [m.parts[0].text for m in messages[:4]] == ["z", "a", "b", "c"]  # type: ignore[union-attr]
     assert isinstance(messages[4].parts[1], ImagePart) and messages[4].parts[1].data.startswith(b"\x89PNG")
-    assert messages[5].parts == (TextPart('{"ok":true}'),)
+    assert messages[5].parts == (ToolCallPart("call_1", "f", "{}"),)
+    assert messages[6].parts == (ToolResultPart("call_1", '{"ok":true}'),)
+    assert messages[7].parts == (TextPart("earlier reply"),)
 
 
 def test_item_errors_leave_the_conversation_unchanged(server: Server) -> None:
