@@ -15,6 +15,10 @@ class ServerConfig:
     cuda_graphs: bool = True
     #: Empty: no authentication. Otherwise a request must present one of these keys.
     api_keys: list[str] = field(default_factory=list)
+    #: OpenAI voice names (or any others) as aliases of the model's voices, alias -> model voice,
+    #: on top of the default mapping (OpenAI's ten names onto the model's voices by index;
+    #: ``omnirt.sessions.voices``). ``--voice-alias NAME=VOICE``.
+    voice_aliases: dict[str, str] = field(default_factory=dict)
     #: Concurrent realtime sessions; the next one gets ``resource_exhausted``.
     max_sessions: int = 32
     #: Wall-clock lifetime of one realtime session (``session_expired``, close 1001).

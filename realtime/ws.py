@@ -22,6 +22,7 @@ from omnirt.sessions.events import SessionEvent
 from omnirt.sessions.manager import SessionManager
 from omnirt.sessions.session import RealtimeSession
 from omnirt.sessions.streaming import Submitter
+from omnirt.sessions.voices import VoiceCatalog
 from omnirt.vad.worker import VadStats, VadWorker
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -60,7 +61,9 @@ class RealtimeService:
         self.limits = SessionLimits(
             max_input_buffer_bytes=config.max_input_buffer_bytes,
             max_output_tokens=config.max_output_tokens,
-            voices=tuple(info.voices) if info is not None else (),
+            voices=VoiceCatalog.for_model(
+                tuple(info.voices) if info is not None else (), config.voice_aliases
+            ),
             max_vad_backlog_ms=config.max_vad_backlog_ms,
             max_images=config.max_images_per_session,
             max_image_bytes=config.max_image_bytes,
