@@ -360,3 +360,23 @@ def test_voice_aliases_are_server_configuration() -> None:
         "cedar": "alto",
         "narrator": "alto",
     }
+
+
+def test_an_event_too_large_to_send_becomes_a_server_error(server: Server) -> None:
+    """A user item of five 256 Ki-character texts is accepted, but its echo would be a frame over
+    1 MiB (older SDKs close on those): the client gets server_error (type server_error) in its
+    place, for conversation.item.added and .done, and the session goes on."""
+    part = {"type": "input_text", "text": "x" * (256 * 1024)}
+    item = {"type": "message", "role": "user", "content": [part] * 5, "id": "item_big"}
+
+    async def main() -> tuple[list[dict], dict]:
+        async with connect(server) as c:
+            await c.send({"type": "conversation.item.create", "item": item, "event_id": "evt_big"})
+            errors = [await c.error(), await c.error()]
+            await c.send({"type": "conversation.item.delete", "item_id": "item_big"})
+            return errors, await c.recv()
+
+    errors, deleted = run(main())
+    assert [(e["code"], e["type"]) for e in errors] == [("server_error", "server_error")] * 2
+    assert "conversation.item.added" in errors[0]["message"]
+    assert deleted["type"] == "conversation.item.deleted"
