@@ -54,5 +54,6 @@ class ServerConfig:
     #: root, else it runs at the default priority with a warning). 0: leave it.
     vad_nice: int = 0
     #: Server VAD: start the VAD process when the app starts, in a thread (else the first
-    #: server_vad session starts it, blocking the event loop for about half a second).
+    #: session, which starts with server VAD, starts it, blocking the event loop for about half a
+    #: second).
     vad_preload: bool = True

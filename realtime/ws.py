@@ -5,7 +5,8 @@ sends what the session emits, in order, so responses stream while the client kee
 Session events are serialized the moment they are emitted (they may reference live state).
 
 Sessions share the app's :class:`~omnirt.vad.worker.VadWorker` (a handle on the VAD process,
-started with the app unless ``vad_preload`` is off, then by the first ``server_vad`` session).
+started with the app unless ``vad_preload`` is off, then by the first session: sessions start with
+server VAD, OpenAI's default).
 ``?turn=push_to_talk`` opens a push-to-talk session (extension).
 """
 
