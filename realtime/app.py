@@ -83,7 +83,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     )
     realtime = RealtimeService(client, config, vad)
     chat = ChatCompletions(client, config)
-    models = Models(client.infos, config)
+    models = Models(client.infos, config, {realtime.model: realtime.limits.voices.aliases})
     metrics = Metrics(client.engine, lambda: realtime)
 
     async def health(request: Request) -> JSONResponse:

@@ -61,6 +61,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _voice_alias(text: str) -> tuple[str, str]:
+    name, sep, voice = text.partition("=")
+    if not sep or not name.strip() or not voice.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VOICE (e.g. alloy=Ethan), not {text!r}")
+    return name.strip(), voice.strip()
+
+
 def _device(text: str) -> str:
     if text == "cpu" or re.fullmatch(r"cuda(:\d+)?", text):
         return text
@@ -113,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"concurrent realtime sessions; also the engine's slots (default {ServerConfig.max_sessions})",
     )
     serve.add_argument(
+        "--voice-alias",
+        action="append",
+        type=_voice_alias,
+        default=[],
+        metavar="NAME=VOICE",
+        help="accept voice NAME in realtime sessions as the model's voice VOICE (repeatable). By default "
+        "OpenAI's names (alloy, ash, ballad, coral, echo, sage, shimmer, verse, marin, cedar) map onto the "
+        "model's voices in turn; this overrides or adds names",
+    )
+    serve.add_argument(
         "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
     )
     serve.add_argument(
@@ -134,12 +151,14 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         api_keys=list(dict.fromkeys(keys)),
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
+        voice_aliases=dict(args.voice_alias),
     )
 
 
 def serve(config: ServerConfig, *, device: str | None, log_level: str, load_format: str = "auto") -> int:
     # Heavy imports (torch, the model code) only once a server is really wanted.
     import uvicorn
+    from omnirt.sessions.voices import VoiceCatalog
     from omnirt.stages.engine import Engine, EngineClient
     from omnirt.stages.factory import build_pipeline
 
@@ -157,6 +176,11 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
         log.error("cannot load the model: %s", exc)
         return 1
     info = pipeline.info
+    try:
+        voices = VoiceCatalog.for_model(tuple(info.voices), config.voice_aliases)
+    except ValueError as exc:
+        log.error("bad --voice-alias: %s", exc)
+        return 1
     if info.random_weights and load_format == "dummy":
         log.warning(
             "model %s has RANDOM WEIGHTS (--load-format dummy): the real architecture and size, for "
@@ -169,6 +193,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             "the server and for tests; pass --model PATH to serve a real checkpoint.",
             info.id,
         )
+    log.info("voices: %s; aliases: %s", ", ".join(voices.model) or "any", dict(voices.aliases))
     log.info(
         "serving %s (%s, from %s) on http://%s:%d; auth %s; up to %d realtime sessions",
         info.id,

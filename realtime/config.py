@@ -15,6 +15,10 @@ class ServerConfig:
     cuda_graphs: bool = True
     #: Empty: no authentication. Otherwise a request must present one of these keys.
     api_keys: list[str] = field(default_factory=list)
+    #: OpenAI voice names (or any others) as aliases of the model's voices, alias -> model voice,
+    #: on top of the default mapping (OpenAI's ten names onto the model's voices by index;
+    #: ``omnirt.sessions.voices``). ``--voice-alias NAME=VOICE``.
+    voice_aliases: dict[str, str] = field(default_factory=dict)
     #: Concurrent realtime sessions; the next one gets ``resource_exhausted``.
     max_sessions: int = 32
     #: Wall-clock lifetime of one realtime session (``session_expired``, close 1001).
@@ -50,5 +54,6 @@ class ServerConfig:
     #: root, else it runs at the default priority with a warning). 0: leave it.
     vad_nice: int = 0
     #: Server VAD: start the VAD process when the app starts, in a thread (else the first
-    #: server_vad session starts it, blocking the event loop for about half a second).
+    #: session, which starts with server VAD, starts it, blocking the event loop for about half a
+    #: second).
     vad_preload: bool = True

@@ -5,11 +5,11 @@ sends what the session emits, in order, so responses stream while the client kee
 Session events are serialized the moment they are emitted (they may reference live state).
 
 Sessions share the app's :class:`~omnirt.vad.worker.VadWorker` (a handle on the VAD process,
-started with the app unless ``vad_preload`` is off, then by the first ``server_vad`` session).
-``?turn=push_to_talk`` opens a push-to-talk session (extension). A client asking for the beta
-protocol (``OpenAI-Beta: realtime=v1``; :mod:`.protocol.beta`) gets it by translation here, at the
-edge: its events are made GA before they are parsed, the session's GA events beta before they
-are sent.
+started with the app unless ``vad_preload`` is off, then by the first session: sessions start with
+server VAD, OpenAI's default). ``?turn=push_to_talk`` opens a push-to-talk session (extension). A
+client asking for the beta protocol (``OpenAI-Beta: realtime=v1``; :mod:`.protocol.beta`) gets it
+by translation here, at the edge: its events are made GA before they are parsed, the session's GA
+events beta before they are sent.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from omnirt.sessions.events import SessionEvent
 from omnirt.sessions.manager import SessionManager
 from omnirt.sessions.session import RealtimeSession
 from omnirt.sessions.streaming import Submitter
+from omnirt.sessions.voices import VoiceCatalog
 from omnirt.vad.worker import VadStats, VadWorker
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -64,7 +65,9 @@ class RealtimeService:
         self.limits = SessionLimits(
             max_input_buffer_bytes=config.max_input_buffer_bytes,
             max_output_tokens=config.max_output_tokens,
-            voices=tuple(info.voices) if info is not None else (),
+            voices=VoiceCatalog.for_model(
+                tuple(info.voices) if info is not None else (), config.voice_aliases
+            ),
             max_vad_backlog_ms=config.max_vad_backlog_ms,
             max_images=config.max_images_per_session,
             max_image_bytes=config.max_image_bytes,

@@ -16,6 +16,7 @@ from omnirt.codecs.audio import FormatType
 from .errors import ErrorCode, SessionError
 from .tools import realtime_tools
 from .turns import effective_turn_detection
+from .voices import VoiceCatalog
 
 Modality = Literal["audio", "text"]
 DEFAULT_MODALITIES: tuple[Modality, ...] = ("audio",)
@@ -29,8 +30,9 @@ class SessionLimits:
     max_input_buffer_bytes: int = 24_000 * 2 * 120
     #: Largest reply (output tokens); also what ``"inf"`` means.
     max_output_tokens: int = 512
-    #: Voices the model has; empty means any name is passed through to the model.
-    voices: tuple[str, ...] = ()
+    #: Voices the model has, and OpenAI's names as aliases of them (no model voices: any name
+    #: is passed through to the model).
+    voices: VoiceCatalog = field(default_factory=VoiceCatalog)
     #: Server VAD: input audio not yet scored before appends get ``input_backpressure``.
     max_vad_backlog_ms: int = 5_000
     #: Images the conversation may hold at once, and the largest one (decoded bytes).
@@ -109,24 +111,16 @@ class SessionConfig:
             voice = patch["voice"]
             if isinstance(voice, dict):
                 voice = voice.get("id", "")
-            check_voice(voice, limits, "session.audio.output.voice")
-            if voice != c.voice and voice_locked:
+            param = "session.audio.output.voice"
+            model_voice = limits.voices.resolve(voice, param)
+            # Locked is the voice heard: another name of the same model voice is no change.
+            if voice_locked and model_voice != limits.voices.resolve(c.voice, param):
                 raise SessionError(
-                    ErrorCode.INVALID_VALUE,
-                    "The voice cannot be changed after the session has produced audio.",
-                    "session.audio.output.voice",
+                    ErrorCode.CANNOT_UPDATE_VOICE,
+                    "Cannot update a conversation's voice if assistant audio is present.",
+                    param,
                 )
             c.voice = voice
-
-
-def check_voice(voice: str, limits: SessionLimits, param: str) -> None:
-    """Refuse a voice the model does not have (any name passes when ``limits.voices`` is empty)."""
-    if limits.voices and voice not in limits.voices:
-        raise SessionError(
-            ErrorCode.INVALID_VALUE,
-            f"Unknown voice '{voice}'; this model has: {', '.join(limits.voices)}.",
-            param,
-        )
 
 
 def _format_type(value: dict[str, Any] | None, current: FormatType) -> FormatType:

@@ -29,11 +29,21 @@ class Conversation:
     def last_id(self) -> str | None:
         return self._items[-1].id if self._items else None
 
-    def get(self, item_id: str) -> Item:
+    def find(self, item_id: str) -> Item | None:
         for item in self._items:
             if item.id == item_id:
                 return item
-        raise SessionError(ErrorCode.ITEM_NOT_FOUND, f"Item with item_id '{item_id}' not found.", "item_id")
+        return None
+
+    def get(self, item_id: str, code: ErrorCode, action: str = "finding", param: str = "item_id") -> Item:
+        """The item; a missing one is a :class:`SessionError` with ``code`` (OpenAI names the code
+        after the request: ``item_retrieve_invalid_item_id``, ``item_delete_invalid_item_id``, ...)."""
+        item = self.find(item_id)
+        if item is None:
+            raise SessionError(
+                code, f"Error {action} item: the item with id '{item_id}' does not exist.", param
+            )
+        return item
 
     def previous_id(self, item_id: str) -> str | None:
         for i, item in enumerate(self._items):
@@ -45,12 +55,14 @@ class Conversation:
         """Raises unless ``insert`` would succeed (so callers can validate before side effects)."""
         if item_id in self:
             raise SessionError(
-                ErrorCode.INVALID_VALUE, f"An item with id '{item_id}' already exists.", "item.id"
+                ErrorCode.ITEM_CREATE_DUPLICATE_ID,
+                f"Error adding item: an item with id '{item_id}' already exists.",
+                "item.id",
             )
         if previous_item_id not in (None, ROOT) and previous_item_id not in self:
             raise SessionError(
-                ErrorCode.ITEM_NOT_FOUND,
-                f"Item with previous_item_id '{previous_item_id}' not found.",
+                ErrorCode.ITEM_CREATE_INVALID_PREVIOUS_ID,
+                f"Error adding item: the previous item with id '{previous_item_id}' does not exist.",
                 "previous_item_id",
             )
 
@@ -73,6 +85,6 @@ class Conversation:
         return before
 
     def delete(self, item_id: str) -> Item:
-        item = self.get(item_id)
+        item = self.get(item_id, ErrorCode.ITEM_DELETE_INVALID_ID, "deleting")
         self._items.remove(item)
         return item

@@ -34,6 +34,16 @@ class SessionClosed:
 
 
 @dataclass(frozen=True)
+class ErrorReported:
+    """An error the session reports on its own (not the answer to a client event)."""
+
+    code: str
+    message: str
+    param: str | None = None
+    type: str = "server_error"
+
+
+@dataclass(frozen=True)
 class InputAudioCommitted:
     item_id: str
     previous_item_id: str | None
@@ -235,6 +245,7 @@ SessionEvent = (
     SessionCreated
     | SessionUpdated
     | SessionClosed
+    | ErrorReported
     | InputAudioCommitted
     | InputAudioCleared
     | SpeechStarted

@@ -21,11 +21,12 @@ from typing import Any
 from omnirt.stages.types import GenerationRequest
 from omnirt.vad.worker import VadWorker
 
-from .config import SessionConfig, SessionLimits, check_voice
+from .config import SessionConfig, SessionLimits
 from .context import build_messages
 from .conversation import Conversation
 from .errors import ErrorCode, SessionError
 from .events import (
+    ErrorReported,
     InputAudioCleared,
     InputAudioCommitted,
     ItemAdded,
@@ -57,7 +58,8 @@ from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
 from .tools import realtime_tools
 from .transcription import TranscriptionRun, TranscriptionSettings, transcription_request
-from .turns import TURN_PARAM, ManualTurns, TurnPolicy, TurnSignal, vad_settings
+from .turns import TURN_PARAM, ManualTurns, TurnPolicy, TurnSignal, effective_turn_detection, vad_settings
+from .voices import DEFAULT_VOICE
 
 #: Responses remembered for ``playback.ack`` (the most recent ones).
 ACK_RESPONSES = 32
@@ -87,7 +89,7 @@ class RealtimeSession:
         self._emit_to = emit
         self.new_id = new_id
         self.id = new_id("sess")
-        self.config = SessionConfig(model=model, voice=limits.voices[0] if limits.voices else "alloy")
+        self.config = SessionConfig(model=model, voice=DEFAULT_VOICE)
         self.conversation = Conversation(new_id("conv"))
         self.input = InputAudioBuffer(self.config.input_format, limits.max_input_buffer_bytes)
         self.turns: TurnPolicy = ManualTurns()
@@ -111,7 +113,23 @@ class RealtimeSession:
 
     # -- session ---------------------------------------------------------------------------------
     def open(self) -> None:
+        """Start with OpenAI's defaults (server VAD; none in a push-to-talk session) and send
+        ``session.created``. When the VAD cannot start, the session starts with manual turns
+        (``turn_detection`` null) and says why in an error right after ``session.created``."""
+        failure: SessionError | None = None
+        if not self.push_to_talk:
+            default = effective_turn_detection({"type": "server_vad"})
+            try:
+                turns = self._policy(default)
+            except SessionError as exc:
+                failure = exc
+                log.warning("session %s starts with manual turns: %s", self.id, exc.message)
+            else:
+                self.turns = turns
+                self.config.turn_detection = default
         self._emit(SessionCreated(self.id, self.config))
+        if failure is not None:
+            self._emit(ErrorReported(failure.code, failure.message, failure.param, failure.type))
 
     def update(self, patch: dict[str, Any]) -> None:
         config = self.config.merged(patch, limits=self.limits, voice_locked=self.audio_produced)
@@ -270,7 +288,7 @@ class RealtimeSession:
         self._emit(ItemDone(item, previous))
 
     def retrieve_item(self, item_id: str) -> Item:
-        item = self.conversation.get(item_id)
+        item = self.conversation.get(item_id, ErrorCode.ITEM_RETRIEVE_INVALID_ID, "retrieving")
         self._emit(ItemRetrieved(item))
         return item
 
@@ -284,11 +302,9 @@ class RealtimeSession:
     def truncate_item(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
         """Cut an assistant audio part to what the user heard: the audio after ``audio_end_ms``
         and the transcript not yet spoken by then. Allowed while the response still streams."""
-        item = self.conversation.get(item_id)
-        if not isinstance(item, MessageItem) or item.role != "assistant":
-            raise SessionError(
-                ErrorCode.INVALID_VALUE, "Only assistant messages can be truncated.", "item_id"
-            )
+        item = self.conversation.get(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "truncating")
+        _check_truncatable(item)
+        assert isinstance(item, MessageItem)
         if not 0 <= content_index < len(item.content) or not isinstance(
             item.content[content_index], OutputAudio
         ):
@@ -322,16 +338,21 @@ class RealtimeSession:
                 f"No recent response with response_id '{response_id}' in this conversation.",
                 "response_id",
             )
+        # The same checks and codes as conversation.item.truncate (which an ack stands for).
         if not any(i.id == item_id for i in response.output):
             raise SessionError(
-                ErrorCode.ITEM_NOT_FOUND,
+                ErrorCode.ITEM_TRUNCATE_INVALID_ID,
                 f"Response '{response_id}' has no output item '{item_id}'.",
                 "item_id",
             )
-        item = self.conversation.get(item_id)  # item_not_found once deleted
-        part = item.content[0] if isinstance(item, MessageItem) and item.content else None
+        item = self.conversation.get(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "acknowledging")
+        _check_truncatable(item)
+        assert isinstance(item, MessageItem)
+        part = item.content[0] if item.content else None
         if not isinstance(part, OutputAudio):
-            raise SessionError(ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio.", "item_id")
+            raise SessionError(
+                ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio at content_index 0.", "item_id"
+            )
         if played_ms < 0 or played_ms > part.duration_ms:
             raise SessionError(
                 ErrorCode.INVALID_VALUE,
@@ -392,7 +413,7 @@ class RealtimeSession:
                 "Wait until the response is finished before creating a new one.",
             )
         if options.voice:
-            check_voice(options.voice, self.limits, "response.audio.output.voice")
+            self.limits.voices.resolve(options.voice, "response.audio.output.voice")
         cfg = self.config
         overridden = options.tools is not None or options.tool_choice is not None
         tools, tool_choice = realtime_tools(
@@ -427,7 +448,7 @@ class RealtimeSession:
             messages=build_messages(instructions, context),
             output_audio=response.wants_audio,
             max_output_tokens=cap if max_tokens == "inf" else min(int(max_tokens), cap),
-            voice=response.voice,
+            voice=self.limits.voices.resolve(response.voice, "response.audio.output.voice"),
             tools=tools,
             tool_choice=tool_choice,
         )
@@ -472,7 +493,19 @@ class RealtimeSession:
     def _context_items(self, replacement: list[Item | str] | None) -> list[Item]:
         if replacement is None:
             return list(self.conversation)
-        return [self.conversation.get(i) if isinstance(i, str) else i for i in replacement]
+        out: list[Item] = []
+        for i, entry in enumerate(replacement):
+            if isinstance(entry, str):
+                item = self.conversation.find(entry)
+                if item is None:
+                    raise SessionError(
+                        ErrorCode.INVALID_VALUE,
+                        f"Invalid value: no item with id '{entry}' in the conversation.",
+                        f"response.input.{i}.id",
+                    )
+                entry = item
+            out.append(entry)
+        return out
 
     def _on_audio(self) -> None:
         self.audio_produced = True
@@ -499,3 +532,15 @@ class RealtimeSession:
                 )
                 # Idle time counts from when the reply's audio has finished playing.
                 self.turns.arm_idle(self.input.end_ms + audio_ms)
+
+
+def _check_truncatable(item: Item) -> None:
+    """Only assistant messages holding audio can be truncated (OpenAI's code and wording)."""
+    if not (
+        isinstance(item, MessageItem)
+        and item.role == "assistant"
+        and any(isinstance(c, OutputAudio) for c in item.content)
+    ):
+        raise SessionError(
+            ErrorCode.UNSUPPORTED_CONTENT_TYPE, "Only model output audio messages can be truncated", "item_id"
+        )

@@ -4,7 +4,7 @@ pipeline (speech first)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omnirt.stages.types import ModelInfo
@@ -16,10 +16,13 @@ from .access import require_api_key
 from .errors import model_not_found
 
 
-def model_card(info: ModelInfo, created: int) -> dict[str, Any]:
+def model_card(
+    info: ModelInfo, created: int, voice_aliases: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The OpenAI model object, plus what a client of this server needs to know about it.
 
     ``random_weights`` is true for the embedded default: replies are then noise, by design.
+    ``voice_aliases`` (alias -> the model's voice) are the other names a realtime session takes.
     """
     return {
         "id": info.id,
@@ -30,12 +33,20 @@ def model_card(info: ModelInfo, created: int) -> dict[str, Any]:
         "source": info.source,
         "random_weights": info.random_weights,
         "voices": list(info.voices),
+        "voice_aliases": dict(voice_aliases or {}),
         "max_context_tokens": info.max_context_tokens,
     }
 
 
 class Models:
-    def __init__(self, infos: Sequence[ModelInfo], config: ServerConfig) -> None:
+    def __init__(
+        self,
+        infos: Sequence[ModelInfo],
+        config: ServerConfig,
+        voice_aliases: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
+        #: Per model id: the voice aliases its realtime sessions accept.
+        self.voice_aliases = dict(voice_aliases or {})
         self.infos: dict[str, ModelInfo] = {}
         for info in infos:
             self.infos.setdefault(info.id, info)  # two pipelines of one model: listed once
@@ -44,7 +55,7 @@ class Models:
 
     async def list(self, request: Request) -> JSONResponse:
         require_api_key(request, self.config.api_keys)
-        cards = [model_card(info, self.created) for info in self.infos.values()]
+        cards = [self._card(info) for info in self.infos.values()]
         return JSONResponse({"object": "list", "data": cards})
 
     async def retrieve(self, request: Request) -> JSONResponse:
@@ -53,4 +64,7 @@ class Models:
         info = self.infos.get(model)
         if info is None:
             raise model_not_found(model)
-        return JSONResponse(model_card(info, self.created))
+        return JSONResponse(self._card(info))
+
+    def _card(self, info: ModelInfo) -> dict[str, Any]:
+        return model_card(info, self.created, self.voice_aliases.get(info.id))

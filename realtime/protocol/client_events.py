@@ -54,7 +54,9 @@ def parse_client_event(
     try:
         raw = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(ErrorCode.INVALID_EVENT, f"The event is not valid JSON: {exc}.") from None
+        raise ProtocolError(
+            ErrorCode.INVALID_JSON, f"Invalid event: failed to parse JSON value ({exc})."
+        ) from None
     if type(raw) is dict and raw.get("type") == APPEND:
         # The hot event (every audio chunk): when it is plainly valid, skip pydantic. Exactly what
         # AudioAppend.model_validate accepts from JSON: a str 'audio', an optional str or null
@@ -72,13 +74,23 @@ def parse_client_event(
         raise ProtocolError(ErrorCode.INVALID_EVENT, "An event must be a JSON object.")
     kind = raw.get("type")
     if not isinstance(kind, str):
+        if kind is None:
+            raise ProtocolError(
+                ErrorCode.MISSING_REQUIRED_PARAMETER,
+                "Missing required parameter: 'type'.",
+                "type",
+                event_id=event_id,
+            )
         raise ProtocolError(
-            ErrorCode.INVALID_EVENT, "The event has no 'type' string.", "type", event_id=event_id
+            ErrorCode.INVALID_TYPE, "Invalid type for 'type': expected a string.", "type", event_id=event_id
         )
     model = EVENT_MODELS.get(kind)
     if model is None:
         raise ProtocolError(
-            ErrorCode.INVALID_EVENT, f"Invalid event type '{kind}'.", "type", event_id=event_id
+            ErrorCode.INVALID_VALUE,
+            f"Invalid value: '{kind}'. Supported values are: {', '.join(repr(k) for k in EVENT_MODELS)}.",
+            "type",
+            event_id=event_id,
         )
     if translate is not None:
         try:

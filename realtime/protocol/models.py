@@ -19,7 +19,8 @@ class Strict(BaseModel):
 
 class AudioFormat(Strict):
     type: FormatType | None = None
-    rate: Literal[24000] | None = None
+    #: Only 24 kHz (``integer_below_min_value`` / ``..._above_max_value`` otherwise, as OpenAI).
+    rate: int | None = Field(default=None, ge=24000, le=24000)
 
 
 class NoiseReduction(Strict):

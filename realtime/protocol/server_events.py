@@ -184,6 +184,13 @@ def _(e: ev.SessionCreated | ev.SessionUpdated, c: SessionConfig) -> dict[str, A
 
 
 @_body.register
+def _(e: ev.ErrorReported, c: SessionConfig) -> dict[str, Any]:
+    body = error_event("", e.code, e.message, param=e.param, type=e.type)
+    del body["event_id"]
+    return body
+
+
+@_body.register
 def _(e: ev.InputAudioCommitted, c: SessionConfig) -> dict[str, Any]:
     return {
         "type": "input_audio_buffer.committed",

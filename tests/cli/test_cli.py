@@ -28,7 +28,8 @@ def test_serve_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     options = (
-        "--model --load-format --host --port --api-key --max-sessions --device --no-cuda-graphs --log-level"
+        "--model --load-format --host --port --api-key --max-sessions --voice-alias --device "
+        "--no-cuda-graphs --log-level"
     )
     for option in options.split():
         assert option in out
@@ -53,6 +54,8 @@ def test_console_script_is_installed_and_answers_help() -> None:
         (["serve", "--log-level", "loud"], "invalid choice: 'loud'"),
         (["serve", "--load-format", "pt"], "invalid choice: 'pt'"),
         (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+        (["serve", "--voice-alias", "alloy"], "expected NAME=VOICE"),
+        (["serve", "--voice-alias", "=ethan"], "expected NAME=VOICE"),
     ],
 )
 def test_argument_errors_exit_2_with_a_message(
@@ -82,6 +85,10 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
             "3",
             "--device",
             "cuda:1",
+            "--voice-alias",
+            "alloy=Ethan",
+            "--voice-alias",
+            " narrator = Chelsie ",
         ]
     )
     config = config_from_args(args, {"OMNIRT_API_KEYS": " a, b ,,"})
@@ -93,6 +100,7 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
         3,
     )
     assert args.device == "cuda:1"
+    assert config.voice_aliases == {"alloy": "Ethan", "narrator": "Chelsie"}
     defaults = config_from_args(build_parser().parse_args(["serve"]), {})
     assert (defaults.model, defaults.api_keys, defaults.port) == (None, [], 8000)
     assert defaults.vad_preload and defaults.cuda_graphs  # omnirt serve starts the VAD with the app
@@ -158,6 +166,8 @@ def test_omnirt_serve_runs_the_embedded_default() -> None:
             "cpu",
             "--max-sessions",
             "2",
+            "--voice-alias",
+            "narrator=ethan",
             "--log-level",
             "info",
         ],
@@ -183,6 +193,12 @@ def test_omnirt_serve_runs_the_embedded_default() -> None:
         assert finish_reason in ("stop", "length") and 1 <= tokens <= 4
         unauthorized = httpx.get(f"{base_url}/v1/models", timeout=5)
         assert unauthorized.status_code == 401
+        headers = {"Authorization": "Bearer test-key"}
+        card = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=5).json()["data"][0]
+        # OpenAI's names onto the model's voices in turn, and the one given on the command line
+        assert card["voices"] == ["chelsie", "ethan"]
+        assert card["voice_aliases"]["alloy"] == "chelsie" and card["voice_aliases"]["ash"] == "ethan"
+        assert card["voice_aliases"]["narrator"] == "ethan"
     finally:
         proc.terminate()
         try:
@@ -199,3 +215,14 @@ def test_omnirt_serve_runs_the_embedded_default() -> None:
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_a_voice_alias_onto_a_voice_the_model_lacks_stops_the_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``--voice-alias alloy=nobody`` on the embedded model (voices chelsie, ethan): exit 1, saying
+    why, before anything listens."""
+    with caplog.at_level("ERROR"):
+        code = main(["serve", "--voice-alias", "alloy=nobody", "--device", "cpu", "--port", str(free_port())])
+    assert code == 1
+    assert "bad --voice-alias" in caplog.text and "no voice 'nobody'" in caplog.text

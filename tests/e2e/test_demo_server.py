@@ -63,6 +63,16 @@ async def _connect(server: DemoServer):
     return realtime.connect(model=MODEL, **options)
 
 
+async def _manual_turns(client: SdkClient, **session: object) -> dict:
+    """Turn the default server VAD off (this client commits its turns), with other settings."""
+    audio: dict = {"input": {"turn_detection": None}, **session.pop("audio", {})}  # type: ignore[dict-item]
+    update = {"type": "realtime", "audio": audio, **session}
+    await client.conn.send({"type": "session.update", "session": update})
+    updated = await client.recv()
+    assert updated["type"] == "session.updated", updated
+    return updated["session"]
+
+
 async def _audio_turn(client: SdkClient, ms: int = 1000, max_tokens: int = 6) -> tuple[list[dict], float]:
     audio = speechlike(ms)
     for i in range(0, len(audio), 4800):  # 100 ms appends, as a live client sends them
@@ -97,6 +107,9 @@ def test_audio_turns_stream_speech_and_carry_history(demo: DemoServer) -> None:
         async with await _connect(demo) as conn:
             client = SdkClient(conn)
             assert (await client.recv())["type"] == "session.created"
+            # OpenAI's voice name: an alias of one of the model's voices, so the real pipeline speaks.
+            session = await _manual_turns(client, audio={"output": {"voice": "marin"}})
+            assert session["audio"]["output"]["voice"] == "marin"
             events, first_audio = await _audio_turn(client)
             kinds = [e["type"] for e in events]
             assert kinds[:3] == [
@@ -112,6 +125,7 @@ def test_audio_turns_stream_speech_and_carry_history(demo: DemoServer) -> None:
             ]
             assert kinds[-6:] == AUDIO_RESPONSE_TAIL
             done = events[-1]["response"]
+            assert done["audio"]["output"]["voice"] == "marin"
             # Random weights never stop on their own: the turn ends on its token budget.
             assert done["status"] == "incomplete"
             assert done["status_details"]["reason"] == "max_output_tokens"
@@ -187,6 +201,7 @@ def test_chat_completions_share_the_engine_with_a_live_session(demo: DemoServer)
         async with await _connect(demo) as conn:
             client = SdkClient(conn)
             await client.recv()
+            await _manual_turns(client)
             events, _ = await _audio_turn(client, ms=500, max_tokens=24)
             return events[-1]["response"]
 

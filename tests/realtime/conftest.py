@@ -173,7 +173,10 @@ async def connect(
     headers: dict[str, str] | None = None,
     subprotocols: list[str] | None = None,
     expect_session: bool = True,
+    manual: bool = False,
 ) -> AsyncIterator[Client]:
+    """A connected client past ``session.created``. Sessions start with server VAD (OpenAI's
+    default); ``manual`` turns it off first, as a client that commits by itself does."""
     async with websockets.connect(
         server.ws_url + query,
         additional_headers=headers or {},
@@ -184,6 +187,11 @@ async def connect(
         if expect_session:
             created = await client.recv()
             assert created["type"] == "session.created"
+        if manual:
+            await client.send(MANUAL_TURNS)
+            updated = await client.recv()
+            assert updated["type"] == "session.updated", updated
+            assert updated["session"]["audio"]["input"]["turn_detection"] is None
         yield client
 
 
@@ -199,8 +207,15 @@ class SdkClient(_Receiver):
         return await self.conn.recv_bytes()
 
 
+#: What a client that commits its turns itself sends first (sessions start with server VAD).
+MANUAL_TURNS = {
+    "type": "session.update",
+    "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+}
+
+
 @contextlib.asynccontextmanager
-async def sdk_connect(server: Server) -> AsyncIterator[SdkClient]:
+async def sdk_connect(server: Server, *, manual: bool = False) -> AsyncIterator[SdkClient]:
     realtime = server.sdk().realtime
     # SDKs from 3.x reconnect on their own; 1.107 (the first GA release) has no such option.
     options = {"max_retries": 0} if "max_retries" in inspect.signature(realtime.connect).parameters else {}
@@ -208,6 +223,9 @@ async def sdk_connect(server: Server) -> AsyncIterator[SdkClient]:
         client = SdkClient(conn)
         created = await client.recv()
         assert created["type"] == "session.created"
+        if manual:
+            await conn.session.update(session=MANUAL_TURNS["session"])  # type: ignore[arg-type]
+            assert (await client.recv())["type"] == "session.updated"
         yield client
 
 

@@ -185,9 +185,10 @@ def test_ack_and_truncate_cut_history_identically(slow: Server) -> None:
 
 def test_bad_acks_get_clear_errors_and_change_nothing(slow: Server) -> None:
     """Unknown response_id: invalid_value (param response_id); an item not in that response:
-    item_not_found (item_id); negative played_ms: invalid_value (played_ms); played_ms past the
-    produced audio: invalid_value (played_ms); a missing field: missing_required_parameter. The
-    item keeps its audio and transcript; a good ack afterwards still works."""
+    item_truncate_invalid_item_id (item_id, as the truncate the ack stands for); negative
+    played_ms: integer_below_min_value (played_ms); played_ms past the produced audio:
+    invalid_value (played_ms); a missing field: missing_required_parameter. The item keeps its
+    audio and transcript; a good ack afterwards still works."""
 
     async def main() -> tuple[list[dict], dict, dict, int]:
         async with connect(slow) as c:
@@ -218,8 +219,8 @@ def test_bad_acks_get_clear_errors_and_change_nothing(slow: Server) -> None:
     errors, before, after, produced = run(main())
     assert [(e["code"], e["param"], e["event_id"]) for e in errors] == [
         ("invalid_value", "response_id", "evt_0"),
-        ("item_not_found", "item_id", "evt_1"),
-        ("invalid_value", "played_ms", "evt_2"),
+        ("item_truncate_invalid_item_id", "item_id", "evt_1"),
+        ("integer_below_min_value", "played_ms", "evt_2"),
         ("invalid_value", "played_ms", "evt_3"),
         ("missing_required_parameter", "item_id", "evt_4"),
     ]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 from omnirt.realtime.config import ServerConfig
 
-from .conftest import Server, b64, connect, pcm_b64, run, running
+from .conftest import MODEL, Client, Server, b64, connect, pcm_b64, run, running, text_item
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +26,10 @@ def limited() -> Iterator[Server]:
 
 
 def test_malformed_frames(server: Server) -> None:
-    """Not JSON, not an object, no type, an unknown type, a binary frame: invalid_event.
-    A missing field: missing_required_parameter; an extra field: unknown_parameter; a wrong
-    type: invalid_value. The session answers normally afterwards."""
+    """OpenAI's codes: not JSON: invalid_json; an unknown type: invalid_value (param type); no type:
+    missing_required_parameter; a binary frame: invalid_event; not an object: invalid_event. A
+    missing field: missing_required_parameter; an extra field: unknown_parameter; a wrong type:
+    invalid_type. The session answers normally afterwards."""
 
     async def main() -> tuple[list[dict], dict]:
         async with connect(server) as c:
@@ -34,6 +37,7 @@ def test_malformed_frames(server: Server) -> None:
                 "{not json",
                 "[1, 2]",
                 json.dumps({"event_id": "evt_notype"}),
+                json.dumps({"type": 7, "event_id": "evt_typetype"}),
                 json.dumps({"type": "response.explode", "event_id": "evt_unknown"}),
                 json.dumps({"type": "input_audio_buffer.append", "event_id": "evt_missing"}),
                 json.dumps({"type": "input_audio_buffer.commit", "bogus": 1, "event_id": "evt_extra"}),
@@ -57,15 +61,17 @@ def test_malformed_frames(server: Server) -> None:
 
     errors, after = run(main())
     assert [(e["code"], e["event_id"], e["param"]) for e in errors] == [
+        ("invalid_json", None, None),
         ("invalid_event", None, None),
-        ("invalid_event", None, None),
-        ("invalid_event", "evt_notype", "type"),
-        ("invalid_event", "evt_unknown", "type"),
+        ("missing_required_parameter", "evt_notype", "type"),
+        ("invalid_type", "evt_typetype", "type"),
+        ("invalid_value", "evt_unknown", "type"),
         ("missing_required_parameter", "evt_missing", "audio"),
         ("unknown_parameter", "evt_extra", "bogus"),
-        ("invalid_value", "evt_type", "content_index"),
+        ("invalid_type", "evt_type", "content_index"),
         ("invalid_event", None, None),
     ]
+    assert "'response.create'" in errors[4]["message"]  # lists the supported event types
     assert all(e["type"] == "invalid_request_error" for e in errors)
     assert after["type"] == "input_audio_buffer.cleared"
 
@@ -76,7 +82,7 @@ def test_append_errors_leave_the_buffer_as_it_was(limited: Server) -> None:
     input_audio_buffer_commit_empty; what was buffered before is committed intact."""
 
     async def main() -> tuple[list[dict], dict]:
-        async with connect(limited) as c:
+        async with connect(limited, manual=True) as c:
             await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(50)})
             await c.send({"type": "input_audio_buffer.commit", "event_id": "evt_short"})
             errors = [await c.error()]
@@ -116,7 +122,7 @@ def test_append_errors_leave_the_buffer_as_it_was(limited: Server) -> None:
 
 def test_committed_audio_is_exactly_what_was_accepted(limited: Server) -> None:
     async def main() -> dict:
-        async with connect(limited) as c:
+        async with connect(limited, manual=True) as c:
             await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(120)})
             await c.send({"type": "input_audio_buffer.append", "audio": b64(b"\x01\x02\x03")})
             await c.error()
@@ -146,8 +152,10 @@ def test_client_event_over_the_size_limit(limited: Server) -> None:
 
 def test_session_update_errors(server: Server) -> None:
     """Beta-only fields and unknown fields: unknown_parameter; a turn_detection type the GA types do
-    not have, or a threshold over 1: invalid_value naming the field; an unknown voice: invalid_value.
-    The session stays as it was."""
+    not have: invalid_value; a threshold over 1: decimal_above_max_value; an unknown voice:
+    invalid_value; max_output_tokens 0: integer_below_min_value; a 16 kHz rate:
+    integer_below_min_value; instructions of the wrong type: invalid_type; each naming the field.
+    A refused update changes nothing, not even its valid fields (as OpenAI's)."""
 
     async def main() -> tuple[list[dict], dict]:
         async with connect(server) as c:
@@ -163,6 +171,15 @@ def test_session_update_errors(server: Server) -> None:
                 {"type": "realtime", "audio": {"output": {"voice": "nobody"}}},
                 {"type": "realtime", "audio": {"output": {"format": {"type": "audio/mp3"}}}},
                 {"type": "realtime", "instructions": "changed", "max_output_tokens": 0},
+                {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+                {"type": "realtime", "instructions": 42},
+                {"type": "realtime", "audio": {"output": {"speed": 0.1}}},
+                {
+                    "type": "realtime",
+                    "audio": {
+                        "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 10**6}}
+                    },
+                },
             ]
             errors = []
             for i, session in enumerate(bad):
@@ -177,14 +194,20 @@ def test_session_update_errors(server: Server) -> None:
         ("unknown_parameter", "session.input_audio_format"),
         ("unknown_parameter", "session.colour"),
         ("invalid_value", "session.audio.input.turn_detection"),
-        ("invalid_value", "session.audio.input.turn_detection.threshold"),
+        ("decimal_above_max_value", "session.audio.input.turn_detection.threshold"),
         ("invalid_value", "session.audio.output.voice"),
         ("invalid_value", "session.audio.output.format.type"),
-        ("invalid_value", "session.max_output_tokens"),
+        ("integer_below_min_value", "session.max_output_tokens"),
+        ("integer_below_min_value", "session.audio.input.format.rate"),
+        ("invalid_type", "session.instructions"),
+        ("decimal_below_min_value", "session.audio.output.speed"),
+        ("integer_above_max_value", "session.audio.input.turn_detection.silence_duration_ms"),
     ]
-    assert [e["event_id"] for e in errors] == [f"evt_{i}" for i in range(8)]
+    assert [e["event_id"] for e in errors] == [f"evt_{i}" for i in range(12)]
     assert "output_modalities" in errors[0]["message"]
-    assert session["instructions"] == "" and session["audio"]["input"]["turn_detection"] is None
+    assert "Expected a value <= 1.0, but got 2 instead" in errors[4]["message"]
+    assert session["instructions"] == "" and session["max_output_tokens"] == "inf"
+    assert session["audio"]["input"]["turn_detection"]["type"] == "server_vad"  # the default, kept
 
 
 def test_session_update_deep_merges_and_ignores_what_it_does_not_use(server: Server) -> None:
@@ -224,36 +247,136 @@ def test_session_update_deep_merges_and_ignores_what_it_does_not_use(server: Ser
 
 def test_voice_cannot_change_after_audio(server: Server) -> None:
     """Before any audio the voice may change; once audio was produced a different voice gets
-    invalid_value (restating the same one is fine)."""
+    cannot_update_voice (OpenAI's code) and the whole update is refused; restating the same voice,
+    or another name of it (an OpenAI alias), is fine."""
 
-    def voice(name: str, event_id: str = "evt") -> dict:
+    def voice(name: str, event_id: str = "evt", **more: object) -> dict:
         return {
             "type": "session.update",
             "event_id": event_id,
-            "session": {"type": "realtime", "audio": {"output": {"voice": name}}},
+            "session": {"type": "realtime", "audio": {"output": {"voice": name}}, **more},
         }
 
     async def main() -> list[dict]:
-        async with connect(server) as c:
+        async with connect(server, manual=True) as c:
             await c.send(voice("alto"))
             out = [await c.recv()]
             await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(200)})
             await c.send({"type": "input_audio_buffer.commit"})
             await c.send({"type": "response.create"})
             out.append((await c.until("response.done"))[-1])
-            await c.send(voice("echo", "evt_change"))
+            await c.send(voice("echo", "evt_change", instructions="ignored"))
             out.append(await c.recv())
             await c.send(voice("alto"))
             out.append(await c.recv())
+            await c.send(voice("ash"))  # OpenAI's second name: the model's second voice, alto
+            out.append(await c.recv())
             return out
 
-    before, done, changed, same = run(main())
+    before, done, changed, same, alias = run(main())
     assert before["session"]["audio"]["output"]["voice"] == "alto"
     assert done["response"]["audio"]["output"]["voice"] == "alto"
     assert server.pipeline.requests[-1].voice == "alto"
-    assert changed["type"] == "error" and changed["error"]["code"] == "invalid_value"
+    assert changed["type"] == "error" and changed["error"]["code"] == "cannot_update_voice"
     assert (
         changed["error"]["param"] == "session.audio.output.voice"
         and changed["error"]["event_id"] == "evt_change"
     )
     assert same["type"] == "session.updated" and same["session"]["audio"]["output"]["voice"] == "alto"
+    assert same["session"]["instructions"] == ""  # the refused update left nothing behind
+    assert alias["type"] == "session.updated" and alias["session"]["audio"]["output"]["voice"] == "ash"
+
+
+def test_openai_voice_names_are_aliases(server: Server) -> None:
+    """A session starts with OpenAI's default voice, alloy; OpenAI's names are accepted in
+    session.update and response.create and shown as asked, while the engine gets the model's
+    voice (by default the i-th OpenAI name is the model's voice i mod n: the test model has echo
+    and alto). The model's own names still work, and win over an alias of the same name."""
+
+    async def turn(c: Client, response: dict | None = None) -> dict:
+        await c.send({"type": "conversation.item.create", "item": text_item("hi")})
+        await c.send({"type": "response.create", **({"response": response} if response else {})})
+        return (await c.until("response.done"))[-1]["response"]
+
+    async def main() -> list[Any]:
+        async with connect(server) as c:
+            created = c.events[0]["session"]
+            first = await turn(c)
+            first_voice = server.pipeline.requests[-1].voice
+            await c.send(
+                {
+                    "type": "session.update",
+                    "session": {
+                        "type": "realtime",
+                        "instructions": "Be brief.",
+                        "audio": {"input": {"turn_detection": None}, "output": {"voice": "alloy"}},
+                    },
+                }
+            )
+            updated = (await c.recv())["session"]
+            override = await turn(c, {"audio": {"output": {"voice": "marin"}}})
+            override_voice = server.pipeline.requests[-1].voice
+            own = await turn(c, {"audio": {"output": {"voice": "echo"}}})
+            return [created, first, first_voice, updated, override, override_voice, own]
+
+    created, first, first_voice, updated, override, override_voice, own = run(main())
+    assert created["audio"]["output"]["voice"] == "alloy"
+    assert first["audio"]["output"]["voice"] == "alloy" and first_voice == "echo"
+    assert updated["audio"]["output"]["voice"] == "alloy" and updated["instructions"] == "Be brief."
+    assert updated["audio"]["input"]["turn_detection"] is None
+    assert override["audio"]["output"]["voice"] == "marin" and override_voice == "echo"  # 8th: 8 % 2
+    assert own["audio"]["output"]["voice"] == "echo" and server.pipeline.requests[-1].voice == "echo"
+
+
+def test_voice_aliases_are_server_configuration() -> None:
+    """``voice_aliases`` (``--voice-alias NAME=VOICE``) override the defaults and add names; the
+    aliases are listed by /v1/models."""
+    config = ServerConfig(voice_aliases={"ash": "echo", "narrator": "alto"})
+
+    async def main(s: Server) -> list[Any]:
+        async with connect(s, manual=True) as c:
+            voices = []
+            for name in ("ash", "narrator", "cedar"):
+                await c.send({"type": "conversation.item.create", "item": text_item("hi")})
+                await c.send({"type": "response.create", "response": {"audio": {"output": {"voice": name}}}})
+                done = (await c.until("response.done"))[-1]["response"]
+                voices.append((done["audio"]["output"]["voice"], s.pipeline.requests[-1].voice))
+            return voices
+
+    with running(config) as s:
+        voices = run(main(s))
+        card = httpx.get(f"{s.base_url}/v1/models/{MODEL}", timeout=5).json()
+    assert voices == [("ash", "echo"), ("narrator", "alto"), ("cedar", "alto")]
+    assert card["voices"] == ["echo", "alto"]
+    assert card["voice_aliases"] == {
+        "alloy": "echo",
+        "ash": "echo",
+        "ballad": "echo",
+        "coral": "alto",
+        "sage": "alto",
+        "shimmer": "echo",
+        "verse": "alto",
+        "marin": "echo",
+        "cedar": "alto",
+        "narrator": "alto",
+    }
+
+
+def test_an_event_too_large_to_send_becomes_a_server_error(server: Server) -> None:
+    """A user item of five 256 Ki-character texts is accepted, but its echo would be a frame over
+    1 MiB (older SDKs close on those): the client gets server_error (type server_error) in its
+    place, for conversation.item.added and .done, and the session goes on."""
+    part = {"type": "input_text", "text": "x" * (256 * 1024)}
+    item = {"type": "message", "role": "user", "content": [part] * 5, "id": "item_big"}
+
+    async def main() -> tuple[list[dict], dict]:
+        async with connect(server) as c:
+            await c.send({"type": "conversation.item.create", "item": item, "event_id": "evt_big"})
+            errors = [await c.error(), await c.error()]
+            await c.send({"type": "conversation.item.delete", "item_id": "item_big"})
+            return errors, await c.recv()
+
+    errors, deleted = run(main())
+    assert [(e["code"], e["type"]) for e in errors] == [("server_error", "server_error")] * 2
+    assert "conversation.item.added" in errors[0]["message"]
+    assert deleted["type"] == "conversation.item.deleted"

@@ -93,8 +93,12 @@ def test_create_places_items_and_accepts_32_char_ids(server: Server) -> None:
 
 
 def test_item_errors_leave_the_conversation_unchanged(server: Server) -> None:
-    """Unknown ids get item_not_found; a 33-char id, a duplicate id, a remote image URL and a
-    role/content mismatch get invalid_value; each error echoes the client's event_id."""
+    """OpenAI's codes: an unknown id gets item_retrieve_invalid_item_id /
+    item_delete_invalid_item_id / item_truncate_invalid_item_id, an unknown previous_item_id
+    item_create_invalid_previous_item_id, a duplicate id item_create_duplicate_item_id; a 33-char id
+    string_above_max_length; a remote image URL, a role/content mismatch and an unknown
+    item_reference invalid_value; truncating a user message unsupported_content_type. Each error
+    echoes the client's event_id."""
 
     async def main() -> list[dict]:
         async with connect(server) as c:
@@ -132,6 +136,12 @@ def test_item_errors_leave_the_conversation_unchanged(server: Server) -> None:
                     "type": "response.create",
                     "response": {"input": [{"type": "item_reference", "id": "nope"}]},
                 },
+                {
+                    "type": "conversation.item.truncate",
+                    "item_id": "item_a",
+                    "content_index": 0,
+                    "audio_end_ms": 0,
+                },
             ]
             errors = []
             for i, event in enumerate(bad):
@@ -143,23 +153,26 @@ def test_item_errors_leave_the_conversation_unchanged(server: Server) -> None:
 
     *errors, retrieved = run(main())
     assert [(e["code"], e["event_id"]) for e in errors] == [
-        ("item_not_found", "evt_0"),
-        ("item_not_found", "evt_1"),
-        ("item_not_found", "evt_2"),
-        ("item_not_found", "evt_3"),
-        ("invalid_value", "evt_4"),
-        ("invalid_value", "evt_5"),
+        ("item_retrieve_invalid_item_id", "evt_0"),
+        ("item_delete_invalid_item_id", "evt_1"),
+        ("item_truncate_invalid_item_id", "evt_2"),
+        ("item_create_invalid_previous_item_id", "evt_3"),
+        ("string_above_max_length", "evt_4"),
+        ("item_create_duplicate_item_id", "evt_5"),
         ("invalid_value", "evt_6"),
         ("invalid_value", "evt_7"),
-        ("item_not_found", "evt_8"),
+        ("invalid_value", "evt_8"),
+        ("unsupported_content_type", "evt_9"),
     ]
     assert errors[4]["param"] == "item.id" and errors[6]["param"] == "item.content.0.image_url"
+    assert errors[5]["param"] == "item.id" and errors[8]["param"] == "response.input.0.id"
+    assert errors[0]["message"] == "Error retrieving item: the item with id 'nope' does not exist."
     assert retrieved["type"] == "conversation.item.retrieved" and retrieved["item"]["id"] == "item_a"
 
 
 def test_retrieve_and_delete(server: Server) -> None:
     async def main() -> list[dict]:
-        async with connect(server) as c:
+        async with connect(server, manual=True) as c:
             await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(300)})
             await c.send({"type": "input_audio_buffer.commit"})
             item_id = (await c.until("conversation.item.done"))[0]["item_id"]
@@ -174,7 +187,7 @@ def test_retrieve_and_delete(server: Server) -> None:
     content = retrieved["item"]["content"][0]
     assert content["type"] == "input_audio" and base64.b64decode(content["audio"]) == tone(300).tobytes()
     assert deleted == {**deleted, "type": "conversation.item.deleted", "item_id": retrieved["item"]["id"]}
-    assert error["code"] == "item_not_found"
+    assert error["code"] == "item_retrieve_invalid_item_id"
 
 
 def test_truncate_while_streaming_cuts_audio_and_transcript(server: Server) -> None:
@@ -254,7 +267,7 @@ def test_retrieving_long_audio_keeps_the_frame_under_1_mib(server: Server) -> No
     transcript field kept) instead of sending a frame older SDKs would close on."""
 
     async def main() -> tuple[dict, dict]:
-        async with connect(server) as c:
+        async with connect(server, manual=True) as c:
             await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(15_000)})
             await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(15_000)})
             await c.send({"type": "input_audio_buffer.commit"})

@@ -84,7 +84,7 @@ def test_images_per_session_and_image_bytes(limited: Server) -> None:
         ("image_limit_exceeded", "evt_input"),
     ]
     assert "2" in errors[0]["message"] and "1000" in errors[1]["message"]
-    assert ids == ["item_not_found", "img1", "img2"]
+    assert ids == ["item_retrieve_invalid_item_id", "img1", "img2"]
 
 
 def test_idle_connection_is_closed(limited: Server) -> None:

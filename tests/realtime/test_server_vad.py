@@ -155,18 +155,24 @@ def test_semantic_vad_is_accepted_and_runs_as_server_vad(server: Server) -> None
 
 
 def test_turn_detection_shapes_are_validated(server: Server) -> None:
-    """Each bad shape gets an error naming the field; the session keeps manual turns."""
+    """Each bad shape gets an error naming the field (OpenAI's codes); the session keeps the
+    turn detection it had (the default server VAD)."""
     bad = [
         ({"type": "push_to_talk"}, "invalid_value", "session.audio.input.turn_detection"),
         ({"threshold": 0.5}, "invalid_value", "session.audio.input.turn_detection"),
         (
             {"type": "server_vad", "threshold": -0.1},
-            "invalid_value",
+            "decimal_below_min_value",
             "session.audio.input.turn_detection.threshold",
         ),
         (
+            {"type": "server_vad", "idle_timeout_ms": 50},
+            "integer_below_min_value",
+            "session.audio.input.turn_detection.idle_timeout_ms",
+        ),
+        (
             {"type": "server_vad", "silence_duration_ms": "long"},
-            "invalid_value",
+            "invalid_type",
             "session.audio.input.turn_detection.silence_duration_ms",
         ),
         (
@@ -199,15 +205,20 @@ def test_turn_detection_shapes_are_validated(server: Server) -> None:
 
     errors, updated = run(main())
     assert [(e["code"], e["param"]) for e in errors] == [(code, param) for _, code, param in bad]
-    assert updated["session"]["audio"]["input"]["turn_detection"] is None
+    assert updated["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    assert updated["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 500
 
 
 def test_broken_vad_model_is_an_error_not_a_crash(broken_vad: Server) -> None:
-    """With the VAD model file broken, turning on server VAD gets server_vad_initialization_failed;
-    the session stays in manual turns and still serves a manual turn."""
+    """With the VAD model file broken, a new session cannot have its default server VAD: it starts
+    with manual turns (session.created says turn_detection null) and an error
+    server_vad_initialization_failed follows session.created. Turning server VAD on gets the same
+    error; the session stays in manual turns and still serves a manual turn."""
 
-    async def main() -> tuple[dict, dict, list[dict]]:
+    async def main() -> tuple[dict, dict, dict, dict, list[dict]]:
         async with connect(broken_vad) as c:
+            created = c.events[0]
+            at_open = await c.error()
             await c.send({**vad_update(), "event_id": "evt_vad"})
             error = await c.error()
             await c.send({"type": "session.update", "session": {"type": "realtime"}})
@@ -215,9 +226,15 @@ def test_broken_vad_model_is_an_error_not_a_crash(broken_vad: Server) -> None:
             await stream_audio(c, to_pcm16(hum(300, 200)))
             await c.send({"type": "input_audio_buffer.commit"})
             await c.send({"type": "response.create"})
-            return error, updated, await c.until("response.done")
+            return created, at_open, error, updated, await c.until("response.done")
 
-    error, updated, events = run(main())
+    created, at_open, error, updated, events = run(main())
+    assert created["session"]["audio"]["input"]["turn_detection"] is None
+    assert (at_open["code"], at_open["type"], at_open["event_id"]) == (
+        "server_vad_initialization_failed",
+        "server_error",
+        None,
+    )
     assert (error["code"], error["param"], error["event_id"]) == (
         "server_vad_initialization_failed",
         "session.audio.input.turn_detection",

@@ -21,7 +21,10 @@ AUDIO_TURN_ORDER = [
 ]
 
 
-def test_session_created_holds_the_full_ga_session(server: Server) -> None:
+def test_session_created_holds_the_full_ga_session_with_openais_defaults(server: Server) -> None:
+    """A new session starts as OpenAI's do: server VAD with create_response and
+    interrupt_response on, no transcription or noise reduction, voice alloy, PCM 24 kHz."""
+
     async def main() -> dict:
         async with sdk_connect(server) as c:
             return c.events[0]
@@ -31,14 +34,25 @@ def test_session_created_holds_the_full_ga_session(server: Server) -> None:
     assert session["id"].startswith("sess_") and session["model"] == MODEL
     assert session["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
     assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
-    assert session["audio"]["input"]["turn_detection"] is None
-    assert session["audio"]["output"]["voice"] == "echo"  # the model's first voice
+    assert session["audio"]["input"]["turn_detection"] == {
+        "type": "server_vad",
+        "threshold": 0.5,
+        "prefix_padding_ms": 300,
+        "silence_duration_ms": 500,
+        "create_response": True,
+        "interrupt_response": True,
+        "idle_timeout_ms": None,
+    }
+    assert session["audio"]["input"]["transcription"] is None
+    assert session["audio"]["input"]["noise_reduction"] is None
+    assert session["audio"]["output"]["voice"] == "alloy" and session["audio"]["output"]["speed"] == 1.0
     assert session["output_modalities"] == ["audio"] and session["max_output_tokens"] == "inf"
+    assert session["tools"] == [] and session["tool_choice"] == "auto"
 
 
 def test_audio_turn_event_order_and_ids(server: Server) -> None:
     async def main() -> list[dict]:
-        async with sdk_connect(server) as c:
+        async with sdk_connect(server, manual=True) as c:
             await c.conn.input_audio_buffer.append(audio=pcm_b64(500))
             await c.conn.input_audio_buffer.commit(event_id="evt_commit")
             await c.conn.response.create()
@@ -137,7 +151,7 @@ def test_text_turn_uses_output_text_events(server: Server) -> None:
 
 def test_history_of_previous_turns_goes_into_every_request(server: Server) -> None:
     async def main() -> None:
-        async with sdk_connect(server) as c:
+        async with sdk_connect(server, manual=True) as c:
             await c.conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
             await c.until("session.updated")
             await c.conn.input_audio_buffer.append(audio=pcm_b64(200))
@@ -162,7 +176,7 @@ def test_g711_input_and_output(server: Server) -> None:
     pcm8k = (resample(tone(400) / 32768.0, 24_000, 8_000) * 32767).astype(np.int16)
 
     async def main() -> list[dict]:
-        async with sdk_connect(server) as c:
+        async with sdk_connect(server, manual=True) as c:
             await c.conn.session.update(
                 session={
                     "type": "realtime",

@@ -18,6 +18,7 @@ from omnirt.sessions.manager import SessionManager
 from omnirt.sessions.response import ResponseOptions
 from omnirt.sessions.session import RealtimeSession
 from omnirt.sessions.streaming import MAX_DELTA_MS, MIN_DELTA_MS, AudioChunker
+from omnirt.sessions.voices import OPENAI_VOICES, VoiceCatalog
 from omnirt.stages.engine import Engine, EngineClient
 
 from tests.fakes import EchoPipeline
@@ -37,7 +38,7 @@ class Harness:
         self.session = RealtimeSession(
             EngineClient(self.engine),
             model="echo-test",
-            limits=SessionLimits(max_input_buffer_bytes=48_000, voices=("echo",)),
+            limits=SessionLimits(max_input_buffer_bytes=48_000, voices=VoiceCatalog.for_model(("echo",))),
             emit=self.events.append,
             new_id=ids,
         )
@@ -113,7 +114,7 @@ def test_close_cancels_engine_requests() -> None:
 
 
 def test_config_merge_is_deep_and_null_clears() -> None:
-    limits = SessionLimits(voices=("a", "b"))
+    limits = SessionLimits(voices=VoiceCatalog.for_model(("a", "b")))
     c = SessionConfig(model="m", voice="a")
     c = c.merged(
         {"instructions": "x", "audio": {"input": {"format": {"type": "audio/pcmu"}}}},
@@ -124,6 +125,65 @@ def test_config_merge_is_deep_and_null_clears() -> None:
     assert (c.instructions, c.input_format, c.voice, c.speed) == ("x", "audio/pcmu", "b", 1.1)
     c = c.merged({"audio": {"input": None}, "instructions": None}, limits=limits, voice_locked=True)
     assert (c.instructions, c.input_format, c.voice, c.speed) == ("", "audio/pcm", "b", 1.1)
+
+
+def test_openai_voice_names_are_aliases_of_the_model_voices() -> None:
+    """By default OpenAI's ten names map onto the model's voices in turn; overrides win; the
+    model's own names win over an alias; a bad override is refused at start."""
+    catalog = VoiceCatalog.for_model(("a", "b", "c"))
+    assert [catalog.resolve(n, "p") for n in OPENAI_VOICES] == list("abcabcabca")
+    assert catalog.resolve("b", "p") == "b" and catalog.names[:3] == ("a", "b", "c")
+    with pytest.raises(SessionError) as info:
+        catalog.resolve("nobody", "session.audio.output.voice")
+    assert (info.value.code, info.value.param) == (ErrorCode.INVALID_VALUE, "session.audio.output.voice")
+    assert "'alloy'" in info.value.message and "'a'" in info.value.message
+    custom = VoiceCatalog.for_model(("echo", "alto"), {"alloy": "alto", "narrator": "echo"})
+    assert custom.resolve("echo", "p") == "echo"  # the model's own voice, not OpenAI's echo alias
+    assert "echo" not in custom.aliases and custom.resolve("alloy", "p") == "alto"
+    assert custom.resolve("narrator", "p") == "echo" and custom.resolve("ash", "p") == "alto"
+    for bad in ({"alloy": "nobody"}, {"echo": "alto"}, {"": "alto"}):
+        with pytest.raises(ValueError):
+            VoiceCatalog.for_model(("echo", "alto"), bad)
+    anything = VoiceCatalog()  # a model that lists no voices: names pass through
+    assert anything.resolve("whatever", "p") == "whatever" and not anything.aliases
+
+
+def test_voice_lock_compares_the_voice_heard() -> None:
+    """After audio, another name of the same model voice is accepted (shown as asked); a name
+    of another voice gets cannot_update_voice and the config is unchanged."""
+    limits = SessionLimits(voices=VoiceCatalog.for_model(("a", "b")))
+    c = SessionConfig(model="m", voice="alloy")  # alloy -> a
+    same = c.merged({"audio": {"output": {"voice": "a"}}}, limits=limits, voice_locked=True)
+    assert same.voice == "a"
+    with pytest.raises(SessionError) as info:
+        patch = {"audio": {"output": {"voice": "ash"}}, "instructions": "x"}
+        c.merged(patch, limits=limits, voice_locked=True)
+    assert info.value.code == ErrorCode.CANNOT_UPDATE_VOICE and c.voice == "alloy" and c.instructions == ""
+
+
+@pytest.mark.parametrize("push_to_talk", [False, True])
+def test_open_without_a_vad_starts_manual_and_says_why(push_to_talk: bool) -> None:
+    """A new session asks for OpenAI's default server VAD; with no VAD available it starts with
+    manual turns and reports server_vad_initialization_failed after session.created (a
+    push-to-talk session starts with manual turns and no error)."""
+    out: list[object] = []
+    session = RealtimeSession(
+        object(),  # type: ignore[arg-type]
+        model="m",
+        limits=SessionLimits(),
+        emit=out.append,
+        new_id=ids,
+        vad=None,
+        push_to_talk=push_to_talk,
+    )
+    session.open()
+    assert isinstance(out[0], ev.SessionCreated) and out[0].config.turn_detection is None
+    assert out[0].config.voice == "alloy"
+    if push_to_talk:
+        assert len(out) == 1
+    else:
+        assert len(out) == 2 and isinstance(out[1], ev.ErrorReported)
+        assert (out[1].code, out[1].type) == (ErrorCode.SERVER_VAD_INIT_FAILED, "server_error")
 
 
 def test_input_buffer_counts_wire_duration_and_refuses_without_side_effects() -> None:
@@ -162,8 +222,12 @@ def test_conversation_placement() -> None:
     assert conv.insert(c) == "a"
     assert conv.insert(b, "a") == "a"
     assert [i.id for i in conv] == ["a", "b", "c"] and conv.previous_id("c") == "b"
-    with pytest.raises(SessionError):
+    with pytest.raises(SessionError) as info:
         conv.insert(MessageItem("a", "user", []))
+    assert info.value.code == ErrorCode.ITEM_CREATE_DUPLICATE_ID
+    with pytest.raises(SessionError) as info:
+        conv.insert(MessageItem("d", "user", []), "nope")
+    assert info.value.code == ErrorCode.ITEM_CREATE_INVALID_PREVIOUS_ID and len(conv) == 3
 
 
 @pytest.mark.parametrize("fmt", ["audio/pcm", "audio/pcmu"])
