@@ -267,18 +267,18 @@ def test_beta_subprotocol_errors_name_beta_fields_and_leave_the_session(server: 
         ({"input_audio_format": "pcm8"}, "invalid_value", "session.input_audio_format"),
         ({"output_audio_format": {"type": "audio/pcm"}}, "invalid_value", "session.output_audio_format"),
         ({"voice": "nobody"}, "invalid_value", "session.voice"),
-        ({"max_response_output_tokens": 0}, "invalid_value", "session.max_response_output_tokens"),
+        ({"max_response_output_tokens": 0}, "integer_below_min_value", "session.max_response_output_tokens"),
         ({"modalities": ["video"]}, "invalid_value", "session.modalities.0"),
         (
             {"turn_detection": {"type": "server_vad", "threshold": 2}},
-            "invalid_value",
+            "decimal_above_max_value",
             "session.turn_detection.threshold",
         ),
-        ({"temperature": 3}, "invalid_value", "session.temperature"),
+        ({"temperature": 3}, "decimal_above_max_value", "session.temperature"),
         ({"instructions": "changed", "colour": "blue"}, "unknown_parameter", "session.colour"),
     ]
     bad_responses: list[tuple[dict[str, Any], str, str]] = [
-        ({"max_response_output_tokens": 0}, "invalid_value", "response.max_response_output_tokens"),
+        ({"max_response_output_tokens": 0}, "integer_below_min_value", "response.max_response_output_tokens"),
         ({"voice": "nobody"}, "invalid_value", "response.voice"),
         ({"output_audio_format": "mp3"}, "invalid_value", "response.output_audio_format"),
     ]

@@ -280,7 +280,7 @@ def test_tool_errors_leave_the_session_as_it_was(server: Server) -> None:
     rest = [(e["code"], e["param"]) for e in errors[len(bad_updates) :]]
     assert rest == [
         ("invalid_value", "item.call_id"),
-        ("item_not_found", "item_id"),
+        ("item_retrieve_invalid_item_id", "item_id"),
         ("invalid_value", "response.tool_choice"),
         ("invalid_value", "response.tool_choice"),
         ("unsupported", "response.tools.0.type"),

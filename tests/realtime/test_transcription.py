@@ -140,7 +140,7 @@ def test_transcription_setting_is_validated_and_null_turns_it_off(server: Server
     errors, updates, after = run(main())
     assert [(e["code"], e["param"]) for e in errors] == [
         ("unknown_parameter", "session.audio.input.transcription.temperature"),
-        ("invalid_value", "session.audio.input.transcription.language"),
+        ("invalid_type", "session.audio.input.transcription.language"),
     ]
     assert [u["session"]["audio"]["input"]["transcription"] for u in updates] == [{}, None]
     assert not [e for e in after if e["type"].startswith(TRANSCRIBED)]

@@ -18,6 +18,7 @@ from omnirt.sessions.errors import ErrorCode, SessionError
 from omnirt.sessions.items import FunctionCallItem, InputText, MessageItem, OutputAudio
 from omnirt.sessions.response import ResponseOptions
 from omnirt.sessions.session import RealtimeSession
+from omnirt.sessions.voices import VoiceCatalog
 from omnirt.stages.types import AudioDelta, Finished, GenerationRequest, Output, TextDelta, ToolCall, Usage
 
 _counter = itertools.count()
@@ -66,7 +67,11 @@ async def play(outputs: list[Output], *, cancel_after: int | None = None) -> tup
     client = ScriptedClient()
     events: list[object] = []
     session = RealtimeSession(
-        client, model="m", limits=SessionLimits(voices=("v",)), emit=events.append, new_id=ids
+        client,
+        model="m",
+        limits=SessionLimits(voices=VoiceCatalog.for_model(("v",))),
+        emit=events.append,
+        new_id=ids,
     )
     session.update({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "g"}]})
     session.create_item(MessageItem(ids("item"), "user", [InputText("hi")]))
@@ -153,7 +158,7 @@ def test_playback_ack_of_a_function_call_item_is_refused() -> None:
     try:
         session.ack_playback(response.id, call.id, 0)
     except SessionError as exc:
-        assert (exc.code, exc.param) == (ErrorCode.INVALID_VALUE, "item_id")
+        assert (exc.code, exc.param) == (ErrorCode.UNSUPPORTED_CONTENT_TYPE, "item_id")
     else:
         raise AssertionError("ack of a function_call item was accepted")
 

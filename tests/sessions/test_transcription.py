@@ -28,6 +28,7 @@ from omnirt.sessions.transcription import (
     token_budget,
     transcription_request,
 )
+from omnirt.sessions.voices import VoiceCatalog
 from omnirt.stages.engine import Engine, EngineClient
 from omnirt.stages.pipeline import RequestRejected
 from omnirt.stages.types import AudioPart, GenerationRequest, TextPart
@@ -94,7 +95,7 @@ class Harness:
         self.session = RealtimeSession(
             EngineClient(self.engine),
             model="echo-test",
-            limits=SessionLimits(voices=("echo",)),
+            limits=SessionLimits(voices=VoiceCatalog.for_model(("echo",))),
             emit=self._emit,
             new_id=ids,
         )

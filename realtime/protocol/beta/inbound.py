@@ -148,10 +148,12 @@ def _check_temperature(value: Any, param: str) -> None:
     low, high = TEMPERATURE_RANGE
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(ErrorCode.INVALID_TYPE, f"Invalid type for '{param}': expected a number.", param)
+    if not low <= value <= high:
         raise ProtocolError(
-            ErrorCode.INVALID_VALUE,
-            f"Invalid value for '{param}': expected a number from {low} to {high} (got {value!r}).",
+            ErrorCode.DECIMAL_BELOW_MIN if value < low else ErrorCode.DECIMAL_ABOVE_MAX,
+            f"Invalid '{param}': expected a number from {low} to {high} (got {value!r}).",
             param,
         )
 
