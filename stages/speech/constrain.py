@@ -182,8 +182,8 @@ class GrammarConstraint(ReplyConstraint):
         self.fresh = self.need
         if self.need > budget - 1:
             raise RequestRejected(
-                f"max_output_tokens {budget} is too small for the constrained reply: "
-                f"it needs at least {self.need + 1} tokens"
+                f"a token budget of {budget} (max_output_tokens, or what the context leaves) is too "
+                f"small for the constrained reply: it needs at least {self.need + 1} tokens"
             )
         self.first = torch.empty(vocab.words, dtype=torch.int32)
         self.fill(self.first, budget - 1)
@@ -398,6 +398,8 @@ class Constrainer:
         hoisted = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
         params.pop("$schema", None)
         kind = params.setdefault("type", "object")
+        if isinstance(kind, list) and "object" in kind:  # e.g. ["object", "null"]: an object here
+            kind = params["type"] = "object"
         if kind != "object":
             raise RequestRejected(
                 f"the parameters schema of function {tool.name!r} must describe an object, not {kind!r}"

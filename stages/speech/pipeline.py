@@ -323,7 +323,8 @@ class SpeechPipeline:
         return self.step_timer.seconds
 
     def prepare(self, request: GenerationRequest) -> SpeechPrompt:
-        """Validation, the prompt's tokens and audio / image features, the voice (any thread)."""
+        """Validation, the prompt's tokens and audio / image features, the voice, the reply's
+        constraint (tools, tool choice, response format: the grammar compiled) (any thread)."""
         if request.temperature < 0 or not 0 < request.top_p <= 1:
             raise RequestRejected("temperature must be >= 0 and top_p in (0, 1]")
         if request.max_output_tokens is not None and request.max_output_tokens < 1:

@@ -149,9 +149,32 @@ def test_a_reply_at_the_edge_of_its_budget_still_closes(pipe, slack: int) -> Non
     (call,) = calls_of(mine)
     check_call(call, [WEATHER])
     assert mine[-1].reason == "stop" and mine[-1].usage.output_text_tokens <= budget
-    too_small = f"max_output_tokens {need} is too small .* at least {need + 1}"
+    too_small = f"a token budget of {need} .* is too small .*: it needs at least {need + 1} tokens"
     with pytest.raises(RequestRejected, match=too_small):
         pipe.prepare(dataclasses.replace(probe, max_output_tokens=need))
+
+
+def test_schemas_as_frameworks_write_them_are_accepted(pipe) -> None:
+    """Generated schemas (titles, defaults, a nullable object, ``$schema``, ``$ref`` to ``$defs``)."""
+    generated = ToolSpec("lookup", "", {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "LookupArgs",
+        "type": ["object", "null"],
+        "$defs": {"Units": {"title": "Units", "enum": ["metric", "imperial"], "type": "string"}},
+        "properties": {
+            "query": {"title": "Query", "type": "string", "description": "what to look up"},
+            "units": {"$ref": "#/$defs/Units", "default": "metric"},
+        },
+        "required": ["query", "units"],
+        "additionalProperties": False,
+    })
+    request = ask("l", output_audio=False, max_output_tokens=120, tools=[generated],
+                  tool_choice=NamedTool("lookup"), temperature=1.0, seed=9)
+    pipe.add(request)
+    (call,) = calls_of(of(drain(pipe), "l"))
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, generated.parameters)
+    assert arguments["units"] in ("metric", "imperial")
 
 
 def test_forced_calls_are_capped_at_the_tool_call_budget(pipe) -> None:
