@@ -44,6 +44,7 @@ from .types import (
     Output,
     Started,
     TextDelta,
+    ToolCall,
     Usage,
 )
 
@@ -354,7 +355,7 @@ class RequestStream:
             u.input_text_tokens = output.usage.input_text_tokens
             u.input_audio_tokens = output.usage.input_audio_tokens
             u.input_image_tokens = output.usage.input_image_tokens
-        elif isinstance(output, TextDelta):
+        elif isinstance(output, TextDelta | ToolCall):
             u.output_text_tokens += output.tokens
         elif isinstance(output, AudioDelta):
             u.output_audio_tokens += output.frames

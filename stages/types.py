@@ -151,6 +151,8 @@ class ToolCall:
 
     name: str
     arguments: str
+    #: Reply tokens the call took (its tags included), for running usage; not compared.
+    tokens: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)

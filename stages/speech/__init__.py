@@ -12,8 +12,10 @@ device state, prompt passes and decode steps on CUDA graphs), ``talker_prompt`` 
 prompt as ``generate`` builds it), ``prefill`` (reading new prompts, inline or on a worker),
 ``slots`` (batched decode and prompt passes over HF layers with a static KV slot pool),
 ``sampling`` / ``draws`` (the batched counter-based sampler, per-slot parameters), ``text_out``
-(detokenising, stop strings), ``code2wav`` (vocoder interface: exact streaming or chunked),
-``prompt`` (messages -> prompt tensors), ``memory`` (the slots' GPU memory plan), ``loader`` /
-``dummy`` (checkpoints, and random weights at real size from a config), ``detok``,
-``hf_compat``, ``demo`` / ``demo_tokenizer``.
+(detokenising, stop strings, tool calls held back), ``tool_calls`` (the ``<tool_call>`` format:
+splitting a reply, parsing a call), ``constrain`` / ``token_masks`` (grammar-constrained decoding
+with llguidance: tool choice and response formats, per-slot token masks), ``code2wav`` (vocoder
+interface: exact streaming or chunked), ``prompt`` (messages -> prompt tensors), ``memory`` (the
+slots' GPU memory plan), ``loader`` / ``dummy`` (checkpoints, and random weights at real size from
+a config), ``detok``, ``hf_compat``, ``demo`` / ``demo_tokenizer``.
 """

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from .demo_tokenizer import SPECIAL_TOKENS, save_tokenizer
+from .demo_tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, save_tokenizer
 
 log = logging.getLogger(__name__)
 
 DEMO_SEED = 1234
 #: Bumped whenever the recipe below changes, so an old cache is never reused.
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 INIT_STD = 0.1
 CODEBOOK = 64
 NUM_CODE_GROUPS = 8
@@ -234,7 +234,7 @@ def demo_cache_key(seed: int = DEMO_SEED) -> str:
             "v": DEMO_VERSION,
             "seed": seed,
             "tf": transformers.__version__.split(".")[:2],
-            "tok": SPECIAL_TOKENS,
+            "tok": SPECIAL_TOKENS + TOOL_TOKENS,
         },
         sort_keys=True,
     )

@@ -12,9 +12,11 @@ When the folder has no tokenizer, :func:`config_tokenizer` builds the embedded d
 tokenizer (``demo_tokenizer``: byte-level BPE, the chat tokens, the role words merged into
 single tokens, the demo chat template) laid out at the ids the config names: the published
 config puts ``<|im_start|>`` at 151644 and ``user`` at 872, which the tiny demo vocabulary does
-not have. The remaining ids up to the config's text ``vocab_size`` hold filler pseudo-words
-(`` bakito``), so every id a random model draws decodes to readable babble. For the demo's
-own config this layout is exactly the demo tokenizer.
+not have. The tool-calling tags go to their published ids (``<tool_call>`` at 151657, ...) when
+the vocabulary has room there, else after the other chat tokens. The remaining ids up to the
+config's text ``vocab_size`` hold filler pseudo-words (`` bakito``), so every id a random model
+draws decodes to readable babble. For the demo's own config this layout is exactly the demo
+tokenizer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .demo_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, role_merges
+from .demo_tokenizer import (
+    CHAT_TEMPLATE,
+    PUBLISHED_TOOL_TOKEN_IDS,
+    SPECIAL_TOKENS,
+    TOOL_TOKENS,
+    role_merges,
+    tool_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +209,13 @@ def config_vocab(config: Any, raw: dict[str, Any]) -> tuple[dict[str, int], list
 
     vocab_size = int(config.thinker_config.text_config.vocab_size)
     vocab = dict(config_token_ids(config, raw))
-    products, merges = role_merges()
-    needed = [*sorted(ByteLevel.alphabet()), *products, *SPECIAL_TOKENS]
     taken = set(vocab.values())
+    for token, token_id in PUBLISHED_TOOL_TOKEN_IDS.items():
+        if token_id < vocab_size and token_id not in taken and token not in vocab:
+            vocab[token] = token_id
+            taken.add(token_id)
+    products, merges = role_merges()
+    needed = [*sorted(ByteLevel.alphabet()), *products, *SPECIAL_TOKENS, *TOOL_TOKENS]
     free = (i for i in range(vocab_size) if i not in taken)
     for token in needed:
         if token in vocab:
@@ -233,6 +246,7 @@ def config_tokenizer(config: Any, raw: dict[str, Any]) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))  # already in the vocabulary: they keep their ids
+    tok.add_tokens(tool_tokens())
     limit = int(getattr(config.thinker_config.text_config, "max_position_embeddings", 4096))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -243,7 +257,7 @@ def config_tokenizer(config: Any, raw: dict[str, Any]) -> Any:
         chat_template=CHAT_TEMPLATE,
         model_max_length=limit,
     )
-    for token in SPECIAL_TOKENS:
+    for token in (*SPECIAL_TOKENS, *TOOL_TOKENS):
         if fast.convert_tokens_to_ids(token) != vocab[token]:
             raise RuntimeError(f"special token {token!r} moved from id {vocab[token]}")
     return fast

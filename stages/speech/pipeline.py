@@ -14,8 +14,21 @@ One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request
 3. one copy of the new tokens to the host; then one batched talker frame step
    (:mod:`.talker`: code predictor for the pending frame, talker decode, next group-0 code)
    for every request whose next text input is known;
-4. while the GPU runs the talker: detokenising and stop strings (:mod:`.text_out`); then one
-   copy of the frames to the host, one batched code2wav step, and the audio chunks due.
+4. while the GPU runs the talker: detokenising, stop strings and tool calls (:mod:`.text_out`),
+   the next allowed-token masks of constrained replies (:mod:`.constrain`); then one copy of the
+   frames to the host, one batched code2wav step, and the audio chunks due.
+
+Tools and constrained decoding. A request's ``tools`` are rendered into the prompt by the chat
+template; when it declares tools, its reply is split on the ``<tool_call>`` / ``</tool_call>``
+tokens (:mod:`.tool_calls`): the text outside call blocks goes out as :class:`TextDelta` and is
+spoken; a block is held back, never reaches the talker, and once closed goes out as one
+:class:`ToolCall` (or as text when it does not parse as a call of a declared function). With
+``tool_choice`` ``required`` or a named function the reply is calls only, so it has no audio.
+``required``, a named function, ``none`` and ``response_format`` constrain the thinker's draws
+(:mod:`.constrain`): the grammar is compiled in ``prepare``, the first token is drawn under its
+mask in the prompt pass, and from then on the matcher advances with each drawn token and writes
+the next mask into the slot's row (:class:`~.token_masks.SlotMasks`) while the GPU runs the
+talker; a constrained request therefore decodes its second token one tick after its prefill.
 
 The decode steps (thinker, talker frame with its code-predictor loop and sampling) run over
 preallocated per-slot device state with an exec mask, rows being slots, so on CUDA they replay
@@ -52,8 +65,18 @@ import torch
 from omnirt.codecs.audio import float_to_int16
 
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
-from ..types import AudioDelta, Finished, GenerationRequest, ModelInfo, Output, Started, TextDelta, Usage
+from ..types import (
+    AudioDelta,
+    Finished,
+    GenerationRequest,
+    ModelInfo,
+    NamedTool,
+    Output,
+    Started,
+    Usage,
+)
 from .code2wav import Vocoder, make_vocoder
+from .constrain import Constrainer, GrammarConstraint, ReplyConstraint
 from .draws import fresh_seed
 from .prefill import Prefilled, Prefiller
 from .prompt import PromptBuilder, PromptInputs
@@ -67,6 +90,7 @@ from .talker import (
 )
 from .text_out import TextOut
 from .thinker import Thinker
+from .tool_calls import CallSplitter, Piece
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +109,10 @@ class SpeechPrompt:
     prompt: PromptInputs
     speaker_id: int  # -1 without audio output
     max_tokens: int
+    #: What the reply's tokens are constrained to (None: nothing).
+    constraint: ReplyConstraint | None = None
+    #: The reply is spoken (audio requested, and the reply is not calls only).
+    speak: bool = True
 
 
 @dataclass(eq=False)
@@ -98,7 +126,11 @@ class _Active:
     prefilled: bool = False
     thinker_done: bool = False
     reason: str = "stop"
-    reply: list[int] = field(default_factory=list)  # reply token ids drawn (the talker's text)
+    reply: list[int] = field(default_factory=list)  # reply token ids for the talker (its text)
+    reply_at: list[int] = field(default_factory=list)  # each one's index among the reply's tokens
+    spoken: int = 0  # reply tokens of text (outside tool calls)
+    constraint: ReplyConstraint | None = None
+    splitter: CallSplitter | None = None  # with tools: which tokens are calls
     job: futures.Future[Prefilled] | None = None  # the prompt's prefill, once started
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
@@ -143,6 +175,7 @@ class SpeechPipeline:
         vocoder: str | Vocoder = "auto",
         cuda_graphs: bool = True,
         prefill_worker: bool = False,
+        tool_call_budget: int = 1024,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -161,6 +194,15 @@ class SpeechPipeline:
         cfg = model.config
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else {int(cfg.im_end_token_id)}
         self.vocab_limit = min(len(self.tokenizer), int(cfg.thinker_config.text_config.vocab_size))
+        #: Tool choices and response formats -> constraints (``prepare``); ``tool_call_budget``
+        #: caps the tokens of a reply that must be calls.
+        self.constrainer = Constrainer(
+            self.tokenizer,
+            vocab_size=int(model.thinker.lm_head.out_features),
+            vocab_limit=self.vocab_limit,
+            stop_ids=self.stop_token_ids,
+            tool_call_budget=tool_call_budget,
+        )
         graphs = cuda_graphs and self.device.type == "cuda"
         self._buckets = buckets = batch_buckets(max_slots)
         pool = torch.cuda.graph_pool_handle() if graphs else None
@@ -281,19 +323,23 @@ class SpeechPipeline:
         return self.step_timer.seconds
 
     def prepare(self, request: GenerationRequest) -> SpeechPrompt:
-        """Validation, the prompt's tokens and audio / image features, the voice (any thread)."""
+        """Validation, the prompt's tokens and audio / image features, the voice, the reply's
+        constraint (tools, tool choice, response format: the grammar compiled) (any thread)."""
         if request.temperature < 0 or not 0 < request.top_p <= 1:
             raise RequestRejected("temperature must be >= 0 and top_p in (0, 1]")
         if request.max_output_tokens is not None and request.max_output_tokens < 1:
             raise RequestRejected("max_output_tokens must be at least 1")
         speaker_id = self._speaker(request) if request.output_audio else -1
-        prompt = self.prompts.build(request.messages)
+        prompt = self.prompts.build(request.messages, request.tools)
         if prompt.length >= self.max_context:
             raise RequestRejected(
                 f"the prompt is {prompt.length} tokens; this model's context is {self.max_context} tokens"
             )
         room = self.max_context - prompt.length
-        return SpeechPrompt(prompt, speaker_id, min(room, request.max_output_tokens or room))
+        constraint, max_tokens = self.constrainer.plan(request, min(room, request.max_output_tokens or room))
+        calls_only = request.tool_choice == "required" or isinstance(request.tool_choice, NamedTool)
+        speak = request.output_audio and not calls_only
+        return SpeechPrompt(prompt, speaker_id, max_tokens, constraint, speak)
 
     def add(self, request: GenerationRequest, prepared: SpeechPrompt | None = None) -> None:
         """Takes a slot; ``prepared`` defaults to ``self.prepare(request)``, run here."""
@@ -304,6 +350,7 @@ class SpeechPipeline:
         if prepared is None:
             prepared = self.prepare(request)
         prompt, speaker_id, max_tokens = prepared.prompt, prepared.speaker_id, prepared.max_tokens
+        speak = prepared.speak
         usage = Usage(
             input_text_tokens=prompt.text_tokens,
             input_audio_tokens=prompt.audio_tokens,
@@ -314,19 +361,29 @@ class SpeechPipeline:
         self.thinker.sampling.set(
             slot, temperature=request.temperature, top_k=0, top_p=request.top_p, seed=seed
         )
+        tags = self.constrainer.tags if request.tools else None
         active = _Active(
             request=request,
             slot=slot,
             prompt=prompt,
             usage=usage,
             max_tokens=max_tokens,
-            text=TextOut(self.tokenizer, vocab_limit=self.vocab_limit, stops=request.stop),
+            text=TextOut(
+                self.tokenizer,
+                vocab_limit=self.vocab_limit,
+                stops=request.stop,
+                tool_names=[t.name for t in request.tools] if tags else (),
+            ),
+            constraint=prepared.constraint,
+            splitter=CallSplitter(tags) if tags else None,
         )
-        if request.output_audio:
+        if prepared.constraint is not None:
+            self.thinker.masks.set(slot, prepared.constraint.first)
+        if speak:
             self.talker.set_sampling(slot, sample=request.temperature > 0, seed=seed)
             active.talker = TalkerState(prompt=None, speaker_id=speaker_id, max_frames=self.max_audio_frames)
         self._active[request.request_id] = active
-        if request.output_audio:
+        if speak:
             try:
                 self.vocoder.open(request.request_id)
             except ValueError as exc:
@@ -352,7 +409,11 @@ class SpeechPipeline:
         # talker can take its first step in this tick).
         busy = any(a.prefilled and not a.thinker_done for a in self._active.values())
         first_tokens = self._take_prefills(out, idle=not busy)
-        decoding = [a for a in self._active.values() if a.prefilled and not a.thinker_done]
+        # A grammar's next mask needs the first token on the host: those rows decode next tick.
+        waiting = {id(a) for a, _ in first_tokens if isinstance(a.constraint, GrammarConstraint)}
+        decoding = [
+            a for a in self._active.values() if a.prefilled and not a.thinker_done and id(a) not in waiting
+        ]
         tokens = None
         if decoding:
             tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
@@ -367,17 +428,20 @@ class SpeechPipeline:
         texts = []
         for a, tok in drawn:  # a new request's first token before its second
             if a.request.request_id in self._active and not a.thinker_done:
-                texts.append((a, self._take_token(a, tok, out)))
+                texts.append((a, tok, self._take_token(a, tok, out)))
         frames = None
         talking: list[_Active] = []
         if self.has_talker:
             talking = [a for a in self._active.values() if self._talker_ready(a)]
             if talking:
                 frames = self._batched(talking, out, "talker step", self._talker_step)
-        # 4. while the GPU runs the talker: text out; then audio.
-        for active, token in texts:
-            if token is not None:
-                self._send_text(active, token, out)
+        # 4. while the GPU runs the talker: text out, the next masks of constrained rows; then audio.
+        for active, token, piece in texts:
+            if piece is not None:
+                self._send_text(active, token, piece, out)
+        for active in {id(a): a for a, _, _ in texts}.values():
+            if isinstance(active.constraint, GrammarConstraint) and not active.thinker_done:
+                self._guard(active, out, self._next_mask, active)
         if self.has_talker:
             self._take_frames(talking if frames is not None else [])
             self._emit_audio(out)
@@ -413,7 +477,8 @@ class SpeechPipeline:
             new = new[: self.prefills_per_step]
         for active in new:
             t = active.talker
-            active.job = self._prefiller.start(active.slot, active.prompt, t.speaker_id if t else None)
+            mask = active.constraint.first if active.constraint is not None else None
+            active.job = self._prefiller.start(active.slot, active.prompt, t.speaker_id if t else None, mask)
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
         if idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
             futures.wait([a.job for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)
@@ -446,24 +511,40 @@ class SpeechPipeline:
         self.calls["thinker", len(rows)] += 1
         return self.thinker.decode([a.slot for a in rows], batch)
 
-    def _take_token(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> int | None:
-        """Counts a drawn token; the cheap checks (stop token, length) that the talker's next
-        input depends on. Returns the token if its text is still to be sent."""
+    def _take_token(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> Piece | None:
+        """Counts a drawn token; the cheap checks (stop token, length, call tags) that the
+        talker's next input depends on; advances the reply's grammar. Returns what the token is
+        (text or part of a call) if it is still to be sent."""
         if self.token_observer is not None:
             self.token_observer(active.request.request_id, token)
         if token in self.stop_token_ids:
             self._end_text(active, "stop", out)
             return None
-        active.reply.append(token)
+        if isinstance(active.constraint, GrammarConstraint):
+            active.constraint.advance(token)
+        piece = active.splitter.feed(token) if active.splitter is not None else Piece.TEXT
+        index = active.usage.output_text_tokens
+        # Calls are not spoken; the first token always reaches the talker (its prefill reads it).
+        if piece is Piece.TEXT or index == 0:
+            active.reply.append(token)
+            active.reply_at.append(index)
+        active.spoken += piece is Piece.TEXT
         active.usage.output_text_tokens += 1
         if active.usage.output_text_tokens >= active.max_tokens:  # max_tokens fits the context (add)
             active.thinker_done, active.reason = True, "length"
-        return token
+        return piece
 
-    def _send_text(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> None:
-        text, tokens, stopped = active.text.push(token)
-        if text:
-            out.append((active.request.request_id, TextDelta(text, tokens)))
+    def _next_mask(self, active: _Active) -> None:
+        """The mask of the request's next token, into its slot's host row (uploaded before the
+        next thinker step)."""
+        assert isinstance(active.constraint, GrammarConstraint)
+        remaining = active.max_tokens - active.usage.output_text_tokens - 1
+        active.constraint.fill(self.thinker.masks.host[active.slot], remaining)
+        self.thinker.masks.changed(active.slot)
+
+    def _send_text(self, active: _Active, token: int, piece: Piece, out: list[tuple[str, Output]]) -> None:
+        outputs, stopped = active.text.push(token, piece)
+        out.extend((active.request.request_id, o) for o in outputs)
         if stopped:
             self._end_text(active, "stop", out, flush=False)
         elif active.thinker_done:  # the length limit
@@ -474,11 +555,9 @@ class SpeechPipeline:
     ) -> None:
         active.thinker_done = True
         active.reason = reason
-        text, tokens = active.text.finish(flush=flush)
-        if text:
-            out.append((active.request.request_id, TextDelta(text, tokens)))
+        out.extend((active.request.request_id, o) for o in active.text.finish(flush=flush))
         t = active.talker
-        if t is not None and not active.usage.output_text_tokens:
+        if t is not None and not active.spoken:
             t.done = True  # nothing to say
 
     # -- talker -------------------------------------------------------------------------------------
@@ -554,7 +633,7 @@ class SpeechPipeline:
         assert t is not None
         limit = t.max_frames
         if active.thinker_done:
-            budget = self.audio_frames_base + self.audio_frames_per_token * active.usage.output_text_tokens
+            budget = self.audio_frames_base + self.audio_frames_per_token * active.spoken
             limit = min(limit, int(budget))
         if t.next_code == self.talker.eos or t.step >= limit:  # one frame per talker step
             t.done = True
@@ -567,6 +646,10 @@ class SpeechPipeline:
         t = active.talker
         assert t is not None and t.prompt is not None
         k = 3 + frames - 1 - t.prompt.assistant_embeds.shape[0]
+        if 0 <= k < len(active.reply_at):
+            k = active.reply_at[k]
+        elif k >= len(active.reply_at):  # past the reply: the end of the text, once it is done
+            k = len(active.text.chars_after) + k
         return active.text.chars_at(k, active.thinker_done)
 
     def _emit_audio(self, out: list[tuple[str, Output]]) -> None:
@@ -607,6 +690,7 @@ class SpeechPipeline:
 
     def _release(self, active: _Active) -> None:
         self.thinker.kv.reset(active.slot)
+        self.thinker.masks.reset(active.slot)
         if self.has_talker:
             self.talker.kv.reset(active.slot)
             self.vocoder.close(active.request.request_id)

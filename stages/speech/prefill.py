@@ -51,23 +51,28 @@ class Prefiller:
         self.worker = futures.ThreadPoolExecutor(1, thread_name_prefix="omnirt-prefill") if worker else None
         self.stream = torch.cuda.Stream(self.device) if worker and self.device.type == "cuda" else None
 
-    def start(self, slot: int, prompt: PromptInputs, speaker_id: int | None) -> futures.Future[Prefilled]:
+    def start(
+        self, slot: int, prompt: PromptInputs, speaker_id: int | None, mask: torch.Tensor | None = None
+    ) -> futures.Future[Prefilled]:
         """The prefill of ``prompt`` into ``slot`` (``speaker_id``: the voice, None for text
-        only), run now (inline) or queued on the worker."""
+        only; ``mask``: the first token's allowed-token mask of a constrained reply), run now
+        (inline) or queued on the worker."""
         if self.worker is not None:
-            return self.worker.submit(self._run, slot, prompt, speaker_id)
+            return self.worker.submit(self._run, slot, prompt, speaker_id, mask)
         job: futures.Future[Prefilled] = futures.Future()
         try:
-            job.set_result(self._run(slot, prompt, speaker_id))
+            job.set_result(self._run(slot, prompt, speaker_id, mask))
         except Exception as exc:
             job.set_exception(exc)
         return job
 
-    def _run(self, slot: int, prompt: PromptInputs, speaker_id: int | None) -> Prefilled:
+    def _run(
+        self, slot: int, prompt: PromptInputs, speaker_id: int | None, mask: torch.Tensor | None
+    ) -> Prefilled:
         stream = self.stream
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.calls["thinker_prefill", 1] += 1
-            thinker = self.thinker.forward_prompt(slot, prompt)
+            thinker = self.thinker.forward_prompt(slot, prompt, allowed=mask)
             talker_prompt = talker = None
             if speaker_id is not None:
                 assert self.talker is not None

@@ -4,20 +4,39 @@ The chat template renders each audio part as ``<|audio_start|><|audio_pad|><|aud
 each image as ``<|vision_start|><|image_pad|><|vision_end|>``; the single pad is then expanded
 to as many tokens as the encoder will produce: for audio, from the Whisper feature length (the
 processor's formula), for images from the patch grid over the merge size.
+
+Tools and tool parts go through the template as Hugging Face expects them: ``tools=`` a list of
+``{"type": "function", "function": {name, description, parameters}}``, an assistant's calls as
+its message's ``tool_calls`` (arguments as a dict when they are a JSON object), each result as a
+``tool`` message. Messages of text parts only are passed as one string (the published template
+needs a string system message when there are tools).
 """
 
 from __future__ import annotations
 
 import io
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 from omnirt.codecs.audio import resample
 
 from ..pipeline import RequestRejected
-from ..types import SAMPLE_RATE, AudioPart, ContextMessage, ImagePart, TextPart
+from ..types import (
+    SAMPLE_RATE,
+    AudioPart,
+    ContextMessage,
+    ImagePart,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    ToolSpec,
+)
+from .tool_calls import CLOSE_TAG, OPEN_TAG
 
 ENCODER_RATE = 16_000
 
@@ -89,17 +108,23 @@ class PromptBuilder:
         self.max_audio_seconds = max_audio_seconds
         self._special = [t for t in tokenizer.get_added_vocab() if len(t) > 1]
 
-    def build(self, messages: list[ContextMessage]) -> PromptInputs:
+    def build(self, messages: list[ContextMessage], tools: Sequence[ToolSpec] = ()) -> PromptInputs:
         if not messages:
             raise RequestRejected("the request has no messages")
         chat: list[dict[str, Any]] = []
         audios: list[np.ndarray] = []
         images: list[bytes] = []
         for message in messages:
+            results = [p for p in message.parts if isinstance(p, ToolResultPart)]
+            if message.role == "tool" or results:
+                chat.extend(self._tool_results(message, results))
+                continue
             content: list[dict[str, Any]] = []
+            calls: list[dict[str, Any]] = []
             for part in message.parts:
                 if isinstance(part, TextPart):
-                    self._check_text(part.text)
+                    allowed = (OPEN_TAG, CLOSE_TAG) if message.role == "assistant" else ()
+                    self._check_text(part.text, allowed)
                     content.append({"type": "text", "text": part.text})
                 elif isinstance(part, AudioPart):
                     audios.append(self._check_audio(part.pcm))
@@ -107,10 +132,27 @@ class PromptBuilder:
                 elif isinstance(part, ImagePart):
                     images.append(part.data)
                     content.append({"type": "image", "image": f"image{len(images)}"})
+                elif isinstance(part, ToolCallPart):
+                    if message.role != "assistant":
+                        raise RequestRejected(f"a {message.role} message cannot hold a tool call")
+                    calls.append(self._tool_call(part))
                 else:
                     raise RequestRejected(f"unsupported message part {type(part).__name__}")
-            chat.append({"role": message.role, "content": content})
-        text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            entry: dict[str, Any] = {"role": message.role, "content": content}
+            if all(c["type"] == "text" for c in content):
+                entry["content"] = "".join(c["text"] for c in content)
+            if calls:
+                entry["tool_calls"] = calls
+            chat.append(entry)
+        kwargs: dict[str, Any] = {}
+        if tools:
+            kwargs["tools"] = [self._tool_spec(t) for t in tools]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except (TemplateError, TypeError, ValueError, KeyError) as exc:
+            raise RequestRejected(f"the chat template cannot render this conversation: {exc}") from None
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
         out = PromptInputs(input_ids=torch.empty(0))
@@ -142,10 +184,48 @@ class PromptBuilder:
         out.image_tokens = sum(image_counts)
         return out
 
-    def _check_text(self, text: str) -> None:
+    def _check_text(self, text: str, allowed: tuple[str, ...] = (), what: str = "text parts") -> None:
         for special in self._special:
-            if special in text:
-                raise RequestRejected(f"text parts may not contain the special token {special!r}")
+            if special in text and special not in allowed:
+                raise RequestRejected(f"{what} may not contain the special token {special!r}")
+
+    def _tool_results(self, message: ContextMessage, results: list[ToolResultPart]) -> list[dict[str, Any]]:
+        """A ``tool`` message's results, one template message each (the template joins them)."""
+        if message.role != "tool":
+            raise RequestRejected(f"a {message.role} message cannot hold a tool result")
+        if len(results) != len(message.parts) or not results:
+            raise RequestRejected("a tool message holds tool results only, at least one")
+        out = []
+        for result in results:
+            self._check_text(result.output, what="tool results")
+            out.append({"role": "tool", "tool_call_id": result.call_id, "content": result.output})
+        return out
+
+    def _tool_call(self, part: ToolCallPart) -> dict[str, Any]:
+        """An assistant's call for the template: arguments as a dict when they are a JSON object
+        (rendered with ``tojson``), else the text as written."""
+        self._check_text(part.name, what="function names")
+        self._check_text(part.arguments, what="tool call arguments")
+        try:
+            arguments: Any = json.loads(part.arguments)
+        except ValueError:
+            arguments = part.arguments
+        if not isinstance(arguments, dict):
+            arguments = part.arguments
+        function = {"name": part.name, "arguments": arguments}
+        return {"id": part.call_id, "type": "function", "function": function}
+
+    def _tool_spec(self, tool: ToolSpec) -> dict[str, Any]:
+        """A function for the template's ``tools``: what OpenAI's API takes."""
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        function["parameters"] = tool.parameters or {"type": "object", "properties": {}}
+        try:
+            self._check_text(json.dumps(function, ensure_ascii=False), what="tool definitions")
+        except (TypeError, ValueError) as exc:
+            raise RequestRejected(f"the function {tool.name!r} is not JSON: {exc}") from None
+        return {"type": "function", "function": function}
 
     def _check_audio(self, pcm: np.ndarray) -> np.ndarray:
         pcm = np.asarray(pcm)

@@ -3,8 +3,9 @@ merge eagerly, then the layers as one static-length pass) and the batched decode
 token for every decoding slot), both replayed from CUDA graphs.
 
 Per-slot device state: the KV cache (:class:`~.slots.SlotDecoder`), the token drawn but not yet
-fed (``next_token``), the RoPE position of that token, and the sampling rows
-(:class:`~.draws.SlotSampling`). A decode step reads and advances them in place for the active
+fed (``next_token``), the RoPE position of that token, the sampling rows
+(:class:`~.draws.SlotSampling`) and the allowed-token masks (:class:`~.token_masks.SlotMasks`,
+all ones but for constrained replies). A decode step reads and advances them in place for the active
 rows of slots ``0..B-1``, so its only input is the exec mask and its output is a view of the
 persistent ``next_token`` buffer: no per-step uploads of tokens or positions, no host sync.
 """
@@ -22,6 +23,7 @@ from .draws import THINKER_STREAM, SlotSampling
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
 from .slots import SlotDecoder, decode_runner, prompt_example, prompt_inputs, prompt_runner
+from .token_masks import SlotMasks
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Thinker:
         self.embed_tokens = self.thinker.get_input_embeddings()
         self.lm_head = self.thinker.lm_head
         self.sampling = SlotSampling(max_slots, self.device)
+        self.masks = SlotMasks(max_slots, int(self.lm_head.out_features), self.device)
         self.next_token = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self.position = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self.runner = decode_runner(
@@ -84,9 +87,12 @@ class Thinker:
         return {"active": torch.zeros(batch, dtype=torch.bool, device=self.device)}
 
     @torch.no_grad()
-    def forward_prompt(self, slot: int, prompt: PromptInputs) -> ThinkerPrefill:
+    def forward_prompt(
+        self, slot: int, prompt: PromptInputs, allowed: torch.Tensor | None = None
+    ) -> ThinkerPrefill:
         """Reads a prompt into ``slot``'s cache entries and draws the first reply token with the
-        slot's sampling row: the audio and vision encoders and the embedding merge eagerly (as
+        slot's sampling row (and the bitmask ``allowed``, [words] int32 on the host, when the
+        reply is constrained): the audio and vision encoders and the embedding merge eagerly (as
         transformers does), then the layers as one static-length pass (a CUDA graph per length
         bucket). Writes only the slot's own cache entries, which no decode step touches while
         the slot waits for its prompt; :meth:`load` then sets the slot's length and tokens."""
@@ -106,7 +112,10 @@ class Thinker:
         inputs = prompt_inputs(embeds, positions, slot, bucket)
         inputs["deepstack"] = F.pad(deepstack, (0, 0, 0, bucket - length))[None]
         out = self.prompt_runner(inputs, length)
-        token = self.sampling.draw(self.lm_head(out["last"]), slot, THINKER_STREAM)[0]
+        logits = self.lm_head(out["last"])
+        if allowed is not None:
+            logits = self.masks.apply_bits(logits, allowed.to(self.device, non_blocking=True)[None])
+        token = self.sampling.draw(logits, slot, THINKER_STREAM)[0]
         accepted = out["accepted"][0, :length] if self.accept_layer else None
         return ThinkerPrefill(length, positions.max() + 1, token, ids[0], embeds, accepted)
 
@@ -171,6 +180,7 @@ class Thinker:
         active[slots] = True
         active = active.to(self.device, non_blocking=True)
         length = self.kv.longest(slots) + 1
+        self.masks.upload()  # constrained rows' next masks, written on the host last tick
         out = self.runner({"active": active}, length)["token"]
         self.kv.advance_host(slots)
         return out
@@ -180,7 +190,7 @@ class Thinker:
         batch = active.shape[0]
         embeds = self.embed_tokens(self.next_token[:batch])
         hidden = self.kv.step(embeds, self.position[:batch], active, attend)
-        token = self.sampling.draw(self.lm_head(hidden), 0, THINKER_STREAM)
+        token = self.sampling.draw(self.masks.apply(self.lm_head(hidden)), 0, THINKER_STREAM)
         next_token = self.next_token[:batch]
         next_token.copy_(torch.where(active, token, next_token))
         self.position[:batch] += active.long()

@@ -15,6 +15,7 @@ from omnirt.stages.factory import build_pipeline
 from omnirt.stages.speech.demo import demo_config_dict
 from omnirt.stages.speech.demo_tokenizer import (
     CHAT_TEMPLATE,
+    PUBLISHED_TOOL_TOKEN_IDS,
     ROLE_WORDS,
     SPECIAL_TOKENS,
     build_tokenizer,
@@ -27,10 +28,11 @@ from omnirt.stages.speech.dummy import (
     config_tokenizer,
 )
 from omnirt.stages.speech.loader import CheckpointError, LoadFormatError, load_speech_pipeline
-from omnirt.stages.types import AudioDelta, Finished, TextDelta
+from omnirt.stages.speech.tool_calls import ToolTags
+from omnirt.stages.types import AudioDelta, Finished, TextDelta, ToolSpec
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-from .conftest import audio_request, drain, of
+from .conftest import audio_request, drain, of, text_request
 
 #: The published Qwen3-Omni-30B-A3B-Instruct config.json, kept in the repository.
 PUBLISHED = Path(__file__).resolve().parents[2] / "benchmarks/models/qwen3-omni-30b-a3b-instruct/config.json"
@@ -156,6 +158,12 @@ def test_the_published_ids_get_a_tokenizer_laid_out_at_them(tmp_path: Path) -> N
     }
     assert {t: tok.convert_tokens_to_ids(t) for t in expected} == expected
     assert expected["<|im_start|>"] == 151644 and expected["user"] == 872
+    # The tool tags at the published vocabulary's ids, and the prompt renders tools with them.
+    assert {t: tok.convert_tokens_to_ids(t) for t in PUBLISHED_TOOL_TOKEN_IDS} == PUBLISHED_TOOL_TOKEN_IDS
+    assert ToolTags.of(tok) == ToolTags(151657, 151658)
+    tools = [ToolSpec("f", "", {"type": "object"})]
+    with_tools = pipeline.prompts.build(text_request("t").messages, tools).input_ids[0].tolist()
+    assert 151657 in with_tools and 151658 in with_tools
     prompt = pipeline.prompts.build(audio_request("p").messages)
     ids = prompt.input_ids[0].tolist()
     assert ids[:2] == [151644, 872] and ids[-3:] == [151644, 77091, tok.convert_tokens_to_ids("\u010a")]
