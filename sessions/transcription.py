@@ -139,6 +139,7 @@ def transcription_request(
         output_audio=False,
         max_output_tokens=token_budget(len(audio), max_tokens),
         temperature=0.0,
+        background=True,
     )
 
 

@@ -46,10 +46,17 @@ class Priority(enum.Enum):
 
 
 class Request(Protocol):
-    """What the engine needs of any request: an id unique among the requests in flight."""
+    """What the engine needs of any request: an id unique among the requests in flight.
+
+    A request may also have a ``background`` attribute: when true, nobody waits to hear it
+    (input transcription), and its pipeline admits it after every waiting request without one."""
 
     @property
     def request_id(self) -> str: ...
+
+
+def is_background(request: Request) -> bool:
+    return bool(getattr(request, "background", False))
 
 
 Req = TypeVar("Req", bound=Request, contravariant=True)

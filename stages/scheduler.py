@@ -4,7 +4,8 @@ The :class:`Scheduler` owns the engine's pipelines by kind (``{"speech": ..., "d
 routes each request to the pipeline that accepts it and keeps one waiting queue per pipeline, so a
 full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
 
-1. admits waiting requests into every pipeline with free slots;
+1. admits waiting requests into every pipeline with free slots, in arrival order, background
+   requests (input transcription) after every other;
 2. runs the realtime pipelines whose step is due (no deadline, or a deadline already reached),
    earliest deadline first;
 3. runs batch pipelines' steps (round robin) in the time left before the earliest realtime
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .pipeline import Pipeline, Priority, Request, RequestRejected
+from .pipeline import Pipeline, Priority, Request, RequestRejected, is_background
 from .types import Finished, Usage
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,10 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in flight")
         if len(lane.waiting) >= self.max_waiting:
             return False
-        lane.waiting.append((request, prepared))
+        at = len(lane.waiting)
+        if not is_background(request):  # ahead of the background requests already waiting
+            at = next((i for i, (r, _) in enumerate(lane.waiting) if is_background(r)), at)
+        lane.waiting.insert(at, (request, prepared))
         self._owner[request.request_id] = lane
         return True
 

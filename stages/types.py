@@ -115,6 +115,9 @@ class GenerationRequest:
     tool_choice: ToolChoice = "auto"
     #: Constrain the reply text to JSON valid against a schema (text output only).
     response_format: JsonSchemaFormat | None = None
+    #: Nobody waits to hear it (input transcription): admitted after every waiting request that is
+    #: not background, so it never delays a reply's start.
+    background: bool = False
 
 
 @dataclass

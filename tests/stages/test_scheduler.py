@@ -178,3 +178,31 @@ def test_next_due_waits_for_the_next_frame() -> None:
     _enqueue(s, FrameRequest("call", frames=3))
     s.tick()
     assert s.next_due() == pytest.approx(clock.t - frames.cost + 0.08)
+
+
+def test_background_requests_are_admitted_after_every_other_waiting_request() -> None:
+    """Input transcriptions (``background``) never take a slot a waiting reply could have, and
+    keep their own arrival order."""
+    speech = EchoPipeline(slots=1)
+    s = Scheduler([speech])
+    admitted: list[str] = []
+    add = speech.add
+
+    def recording_add(request: GenerationRequest, prepared: object = None) -> None:
+        admitted.append(request.request_id)
+        add(request, prepared)
+
+    speech.add = recording_add  # type: ignore[method-assign]
+
+    def request(rid: str, background: bool = False) -> GenerationRequest:
+        return GenerationRequest(rid, [ContextMessage("user", (TextPart(rid),))], background=background)
+
+    _enqueue(s, request("reply-1"))
+    s.tick()  # reply-1 takes the only slot
+    for rid, background in [("asr-1", True), ("reply-2", False), ("asr-2", True), ("reply-3", False)]:
+        _enqueue(s, request(rid, background))
+    for _ in range(100):
+        if s.counts() == (0, 0):
+            break
+        s.tick()
+    assert admitted == ["reply-1", "reply-2", "reply-3", "asr-1", "asr-2"]
