@@ -1,0 +1,105 @@
+"""What one diffusion model family gives the runtime (:class:`Denoiser`).
+
+The runtime owns the step loop and calls a denoiser only through this interface, so Z-Image
+(text-to-image) and Wan (text-to-video) share one loop: batching of compatible requests, one
+transformer call per scheduler step, the classifier-free-guidance branches, progress, previews
+and cancellation. A denoiser wraps the diffusers model classes of its family (transformer, VAE,
+scheduler, text encoder) and reproduces its diffusers pipeline's arithmetic exactly, so our
+results equal diffusers' on the same weights, seed and inputs (the parity tests).
+
+Rows: every call works on a batch of rows, one row per generated sample (an image, or a video).
+A request with ``n`` images has ``n`` rows. Per-row conditions are opaque to the runtime: the
+denoiser makes one per prompt and batches the rows' conditions inside :meth:`Denoiser.predict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from ..types import ModelInfo
+from .types import DiffusionRequest
+
+#: The classifier-free-guidance branch of a transformer call, named on every call: ``cond`` sees
+#: the prompt, ``uncond`` the negative prompt. Step caches keep separate state per branch.
+Branch = Literal["cond", "uncond"]
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets (the model card's recommended settings)."""
+
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    num_frames: int | None = None  # video only
+    fps: int | None = None  # video only
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The output size of a row; rows batch together only when their shapes and step counts agree."""
+
+    width: int
+    height: int
+    frames: int = 1  # 1 for images
+
+
+class Sampler(Protocol):
+    """The denoising schedule of one batch of rows (a diffusers scheduler instance, its state)."""
+
+    timesteps: torch.Tensor  # [steps]
+
+    def step(self, prediction: torch.Tensor, index: int, latents: torch.Tensor) -> torch.Tensor:
+        """Latents after step ``index`` given the (guided) model prediction."""
+        ...
+
+
+class Denoiser(Protocol):
+    #: "z-image", "wan", ...
+    family: str
+    output: Literal["image", "video"]
+    info: ModelInfo
+    defaults: Defaults
+    device: torch.device
+    dtype: torch.dtype
+
+    def check(self, request: DiffusionRequest) -> Shape:
+        """The request's output shape, with defaults filled in; raises
+        :class:`~omnirt.stages.pipeline.RequestRejected` with a clear message for what the model
+        cannot do (sizes not multiples of its patch size, too many frames, steps out of range)."""
+        ...
+
+    def encode(self, prompts: Sequence[str]) -> list[Any]:
+        """One condition per prompt (text encoder output, as the transformer takes it)."""
+        ...
+
+    def init_latents(self, shape: Shape, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        """Initial noise, one row per generator, exactly as the diffusers pipeline draws it."""
+        ...
+
+    def sampler(self, shape: Shape, steps: int) -> Sampler:
+        """A fresh schedule for rows of ``shape`` (timesteps may depend on the size)."""
+        ...
+
+    def predict(
+        self, latents: torch.Tensor, step: int, sampler: Sampler, conditions: Sequence[Any], branch: Branch
+    ) -> torch.Tensor:
+        """One transformer call over the rows: the model's prediction at step ``step``."""
+        ...
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The guided prediction per row (``scale`` [rows]), as the diffusers pipeline combines it."""
+        ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final pixels: uint8 [rows, frames, height, width, 3]."""
+        ...
+
+    def preview(self, latents: torch.Tensor) -> torch.Tensor:
+        """Cheap pixels from intermediate latents (uint8 as :meth:`decode`), for partial images."""
+        ...
