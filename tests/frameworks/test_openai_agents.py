@@ -1,0 +1,227 @@
+"""The OpenAI Agents SDK (``openai-agents``, ``agents.realtime``) against ``omnirt serve``.
+
+The SDK as its README shows it: a ``RealtimeAgent`` with a ``@function_tool``, a
+``RealtimeRunner``, ``runner.run()`` and ``session.send_audio`` for microphone audio. Only the
+``url`` model option (and the API key it needs) points it at the server; every session setting
+is the SDK's default (voice ``ash``, ``semantic_vad`` with ``interrupt_response``,
+``gpt-4o-mini-transcribe`` input transcription), except ``tool_choice`` in the forced-tool test.
+The SDK validates every server event with the openai SDK's models and reports what fails as an
+error event: the tests fail on any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.frameworks.conftest import API_KEY, BARGE_IN, need, speech, stream, until
+from tests.frameworks.relay import Connection, Relay
+
+agents = need("agents", "openai-agents")
+rt = need("agents.realtime", "openai-agents")
+
+pytestmark = pytest.mark.timeout(150)
+#: PCM16 at 24 kHz.
+RATE_BYTES_PER_S = 48_000
+
+
+@dataclass
+class Weather:
+    """What the tool handler saw."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def make_agent(weather: Weather) -> Any:
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: The city's name.
+        """
+        weather.calls.append({"city": city})
+        return f"It is sunny and 21 degrees in {city}."
+
+    return rt.RealtimeAgent(
+        name="Assistant",
+        instructions="You are a helpful voice assistant. Keep your answers short.",
+        tools=[get_weather],
+    )
+
+
+@dataclass
+class Run:
+    session: Any
+    conn: Connection
+    events: list[Any]
+
+    def of(self, kind: str) -> list[Any]:
+        return [e for e in self.events if e.type == kind]
+
+    def raw(self, kind: str) -> list[dict[str, Any]]:
+        """Server events of ``kind`` as the SDK's model layer passed them on."""
+        return [
+            e.data.data
+            for e in self.events
+            if e.type == "raw_model_event"
+            and e.data.type == "raw_server_event"
+            and e.data.data.get("type") == kind
+        ]
+
+    def sdk_errors(self) -> list[str]:
+        return [repr(e.error) for e in self.of("error")]
+
+
+@contextlib.asynccontextmanager
+async def agent_session(
+    relay: Relay, agent: Any, settings: dict[str, Any] | None = None
+) -> AsyncIterator[Run]:
+    config = {"model_settings": settings} if settings else None
+    runner = rt.RealtimeRunner(agent, config=config)
+    session = await runner.run(model_config={"url": relay.url + "/v1/realtime", "api_key": API_KEY})
+    events: list[Any] = []
+
+    async def collect() -> None:
+        async for event in session:
+            events.append(event)
+
+    async with session:
+        task = asyncio.create_task(collect())
+        conn = await relay.connection()
+        run = Run(session, conn, events)
+        try:
+            # The SDK's session.update (voice, turn detection, transcription, tools) is answered.
+            await until(lambda: conn.server("session.updated") or conn.errors(), 20, "session.updated", conn)
+            assert not conn.errors(), (
+                f"the SDK's session.update was refused: {conn.errors()}\n{conn.summary()}"
+            )
+            yield run
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert not run.sdk_errors(), f"the SDK reported errors: {run.sdk_errors()}\n{conn.summary()}"
+
+
+def user_transcripts(run: Run) -> list[str]:
+    """User audio transcripts in the SDK's history (as its UI shows them)."""
+    history = run.session._history  # noqa: SLF001 - the public history arrives in events; this is the same list
+    for event in reversed(run.events):
+        if event.type == "history_updated":
+            history = event.history
+            break
+    out = []
+    for item in history:
+        if getattr(item, "role", None) == "user":
+            out += [c.transcript for c in item.content if c.type == "input_audio" and c.transcript]
+    return out
+
+
+def test_spoken_turn_with_server_vad_gets_audio_and_a_user_transcript(relay: Relay) -> None:
+    async def main() -> None:
+        async with agent_session(relay, make_agent(Weather())) as run:
+            conn = run.conn
+            await stream(run.session.send_audio, speech())
+            await until(lambda: run.of("audio"), 60, "reply audio (RealtimeAudio)", conn)
+            # Server VAD made the turn: the SDK never committed nor asked for a response.
+            assert not conn.client("input_audio_buffer.commit") and not conn.client("response.create")
+            assert conn.server("input_audio_buffer.speech_started")
+            assert conn.server("input_audio_buffer.speech_stopped")
+            # The user's words reach the SDK's history through input audio transcription.
+            await until(
+                lambda: (
+                    conn.server("conversation.item.input_audio_transcription.completed")
+                    or conn.server("conversation.item.input_audio_transcription.failed")
+                ),
+                60,
+                "conversation.item.input_audio_transcription.completed",
+                conn,
+            )
+            completed = conn.server("conversation.item.input_audio_transcription.completed")
+            assert completed, conn.summary()
+            assert completed[0]["transcript"], completed
+            await until(lambda: user_transcripts(run), 20, "the user transcript in the SDK's history", conn)
+            assert user_transcripts(run)[0] == completed[0]["transcript"]
+            await until(lambda: run.of("agent_end"), 60, "the end of the reply (agent_end)", conn)
+            assert sum(len(e.audio.data) for e in run.of("audio")) > RATE_BYTES_PER_S * 0.2
+            assert not conn.errors(), conn.summary()
+
+    asyncio.run(main())
+
+
+def test_forced_tool_call_reaches_the_function_tool_and_the_reply_continues(relay: Relay) -> None:
+    weather = Weather()
+    settings = {"tool_choice": {"type": "function", "name": "get_weather"}}
+
+    async def main() -> None:
+        async with agent_session(relay, make_agent(weather), settings) as run:
+            conn = run.conn
+            await run.session.send_message("What is the weather like in Paris?")
+            await until(lambda: run.of("tool_end"), 60, "the get_weather tool to run (tool_end)", conn)
+            start = run.of("tool_start")[0]
+            assert start.tool.name == "get_weather"
+            args = json.loads(start.arguments)
+            assert isinstance(args.get("city"), str), args
+            assert weather.calls and weather.calls[0] == {"city": args["city"]}
+            # The SDK sends the tool's output and asks for the next response; the model goes on
+            # with the output in its context.
+            outputs = conn.client("conversation.item.create")
+            assert any(e["item"]["type"] == "function_call_output" for e in outputs), conn.summary()
+            calls = conn.server("response.function_call_arguments.done")
+            assert calls and json.loads(calls[0]["arguments"]) == args
+            await until(
+                lambda: len(conn.server("response.done")) >= 2,
+                60,
+                "a second response.done after the tool output",
+                conn,
+            )
+            first, second = conn.server("response.done")[:2]
+            assert first["response"]["status"] == "completed", first
+            assert second["response"]["status"] in ("completed", "incomplete"), second
+            assert second["response"]["output"], second
+            # The second response's prompt holds the call and its output.
+            assert second["response"]["usage"]["input_tokens"] > first["response"]["usage"]["input_tokens"]
+            assert not conn.errors(), conn.summary()
+
+    asyncio.run(main())
+
+
+def test_barge_in_interrupts_the_reply(relay: Relay) -> None:
+    async def main() -> None:
+        async with agent_session(relay, make_agent(Weather())) as run:
+            conn = run.conn
+            await stream(run.session.send_audio, speech())
+            await until(lambda: run.of("audio"), 60, "reply audio (RealtimeAudio)", conn)
+            # The user talks over the reply while it streams.
+            await stream(run.session.send_audio, speech(BARGE_IN, lead_ms=0))
+            await until(lambda: run.of("audio_interrupted"), 30, "the SDK's audio_interrupted event", conn)
+            done = await until(lambda: conn.server("response.done"), 30, "response.done", conn)
+            first = done[0]["response"]
+            assert first["status"] == "cancelled", first
+            assert first["status_details"]["reason"] == "turn_detected", first
+            # The SDK told the server what was played: the truncate was accepted.
+            truncates = conn.client("conversation.item.truncate")
+            assert truncates, conn.summary()
+            await until(
+                lambda: conn.server("conversation.item.truncated") or conn.errors(),
+                10,
+                "conversation.item.truncated",
+                conn,
+            )
+            assert not conn.errors(), conn.summary()
+            # The interrupting speech is a turn of its own: it gets a reply.
+            await until(
+                lambda: len(conn.server("response.created")) >= 2,
+                60,
+                "the reply to the interrupting turn",
+                conn,
+            )
+
+    asyncio.run(main())
