@@ -107,6 +107,28 @@ async def until(condition: Callable[[], Any], timeout: float, what: str, conn: C
         await asyncio.sleep(0.05)
 
 
+def reply_after_tool_output(conn: Connection) -> dict[str, Any] | None:
+    """The ``response.created`` of the first response the server started after it added a
+    ``function_call_output`` item, once that response has an output item; ``None`` before."""
+    output_added = False
+    for event in conn.server():
+        if event["type"] == "conversation.item.added" and event["item"]["type"] == "function_call_output":
+            output_added = True
+        elif event["type"] == "response.created" and output_added:
+            rid = event["response"]["id"]
+            return (
+                event
+                if any(e["response_id"] == rid for e in conn.server("response.output_item.added"))
+                else None
+            )
+    return None
+
+
+def audible(pcm16: bytes) -> bool:
+    """Some PCM16 that is not silence."""
+    return len(pcm16) >= 2 and int(np.abs(np.frombuffer(pcm16[: len(pcm16) // 2 * 2], "<i2")).max()) > 0
+
+
 @dataclass
 class OmnirtServer:
     base_url: str
