@@ -1,7 +1,8 @@
 """livekit (``livekit-agents`` + ``livekit-plugins-openai``) against ``omnirt serve``.
 
 ``livekit.plugins.openai.realtime.RealtimeModel(base_url=...)`` with every other option at its
-default (voice ``marin``, ``semantic_vad``, ``gpt-4o-mini-transcribe`` input transcription), and
+default (voice ``marin``, ``semantic_vad``, ``gpt-4o-mini-transcribe`` input transcription;
+``tool_choice`` in one of the two forced-tool tests), and
 its ``RealtimeSession`` used without a LiveKit room: audio goes in through ``push_audio`` as
 ``rtc.AudioFrame``s, replies come out of the ``generation_created`` streams. What livekit's
 ``AgentActivity`` does around the session (executing tools with ``llm.utils.execute_function_call``,
@@ -40,7 +41,7 @@ lk_llm = need("livekit.agents.llm", "livekit-agents")
 lk_utils = need("livekit.agents.llm.utils", "livekit-agents")
 lk_openai = need("livekit.plugins.openai.realtime", "livekit-plugins-openai")
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 #: livekit's own code for an ignored error: the race of its ``response.cancel`` with the server's
 #: own cancel on speech (OpenAI answers it the same way; livekit drops it by its message).
 RACE = "response_cancel_not_active"
@@ -161,8 +162,9 @@ class Agent:
 
 
 @contextlib.asynccontextmanager
-async def livekit_agent(relay: Relay, tools: list[Any] | None = None) -> AsyncIterator[Agent]:
-    model = lk_openai.RealtimeModel(base_url=relay.url.replace("ws://", "http://") + "/v1", api_key=API_KEY)
+async def livekit_agent(relay: Relay, tools: list[Any] | None = None, **options: Any) -> AsyncIterator[Agent]:
+    base_url = relay.url.replace("ws://", "http://") + "/v1"
+    model = lk_openai.RealtimeModel(base_url=base_url, api_key=API_KEY, **options)
     session = model.session()
     try:
         conn = await relay.connection()
@@ -207,7 +209,14 @@ def test_spoken_turn_with_server_vad_gets_audio_and_a_user_transcript(relay: Rel
     asyncio.run(main())
 
 
-def test_forced_tool_call_reaches_the_function_tool_and_the_reply_continues(relay: Relay) -> None:
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("where", ["model", "response"])
+def test_forced_tool_call_reaches_the_function_tool_and_the_reply_continues(relay: Relay, where: str) -> None:
+    """``tool_choice`` naming the function, given where livekit takes it: the model's option (sent
+    in its first ``session.update``, before ``update_tools`` sends the tools) or one reply's
+    (``generate_reply(tool_choice=...)``, livekit's per-response tool choice)."""
     calls: list[dict[str, Any]] = []
 
     @lk_llm.function_tool
@@ -220,19 +229,16 @@ def test_forced_tool_call_reaches_the_function_tool_and_the_reply_continues(rela
         calls.append({"city": city})
         return f"It is sunny and 21 degrees in {city}."
 
+    options = {"tool_choice": FORCED} if where == "model" else {}
+
     async def main() -> None:
-        async with livekit_agent(relay, tools=[get_weather]) as agent:
+        async with livekit_agent(relay, tools=[get_weather], **options) as agent:
             conn = agent.conn
             chat_ctx = agent.session.chat_ctx.copy()
             chat_ctx.add_message(role="user", content="What is the weather like in Paris?")
             await agent.session.update_chat_ctx(chat_ctx)
-            # A forced call, per response (livekit's RealtimeCapabilities.per_response_tool_choice).
-            await asyncio.wait_for(
-                agent.session.generate_reply(
-                    tool_choice={"type": "function", "function": {"name": "get_weather"}}
-                ),
-                20,
-            )
+            reply = agent.session.generate_reply(**({} if where == "model" else {"tool_choice": FORCED}))
+            await asyncio.wait_for(reply, 20)
             await until(
                 lambda: agent.replies and agent.replies[0].done, 60, "the forced response to end", conn
             )

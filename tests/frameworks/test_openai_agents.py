@@ -35,7 +35,7 @@ from tests.frameworks.relay import Connection, Relay
 agents = need("agents", "openai-agents")
 rt = need("agents.realtime", "openai-agents")
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 @dataclass

@@ -53,7 +53,7 @@ from pipecat.transports.base_output import BaseOutputTransport  # noqa: E402
 from pipecat.transports.base_transport import TransportParams  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 class Recorder(BaseObserver):
