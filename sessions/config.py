@@ -74,7 +74,10 @@ class SessionConfig:
         if "tool_choice" in patch:
             c.tool_choice = patch["tool_choice"] or "auto"
         if "tools" in patch or "tool_choice" in patch:
-            realtime_tools(c.tools, c.tool_choice, "session")  # raises: a choice must match the tools
+            # Each alone: clients set tool_choice before their tools (pipecat and livekit send it
+            # in their first update, the tools in a later one), so the two are matched when a
+            # response is created.
+            realtime_tools(c.tools, c.tool_choice, "session", match=False)
         if "audio" in patch:
             audio = patch["audio"] or {"input": None, "output": None}
             if "input" in audio:

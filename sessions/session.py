@@ -258,7 +258,7 @@ class RealtimeSession:
             item = self._add_user_audio(item_id, audio)
             try:
                 if settings.create_response and self.active is None:
-                    self.create_response()
+                    self._respond_to_turn()
                 else:
                     turns.arm_idle(signal.audio_ms)
             finally:
@@ -275,9 +275,18 @@ class RealtimeSession:
             )
             item = self._add_user_audio(item_id, audio)
             try:
-                self.create_response()
+                self._respond_to_turn()
             finally:
                 self._transcribe(item)
+
+    def _respond_to_turn(self) -> None:
+        """The response server VAD creates; one the session's settings refuse (a ``tool_choice``
+        its tools cannot satisfy) is reported as an ``error``, as a client's ``response.create``
+        would be answered."""
+        try:
+            self.create_response()
+        except SessionError as exc:
+            self._emit(ErrorReported(exc.code, exc.message, exc.param, exc.type))
 
     # -- items -------------------------------------------------------------------------------
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:

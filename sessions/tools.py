@@ -78,11 +78,17 @@ def check_unique(tools: Iterable[ToolSpec]) -> None:
         seen.add(tool.name)
 
 
-def resolve_choice(choice: str | None, named: str | None, tools: Iterable[ToolSpec]) -> ToolChoice:
+def resolve_choice(choice: str | None, named: str | None, tools: Iterable[ToolSpec] | None) -> ToolChoice:
     """``tool_choice`` for the engine: ``choice`` one of ``auto | none | required`` (``None``:
     ``auto``), or ``named`` the function the model must call. Raises :class:`ToolError` when the
-    named function is not among ``tools``, or ``required`` comes without any tool."""
-    names = [t.name for t in tools]
+    named function is not among ``tools``, or ``required`` comes without any tool; with ``tools``
+    None (not known yet) only the choice itself is checked."""
+    if tools is None:
+        if named is not None:
+            return NamedTool(named)
+        if choice == "required":
+            return "required"
+    names = [t.name for t in tools or ()]
     if named is not None:
         if named not in names:
             listed = ", ".join(repr(n) for n in names) or "none"
@@ -100,12 +106,13 @@ def resolve_choice(choice: str | None, named: str | None, tools: Iterable[ToolSp
 
 
 def realtime_tools(
-    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], where: str
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], where: str, *, match: bool = True
 ) -> tuple[list[ToolSpec], ToolChoice]:
     """A realtime session's (or response's) ``tools`` and ``tool_choice``, in their wire shape
     (``{"type": "function", "name", "description", "parameters"}``; ``tool_choice`` a mode or
     ``{"type": "function", "name"}``), for the engine. Raises ``invalid_value`` naming the field
-    under ``where`` (``session`` or ``response``)."""
+    under ``where`` (``session`` or ``response``). ``match=False`` checks each alone, not that the
+    choice names one of the tools (a session's choice may come before its tools)."""
     specs: list[ToolSpec] = []
     try:
         for i, tool in enumerate(tools):
@@ -121,7 +128,9 @@ def realtime_tools(
         ) from None
     named = tool_choice.get("name") if isinstance(tool_choice, dict) else None
     try:
-        choice = resolve_choice(None if isinstance(tool_choice, dict) else tool_choice, named, specs)
+        choice = resolve_choice(
+            None if isinstance(tool_choice, dict) else tool_choice, named, specs if match else None
+        )
     except ToolError as exc:
         param = f"{where}.tool_choice"
         raise SessionError(

@@ -325,3 +325,33 @@ def test_a_session_keeps_its_vad_when_the_vad_process_dies() -> None:
     started, stopped = (e for e in events if e["type"].startswith("input_audio_buffer.speech_"))
     assert abs(started["audio_start_ms"] + 300 - (before_ms + placed.start_ms)) <= 200, started
     assert abs(stopped["audio_end_ms"] - (before_ms + placed.end_ms)) <= 200, stopped
+
+
+def test_a_turn_whose_response_the_settings_refuse_reports_an_error_and_the_session_goes_on(
+    server: Server,
+) -> None:
+    """Server VAD commits the turn, but the response it would create is refused (``tool_choice``
+    ``required`` with no tools): an ``error`` names the setting, no response starts, and once the
+    setting is fixed the next turn is answered."""
+    placed = place(spoken(SENTENCES[0]), lead_ms=600, tail_ms=1200, noise_db=-45)
+
+    async def main() -> tuple[list[dict], list[dict]]:
+        async with connect(server) as c:
+            await c.send(
+                {"type": "session.update", "session": {"type": "realtime", "tool_choice": "required"}}
+            )
+            await c.until("session.updated")
+            await stream_audio(c, placed.pcm16())
+            refused = await c.until("error")
+            await c.send({"type": "session.update", "session": {"type": "realtime", "tool_choice": "auto"}})
+            await c.until("session.updated")
+            await stream_audio(c, placed.pcm16())
+            return refused, await c.until("response.done")
+
+    refused, answered = run(main())
+    assert "input_audio_buffer.committed" in kinds(refused) and "response.created" not in kinds(refused)
+    assert (refused[-1]["error"]["code"], refused[-1]["error"]["param"]) == (
+        "invalid_value",
+        "session.tool_choice",
+    )
+    assert answered[-1]["response"]["status"] == "completed"
