@@ -275,14 +275,17 @@ class DiffusionPipeline:
 
     # -- the step -----------------------------------------------------------------------------
     def step_cost(self) -> float:
+        """The measured time (moving average) of the next step's call: for that call, shape and
+        rows; else that call at any size; else the costliest call measured so far."""
         work = self._plan()
         if work is None:
             return 0.0
-        exact = self._timers.get(self._cost_key(work))
-        if exact is not None:
-            return exact.seconds
-        general = self._timers.get((work.call,))
-        return general.seconds if general is not None else 0.0
+        for key in (self._cost_key(work), (work.call,)):
+            timer = self._timers.get(key)
+            if timer is not None:
+                return timer.seconds
+        # A call never measured yet: assume the costliest seen so far (0 before the first step).
+        return max((t.seconds for t in self._timers.values()), default=0.0)
 
     def step(self) -> list[tuple[str, DiffusionOutput | Finished]]:
         work = self._plan()
