@@ -4,7 +4,11 @@
   outputs (progress, previews, images, videos) that cross to the HTTP handlers.
 - :mod:`.denoiser`: what one model family (Z-Image, Wan) provides to the runtime: prompt encoding,
   latents, one transformer call per CFG branch, the guidance combine, the sampler, VAE decode.
-- The runtime (a :class:`~omnirt.stages.pipeline.Pipeline` of ``BATCH`` priority) owns the step
-  loop: batching of compatible requests, one transformer call per scheduler step (so a realtime
-  tick never waits behind more than one), progress, previews, cancellation.
+- :mod:`.pipeline`: the runtime, :class:`~.pipeline.DiffusionPipeline` (a
+  :class:`~omnirt.stages.pipeline.Pipeline` of ``BATCH`` priority), owns the step loop: batching
+  of compatible requests, one model call per scheduler step (so a realtime tick never waits behind
+  more than one transformer call), progress, previews, cancellation. :mod:`.media` encodes PNGs
+  and MP4s.
+- :mod:`.zimage` (the Z-Image denoiser), :mod:`.zimage_loader` (diffusers folders, random weights
+  from configs), :mod:`.zimage_demo` (the tiny embedded default).
 """

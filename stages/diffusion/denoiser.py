@@ -50,7 +50,11 @@ class Shape:
 
 
 class Sampler(Protocol):
-    """The denoising schedule of one batch of rows (a diffusers scheduler instance, its state)."""
+    """The denoising schedule of one batch of rows (a diffusers scheduler instance, its state).
+
+    The runtime keeps one per request and steps it in order. A sampler may also have
+    ``denoised(prediction, index, latents) -> Tensor``, the clean-sample estimate at step
+    ``index`` (``latents`` before that step): previews then show it rather than the noisy latents."""
 
     timesteps: torch.Tensor  # [steps]
 

@@ -1,0 +1,484 @@
+"""The diffusion runtime: a ``BATCH`` :class:`~omnirt.stages.pipeline.Pipeline` over any
+:class:`~.denoiser.Denoiser` (Z-Image images, Wan videos).
+
+Each :meth:`DiffusionPipeline.step` runs ONE model call, so the scheduler can put a realtime tick
+between any two of them. The work of the next step is picked in this order:
+
+1. ``uncond``: the negative-prompt branch of the group whose ``cond`` branch ran last step (only
+   the rows with guidance > 0); that step then combines the branches (``guide``), steps each
+   request's sampler and sends :class:`~.types.Progress`;
+2. ``preview``: a VAE decode of the clean-sample estimate of one request, when its partial images
+   are due (:class:`~.types.ImagePreview`);
+3. ``decode``: the VAE decode of requests done denoising (same shape, up to ``max_decode_rows``
+   rows), then one :class:`~.types.GeneratedImage` per image (or a :class:`~.types.GeneratedVideo`)
+   and :class:`~omnirt.stages.types.Finished`;
+4. ``encode``: the text encoder over the prompts (and negative prompts) of every newly admitted
+   request; its noise and sampler are made then;
+5. ``cond``: the prompt branch of the transformer over one batch group: every request at the same
+   step index of the same shape, step count and timesteps (the group of the oldest request first,
+   so requests finish in arrival order). Without guidance that step completes the denoising step.
+
+Rows: a request of ``n`` images has ``n`` rows, seeded ``seed, seed + 1, ...`` (one CPU
+``torch.Generator`` each: diffusers' results for ``generator=[Generator().manual_seed(seed + i)
+for i in range(n)]``). A request without a seed gets a random one. ``remove`` frees a request's
+rows at once; a branch already computed for it is dropped at the next step.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
+from ..types import Finished, ModelInfo, Usage
+from .denoiser import Denoiser, Sampler, Shape
+from .media import mp4, png
+from .types import (
+    DiffusionOutput,
+    DiffusionRequest,
+    GeneratedImage,
+    GeneratedVideo,
+    ImagePreview,
+    ImageRequest,
+    Progress,
+    VideoRequest,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_IMAGES = 10
+MAX_PARTIAL_IMAGES = 3
+MAX_GUIDANCE = 30.0
+MAX_SEED = 2**63 - 1
+#: A long request logs its progress at INFO this often (seconds).
+LOG_EVERY = 5.0
+
+Call = Literal["cond", "uncond", "settle", "preview", "decode", "encode"]
+
+
+@dataclass(frozen=True)
+class PreparedDiffusion:
+    """A validated request with every default filled in (``prepare``'s result)."""
+
+    shape: Shape
+    steps: int
+    guidance_scale: float
+    #: One per row (image).
+    seeds: tuple[int, ...]
+    prompt: str
+    negative_prompt: str
+    partial_images: int = 0
+    fps: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale > 0
+
+
+@dataclass(eq=False)
+class _Job:
+    """One admitted request."""
+
+    request_id: str
+    prep: PreparedDiffusion
+    order: int
+    admitted: float
+    stage: Literal["encode", "denoise", "decode"] = "encode"
+    conditions: list[Any] = field(default_factory=list)  # per row
+    negatives: list[Any] = field(default_factory=list)  # per row, guided requests only
+    latents: torch.Tensor | None = None
+    sampler: Sampler | None = None
+    index: int = 0  # denoising steps done
+    previews_at: tuple[int, ...] = ()
+    previews_sent: int = 0
+    logged: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return self.prep.rows
+
+    def group_key(self) -> tuple[Any, ...]:
+        assert self.sampler is not None
+        timesteps = tuple(float(t) for t in self.sampler.timesteps.tolist())
+        return (self.prep.shape, self.prep.steps, self.index, timesteps)
+
+
+@dataclass(eq=False)
+class _Branched:
+    """A group whose ``cond`` branch ran: its rows' predictions, waiting for the ``uncond`` one."""
+
+    jobs: list[tuple[_Job, int]]  # each job with the offset of its rows in ``cond``
+    index: int
+    cond: torch.Tensor
+
+
+@dataclass(eq=False)
+class _Work:
+    call: Call
+    jobs: list[_Job]
+    rows: int
+    shape: Shape | None = None
+
+
+def preview_steps(steps: int, partial_images: int) -> tuple[int, ...]:
+    """After which denoising steps (1-based counts) the previews of a request are made: spread
+    evenly, never after the last step (the final image follows it)."""
+    if partial_images <= 0:
+        return ()
+    at = {round(steps * (k + 1) / (partial_images + 1)) for k in range(partial_images)}
+    return tuple(sorted(s for s in at if 0 < s < steps))
+
+
+class DiffusionPipeline:
+    """Serves :class:`~.types.ImageRequest`\\ s (or :class:`~.types.VideoRequest`\\ s, by the
+    denoiser's ``output``) with one model call per step; see the module docstring."""
+
+    priority = Priority.BATCH
+
+    def __init__(
+        self,
+        denoiser: Denoiser,
+        *,
+        max_rows: int = 8,
+        max_images: int = MAX_IMAGES,
+        max_decode_rows: int = 4,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """``max_rows``: rows (images) admitted at once; a request is admitted while fewer are in
+        use, so one of ``n`` images may take the total to ``max_rows + n - 1``. ``max_images``:
+        the most images one request may ask for. ``max_decode_rows``: rows per VAE decode call.
+        ``clock`` times the steps for :meth:`step_cost` (tests pass a simulated one)."""
+        if max_rows < 1 or max_images < 1 or max_decode_rows < 1:
+            raise ValueError("max_rows, max_images and max_decode_rows must be positive")
+        self.denoiser = denoiser
+        self.kind: str = denoiser.output
+        self.info: ModelInfo = denoiser.info
+        self.max_rows = max_rows
+        self.max_images = min(max_images, max_rows)
+        self.max_decode_rows = max_decode_rows
+        self.calls: CallCounter = collections.Counter()
+        self.clock = clock
+        self._jobs: dict[str, _Job] = {}
+        self._branched: _Branched | None = None
+        self._previews: collections.deque[tuple[_Job, int, torch.Tensor]] = collections.deque()
+        self._admitted = 0
+        self._timers: dict[tuple[Any, ...], StepTimer] = {}
+        self._request_type = VideoRequest if self.kind == "video" else ImageRequest
+
+    # -- requests (any thread) ----------------------------------------------------------------
+    def accepts(self, request: object) -> bool:
+        return isinstance(request, self._request_type)
+
+    def prepare(self, request: DiffusionRequest) -> PreparedDiffusion:
+        if not isinstance(request, self._request_type):
+            raise RequestRejected(f"{self.info.id} makes {self.kind}s: cannot serve {type(request).__name__}")
+        if not isinstance(request.prompt, str) or not request.prompt.strip():
+            raise RequestRejected("prompt must be a non-empty string")
+        negative = request.negative_prompt
+        if negative is not None and not isinstance(negative, str):
+            raise RequestRejected("negative_prompt must be a string")
+        n = getattr(request, "n", 1)
+        if not isinstance(n, int) or not 1 <= n <= self.max_images:
+            raise RequestRejected(f"n must be from 1 to {self.max_images}, got {n}")
+        partial = getattr(request, "partial_images", 0)
+        if not isinstance(partial, int) or not 0 <= partial <= MAX_PARTIAL_IMAGES:
+            raise RequestRejected(f"partial_images must be from 0 to {MAX_PARTIAL_IMAGES}, got {partial}")
+        d = self.denoiser.defaults
+        scale = d.guidance_scale if request.guidance_scale is None else request.guidance_scale
+        if not isinstance(scale, int | float) or not math.isfinite(scale) or not 0 <= scale <= MAX_GUIDANCE:
+            raise RequestRejected(f"guidance_scale must be from 0 to {MAX_GUIDANCE:g}, got {scale}")
+        seed = request.seed
+        if seed is None:
+            seed = random.randrange(2**31)
+        elif not isinstance(seed, int) or not 0 <= seed <= MAX_SEED - n:
+            raise RequestRejected(f"seed must be an integer from 0 to {MAX_SEED - n}, got {seed}")
+        shape = self.denoiser.check(request)  # sizes, frames, steps
+        steps = d.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
+        fps = None
+        if isinstance(request, VideoRequest):
+            fps = request.fps or d.fps or 16
+            if not 1 <= fps <= 60:
+                raise RequestRejected(f"fps must be from 1 to 60, got {fps}")
+        return PreparedDiffusion(
+            shape=shape,
+            steps=steps,
+            guidance_scale=float(scale),
+            seeds=tuple(seed + i for i in range(n)),
+            prompt=request.prompt,
+            negative_prompt=negative or "",
+            partial_images=partial if self.kind == "image" else 0,
+            fps=fps,
+        )
+
+    # -- admission (engine thread) ------------------------------------------------------------
+    def rows_in_use(self) -> int:
+        return sum(job.rows for job in self._jobs.values())
+
+    def can_add(self) -> bool:
+        return self.rows_in_use() < self.max_rows
+
+    def add(self, request: DiffusionRequest, prepared: PreparedDiffusion) -> None:
+        rid = request.request_id
+        if rid in self._jobs:
+            raise RequestRejected(f"request id {rid!r} is already in flight")
+        now = time.monotonic()
+        self._jobs[rid] = _Job(
+            rid,
+            prepared,
+            order=self._admitted,
+            admitted=now,
+            previews_at=preview_steps(prepared.steps, prepared.partial_images),
+            logged=now,
+        )
+        self._admitted += 1
+        p = prepared
+        log.debug(
+            "%s: admitted %s (%d rows, %dx%d, %d steps, guidance %g, seed %d)",
+            self.kind,
+            rid,
+            p.rows,
+            p.shape.width,
+            p.shape.height,
+            p.steps,
+            p.guidance_scale,
+            p.seeds[0],
+        )
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def remove(self, request_id: str) -> Usage | None:
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return None
+        self._previews = collections.deque(p for p in self._previews if p[0] is not job)
+        if self._branched is not None and not self._live(self._branched):
+            self._branched = None
+        log.debug("%s: removed %s at step %d/%d", self.kind, request_id, job.index, job.prep.steps)
+        return Usage()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step_cost(self) -> float:
+        """The measured time (moving average) of the next step's call: for that call, shape and
+        rows; else that call at any size; else the costliest call measured so far."""
+        work = self._plan()
+        if work is None:
+            return 0.0
+        for key in (self._cost_key(work), (work.call,)):
+            timer = self._timers.get(key)
+            if timer is not None:
+                return timer.seconds
+        # A call never measured yet: assume the costliest seen so far (0 before the first step).
+        return max((t.seconds for t in self._timers.values()), default=0.0)
+
+    def step(self) -> list[tuple[str, DiffusionOutput | Finished]]:
+        work = self._plan()
+        out: list[tuple[str, DiffusionOutput | Finished]] = []
+        if work is None:
+            return out
+        start = self.clock()
+        run = {
+            "cond": self._cond,
+            "uncond": self._uncond,
+            "settle": self._settle,
+            "preview": self._preview,
+            "decode": self._decode,
+            "encode": self._encode,
+        }[work.call]
+        run(work, out)
+        seconds = self.clock() - start
+        for key in (self._cost_key(work), (work.call,)):
+            self._timers.setdefault(key, StepTimer()).record(seconds)
+        return out
+
+    def _cost_key(self, work: _Work) -> tuple[Any, ...]:
+        return (work.call, work.shape, work.rows)
+
+    def _live(self, branched: _Branched) -> list[tuple[_Job, int]]:
+        return [(job, at) for job, at in branched.jobs if self._jobs.get(job.request_id) is job]
+
+    def _plan(self) -> _Work | None:
+        """The next step's work (no side effects: ``step_cost`` asks too)."""
+        if self._branched is not None:
+            live = [job for job, _ in self._live(self._branched)]
+            guided = [job for job in live if job.prep.guided]
+            if guided:
+                return _Work("uncond", guided, sum(j.rows for j in guided), guided[0].prep.shape)
+            if live:
+                return _Work("settle", live, 0)
+        if self._previews:
+            job = self._previews[0][0]
+            return _Work("preview", [job], job.rows, job.prep.shape)
+        jobs = sorted(self._jobs.values(), key=lambda j: j.order)
+        done = [j for j in jobs if j.stage == "decode"]
+        if done:
+            shape = done[0].prep.shape
+            batch: list[_Job] = []
+            rows = 0
+            for job in done:
+                if job.prep.shape == shape and (not batch or rows + job.rows <= self.max_decode_rows):
+                    batch.append(job)
+                    rows += job.rows
+            return _Work("decode", batch, rows, shape)
+        new = [j for j in jobs if j.stage == "encode"]
+        if new:
+            return _Work("encode", new, sum(1 + j.prep.guided for j in new))
+        denoising = [j for j in jobs if j.stage == "denoise"]
+        if not denoising:
+            return None
+        key = denoising[0].group_key()
+        group = [j for j in denoising if j.group_key() == key]
+        return _Work("cond", group, sum(j.rows for j in group), group[0].prep.shape)
+
+    # -- the calls ------------------------------------------------------------------------------
+    def _encode(self, work: _Work, out: list) -> None:
+        texts: list[str] = []
+        for job in work.jobs:
+            texts.append(job.prep.prompt)
+            if job.prep.guided:
+                texts.append(job.prep.negative_prompt)
+        unique = list(dict.fromkeys(texts))
+        encoded = dict(zip(unique, self.denoiser.encode(unique), strict=True))
+        self.calls["text_encoder", len(unique)] += 1
+        for job in work.jobs:
+            p = job.prep
+            job.conditions = [encoded[p.prompt]] * p.rows
+            if p.guided:
+                job.negatives = [encoded[p.negative_prompt]] * p.rows
+            generators = [torch.Generator("cpu").manual_seed(s) for s in p.seeds]
+            job.latents = self.denoiser.init_latents(p.shape, generators)
+            job.sampler = self.denoiser.sampler(p.shape, p.steps)
+            job.stage = "denoise"
+
+    def _predict(self, jobs: Sequence[_Job], branch: Literal["cond", "uncond"]) -> torch.Tensor:
+        latents = torch.cat([j.latents for j in jobs if j.latents is not None])
+        conditions = [c for j in jobs for c in (j.conditions if branch == "cond" else j.negatives)]
+        first = jobs[0]
+        assert first.sampler is not None
+        self.calls["transformer", latents.shape[0]] += 1
+        return self.denoiser.predict(latents, first.index, first.sampler, conditions, branch)
+
+    def _cond(self, work: _Work, out: list) -> None:
+        cond = self._predict(work.jobs, "cond")
+        offsets, at = [], 0
+        for job in work.jobs:
+            offsets.append((job, at))
+            at += job.rows
+        branched = _Branched(offsets, work.jobs[0].index, cond)
+        if any(job.prep.guided for job in work.jobs):
+            self._branched = branched
+        else:
+            self._finish_step(branched, None, out)
+
+    def _uncond(self, work: _Work, out: list) -> None:
+        assert self._branched is not None
+        branched, self._branched = self._branched, None
+        uncond = self._predict(work.jobs, "uncond")
+        self._finish_step(branched, uncond, out)
+
+    def _settle(self, work: _Work, out: list) -> None:
+        assert self._branched is not None
+        branched, self._branched = self._branched, None
+        self._finish_step(branched, None, out)
+
+    def _finish_step(self, branched: _Branched, uncond: torch.Tensor | None, out: list) -> None:
+        """Guidance combine, sampler step and progress for the live rows of a group. ``uncond``
+        holds the rows of its live guided requests, in order (None: none is guided)."""
+        live = self._live(branched)
+        guided_jobs = [(job, at) for job, at in live if job.prep.guided]
+        predictions: dict[int, torch.Tensor] = {}
+        if guided_jobs:
+            assert uncond is not None
+            cond = torch.cat([branched.cond[at : at + job.rows] for job, at in guided_jobs])
+            scale = torch.tensor(
+                [job.prep.guidance_scale for job, _ in guided_jobs for _ in range(job.rows)],
+                dtype=torch.float32,
+            )
+            guided = self.denoiser.guide(cond, uncond, scale)
+            row = 0
+            for job, _ in guided_jobs:
+                predictions[id(job)] = guided[row : row + job.rows]
+                row += job.rows
+        now = time.monotonic()
+        for job, at in live:
+            prediction = predictions.get(id(job), branched.cond[at : at + job.rows])
+            assert job.sampler is not None and job.latents is not None
+            before = job.latents
+            job.latents = job.sampler.step(prediction, branched.index, before)
+            job.index += 1
+            p = job.prep
+            out.append((job.request_id, Progress(job.index, p.steps)))
+            if job.index in job.previews_at:
+                denoised = getattr(job.sampler, "denoised", None)
+                estimate = denoised(prediction, branched.index, before) if denoised else job.latents
+                self._previews.append((job, job.previews_sent, estimate))
+                job.previews_sent += 1
+            if job.index == p.steps:
+                job.stage = "decode"
+                job.sampler = None
+                job.conditions = job.negatives = []
+            if now - job.logged >= LOG_EVERY:
+                job.logged = now
+                log.info(
+                    "%s %s: step %d/%d (%d rows, %.2f s/step)",
+                    self.kind,
+                    job.request_id,
+                    job.index,
+                    p.steps,
+                    job.rows,
+                    (now - job.admitted) / job.index,
+                )
+
+    def _preview(self, work: _Work, out: list) -> None:
+        job, partial_index, estimate = self._previews.popleft()
+        pixels = self.denoiser.preview(estimate).numpy()
+        self.calls["vae_preview", job.rows] += 1
+        for i in range(job.rows):
+            out.append((job.request_id, ImagePreview(i, partial_index, png(pixels[i, 0]))))
+
+    def _decode(self, work: _Work, out: list) -> None:
+        latents = torch.cat([j.latents for j in work.jobs if j.latents is not None])
+        pixels: np.ndarray = self.denoiser.decode(latents).numpy()
+        self.calls["vae", latents.shape[0]] += 1
+        row = 0
+        for job in work.jobs:
+            p = job.prep
+            for i in range(job.rows):
+                frames = pixels[row + i]
+                if self.kind == "video":
+                    assert p.fps is not None
+                    result: DiffusionOutput = GeneratedVideo(
+                        mp4(frames, p.fps), p.shape.width, p.shape.height, frames.shape[0], p.fps
+                    )
+                else:
+                    result = GeneratedImage(i, png(frames[0]), p.shape.width, p.shape.height)
+                out.append((job.request_id, result))
+            row += job.rows
+            del self._jobs[job.request_id]
+            out.append((job.request_id, Finished("stop", Usage())))
+            log.info(
+                "%s %s: done, %d rows %dx%d, %d steps in %.2f s",
+                self.kind,
+                job.request_id,
+                job.rows,
+                p.shape.width,
+                p.shape.height,
+                p.steps,
+                time.monotonic() - job.admitted,
+            )

@@ -1,0 +1,229 @@
+"""Z-Image (text to image) as a :class:`~.denoiser.Denoiser` for the shared diffusion runtime.
+
+The arithmetic is diffusers' ``ZImagePipeline`` (0.42), step by step, on its own model classes:
+
+- prompt: the Qwen3 chat template (one user turn, generation prompt, ``enable_thinking=True``),
+  tokenised (truncated at ``max_sequence_length``), the text encoder's second-to-last hidden state,
+  the padding dropped: one ``[tokens, dim]`` tensor per prompt. diffusers pads every prompt to 512
+  tokens; we pad to the longest prompt of the call, which changes nothing for the real tokens (the
+  encoder is causal and masked).
+- noise: float32 ``[16, H / 8, W / 8]`` per row from that row's generator (``randn_tensor``).
+- schedule: ``FlowMatchEulerDiscreteScheduler`` with sigmas ``linspace(1, 1 / steps, steps)`` and
+  ``mu`` from the image's token count (``calculate_shift``), as the pipeline sets it.
+- transformer: ``ZImageTransformer2DModel`` on a list of ``[C, 1, h, w]`` latents, timestep
+  ``(1000 - t) / 1000``, the caption embeddings; its output is negated (the pipeline's
+  ``noise_pred = -noise_pred``). We negate each branch before the guidance combine, which is
+  exact in floating point (negation commutes with the combine's rounding).
+- guidance: ``cond + scale * (cond - uncond)`` per row, with the pipeline's optional
+  ``cfg_normalization`` (the guided norm capped at ``cfg_normalization`` times the cond norm).
+  ``cfg_truncation`` is not implemented: its default (1.0) never truncates.
+- decode: ``latents / scaling_factor + shift_factor`` through ``AutoencoderKL``, then
+  ``(x / 2 + 0.5).clamp(0, 1) * 255`` rounded (diffusers' ``postprocess`` to PIL).
+
+Previews decode the sampler's clean-sample estimate ``x0 = x_t - sigma_t * v`` (see
+:meth:`FlowMatchSampler.denoised`) through the same VAE; latents of 64 or more per side are
+average-pooled 2x first, so a preview costs about a quarter of a final decode (half-size image).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..pipeline import RequestRejected
+from ..types import ModelInfo
+from .denoiser import Branch, Defaults, Shape
+from .types import DiffusionRequest, ImageRequest
+
+#: Published recommendation of Z-Image-Turbo (the model card and the component configs).
+TURBO_DEFAULTS = Defaults(width=1024, height=1024, num_inference_steps=8, guidance_scale=0.0)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask of the model."""
+
+    max_side: int = 2048
+    max_steps: int = 100
+    #: Prompt tokens read by the text encoder (diffusers' ``max_sequence_length``); longer prompts
+    #: are truncated, as the diffusers pipeline does.
+    max_sequence_length: int = 512
+
+
+class FlowMatchSampler:
+    """A diffusers ``FlowMatchEulerDiscreteScheduler`` for one request's rows, stepped in order."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.timesteps: torch.Tensor = scheduler.timesteps
+
+    def step(self, prediction: torch.Tensor, index: int, latents: torch.Tensor) -> torch.Tensor:
+        at = self.scheduler.step_index
+        if (0 if at is None else at) != index:
+            raise RuntimeError(f"sampler stepped out of order: at step {at}, asked for {index}")
+        return self.scheduler.step(prediction.float(), self.timesteps[index], latents, return_dict=False)[0]
+
+    def denoised(self, prediction: torch.Tensor, index: int, latents: torch.Tensor) -> torch.Tensor:
+        """The clean-sample estimate at step ``index`` (``latents`` before that step)."""
+        sigma = self.scheduler.sigmas[index].to(latents.device)
+        return latents - sigma * prediction
+
+
+class ZImageDenoiser:
+    family = "z-image"
+    output: Literal["image"] = "image"
+
+    def __init__(
+        self,
+        *,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        tokenizer: Any,
+        scheduler_config: dict[str, Any],
+        info: ModelInfo,
+        defaults: Defaults = TURBO_DEFAULTS,
+        limits: Limits = Limits(),
+        cfg_normalization: float = 0.0,
+    ) -> None:
+        self.transformer = transformer.eval()
+        self.vae = vae.eval()
+        self.text_encoder = text_encoder.eval()
+        self.tokenizer = tokenizer
+        self.scheduler_config = dict(scheduler_config)
+        self.info = info
+        self.defaults = defaults
+        self.limits = limits
+        self.cfg_normalization = cfg_normalization
+        self.device: torch.device = next(transformer.parameters()).device
+        self.dtype: torch.dtype = next(transformer.parameters()).dtype
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        #: Sides must be multiples of this (the VAE's downsampling times the 2x2 patches).
+        self.multiple = self.vae_scale_factor * 2
+        self.latent_channels = int(transformer.config.in_channels)
+
+    # -- requests ---------------------------------------------------------------------------
+    def check(self, request: DiffusionRequest) -> Shape:
+        if not isinstance(request, ImageRequest):
+            raise RequestRejected("Z-Image generates images, not videos")
+        d, lim = self.defaults, self.limits
+        width = d.width if request.width is None else request.width
+        height = d.height if request.height is None else request.height
+        for name, side in (("width", width), ("height", height)):
+            if not isinstance(side, int) or side < self.multiple or side > lim.max_side:
+                raise RequestRejected(
+                    f"{name} must be from {self.multiple} to {lim.max_side} pixels, got {side}"
+                )
+            if side % self.multiple:
+                raise RequestRejected(f"{name} must be a multiple of {self.multiple}, got {side}")
+        steps = d.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
+        if not isinstance(steps, int) or not 1 <= steps <= lim.max_steps:
+            raise RequestRejected(f"num_inference_steps must be from 1 to {lim.max_steps}, got {steps}")
+        return Shape(width=width, height=height)
+
+    def latent_size(self, shape: Shape) -> tuple[int, int]:
+        unit = self.vae_scale_factor * 2
+        return 2 * (shape.height // unit), 2 * (shape.width // unit)
+
+    # -- model calls ------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
+        texts = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=True,
+            )
+            for p in prompts
+        ]
+        inputs = self.tokenizer(
+            texts,
+            padding="longest",
+            max_length=self.limits.max_sequence_length,
+            truncation=True,
+            return_tensors="pt",
+        )
+        ids = inputs.input_ids.to(self.text_encoder.device)
+        mask = inputs.attention_mask.to(self.text_encoder.device).bool()
+        hidden = self.text_encoder(
+            input_ids=ids, attention_mask=mask, output_hidden_states=True
+        ).hidden_states[-2]
+        return [hidden[i][mask[i]] for i in range(len(texts))]
+
+    def init_latents(self, shape: Shape, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        h, w = self.latent_size(shape)
+        return randn_tensor(
+            (len(generators), self.latent_channels, h, w),
+            generator=list(generators),
+            device=self.device,
+            dtype=torch.float32,
+        )
+
+    def sampler(self, shape: Shape, steps: int) -> FlowMatchSampler:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        h, w = self.latent_size(shape)
+        cfg = scheduler.config
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )
+        scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(steps), device=self.device, mu=mu)
+        scheduler.set_begin_index(0)
+        return FlowMatchSampler(scheduler)
+
+    @torch.no_grad()
+    def predict(
+        self,
+        latents: torch.Tensor,
+        step: int,
+        sampler: FlowMatchSampler,  # type: ignore[override]
+        conditions: Sequence[torch.Tensor],
+        branch: Branch,
+    ) -> torch.Tensor:
+        rows = latents.shape[0]
+        timestep = sampler.timesteps[step].expand(rows)
+        timestep = (1000 - timestep) / 1000
+        x = latents.to(self.dtype).unsqueeze(2)
+        out = self.transformer(list(x.unbind(dim=0)), timestep, list(conditions), return_dict=False)[0]
+        return -torch.stack([o.float() for o in out], dim=0).squeeze(2)
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        s = scale.to(device=cond.device, dtype=cond.dtype).view(-1, *([1] * (cond.dim() - 1)))
+        guided = cond + s * (cond - uncond)
+        if self.cfg_normalization > 0:
+            dims = tuple(range(1, cond.dim()))
+            cap = torch.linalg.vector_norm(cond, dim=dims) * self.cfg_normalization
+            norm = torch.linalg.vector_norm(guided, dim=dims)
+            factor = torch.where(norm > cap, cap / norm, torch.ones_like(norm))
+            guided = guided * factor.view_as(s)
+        return guided
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + cfg.shift_factor
+        image = self.vae.decode(z, return_dict=False)[0]
+        image = (image.float() * 0.5 + 0.5).clamp(0, 1)
+        pixels = (image * 255).round().to(torch.uint8)  # [rows, 3, H, W]
+        return pixels.permute(0, 2, 3, 1).unsqueeze(1).cpu()
+
+    def preview(self, latents: torch.Tensor) -> torch.Tensor:
+        if min(latents.shape[-2:]) >= 64:
+            latents = torch.nn.functional.avg_pool2d(latents, 2)
+        return self.decode(latents)
+
+    def describe(self) -> str:
+        params = sum(p.numel() for p in self.transformer.parameters())
+        return f"Z-Image ({params / 1e6:.1f} M transformer parameters, {self.dtype}, {self.device})"

@@ -1,0 +1,48 @@
+"""A tiny random-weight Z-Image in the diffusers layout (the embedded default's recipe), built
+once per test session, and helpers to run the diffusion pipeline to completion."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omnirt.stages.diffusion.pipeline import DiffusionPipeline
+from omnirt.stages.diffusion.zimage import ZImageDenoiser
+from omnirt.stages.diffusion.zimage_demo import build_tiny_zimage
+from omnirt.stages.diffusion.zimage_loader import load_zimage
+from omnirt.stages.types import Finished
+
+
+@pytest.fixture(scope="session")
+def zimage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("zimage") / "tiny-z-image"
+    build_tiny_zimage(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def denoiser(zimage_dir: Path) -> ZImageDenoiser:
+    return load_zimage(zimage_dir, device="cpu")
+
+
+def pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def run_to_end(pipeline: DiffusionPipeline, requests, max_steps: int = 1000) -> dict[str, list]:  # type: ignore[no-untyped-def]
+    """Admits ``requests`` and steps until each has finished; the outputs per request id."""
+    out: dict[str, list] = {}
+    for request in requests:
+        pipeline.add(request, pipeline.prepare(request))
+        out[request.request_id] = []
+    for _ in range(max_steps):
+        if not pipeline.has_work():
+            break
+        for rid, output in pipeline.step():
+            out[rid].append(output)
+    assert all(isinstance(o[-1], Finished) for o in out.values()), "a request never finished"
+    return out
