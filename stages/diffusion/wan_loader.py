@@ -14,6 +14,7 @@ UniPC scheduler config.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import tempfile
@@ -162,6 +163,10 @@ def _load_folder(
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     index = _model_index(path)
+    if importlib.util.find_spec("accelerate") is None:
+        # WanTransformer3DModel keeps some modules in fp32, which diffusers only loads through
+        # accelerate's low-memory path.
+        raise WanLoadError("loading a Wan transformer needs the accelerate package (pip install accelerate)")
     tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
     text_encoder = UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), dtype=dtype)
     transformer = WanTransformer3DModel.from_pretrained(str(path / "transformer"), torch_dtype=dtype)
