@@ -1,0 +1,298 @@
+"""Wan2.1 text-to-video as a :class:`~.denoiser.Denoiser` (diffusers' ``WanPipeline`` is the reference).
+
+Every method reproduces one part of ``WanPipeline.__call__`` with the same arithmetic, so the
+shared runtime's loop (encode, init_latents, one :meth:`WanDenoiser.predict` per branch and step,
+guide, :meth:`WanSampler.step`, decode) gives what the pipeline gives on the same weights,
+generators and inputs:
+
+- text: the pipeline's prompt cleaning, UMT5 over tokens padded to ``max_sequence_length``,
+  every position past a prompt's mask zeroed, cast to the transformer's dtype;
+- latents: float32 noise drawn per row from the row's generator (diffusers' ``randn_tensor``);
+- schedule: a fresh scheduler from the folder's config per batch (UniPC is multistep: its history
+  of model outputs is per-batch state), begin index 0;
+- guidance on when ``guidance_scale > 1`` (``uncond + s * (cond - uncond)``, in the prediction's
+  dtype with ``s`` a Python float, as the pipeline);
+- decode: latents de-normalised with the VAE's ``latents_mean`` / ``latents_std``, the Wan VAE,
+  ``x * 0.5 + 0.5`` clamped, then 8-bit (rounded).
+
+Frame counts follow the pipeline: a ``num_frames`` that is not ``4k + 1`` (4: the VAE's temporal
+factor) becomes ``num_frames // 4 * 4 + 1`` (``8 -> 9``, ``10 -> 9``, ``12 -> 13``), and the output
+has that many frames (:meth:`WanDenoiser.check` returns it). Sizes the pipeline rejects (height and
+width not multiples of 16) are rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..pipeline import RequestRejected
+from ..types import ModelInfo
+from .denoiser import Branch, Defaults, Shape
+from .types import DiffusionRequest, VideoRequest
+
+log = logging.getLogger(__name__)
+
+#: Schedulers a Wan folder may name (``model_index.json``): Wan2.1 ships UniPC with a flow shift;
+#: flow-matching Euler is the other one diffusers documents for it.
+SUPPORTED_SCHEDULERS = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
+
+
+@dataclass(frozen=True)
+class WanLimits:
+    """What one request may ask for (beyond what the model itself can do)."""
+
+    max_width: int = 1280
+    max_height: int = 1280
+    max_frames: int = 129
+    max_steps: int = 100
+    max_guidance_scale: float = 30.0
+    max_fps: int = 60
+
+
+class WanSampler:
+    """The schedule of one batch of rows: its own diffusers scheduler instance (UniPC keeps the
+    last model outputs and sample between steps), stepped exactly as ``WanPipeline`` steps it."""
+
+    def __init__(self, scheduler: Any, steps: int, device: torch.device) -> None:
+        scheduler.set_timesteps(steps, device=device)
+        scheduler.set_begin_index(0)
+        self.scheduler = scheduler
+        self.timesteps: torch.Tensor = scheduler.timesteps
+
+    def sigma(self, index: int) -> float:
+        return float(self.scheduler.sigmas[index])
+
+    def step(self, prediction: torch.Tensor, index: int, latents: torch.Tensor) -> torch.Tensor:
+        done = self.scheduler.step_index or 0
+        if index != done:
+            raise ValueError(f"sampler is at step {done}, asked for step {index}: steps run once, in order")
+        return self.scheduler.step(prediction, self.timesteps[index], latents, return_dict=False)[0]
+
+
+class WanDenoiser:
+    """Wan2.1 T2V for the diffusion runtime. Conditions are per prompt ``[max_sequence_length,
+    text_dim]`` tensors (zero past the prompt) in the transformer's dtype, on its device."""
+
+    family = "wan"
+    output: Literal["image", "video"] = "video"
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        text_encoder: torch.nn.Module,
+        transformer: torch.nn.Module,
+        vae: torch.nn.Module,
+        scheduler_config: dict[str, Any],
+        info: ModelInfo,
+        defaults: Defaults,
+        limits: WanLimits = WanLimits(),
+        device: torch.device | str = "cpu",
+        max_sequence_length: int = 512,
+    ) -> None:
+        import diffusers
+
+        name = scheduler_config.get("_class_name")
+        if name not in SUPPORTED_SCHEDULERS:
+            supported = ", ".join(SUPPORTED_SCHEDULERS)
+            raise ValueError(f"scheduler {name!r} is not supported for Wan (supported: {supported})")
+        self._scheduler_cls = getattr(diffusers, name)
+        self.scheduler_config = dict(scheduler_config)
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.transformer = transformer
+        self.vae = vae
+        self.info = info
+        self.defaults = defaults
+        self.limits = limits
+        self.device = torch.device(device)
+        #: The transformer's dtype as diffusers reports it (``ModelMixin.dtype``): conditions and
+        #: latents enter the transformer in it, as in the pipeline.
+        self.dtype: torch.dtype = transformer.dtype
+        self.max_sequence_length = max_sequence_length
+        vae_cfg = vae.config
+        self.temporal_factor = int(vae_cfg.scale_factor_temporal)
+        self.spatial_factor = int(vae_cfg.scale_factor_spatial)
+        patch = transformer.config.patch_size
+        self.size_multiple = max(16, self.spatial_factor * int(patch[1]), self.spatial_factor * int(patch[2]))
+        self._patch = tuple(int(p) for p in patch)
+        self.latent_channels = int(transformer.config.in_channels)
+        self._rope_len = int(transformer.config.rope_max_seq_len)
+        self._latents_mean = torch.tensor(vae_cfg.latents_mean).view(1, vae_cfg.z_dim, 1, 1, 1)
+        self._latents_std = torch.tensor(vae_cfg.latents_std).view(1, vae_cfg.z_dim, 1, 1, 1)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def uses_guidance(self, scale: float) -> bool:
+        """Whether rows at ``scale`` run the unconditional branch (``WanPipeline``: scale > 1)."""
+        return scale > 1.0
+
+    def round_frames(self, num_frames: int) -> int:
+        """The frame count the pipeline makes of ``num_frames`` (``n // 4 * 4 + 1`` unless ``4k + 1``)."""
+        f = self.temporal_factor
+        if num_frames % f != 1:
+            num_frames = num_frames // f * f + 1
+        return max(num_frames, 1)
+
+    def check(self, request: DiffusionRequest) -> Shape:
+        if not isinstance(request, VideoRequest):
+            raise RequestRejected(f"model {self.info.id!r} generates videos, not images")
+        if not isinstance(request.prompt, str) or not request.prompt.strip():
+            raise RequestRejected("prompt must be a non-empty string")
+        if request.negative_prompt is not None and not isinstance(request.negative_prompt, str):
+            raise RequestRejected("negative_prompt must be a string")
+        lim, d = self.limits, self.defaults
+        width = _int_field("width", request.width, d.width)
+        height = _int_field("height", request.height, d.height)
+        m = self.size_multiple
+        for name, value, top in (("width", width, lim.max_width), ("height", height, lim.max_height)):
+            if value < m or value % m:
+                raise RequestRejected(f"{name} must be a positive multiple of {m}, got {value}")
+            if value > top:
+                raise RequestRejected(f"{name} {value} is over this server's limit of {top}")
+        asked = _int_field("num_frames", request.num_frames, d.num_frames or 1)
+        if asked < 1:
+            raise RequestRejected(f"num_frames must be at least 1, got {asked}")
+        frames = self.round_frames(asked)
+        if frames > lim.max_frames:
+            raise RequestRejected(f"num_frames {asked} is over this server's limit of {lim.max_frames}")
+        if frames != asked:
+            log.info("num_frames %d is not 4k+1: rounded to %d as WanPipeline does", asked, frames)
+        latent = self.latent_shape(Shape(width=width, height=height, frames=frames), 1)[2:]
+        positions = [n // p for n, p in zip(latent, self._patch, strict=True)]
+        if max(positions) > self._rope_len:
+            raise RequestRejected(
+                f"{width}x{height} with {frames} frames is beyond the model's position range "
+                f"({self._rope_len} latent patches per axis)"
+            )
+        steps = _int_field("num_inference_steps", request.num_inference_steps, d.num_inference_steps)
+        if not 1 <= steps <= lim.max_steps:
+            raise RequestRejected(f"num_inference_steps must be between 1 and {lim.max_steps}, got {steps}")
+        scale = request.guidance_scale if request.guidance_scale is not None else d.guidance_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise RequestRejected(f"guidance_scale must be a number, got {scale!r}")
+        if not 0.0 <= scale <= lim.max_guidance_scale:
+            top = lim.max_guidance_scale
+            raise RequestRejected(f"guidance_scale must be between 0 and {top}, got {scale}")
+        fps = _int_field("fps", request.fps, d.fps or 16)
+        if not 1 <= fps <= lim.max_fps:
+            raise RequestRejected(f"fps must be between 1 and {lim.max_fps}, got {fps}")
+        return Shape(width=width, height=height, frames=frames)
+
+    # -- the step loop's parts --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        if not prompts:
+            return []
+        length = self.max_sequence_length
+        cleaned = [prompt_clean(p) for p in prompts]
+        tokens = self.tokenizer(
+            cleaned,
+            padding="max_length",
+            max_length=length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids, mask = tokens.input_ids, tokens.attention_mask
+        seq_lens = mask.gt(0).sum(dim=1).long().tolist()
+        enc_device = next(self.text_encoder.parameters()).device
+        hidden = self.text_encoder(ids.to(enc_device), mask.to(enc_device)).last_hidden_state
+        hidden = hidden.to(dtype=self.text_encoder.dtype, device=self.device)
+        out = []
+        for row, n in zip(hidden, seq_lens, strict=True):
+            kept = row[:n]
+            padded = torch.cat([kept, kept.new_zeros(length - n, kept.size(1))])
+            out.append(padded.to(self.dtype))
+        return out
+
+    def latent_shape(self, shape: Shape, rows: int) -> tuple[int, int, int, int, int]:
+        return (
+            rows,
+            self.latent_channels,
+            (shape.frames - 1) // self.temporal_factor + 1,
+            shape.height // self.spatial_factor,
+            shape.width // self.spatial_factor,
+        )
+
+    def init_latents(self, shape: Shape, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        gens = list(generators)
+        if not gens:
+            raise ValueError("init_latents needs one generator per row")
+        return randn_tensor(
+            self.latent_shape(shape, len(gens)), generator=gens, device=self.device, dtype=torch.float32
+        )
+
+    def sampler(self, shape: Shape, steps: int) -> WanSampler:
+        scheduler = self._scheduler_cls.from_config(self.scheduler_config)
+        return WanSampler(scheduler, steps, self.device)
+
+    @torch.no_grad()
+    def predict(
+        self,
+        latents: torch.Tensor,
+        step: int,
+        sampler: WanSampler,
+        conditions: Sequence[torch.Tensor],
+        branch: Branch,
+    ) -> torch.Tensor:
+        if len(conditions) != latents.shape[0]:
+            raise ValueError(f"{latents.shape[0]} rows of latents but {len(conditions)} conditions")
+        t = sampler.timesteps[step]
+        text = torch.stack(list(conditions)).to(device=self.device, dtype=self.dtype)
+        where = {
+            "step_index": step,
+            "sigma": sampler.sigma(step),
+            "num_inference_steps": len(sampler.timesteps),
+        }
+        with self.transformer.cache_context(branch, **where):
+            return self.transformer(
+                hidden_states=latents.to(self.dtype),
+                timestep=t.expand(latents.shape[0]),
+                encoder_hidden_states=text,
+                return_dict=False,
+            )[0]
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        scales = [float(s) for s in scale.reshape(-1).tolist()]
+        if len(scales) != cond.shape[0]:
+            raise ValueError(f"{cond.shape[0]} rows but {len(scales)} guidance scales")
+        if all(s == scales[0] for s in scales):
+            return uncond + scales[0] * (cond - uncond)
+        rows = [uncond[i : i + 1] + s * (cond[i : i + 1] - uncond[i : i + 1]) for i, s in enumerate(scales)]
+        return torch.cat(rows)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae_device = next(self.vae.parameters()).device
+        z = latents.to(vae_device, dtype=self.vae.dtype)
+        mean = self._latents_mean.to(z.device, z.dtype)
+        inv_std = 1.0 / self._latents_std.to(z.device, z.dtype)
+        z = z / inv_std + mean
+        video = self.vae.decode(z, return_dict=False)[0]  # [rows, 3, frames, H, W] in [-1, 1]
+        pixels = (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float()
+        return (pixels * 255).round().to(torch.uint8).cpu()
+
+    def preview(self, latents: torch.Tensor) -> torch.Tensor:
+        """The first frame only (the causal VAE decodes the first latent frame alone, at a fraction
+        of the full decode): uint8 ``[rows, 1, H, W, 3]``."""
+        return self.decode(latents[:, :, :1])
+
+
+def _int_field(name: str, value: Any, default: int) -> int:
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestRejected(f"{name} must be an integer, got {value!r}")
+    return value
