@@ -41,7 +41,7 @@ import torch
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import Finished, ModelInfo, Usage
 from .denoiser import Denoiser, Sampler, Shape
-from .media import mp4, png
+from .media import png
 from .types import (
     DiffusionOutput,
     DiffusionRequest,
@@ -52,6 +52,7 @@ from .types import (
     Progress,
     VideoRequest,
 )
+from .video_io import encode_mp4
 
 log = logging.getLogger(__name__)
 
@@ -464,7 +465,7 @@ class DiffusionPipeline:
                 if self.kind == "video":
                     assert p.fps is not None
                     result: DiffusionOutput = GeneratedVideo(
-                        mp4(frames, p.fps), p.shape.width, p.shape.height, frames.shape[0], p.fps
+                        encode_mp4(frames, p.fps), p.shape.width, p.shape.height, frames.shape[0], p.fps
                     )
                 else:
                     result = GeneratedImage(i, png(frames[0]), p.shape.width, p.shape.height)
