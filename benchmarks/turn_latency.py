@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline = build_pipeline(args.model, device=args.device, max_slots=max(levels))
     info = pipeline.info
     engine = Engine(pipeline)
-    config = ServerConfig(model=args.model, max_sessions=max(levels) + 1)
+    config = ServerConfig(models=[args.model] if args.model else [], max_sessions=max(levels) + 1)
     pcm, what = input_audio(args.audio_seconds, args.audio)
     log.info(
         "model %s%s; input: %.1f s of %s",

@@ -1,8 +1,9 @@
 """The Starlette application: every HTTP route and the realtime WebSocket, on one engine.
 
-``create_app(client, config)`` wires the endpoints of :mod:`.http` and the realtime service
-onto an :class:`~omnirt.stages.engine.EngineClient` (``/v1/models`` lists every pipeline's
-model; ``/health``, the index and the sessions name the first one, the speech model). Its
+``create_app(client, config)`` wires the endpoints of :mod:`.http` (chat completions, images,
+videos, models) and the realtime service onto an :class:`~omnirt.stages.engine.EngineClient`
+(``/v1/models`` lists every pipeline's model; ``/health``, the index and the sessions name the
+first one, the speech model). Its
 lifespan starts the engine thread when nobody has yet (and then stops it on shutdown). The
 browser UI is served at ``/`` from the ``omnirt.web_ui`` package's ``static/`` folder when it
 exists; otherwise ``/`` answers a small JSON index of the APIs.
@@ -31,8 +32,10 @@ from starlette.staticfiles import StaticFiles
 from .config import ServerConfig
 from .http.chat import ChatCompletions
 from .http.errors import EXCEPTION_HANDLERS
+from .http.images import ImageGenerations
 from .http.metrics import HTTPMetricsMiddleware, Metrics
 from .http.models import Models
+from .http.videos import Videos
 from .ws import RealtimeService
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,10 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     )
     realtime = RealtimeService(client, config, vad)
     chat = ChatCompletions(client, config)
-    models = Models(client.infos, config, {realtime.model: realtime.limits.voices.aliases})
+    images = ImageGenerations(client, config)
+    videos = Videos(client, config)
+    kinds = {p.info.id: kind for kind, p in reversed(client.engine.pipelines.items())}
+    models = Models(client.infos, config, {realtime.model: realtime.limits.voices.aliases}, kinds)
     metrics = Metrics(client.engine, lambda: realtime)
 
     async def health(request: Request) -> JSONResponse:
@@ -105,6 +111,8 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
                 "endpoints": {
                     "realtime": "/v1/realtime (WebSocket)",
                     "chat_completions": "POST /v1/chat/completions",
+                    "images": "POST /v1/images/generations",
+                    "videos": "POST|GET /v1/videos, GET|DELETE /v1/videos/{id}, GET /v1/videos/{id}/content",
                     "models": "GET /v1/models",
                     "health": "GET /health",
                     "metrics": "GET /metrics",
@@ -119,6 +127,12 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
         Route("/v1/models", models.list, methods=["GET"], name="list_models"),
         Route("/v1/models/{model:path}", models.retrieve, methods=["GET"], name="retrieve_model"),
         Route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions"),
+        Route("/v1/images/generations", images.create, methods=["POST"], name="image_generations"),
+        Route("/v1/videos", videos.create, methods=["POST"], name="create_video"),
+        Route("/v1/videos", videos.list, methods=["GET"], name="list_videos"),
+        Route("/v1/videos/{video_id}", videos.retrieve, methods=["GET"], name="retrieve_video"),
+        Route("/v1/videos/{video_id}", videos.delete, methods=["DELETE"], name="delete_video"),
+        Route("/v1/videos/{video_id}/content", videos.content, methods=["GET"], name="video_content"),
         WebSocketRoute("/v1/realtime", realtime.handle, name="realtime"),
     ]
     static = web_ui_dir()
@@ -152,6 +166,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
         try:
             yield
         finally:
+            await videos.aclose()
             vad.stop()  # sessions still open just stop getting VAD decisions
             if started_here:
                 await asyncio.to_thread(client.engine.stop)
@@ -167,4 +182,5 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     app.state.realtime = realtime
     app.state.vad = vad
     app.state.metrics = metrics
+    app.state.videos = videos
     return app

@@ -1,8 +1,10 @@
-"""The ``omnirt`` command: ``omnirt serve [--model demo|PATH] [--host H] [--port P] ...``.
+"""The ``omnirt`` command: ``omnirt serve [--model demo|PATH]... [--host H] [--port P] ...``.
 
-``serve`` builds the model pipeline (``stages.factory``), the engine and the app, then runs
-uvicorn. Without ``--model`` (or with ``--model demo``) it serves the embedded default: the
-real architecture with small random weights, for trying the server; it says so loudly.
+``serve`` builds the model pipelines (``stages.factory.build_pipelines``: one per ``--model``,
+a speech checkpoint or a diffusers image/video pipeline, told apart by their folder layout), the
+engine and the app, then runs uvicorn. Without ``--model`` (or with only ``--model demo``) it
+serves the embedded default: the real architectures with small random weights (speech, and the
+image and video pipelines), for trying the server; it says so loudly.
 API keys come from ``--api-key`` (repeatable) and ``OMNIRT_API_KEYS`` (comma-separated).
 """
 
@@ -88,21 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the server",
-        description="Serve /v1/realtime, /v1/chat/completions, /v1/models, /health and /metrics.",
+        description="Serve /v1/realtime, /v1/chat/completions, /v1/images/generations, /v1/videos, "
+        "/v1/models, /health and /metrics.",
     )
     serve.add_argument(
         "--model",
         type=_model,
-        default=None,
-        help="'demo' (the default: embedded architecture with RANDOM weights) or a local checkpoint folder",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a local model folder: a speech checkpoint (config.json of Qwen3-Omni) or a diffusers image "
+        "or video pipeline (model_index.json); repeatable, at most one speech model. 'demo': the embedded "
+        "speech model. None given: the embedded default (speech, image and video, RANDOM weights)",
     )
     serve.add_argument(
         "--load-format",
         choices=LOAD_FORMATS,
         default="auto",
-        help="auto (the default): read the checkpoint's weights; dummy: build the model from --model's "
-        "config.json alone with seeded RANDOM weights on the device (real size, for benchmarks; "
-        "tokenizer and preprocessor from the folder when it has them, else the embedded default's)",
+        help="auto (the default): read the checkpoints' weights; dummy: build each model from its config "
+        "alone (config.json, model_index.json and component configs) with seeded RANDOM weights on the "
+        "device (real size, for benchmarks; tokenizer and preprocessor from the folder when it has them, "
+        "else the embedded default's)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
@@ -147,7 +155,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
     return ServerConfig(
         host=args.host,
         port=args.port,
-        model=args.model,
+        models=list(args.model),
         api_keys=list(dict.fromkeys(keys)),
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
@@ -160,22 +168,23 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
     import uvicorn
     from omnirt.sessions.voices import VoiceCatalog
     from omnirt.stages.engine import Engine, EngineClient
-    from omnirt.stages.factory import build_pipeline
+    from omnirt.stages.factory import build_pipelines
 
     from .app import create_app
 
     try:
-        pipeline = build_pipeline(
-            config.model,
+        pipelines = build_pipelines(
+            config.models,
             device=device,
             max_slots=config.max_sessions,
             cuda_graphs=config.cuda_graphs,
             load_format=load_format,
         )
+        engine = Engine(pipelines)
     except ValueError as exc:
         log.error("cannot load the model: %s", exc)
         return 1
-    info = pipeline.info
+    info = pipelines[0].info
     try:
         voices = VoiceCatalog.for_model(tuple(info.voices), config.voice_aliases)
     except ValueError as exc:
@@ -204,7 +213,10 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
         f"on ({len(config.api_keys)} keys)" if config.api_keys else "off",
         config.max_sessions,
     )
-    engine = Engine(pipeline)
+    for kind, pipeline in engine.pipelines.items():
+        model = pipeline.info
+        weights = ", RANDOM weights" if model.random_weights else ""
+        log.info("%s pipeline: %s (%s, from %s%s)", kind, model.id, model.architecture, model.source, weights)
     app = create_app(EngineClient(engine), config)
     server = uvicorn.Server(
         uvicorn.Config(

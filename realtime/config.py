@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    #: ``None`` or ``"demo"``: the embedded default (small random weights); else a local path.
-    model: str | None = None
+    #: ``--model``, each a local folder (a speech checkpoint or a diffusers pipeline) or
+    #: ``"demo"`` (the embedded speech model). Empty: the embedded default models.
+    models: list[str] = field(default_factory=list)
     #: Replay the model's steps from captured CUDA graphs on CUDA (``--no-cuda-graphs``: eager).
     cuda_graphs: bool = True
     #: Empty: no authentication. Otherwise a request must present one of these keys.
@@ -57,3 +58,19 @@ class ServerConfig:
     #: session, which starts with server VAD, starts it, blocking the event loop for about half a
     #: second).
     vad_preload: bool = True
+    #: Images and videos: the most images one request may ask for (``n``), the largest side of a
+    #: size, and the most denoising steps (each model may allow fewer: its pipeline says).
+    max_images_per_request: int = 4
+    max_media_side: int = 4096
+    max_inference_steps: int = 200
+    #: Videos: the longest clip (seconds) and the most frames and fps a request may ask for.
+    max_video_seconds: float = 60.0
+    max_video_frames: int = 2048
+    max_video_fps: int = 120
+    #: Video jobs kept in memory: at most this many, their MP4s at most this many bytes together
+    #: (the oldest finished jobs go first), and a finished job at most this long.
+    max_video_jobs: int = 64
+    max_video_store_bytes: int = 1 << 30
+    video_job_ttl_seconds: float = 3600.0
+    #: Long generations log their progress at most this often (seconds).
+    progress_log_seconds: float = 10.0

@@ -61,7 +61,7 @@ class RealtimeService:
         self.config = config
         self.sessions = SessionManager(config.max_sessions)
         info = getattr(client, "info", None)
-        self.model = info.id if info is not None else (config.model or "omnirt")
+        self.model = info.id if info is not None else (config.models[0] if config.models else "omnirt")
         self.limits = SessionLimits(
             max_input_buffer_bytes=config.max_input_buffer_bytes,
             max_output_tokens=config.max_output_tokens,

@@ -1,19 +1,31 @@
-"""Picks and loads the model pipeline the server runs (``--model``)."""
+"""Picks and loads the model pipelines the server runs (``--model``, given any number of times).
+
+:func:`build_pipelines` decides each ``--model`` by its layout (:func:`model_family`): a folder
+with ``model_index.json`` is a diffusers pipeline (image or video), a folder with a
+``config.json`` of Qwen3-Omni is the speech model; with ``--load-format dummy`` a config file
+alone stands for either. Speech is built by :func:`build_pipeline`, diffusion by
+``omnirt.stages.diffusion.factory``. No ``--model`` (or only ``demo``) serves the embedded
+default: the demo speech model and the embedded image and video pipelines.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Literal
 
 from .pipeline import Pipeline
-
-if TYPE_CHECKING:
-    from .diffusion.pipeline import DiffusionPipeline
 
 log = logging.getLogger(__name__)
 
 DEMO_NAMES = (None, "", "demo")
+#: ``model_type`` of the speech models served.
+SPEECH_MODEL_TYPES = ("qwen3_omni_moe",)
+
+ModelFamily = Literal["speech", "diffusion"]
 
 
 def _default_device() -> str:
@@ -73,42 +85,119 @@ def build_pipeline(
     )
 
 
-def build_image_pipeline(
-    model: str | None,
-    *,
-    device: str | None = None,
-    load_format: str = "auto",
-    max_rows: int = 8,
-) -> DiffusionPipeline:
-    """The image generation pipeline for ``model``: None or ``"demo"`` for the embedded default (a
-    tiny Z-Image with random weights, built into the cache on first use), else a local diffusers
-    folder whose ``model_index.json`` names ``ZImagePipeline``; with ``load_format="dummy"`` the
-    folder's configs alone (or a components JSON file) give random weights at real size. A missing
-    or unloadable model raises ``ValueError``."""
-    from .diffusion.pipeline import DiffusionPipeline
-    from .diffusion.zimage_demo import DEMO_ID, ensure_zimage_demo
-    from .diffusion.zimage_loader import PIPELINE_CLASS, load_zimage, pipeline_class
+def _read_json(path: Path, model: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {model!r}: {path} is not readable JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--model {model!r}: {path} does not hold a JSON object")
+    return value
 
-    device = device or _default_device()
-    if model in DEMO_NAMES:
-        path = ensure_zimage_demo()
-        log.warning(
-            "no image model given: serving the embedded demo Z-Image with RANDOM WEIGHTS (%s); "
-            "its images are noise. Pass a diffusers folder for a real model.",
-            path,
-        )
-        denoiser = load_zimage(
-            path, device=device, model_id=DEMO_ID, random_weights=True, load_format=load_format
-        )
-        return DiffusionPipeline(denoiser, max_rows=max_rows)
-    path = Path(model).expanduser()  # type: ignore[arg-type]
+
+def model_family(model: str) -> ModelFamily:
+    """Which pipeline serves the local ``model`` path, by its layout; ``ValueError`` if none does.
+
+    A folder: ``model_index.json`` (diffusers) -> diffusion; ``config.json`` of a speech model
+    type -> speech. A file (a config alone, for ``--load-format dummy``): a diffusers
+    ``model_index.json`` or component configs (``_class_name`` or a ``transformer`` entry) ->
+    diffusion; a speech ``config.json`` -> speech."""
+    path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(
-            f"image model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
+            f"--model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
         )
-    if path.is_dir() and pipeline_class(path) != PIPELINE_CLASS:
+    if path.is_dir():
+        if (path / "model_index.json").is_file():
+            return "diffusion"
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"--model {model!r}: the folder has neither model_index.json (a diffusers pipeline) "
+                "nor config.json (a speech checkpoint)"
+            )
+        config = _read_json(path / "config.json", model)
+    else:
+        config = _read_json(path, model)
+        if "_class_name" in config or any(k == "transformer" or k.startswith("transformer_") for k in config):
+            return "diffusion"
+    if config.get("model_type") in SPEECH_MODEL_TYPES:
+        return "speech"
+    raise ValueError(
+        f"--model {model!r} holds a {config.get('model_type')!r} model; served here: "
+        f"{', '.join(SPEECH_MODEL_TYPES)} (speech) and diffusers pipelines (model_index.json)"
+    )
+
+
+def build_diffusion_pipeline(path: Path, *, device: str, load_format: str) -> Pipeline:
+    """The image or video pipeline of a diffusers folder (``omnirt.stages.diffusion.factory``)."""
+    try:
+        from .diffusion.factory import build_diffusion_pipeline as build
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.diffusion.factory":
+            raise
         raise ValueError(
-            f"image model {model!r}: not a diffusers {PIPELINE_CLASS} folder "
-            f"(model_index.json names {pipeline_class(path)!r})"
+            f"--model {str(path)!r} is a diffusers pipeline, but this build has no diffusion runtime"
+        ) from None
+    return build(path, device=device, load_format=load_format)
+
+
+def build_embedded_diffusion(*, device: str) -> list[Pipeline]:
+    """The embedded image and video pipelines (tiny, random weights) of the default server."""
+    try:
+        from .diffusion.factory import build_embedded_diffusion_pipelines as build
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.diffusion.factory":
+            raise
+        log.warning("this build has no diffusion runtime: the embedded default serves speech only")
+        return []
+    return build(device=device)
+
+
+@dataclass(frozen=True)
+class Builders:
+    """What :func:`build_pipelines` calls for each family (tests give fakes)."""
+
+    speech: Callable[..., Pipeline] = build_pipeline
+    diffusion: Callable[..., Pipeline] = build_diffusion_pipeline
+    embedded_diffusion: Callable[..., list[Pipeline]] = build_embedded_diffusion
+
+
+def build_pipelines(
+    models: Sequence[str | None],
+    *,
+    device: str | None = None,
+    max_slots: int = 32,
+    cuda_graphs: bool = True,
+    load_format: str = "auto",
+    builders: Builders = Builders(),
+) -> list[Pipeline]:
+    """The pipelines of ``--model`` (each given path or ``"demo"``), the speech one first.
+
+    No models, or only ``"demo"``: the embedded default (demo speech, embedded image and video
+    pipelines). Otherwise each path is built by its family (:func:`model_family`); ``"demo"``
+    stands for the demo speech model. At most one speech model. ``ValueError`` says what is wrong
+    (a path no pipeline serves, two speech models, a model that does not load)."""
+    device = device or _default_device()
+    speech: list[str | None] = []
+    diffusion: list[str] = []
+    for model in models:
+        if model in DEMO_NAMES or model_family(model) == "speech":  # type: ignore[arg-type]
+            speech.append(model)
+        else:
+            diffusion.append(model)  # type: ignore[arg-type]
+    if len(speech) > 1:
+        raise ValueError(f"one speech model per server, got {len(speech)}: {', '.join(map(str, speech))}")
+    embedded = not diffusion and all(m in DEMO_NAMES for m in speech)
+    pipelines: list[Pipeline] = []
+    if speech or embedded:
+        model = speech[0] if speech else None
+        pipelines.append(
+            builders.speech(
+                model, device=device, max_slots=max_slots, cuda_graphs=cuda_graphs, load_format=load_format
+            )
         )
-    return DiffusionPipeline(load_zimage(path, device=device, load_format=load_format), max_rows=max_rows)
+    if embedded:
+        pipelines += builders.embedded_diffusion(device=device)
+    for model in diffusion:
+        pipelines.append(builders.diffusion(Path(model).expanduser(), device=device, load_format=load_format))
+    return pipelines

@@ -36,6 +36,7 @@ from .access import require_api_key
 from .body import read_body
 from .chat_input import check_supported, generation_request
 from .chat_schema import ChatCompletionRequest
+from .disconnect import cancel_on_disconnect
 from .errors import APIError, from_engine_error, from_validation_error, model_not_found
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class ChatCompletions:
         )
         stream = self.client.submit(gen)
         created = int(time.time())
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, stream))
         streaming = False
         try:
             if req.stream:
@@ -124,16 +125,6 @@ class ChatCompletions:
                 await watcher
             if not streaming:  # an error or this task's cancellation: the request must not run on
                 stream.cancel()  # a no-op once it has finished
-
-
-async def _cancel_on_disconnect(request: Request, stream: RequestStream) -> None:
-    """Cancel ``stream`` when the client disconnects (the body has been read: only that can come)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            log.info("client went away; cancelling %s", stream.request_id)
-            stream.cancel()
-            return
 
 
 def call_id() -> str:

@@ -1,5 +1,5 @@
 """``GET /v1/models`` and ``GET /v1/models/{id}``: the models this server has loaded, one per
-pipeline (speech first)."""
+pipeline (speech first; then the image and video models), each with its pipeline's kind."""
 
 from __future__ import annotations
 
@@ -17,18 +17,20 @@ from .errors import model_not_found
 
 
 def model_card(
-    info: ModelInfo, created: int, voice_aliases: Mapping[str, str] | None = None
+    info: ModelInfo, created: int, voice_aliases: Mapping[str, str] | None = None, kind: str | None = None
 ) -> dict[str, Any]:
     """The OpenAI model object, plus what a client of this server needs to know about it.
 
     ``random_weights`` is true for the embedded default: replies are then noise, by design.
     ``voice_aliases`` (alias -> the model's voice) are the other names a realtime session takes.
+    ``kind`` is the kind of the pipeline that serves it ("speech", "image", "video", ...).
     """
     return {
         "id": info.id,
         "object": "model",
         "created": created,
         "owned_by": "omnirt",
+        "kind": kind,
         "architecture": info.architecture,
         "source": info.source,
         "random_weights": info.random_weights,
@@ -44,9 +46,12 @@ class Models:
         infos: Sequence[ModelInfo],
         config: ServerConfig,
         voice_aliases: Mapping[str, Mapping[str, str]] | None = None,
+        kinds: Mapping[str, str] | None = None,
     ) -> None:
+        """``kinds``: model id -> the kind of the pipeline serving it."""
         #: Per model id: the voice aliases its realtime sessions accept.
         self.voice_aliases = dict(voice_aliases or {})
+        self.kinds = dict(kinds or {})
         self.infos: dict[str, ModelInfo] = {}
         for info in infos:
             self.infos.setdefault(info.id, info)  # two pipelines of one model: listed once
@@ -67,4 +72,4 @@ class Models:
         return JSONResponse(self._card(info))
 
     def _card(self, info: ModelInfo) -> dict[str, Any]:
-        return model_card(info, self.created, self.voice_aliases.get(info.id))
+        return model_card(info, self.created, self.voice_aliases.get(info.id), self.kinds.get(info.id))

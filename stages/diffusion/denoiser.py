@@ -96,6 +96,11 @@ class Denoiser(Protocol):
         """One transformer call over the rows: the model's prediction at step ``step``."""
         ...
 
+    def uses_guidance(self, scale: float) -> bool:
+        """Whether rows at guidance ``scale`` run the ``uncond`` branch, as the family's diffusers
+        pipeline decides (Z-Image: scale > 0; Wan: scale > 1)."""
+        ...
+
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The guided prediction per row (``scale`` [rows]), as the diffusers pipeline combines it."""
         ...

@@ -5,8 +5,9 @@ Each :meth:`DiffusionPipeline.step` runs ONE model call, so the scheduler can pu
 between any two of them. The work of the next step is picked in this order:
 
 1. ``uncond``: the negative-prompt branch of the group whose ``cond`` branch ran last step (only
-   the rows with guidance > 0); that step then combines the branches (``guide``), steps each
-   request's sampler and sends :class:`~.types.Progress`;
+   the rows whose scale the denoiser guides: Z-Image above 0, Wan above 1); that step then
+   combines the branches (``guide``), steps each request's sampler and sends
+   :class:`~.types.Progress`;
 2. ``preview``: a VAE decode of the clean-sample estimate of one request, when its partial images
    are due (:class:`~.types.ImagePreview`);
 3. ``decode``: the VAE decode of requests done denoising (same shape, up to ``max_decode_rows``
@@ -27,6 +28,7 @@ rows at once; a branch already computed for it is dropped at the next step.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import random
@@ -79,14 +81,12 @@ class PreparedDiffusion:
     negative_prompt: str
     partial_images: int = 0
     fps: int | None = None
+    #: Whether the rows run the ``uncond`` branch (the denoiser's rule for this scale).
+    guided: bool = False
 
     @property
     def rows(self) -> int:
         return len(self.seeds)
-
-    @property
-    def guided(self) -> bool:
-        return self.guidance_scale > 0
 
 
 @dataclass(eq=False)
@@ -181,7 +181,9 @@ class DiffusionPipeline:
 
     # -- requests (any thread) ----------------------------------------------------------------
     def accepts(self, request: object) -> bool:
-        return isinstance(request, self._request_type)
+        """Requests of this pipeline's output type naming its model, or no model."""
+        model = getattr(request, "model", None)
+        return isinstance(request, self._request_type) and model in (None, self.info.id)
 
     def prepare(self, request: DiffusionRequest) -> PreparedDiffusion:
         if not isinstance(request, self._request_type):
@@ -206,13 +208,21 @@ class DiffusionPipeline:
             seed = random.randrange(2**31)
         elif not isinstance(seed, int) or not 0 <= seed <= MAX_SEED - n:
             raise RequestRejected(f"seed must be an integer from 0 to {MAX_SEED - n}, got {seed}")
-        shape = self.denoiser.check(request)  # sizes, frames, steps
-        steps = d.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
         fps = None
         if isinstance(request, VideoRequest):
             fps = request.fps or d.fps or 16
-            if not 1 <= fps <= 60:
-                raise RequestRejected(f"fps must be from 1 to 60, got {fps}")
+            if not isinstance(fps, int) or not 1 <= fps <= 60:
+                raise RequestRejected(f"fps must be an integer from 1 to 60, got {fps}")
+            if request.seconds is not None:
+                if request.num_frames is not None:
+                    raise RequestRejected("give seconds or num_frames, not both")
+                seconds = request.seconds
+                if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
+                    raise RequestRejected(f"seconds must be a positive number, got {seconds}")
+                # The model's own frame rule (Wan: 4k + 1) applies in check().
+                request = dataclasses.replace(request, num_frames=max(1, round(seconds * fps)), seconds=None)
+        shape = self.denoiser.check(request)  # sizes, frames, steps
+        steps = d.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
         return PreparedDiffusion(
             shape=shape,
             steps=steps,
@@ -222,6 +232,7 @@ class DiffusionPipeline:
             negative_prompt=negative or "",
             partial_images=partial if self.kind == "image" else 0,
             fps=fps,
+            guided=self.denoiser.uses_guidance(float(scale)),
         )
 
     # -- admission (engine thread) ------------------------------------------------------------

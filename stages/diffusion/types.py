@@ -38,6 +38,9 @@ class VideoRequest:
     height: int | None = None
     num_frames: int | None = None
     fps: int | None = None
+    #: Clip length asked for (the videos API's ``seconds``); with ``num_frames`` None the pipeline
+    #: picks the frame count its model allows nearest this length at its fps. Never both set.
+    seconds: float | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     seed: int | None = None

@@ -199,6 +199,10 @@ class ZImageDenoiser:
         out = self.transformer(list(x.unbind(dim=0)), timestep, list(conditions), return_dict=False)[0]
         return -torch.stack([o.float() for o in out], dim=0).squeeze(2)
 
+    def uses_guidance(self, scale: float) -> bool:
+        """``ZImagePipeline`` runs the unconditional branch whenever the scale is above 0."""
+        return scale > 0
+
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         s = scale.to(device=cond.device, dtype=cond.dtype).view(-1, *([1] * (cond.dim() - 1)))
         guided = cond + s * (cond - uncond)

@@ -93,16 +93,18 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     )
     config = config_from_args(args, {"OMNIRT_API_KEYS": " a, b ,,"})
     assert config.api_keys == ["a", "b", "c"]
-    assert (config.host, config.port, config.model, config.max_sessions) == (
+    assert (config.host, config.port, config.models, config.max_sessions) == (
         "0.0.0.0",
         9001,
-        str(tmp_path),
+        [str(tmp_path)],
         3,
     )
     assert args.device == "cuda:1"
     assert config.voice_aliases == {"alloy": "Ethan", "narrator": "Chelsie"}
     defaults = config_from_args(build_parser().parse_args(["serve"]), {})
-    assert (defaults.model, defaults.api_keys, defaults.port) == (None, [], 8000)
+    assert (defaults.models, defaults.api_keys, defaults.port) == ([], [], 8000)
+    several = build_parser().parse_args(["serve", "--model", "demo", "--model", str(tmp_path)])
+    assert config_from_args(several, {}).models == ["demo", str(tmp_path)]
     assert defaults.vad_preload and defaults.cuda_graphs  # omnirt serve starts the VAD with the app
     eager = config_from_args(build_parser().parse_args(["serve", "--no-cuda-graphs"]), {})
     assert not eager.cuda_graphs
@@ -116,7 +118,7 @@ def test_load_format_parses_and_matches_the_loader(tmp_path: Path) -> None:
     assert LOAD_FORMATS == LOADER_FORMATS
     assert build_parser().parse_args(["serve"]).load_format == "auto"
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--load-format", "dummy"])
-    assert (args.model, args.load_format) == (str(tmp_path), "dummy")
+    assert (args.model, args.load_format) == ([str(tmp_path)], "dummy")
 
 
 def test_serve_passes_the_load_format_and_reports_a_bad_config(

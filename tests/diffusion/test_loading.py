@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omnirt.stages.diffusion.factory import build_image_pipeline
 from omnirt.stages.diffusion.pipeline import DiffusionPipeline
 from omnirt.stages.diffusion.types import GeneratedImage, ImageRequest
 from omnirt.stages.diffusion.zimage_demo import (
@@ -18,7 +19,6 @@ from omnirt.stages.diffusion.zimage_demo import (
     text_encoder_config,
 )
 from omnirt.stages.diffusion.zimage_loader import load_zimage
-from omnirt.stages.factory import build_image_pipeline
 
 from .conftest import pixels, run_to_end
 

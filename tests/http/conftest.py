@@ -17,6 +17,7 @@ from omnirt.stages.engine import Engine, EngineClient
 from openai import AsyncOpenAI
 from starlette.applications import Starlette
 
+from tests.diffusion_fakes import FakeImagePipeline, FakeVideoPipeline
 from tests.fakes import EchoPipeline
 from tests.server import serve
 
@@ -48,6 +49,26 @@ def running(
     app = create_app(EngineClient(engine), config or ServerConfig())
     with serve(app) as base_url:
         yield Server(base_url, app, engine, pipeline)
+
+
+@dataclass
+class MediaServer(Server):
+    image: FakeImagePipeline
+    video: FakeVideoPipeline
+
+
+@contextlib.contextmanager
+def running_media(
+    image: FakeImagePipeline | None = None,
+    video: FakeVideoPipeline | None = None,
+    config: ServerConfig | None = None,
+) -> Iterator[MediaServer]:
+    """Speech (echo), image and video fakes in one engine, as ``omnirt serve`` runs them."""
+    echo, image, video = EchoPipeline(), image or FakeImagePipeline(), video or FakeVideoPipeline()
+    engine = Engine([echo, image, video])
+    app = create_app(EngineClient(engine), config or ServerConfig(vad_preload=False))
+    with serve(app) as base_url:
+        yield MediaServer(base_url, app, engine, echo, image, video)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

@@ -1,0 +1,222 @@
+"""``/v1/videos``: video generation as jobs, in OpenAI's videos shape.
+
+- ``POST /v1/videos`` checks the body (400s), submits one engine request and answers the job
+  (``queued``) at once. A task follows the request: ``Progress`` makes the job ``in_progress``
+  with ``progress`` = steps done / total (at most 99 until the MP4 is there) and is logged for
+  long jobs; the ``GeneratedVideo`` completes it. A job the model refuses (its pipeline's
+  ``prepare``: a frame count or size it cannot make) or that fails ends ``failed`` with
+  ``error: {"code", "message"}``.
+- ``GET /v1/videos/{id}``: the job (``openai-poll-after-ms`` tells the SDK's ``poll`` how long
+  to wait while it runs); ``GET /v1/videos/{id}/content``: the MP4 (``video/mp4``), 409 while
+  it is not completed; ``DELETE /v1/videos/{id}``: cancels a job still running and forgets it;
+  ``GET /v1/videos``: the jobs kept, newest first by default (``after``, ``limit``, ``order``).
+- Jobs live in a bounded in-memory :class:`~.video_jobs.VideoJobStore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from omnirt.stages.diffusion.types import GeneratedVideo, Progress, VideoRequest
+from omnirt.stages.engine import EngineClient, RequestStream
+from omnirt.stages.types import Finished
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..config import ServerConfig
+from ..ids import new_id
+from .access import require_api_key
+from .body import read_body
+from .errors import APIError, bad_request, from_engine_error
+from .media import ProgressLog, choose_model
+from .video_jobs import StoreFull, VideoJob, VideoJobStore
+from .video_params import parse_body, read_fields, video_request
+
+log = logging.getLogger(__name__)
+
+#: What ``GET /v1/videos/{id}`` advises the SDK's ``poll`` to wait while a job runs.
+POLL_AFTER_MS = 1000
+MAX_LIST_LIMIT = 100
+DEFAULT_LIST_LIMIT = 20
+
+
+def _not_found(video_id: str) -> APIError:
+    return APIError(404, f"No video with id '{video_id}'.", param="video_id", code="video_not_found")
+
+
+def _seconds(frames: int, fps: int) -> str:
+    return f"{frames / fps:.2f}".rstrip("0").rstrip(".")
+
+
+class Videos:
+    """The endpoints, bound to one engine client and server configuration."""
+
+    def __init__(self, client: EngineClient, config: ServerConfig) -> None:
+        self.client = client
+        self.config = config
+        self.store = VideoJobStore(
+            max_jobs=config.max_video_jobs,
+            max_bytes=config.max_video_store_bytes,
+            ttl=config.video_job_ttl_seconds,
+        )
+        self._running: dict[str, tuple[RequestStream, asyncio.Task[None]]] = {}
+
+    async def create(self, request: Request) -> JSONResponse:
+        require_api_key(request, self.config.api_keys)
+        raw = await read_body(request, self.config.max_http_body_bytes)
+        body = parse_body(await read_fields(request, raw), self.config)
+        probe = VideoRequest(request_id="", prompt="")
+        model = choose_model(self.client, body.model, probe, "video generation")
+        job = VideoJob(
+            id=new_id("video"),
+            model=model,
+            prompt=body.prompt,
+            size=body.size or "auto",
+            seconds=f"{body.seconds:g}" if body.seconds is not None else "auto",
+            created_at=int(time.time()),
+        )
+        try:
+            self.store.add(job)
+        except StoreFull as exc:
+            raise APIError(
+                429,
+                f"Too many video jobs: {exc}. Retry later.",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "10"},
+            ) from None
+        stream = self.client.submit(video_request(body, job.id, model, self.config))
+        task = asyncio.create_task(self._follow(job, stream), name=f"video {job.id}")
+        self._running[job.id] = (stream, task)
+        log.info("video %s queued (%s): %r", job.id, model, body.prompt[:80])
+        return JSONResponse(job.card())
+
+    async def retrieve(self, request: Request) -> JSONResponse:
+        require_api_key(request, self.config.api_keys)
+        job = self._job(request)
+        headers = {} if job.finished else {"openai-poll-after-ms": str(POLL_AFTER_MS)}
+        return JSONResponse(job.card(), headers=headers)
+
+    async def content(self, request: Request) -> Response:
+        require_api_key(request, self.config.api_keys)
+        job = self._job(request)
+        variant = request.query_params.get("variant", "video")
+        if variant != "video":
+            raise bad_request(
+                f"Unsupported value for 'variant': {variant!r}; this server keeps the MP4 ('video') only.",
+                param="variant",
+                code="unsupported_value",
+            )
+        if job.status != "completed" or job.mp4 is None:
+            if job.error is not None:
+                message = f"Video '{job.id}' failed: {job.error['message']}."
+            else:
+                message = f"Video '{job.id}' is {job.status}; download it once its status is 'completed'."
+            raise APIError(409, message, code="video_not_ready")
+        return Response(
+            job.mp4,
+            media_type="video/mp4",
+            headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'},
+        )
+
+    async def delete(self, request: Request) -> JSONResponse:
+        require_api_key(request, self.config.api_keys)
+        job = self._job(request)
+        running = self._running.pop(job.id, None)
+        if running is not None:
+            stream, task = running
+            stream.cancel()  # the engine drops it at its next step boundary
+            task.cancel()
+            log.info("video %s cancelled at %d%%", job.id, job.progress)
+        self.store.remove(job.id)
+        return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
+
+    async def list(self, request: Request) -> JSONResponse:
+        require_api_key(request, self.config.api_keys)
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"Invalid value for 'order': 'asc' or 'desc', not {order!r}.", param="order")
+        try:
+            limit = int(query.get("limit", DEFAULT_LIST_LIMIT))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise bad_request(
+                f"Invalid value for 'limit': an integer from 1 to {MAX_LIST_LIMIT}, "
+                f"not {query.get('limit')!r}.",
+                param="limit",
+            )
+        after = query.get("after")
+        try:
+            jobs, more = self.store.page(after=after, limit=limit, order=order)  # type: ignore[arg-type]
+        except KeyError:
+            raise bad_request(
+                f"Invalid value for 'after': no video with id {after!r}.", param="after"
+            ) from None
+        cards = [job.card() for job in jobs]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": cards,
+                "first_id": cards[0]["id"] if cards else None,
+                "last_id": cards[-1]["id"] if cards else None,
+                "has_more": more,
+            }
+        )
+
+    async def aclose(self) -> None:
+        """Cancel every job still running (the app is stopping)."""
+        running = list(self._running.values())
+        self._running.clear()
+        for stream, task in running:
+            stream.cancel()
+            task.cancel()
+        for _, task in running:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _job(self, request: Request) -> VideoJob:
+        video_id = request.path_params["video_id"]
+        job = self.store.get(video_id)
+        if job is None:
+            raise _not_found(video_id)
+        return job
+
+    async def _follow(self, job: VideoJob, stream: RequestStream) -> None:
+        progress = ProgressLog(f"video {job.id} ({job.model})", self.config.progress_log_seconds)
+        video: GeneratedVideo | None = None
+        try:
+            async for output in stream:
+                if isinstance(output, Progress):
+                    job.status = "in_progress"
+                    job.progress = min(99, 100 * output.done // max(output.total, 1))
+                    progress.step(output.done, output.total)
+                elif isinstance(output, GeneratedVideo):
+                    video = output
+                elif isinstance(output, Finished):
+                    self._finish(job, output, video, progress)
+        finally:
+            self._running.pop(job.id, None)
+
+    def _finish(
+        self, job: VideoJob, finished: Finished, video: GeneratedVideo | None, progress: ProgressLog
+    ) -> None:
+        if finished.reason in ("stop", "length") and video is not None:
+            size, seconds = f"{video.width}x{video.height}", _seconds(video.frames, video.fps)
+            self.store.complete(job, video.mp4, size=size, seconds=seconds)
+            progress.end(
+                f"{job.status} ({size}, {video.frames} frames at {video.fps} fps, {len(video.mp4)} bytes)"
+            )
+            return
+        if finished.reason == "error":
+            error = from_engine_error(finished)
+            self.store.fail(job, error.code or "server_error", error.message)
+        elif finished.reason == "cancelled":
+            self.store.fail(job, "cancelled", "the job was cancelled")
+        else:
+            self.store.fail(job, "server_error", "the model finished without a video")
+        progress.end(f"failed ({job.error})")
