@@ -12,6 +12,7 @@ import torch
 from omnirt.stages.diffusion.factory import build_image_pipeline
 from omnirt.stages.diffusion.pipeline import DiffusionPipeline
 from omnirt.stages.diffusion.types import GeneratedImage, ImageRequest
+from omnirt.stages.diffusion.wan_demo import ensure_wan_demo
 from omnirt.stages.diffusion.zimage_demo import (
     SCHEDULER_CONFIG,
     TRANSFORMER_CONFIG,
@@ -80,9 +81,13 @@ def test_dummy_weights_from_component_configs_are_seeded(tmp_path: Path) -> None
 def test_folders_that_are_not_z_image_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no such file or folder"):
         build_image_pipeline(str(tmp_path / "missing"), device="cpu")
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    with pytest.raises(ValueError, match="not a diffusers ZImagePipeline folder"):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(
+        ValueError, match="holds a 'FluxPipeline' pipeline; served here: ZImagePipeline, WanPipeline"
+    ):
         build_image_pipeline(str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match="makes videos"):
+        build_image_pipeline(str(ensure_wan_demo()), device="cpu")
     with pytest.raises(ValueError, match="unknown load format"):
         load_zimage(tmp_path, load_format="gguf")
 
