@@ -181,6 +181,13 @@ class Engine:
             message = f"request id {rid!r} is already in flight"
             self._end(sink, Finished("error", Usage(), message, "rejected"))
 
+    def check(self, request: Request) -> None:
+        """Validates ``request`` as its pipeline's ``prepare`` does, without starting it; raises
+        :class:`RequestRejected`. For work answered before it runs (video jobs): a rejection is
+        then the caller's error, not a failed job. Any thread; runs the prepare work once more."""
+        kind = self.scheduler.route(request)
+        self.pipelines[kind].prepare(request)
+
     def cancel(self, request_id: str) -> None:
         with self._cond:
             sink = self._preparing.pop(request_id, None)
@@ -391,6 +398,11 @@ class EngineClient:
     def infos(self) -> tuple[ModelInfo, ...]:
         """Every pipeline's model, the first one first."""
         return self.engine.infos
+
+    async def check(self, request: Request) -> None:
+        """:meth:`Engine.check` on a worker thread: raises :class:`RequestRejected` for input the
+        request's pipeline refuses."""
+        await asyncio.to_thread(self.engine.check, request)
 
     def submit(self, request: Request) -> RequestStream:
         """Start a request; must be called from the event loop."""

@@ -1,11 +1,11 @@
 """``/v1/videos``: video generation as jobs, in OpenAI's videos shape.
 
-- ``POST /v1/videos`` checks the body (400s), submits one engine request and answers the job
-  (``queued``) at once. A task follows the request: ``Progress`` makes the job ``in_progress``
-  with ``progress`` = steps done / total (at most 99 until the MP4 is there) and is logged for
-  long jobs; the ``GeneratedVideo`` completes it. A job the model refuses (its pipeline's
-  ``prepare``: a frame count or size it cannot make) or that fails ends ``failed`` with
-  ``error: {"code", "message"}``.
+- ``POST /v1/videos`` checks the body, then the model's own limits (its pipeline's ``prepare``
+  through ``EngineClient.check``: a frame count or size it cannot make), each a 400; submits one
+  engine request and answers the job (``queued``) at once. A task follows the request:
+  ``Progress`` makes the job ``in_progress`` with ``progress`` = steps done / total (at most 99
+  until the MP4 is there) and is logged for long jobs; the ``GeneratedVideo`` completes it. A job
+  that fails ends ``failed`` with ``error: {"code", "message"}``.
 - ``GET /v1/videos/{id}``: the job (``openai-poll-after-ms`` tells the SDK's ``poll`` how long
   to wait while it runs); ``GET /v1/videos/{id}/content``: the MP4 (``video/mp4``), 409 while
   it is not completed; ``DELETE /v1/videos/{id}``: cancels a job still running and forgets it;
@@ -22,6 +22,7 @@ import time
 
 from omnirt.stages.diffusion.types import GeneratedVideo, Progress, VideoRequest
 from omnirt.stages.engine import EngineClient, RequestStream
+from omnirt.stages.pipeline import RequestRejected
 from omnirt.stages.types import Finished
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -70,6 +71,10 @@ class Videos:
         body = parse_body(await read_fields(request, raw), self.config)
         probe = VideoRequest(request_id="", prompt="")
         model = choose_model(self.client, body.model, probe, "video generation")
+        try:  # what the model cannot make is a 400 now, not a failed job later
+            await self.client.check(video_request(body, "check", model, self.config))
+        except RequestRejected as exc:
+            raise bad_request(str(exc)) from None
         job = VideoJob(
             id=new_id("video"),
             model=model,

@@ -10,7 +10,7 @@ from typing import Any
 
 import av
 import pytest
-from openai import APIStatusError, NotFoundError
+from openai import BadRequestError, NotFoundError
 
 from tests.diffusion_fakes import FakeVideoPipeline, image_colour
 
@@ -129,19 +129,20 @@ def test_content_before_completion_is_409_and_delete_cancels() -> None:
         assert media.engine.stats.requests_cancelled == 1
 
 
-def test_a_job_the_model_refuses_fails_with_its_message(media: MediaServer) -> None:
+def test_a_video_the_model_refuses_is_a_400_and_no_job(media: MediaServer) -> None:
+    """The model's own limits (here: frame counts of 4k + 1) are checked before the job exists."""
+
     async def go() -> Any:
         async with media.openai() as client:
-            video = await client.videos.create(prompt="x", extra_body={"num_frames": 6})
-            done = await client.videos.poll(video.id, poll_interval_ms=20)
-            with pytest.raises(APIStatusError) as info:
-                await client.videos.download_content(video.id)
-            return done, info.value
+            with pytest.raises(BadRequestError) as info:
+                await client.videos.create(prompt="x", extra_body={"num_frames": 6})
+            return info.value
 
-    done, error = run(go())
-    assert done.status == "failed" and done.error is not None
-    assert (done.error.code, done.error.message) == ("invalid_value", "num_frames must be 4k + 1, got 6")
-    assert error.status_code == 409 and "failed: num_frames must be 4k + 1" in error.message
+    before = media.engine.stats.requests_submitted
+    error = run(go())
+    assert error.status_code == 400 and "num_frames must be 4k + 1, got 6" in error.message
+    assert error.code == "invalid_value"
+    assert media.engine.stats.requests_submitted == before  # nothing was started
 
 
 def test_list_pages_through_the_sdk(media: MediaServer) -> None:
