@@ -375,19 +375,15 @@ class DiffusionPipeline:
         if work is None:
             return out
         start = self.clock()
-        run = {
+        run = self._piece if work.piece is not None else {
             "cond": self._cond,
             "uncond": self._uncond,
-            "piece": self._piece,
             "settle": self._settle,
             "preview": self._preview,
             "decode": self._decode,
             "encode": self._encode,
         }[work.call]
-        if work.piece is not None:
-            self._piece(work, out)
-        else:
-            run(work, out)
+        run(work, out)
         if self._sync:
             torch.cuda.synchronize(self.denoiser.device)
         seconds = self.clock() - start
