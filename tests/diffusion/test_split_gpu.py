@@ -71,8 +71,8 @@ def test_published_1_3b_calls_run_in_frame_sized_pieces() -> None:
     run_to_end(p, [request])
     assert p.calls["transformer", 1] == 4
     pieces = sum(p.pieces.values())
-    # Every part is measured alone in the first call (about 30 steps); after it, a call of ~600 ms
-    # runs in pieces of about MAX_STEP_SECONDS (a little over when one block's time varies).
+    # The first call measures its start, one block and its finish alone; every call after it runs
+    # in pieces of about MAX_STEP_SECONDS (~600 ms a call: a dozen pieces).
     later = [seconds for before, seconds in durations if before >= pieces // 2]
     print(f"1.3B 480p: {pieces} pieces for 4 calls, later pieces {min(later):.3f}-{max(later):.3f} s")
     assert pieces >= 4 * 8
