@@ -2,10 +2,14 @@
 
 The runtime owns the step loop and calls a denoiser only through this interface, so Z-Image
 (text-to-image) and Wan (text-to-video) share one loop: batching of compatible requests, one
-transformer call per scheduler step, the classifier-free-guidance branches, progress, previews
-and cancellation. A denoiser wraps the diffusers model classes of its family (transformer, VAE,
-scheduler, text encoder) and reproduces its diffusers pipeline's arithmetic exactly, so our
+transformer call (or one piece of it) per scheduler step, the classifier-free-guidance branches,
+progress, previews and cancellation. A denoiser wraps the diffusers model classes of its family
+(transformer, VAE, scheduler, text encoder) and reproduces its diffusers pipeline's arithmetic exactly, so our
 results equal diffusers' on the same weights, seed and inputs (the parity tests).
+
+Long calls: a denoiser may also split one transformer call into pieces (:class:`SplitDenoiser`:
+``start``, ``run_blocks`` over groups of its transformer blocks, ``finish``), so the runtime can
+run a call over several of its steps and put realtime ticks between the pieces.
 
 Rows: every call works on a batch of rows, one row per generated sample (an image, or a video).
 A request with ``n`` images has ``n`` rows. Per-row conditions are opaque to the runtime: the
@@ -112,3 +116,43 @@ class Denoiser(Protocol):
     def preview(self, latents: torch.Tensor) -> torch.Tensor:
         """Cheap pixels from intermediate latents (uint8 as :meth:`decode`), for partial images."""
         ...
+
+
+class SplitDenoiser(Denoiser, Protocol):
+    """A denoiser whose transformer call also runs in pieces, the hidden states kept in between:
+    ``finish(run_blocks(start(...), 0, num_blocks))`` (in any grouping of the blocks) is bitwise
+    the prediction :meth:`Denoiser.predict` gives for the same arguments.
+
+    The runtime calls the pieces in order, each once: ``start``, then ``run_blocks`` over
+    consecutive ranges covering ``[0, num_blocks)``, then ``finish``."""
+
+    #: Transformer blocks one call runs between ``start`` and ``finish``; 0 when the call cannot
+    #: be split now (e.g. a diffusers cache hook wraps the whole forward).
+    num_blocks: int
+
+    def start(
+        self, latents: torch.Tensor, step: int, sampler: Sampler, conditions: Sequence[Any], branch: Branch
+    ) -> Any:
+        """The call up to its first transformer block (patchify, timestep and text embeddings,
+        positions, any refiner blocks): the state the blocks run on."""
+        ...
+
+    def run_blocks(self, state: Any, start: int, stop: int) -> Any:
+        """Blocks ``start`` to ``stop - 1`` over ``state``; returns the state (possibly the same object)."""
+        ...
+
+    def finish(self, state: Any) -> torch.Tensor:
+        """The call after its last block (final layer, unpatchify): the prediction, as ``predict``."""
+        ...
+
+    def keep_rows(self, state: Any, rows: Sequence[int]) -> Any:
+        """The state of the listed rows only (in that order): the others' memory is released.
+        The kept rows' results may differ from those of the full batch only by float noise."""
+        ...
+
+
+def split_blocks(denoiser: Denoiser) -> int:
+    """How many blocks ``denoiser`` can split its transformer call into (0: it cannot split)."""
+    if not all(callable(getattr(denoiser, name, None)) for name in ("start", "run_blocks", "finish")):
+        return 0
+    return int(getattr(denoiser, "num_blocks", 0))

@@ -1,9 +1,11 @@
 """The diffusion runtime: a ``BATCH`` :class:`~omnirt.stages.pipeline.Pipeline` over any
 :class:`~.denoiser.Denoiser` (Z-Image images, Wan videos).
 
-Each :meth:`DiffusionPipeline.step` runs ONE model call, so the scheduler can put a realtime tick
-between any two of them. The work of the next step is picked in this order:
+Each :meth:`DiffusionPipeline.step` runs ONE model call, or one piece of a long transformer call,
+so the scheduler can put a realtime tick between any two of them. The work of the next step is
+picked in this order:
 
+0. ``piece``: the next piece of a transformer call under way (see *Long calls* below);
 1. ``uncond``: the negative-prompt branch of the group whose ``cond`` branch ran last step (only
    the rows whose scale the denoiser guides: Z-Image above 0, Wan above 1); that step then
    combines the branches (``guide``), steps each request's sampler and sends
@@ -19,10 +21,21 @@ between any two of them. The work of the next step is picked in this order:
    step index of the same shape, step count and timesteps (the group of the oldest request first,
    so requests finish in arrival order). Without guidance that step completes the denoising step.
 
+Long calls: a transformer call at real size takes longer than one realtime frame (a Z-Image call
+100-150 ms on an H200, a Wan 1.3B one about 600 ms, a 14B one seconds). When the denoiser splits
+its calls (:class:`~.denoiser.SplitDenoiser`) and splitting is on (by default on CUDA devices), a
+call runs as a sequence of steps, each a piece of about ``max_step_seconds``: the call's start,
+then groups of its transformer blocks, then its finish, the hidden states kept in between. How
+many blocks go in a piece follows the measured cost of the start, of one block and of the finish
+(moving averages per shape and row count; a part never measured runs alone first, so it is
+measured before it is grouped); :meth:`DiffusionPipeline.step_cost` is the next piece's estimate.
+The pieces give bitwise the prediction of the whole call.
+
 Rows: a request of ``n`` images has ``n`` rows, seeded ``seed, seed + 1, ...`` (one CPU
 ``torch.Generator`` each: diffusers' results for ``generator=[Generator().manual_seed(seed + i)
 for i in range(n)]``). A request without a seed gets a random one. ``remove`` frees a request's
-rows at once; a branch already computed for it is dropped at the next step.
+rows at once: a transformer call under way drops its rows from the hidden states it holds (all of
+them when no other request is in it); a branch already computed for it is dropped at the next step.
 """
 
 from __future__ import annotations
@@ -42,7 +55,7 @@ import torch
 
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import Finished, ModelInfo, Usage
-from .denoiser import Denoiser, Sampler, Shape
+from .denoiser import Denoiser, Sampler, Shape, split_blocks
 from .media import png
 from .types import (
     DiffusionOutput,
@@ -65,7 +78,11 @@ MAX_SEED = 2**63 - 1
 #: A long request logs its progress at INFO this often (seconds).
 LOG_EVERY = 5.0
 
-Call = Literal["cond", "uncond", "settle", "preview", "decode", "encode"]
+Call = Literal["cond", "uncond", "piece", "settle", "preview", "decode", "encode"]
+Branch = Literal["cond", "uncond"]
+#: The default target duration of one piece of a split transformer call (seconds): with a
+#: realtime frame every 80 ms, a piece and the frame's own step fit between two frames.
+MAX_STEP_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -126,12 +143,45 @@ class _Branched:
     cond: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """What one step of a split transformer call runs: the call's start (or not), its blocks
+    ``first`` to ``stop - 1``, its finish (or not)."""
+
+    start: bool
+    first: int
+    stop: int
+    finish: bool
+
+    @property
+    def blocks(self) -> int:
+        return self.stop - self.first
+
+
+@dataclass(eq=False)
+class _Call:
+    """A split transformer call under way: the denoiser's state between two pieces."""
+
+    branch: Branch
+    jobs: list[tuple[_Job, int]]  # each job with the offset of its rows in the state
+    index: int  # the denoising step
+    shape: Shape
+    rows: int
+    blocks: int
+    state: Any
+    done: int = 0  # blocks run
+
+
 @dataclass(eq=False)
 class _Work:
     call: Call
     jobs: list[_Job]
     rows: int
     shape: Shape | None = None
+    #: A split transformer call's next piece (None: the whole call, or not a transformer call).
+    piece: _Piece | None = None
+    #: The piece's estimated seconds (None: a part of it was never measured).
+    cost: float | None = None
 
 
 def preview_steps(steps: int, partial_images: int) -> tuple[int, ...]:
@@ -157,13 +207,20 @@ class DiffusionPipeline:
         max_images: int = MAX_IMAGES,
         max_decode_rows: int = 4,
         clock: Callable[[], float] = time.perf_counter,
+        split_calls: bool | None = None,
+        max_step_seconds: float = MAX_STEP_SECONDS,
     ) -> None:
         """``max_rows``: rows (images) admitted at once; a request is admitted while fewer are in
         use, so one of ``n`` images may take the total to ``max_rows + n - 1``. ``max_images``:
         the most images one request may ask for. ``max_decode_rows``: rows per VAE decode call.
-        ``clock`` times the steps for :meth:`step_cost` (tests pass a simulated one)."""
+        ``clock`` times the steps for :meth:`step_cost` (tests pass a simulated one).
+        ``split_calls``: run transformer calls in pieces when the denoiser can split them (None:
+        on CUDA devices only; on CPU the steps are not synchronised with any accelerator and the
+        models served there are toys). ``max_step_seconds``: the target duration of one piece."""
         if max_rows < 1 or max_images < 1 or max_decode_rows < 1:
             raise ValueError("max_rows, max_images and max_decode_rows must be positive")
+        if not max_step_seconds > 0:
+            raise ValueError(f"max_step_seconds must be positive, got {max_step_seconds}")
         self.denoiser = denoiser
         self.kind: str = denoiser.output
         self.info: ModelInfo = denoiser.info
@@ -178,6 +235,15 @@ class DiffusionPipeline:
         self._admitted = 0
         self._timers: dict[tuple[Any, ...], StepTimer] = {}
         self._request_type = VideoRequest if self.kind == "video" else ImageRequest
+        cuda = denoiser.device.type == "cuda"
+        self.split_calls = cuda if split_calls is None else split_calls
+        self.max_step_seconds = max_step_seconds
+        #: Steps of split transformer calls, by rows (``calls`` counts each call once).
+        self.pieces: CallCounter = collections.Counter()
+        self._call: _Call | None = None
+        #: Measured seconds of the start, one block and the finish of a call, per (shape, rows).
+        self._part_costs: dict[tuple[Shape, int], dict[str, StepTimer]] = {}
+        self._sync = cuda  # steps are timed to the end of their GPU work
 
     # -- requests (any thread) ----------------------------------------------------------------
     def accepts(self, request: object) -> bool:
@@ -282,6 +348,8 @@ class DiffusionPipeline:
         self._previews = collections.deque(p for p in self._previews if p[0] is not job)
         if self._branched is not None and not self._live(self._branched):
             self._branched = None
+        if self._call is not None:
+            self._drop_rows(self._call)
         log.debug("%s: removed %s at step %d/%d", self.kind, request_id, job.index, job.prep.steps)
         return Usage()
 
@@ -292,6 +360,8 @@ class DiffusionPipeline:
         work = self._plan()
         if work is None:
             return 0.0
+        if work.piece is not None and work.cost is not None:
+            return work.cost
         for key in (self._cost_key(work), (work.call,)):
             timer = self._timers.get(key)
             if timer is not None:
@@ -305,7 +375,7 @@ class DiffusionPipeline:
         if work is None:
             return out
         start = self.clock()
-        run = {
+        run = self._piece if work.piece is not None else {
             "cond": self._cond,
             "uncond": self._uncond,
             "settle": self._settle,
@@ -314,24 +384,33 @@ class DiffusionPipeline:
             "encode": self._encode,
         }[work.call]
         run(work, out)
+        if self._sync:
+            torch.cuda.synchronize(self.denoiser.device)
         seconds = self.clock() - start
-        for key in (self._cost_key(work), (work.call,)):
+        for key in (self._cost_key(work), (self._cost_key(work)[0],)):
             self._timers.setdefault(key, StepTimer()).record(seconds)
+        if work.piece is not None:
+            assert work.shape is not None
+            self._record_parts((work.shape, work.rows), work.piece, seconds)
         return out
 
     def _cost_key(self, work: _Work) -> tuple[Any, ...]:
-        return (work.call, work.shape, work.rows)
+        return ("piece" if work.piece is not None else work.call, work.shape, work.rows)
 
     def _live(self, branched: _Branched) -> list[tuple[_Job, int]]:
         return [(job, at) for job, at in branched.jobs if self._jobs.get(job.request_id) is job]
 
     def _plan(self) -> _Work | None:
         """The next step's work (no side effects: ``step_cost`` asks too)."""
+        if self._call is not None:
+            call = self._call
+            piece, cost = self._next_piece(call.shape, call.rows, call.blocks, call.done, started=True)
+            return _Work("piece", [job for job, _ in call.jobs], call.rows, call.shape, piece, cost)
         if self._branched is not None:
             live = [job for job, _ in self._live(self._branched)]
             guided = [job for job in live if job.prep.guided]
             if guided:
-                return _Work("uncond", guided, sum(j.rows for j in guided), guided[0].prep.shape)
+                return self._transformer_work("uncond", guided)
             if live:
                 return _Work("settle", live, 0)
         if self._previews:
@@ -356,7 +435,118 @@ class DiffusionPipeline:
             return None
         key = denoising[0].group_key()
         group = [j for j in denoising if j.group_key() == key]
-        return _Work("cond", group, sum(j.rows for j in group), group[0].prep.shape)
+        return self._transformer_work("cond", group)
+
+    def _transformer_work(self, branch: Branch, jobs: list[_Job]) -> _Work:
+        """A new transformer call over ``jobs``: whole, or its first piece."""
+        rows, shape = sum(j.rows for j in jobs), jobs[0].prep.shape
+        blocks = split_blocks(self.denoiser) if self.split_calls else 0
+        if blocks <= 0:
+            return _Work(branch, jobs, rows, shape)
+        piece, cost = self._next_piece(shape, rows, blocks, 0, started=False)
+        return _Work(branch, jobs, rows, shape, piece, cost)
+
+    # -- split transformer calls ----------------------------------------------------------------
+    def _next_piece(
+        self, shape: Shape, rows: int, blocks: int, done: int, *, started: bool
+    ) -> tuple[_Piece, float | None]:
+        """The next piece of a call (``done`` blocks run, its start run or not) and its estimated
+        seconds: as many parts as fit ``max_step_seconds`` by their measured costs, at least one;
+        a part never measured at this shape and row count runs alone (estimate None)."""
+        costs = self._part_costs.get((shape, rows), {})
+        budget = self.max_step_seconds * (1 + 1e-9)  # parts that add up to it exactly fit
+        spent = 0.0
+        if not started:
+            if "start" not in costs:
+                return _Piece(True, 0, 0, False), None
+            spent = costs["start"].seconds
+        stop = done
+        block = costs.get("block")
+        if block is None:
+            if started and done < blocks:
+                return _Piece(False, done, done + 1, False), None
+        else:
+            while stop < blocks and ((started and stop == done) or spent + block.seconds <= budget):
+                spent += block.seconds
+                stop += 1
+        finish = False
+        if stop == blocks:
+            empty = started and stop == done
+            if "finish" not in costs:
+                if empty:
+                    return _Piece(False, done, done, True), None
+            elif empty or spent + costs["finish"].seconds <= budget:
+                finish = True
+                spent += costs["finish"].seconds
+        return _Piece(not started, done, stop, finish), spent
+
+    def _record_parts(self, key: tuple[Shape, int], piece: _Piece, seconds: float) -> None:
+        """Attributes a piece's measured time to its parts: all of it to a part that ran alone,
+        else in proportion to the parts' estimates."""
+        costs = self._part_costs.setdefault(key, {})
+        parts = [(name, n) for name, n in (("start", int(piece.start)), ("block", piece.blocks),
+                                           ("finish", int(piece.finish))) if n]
+        if len(parts) == 1:
+            name, n = parts[0]
+            costs.setdefault(name, StepTimer()).record(seconds / n)
+            return
+        predicted = sum(costs[name].seconds * n for name, n in parts if name in costs)
+        if predicted <= 0 or any(name not in costs for name, _ in parts):
+            even = seconds / sum(n for _, n in parts)
+            for name, _ in parts:
+                costs.setdefault(name, StepTimer()).record(even)
+            return
+        ratio = seconds / predicted
+        for name, _ in parts:
+            costs[name].record(costs[name].seconds * ratio)
+
+    def _piece(self, work: _Work, out: list) -> None:
+        piece = work.piece
+        assert piece is not None
+        if piece.start:
+            assert work.call in ("cond", "uncond") and self._call is None
+            branch: Branch = "cond" if work.call == "cond" else "uncond"
+            latents, conditions, offsets = self._inputs(work.jobs, branch)
+            first = work.jobs[0]
+            assert first.sampler is not None and work.shape is not None
+            self.calls["transformer", work.rows] += 1
+            state = self.denoiser.start(  # type: ignore[attr-defined]
+                latents, first.index, first.sampler, conditions, branch
+            )
+            blocks = split_blocks(self.denoiser)
+            self._call = _Call(branch, offsets, first.index, work.shape, work.rows, blocks, state)
+        call = self._call
+        assert call is not None
+        self.pieces["transformer", call.rows] += 1
+        if piece.blocks:
+            call.state = self.denoiser.run_blocks(call.state, piece.first, piece.stop)  # type: ignore[attr-defined]
+            call.done = piece.stop
+        if piece.finish:
+            self._call = None
+            prediction = self.denoiser.finish(call.state)  # type: ignore[attr-defined]
+            call.state = None
+            self._called(call.branch, call.jobs, call.index, prediction, out)
+
+    def _drop_rows(self, call: _Call) -> None:
+        """Drops the rows of removed requests from a call under way (the whole call when none is
+        left), so their hidden states are freed now rather than when the call ends."""
+        live = [(job, at) for job, at in call.jobs if self._jobs.get(job.request_id) is job]
+        if len(live) == len(call.jobs):
+            return
+        if not live:
+            self._call = None
+            return
+        keep_rows = getattr(self.denoiser, "keep_rows", None)
+        if keep_rows is None:  # the rows stay in the call; its prediction is cut at the end
+            call.jobs = live
+            return
+        rows = [r for job, at in live for r in range(at, at + job.rows)]
+        call.state = keep_rows(call.state, rows)
+        call.jobs, at = [], 0
+        for job, _ in live:
+            call.jobs.append((job, at))
+            at += job.rows
+        call.rows = at
 
     # -- the calls ------------------------------------------------------------------------------
     def _encode(self, work: _Work, out: list) -> None:
@@ -378,31 +568,52 @@ class DiffusionPipeline:
             job.sampler = self.denoiser.sampler(p.shape, p.steps)
             job.stage = "denoise"
 
-    def _predict(self, jobs: Sequence[_Job], branch: Literal["cond", "uncond"]) -> torch.Tensor:
+    def _inputs(
+        self, jobs: Sequence[_Job], branch: Branch
+    ) -> tuple[torch.Tensor, list[Any], list[tuple[_Job, int]]]:
+        """A call's latents and conditions over ``jobs``, and each job's row offset in them."""
         latents = torch.cat([j.latents for j in jobs if j.latents is not None])
         conditions = [c for j in jobs for c in (j.conditions if branch == "cond" else j.negatives)]
-        first = jobs[0]
-        assert first.sampler is not None
-        self.calls["transformer", latents.shape[0]] += 1
-        return self.denoiser.predict(latents, first.index, first.sampler, conditions, branch)
-
-    def _cond(self, work: _Work, out: list) -> None:
-        cond = self._predict(work.jobs, "cond")
         offsets, at = [], 0
-        for job in work.jobs:
+        for job in jobs:
             offsets.append((job, at))
             at += job.rows
-        branched = _Branched(offsets, work.jobs[0].index, cond)
-        if any(job.prep.guided for job in work.jobs):
-            self._branched = branched
-        else:
-            self._finish_step(branched, None, out)
+        return latents, conditions, offsets
+
+    def _whole_call(self, work: _Work, branch: Branch, out: list) -> None:
+        latents, conditions, offsets = self._inputs(work.jobs, branch)
+        first = work.jobs[0]
+        assert first.sampler is not None
+        self.calls["transformer", latents.shape[0]] += 1
+        prediction = self.denoiser.predict(latents, first.index, first.sampler, conditions, branch)
+        self._called(branch, offsets, first.index, prediction, out)
+
+    def _cond(self, work: _Work, out: list) -> None:
+        self._whole_call(work, "cond", out)
 
     def _uncond(self, work: _Work, out: list) -> None:
-        assert self._branched is not None
+        self._whole_call(work, "uncond", out)
+
+    def _called(
+        self, branch: Branch, offsets: list[tuple[_Job, int]], index: int, prediction: torch.Tensor, out: list
+    ) -> None:
+        """A transformer call's prediction (rows at ``offsets``) goes on: a ``cond`` one waits for
+        its group's ``uncond`` call, or completes the step when none of its rows is guided; an
+        ``uncond`` one completes the step of the group whose ``cond`` call ran."""
+        live = [(job, at) for job, at in offsets if self._jobs.get(job.request_id) is job]
+        if branch == "cond":
+            branched = _Branched(live, index, prediction)
+            if any(job.prep.guided for job, _ in live):
+                self._branched = branched
+            elif live:
+                self._finish_step(branched, None, out)
+            return
+        if self._branched is None:  # every request of the group was removed
+            return
         branched, self._branched = self._branched, None
-        uncond = self._predict(work.jobs, "uncond")
-        self._finish_step(branched, uncond, out)
+        if sum(job.rows for job, _ in live) != prediction.shape[0]:
+            prediction = torch.cat([prediction[at : at + job.rows] for job, at in live])
+        self._finish_step(branched, prediction, out)
 
     def _settle(self, work: _Work, out: list) -> None:
         assert self._branched is not None

@@ -34,6 +34,7 @@ import torch
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
 from .denoiser import Branch, Defaults, Shape
+from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, VideoRequest
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,19 @@ class WanSampler:
         if index != done:
             raise ValueError(f"sampler is at step {done}, asked for step {index}: steps run once, in order")
         return self.scheduler.step(prediction, self.timesteps[index], latents, return_dict=False)[0]
+
+
+@dataclass(eq=False)
+class WanCallState:
+    """One transformer call between its pieces."""
+
+    hidden: torch.Tensor  # [rows, tokens, dim]
+    text: torch.Tensor  # embedded text [rows, text tokens, dim]
+    timestep_proj: torch.Tensor  # [rows, 6, dim]: the blocks' modulation
+    temb: torch.Tensor  # [rows, dim]: the output norm's
+    rotary_emb: tuple[torch.Tensor, torch.Tensor]  # RoPE (cos, sin), [1, tokens, 1, head dim]
+    grid: tuple[int, int, int]  # latent patches per axis (frames, height, width)
+    patch: tuple[int, int, int]
 
 
 class WanDenoiser:
@@ -264,6 +278,76 @@ class WanDenoiser:
                 encoder_hidden_states=text,
                 return_dict=False,
             )[0]
+
+    # -- the call in pieces (SplitDenoiser) ------------------------------------------------------
+    # ``WanTransformer3DModel.forward`` (diffusers 0.42, text to video), its submodules called in
+    # the same order with the same arguments: ``start`` is RoPE, the patch embedding and the
+    # time/text embeddings, ``run_blocks`` a range of ``transformer.blocks``, ``finish`` the output
+    # norm, projection and unpatchify. A transformer with a cache hook (``enable_cache``) wraps
+    # its whole forward: its calls do not split (``num_blocks`` 0).
+
+    @property
+    def num_blocks(self) -> int:
+        return 0 if forward_is_wrapped(self.transformer) else len(self.transformer.blocks)
+
+    @torch.no_grad()
+    def start(
+        self,
+        latents: torch.Tensor,
+        step: int,
+        sampler: WanSampler,  # type: ignore[override]
+        conditions: Sequence[torch.Tensor],
+        branch: Branch,
+    ) -> WanCallState:
+        tr = self.transformer
+        if len(conditions) != latents.shape[0]:
+            raise ValueError(f"{latents.shape[0]} rows of latents but {len(conditions)} conditions")
+        hidden = latents.to(self.dtype)
+        timestep = sampler.timesteps[step].expand(latents.shape[0])
+        text = torch.stack(list(conditions)).to(device=self.device, dtype=self.dtype)
+        rows, _, frames, height, width = hidden.shape
+        p_t, p_h, p_w = tr.config.patch_size
+        rotary_emb = tr.rope(hidden)
+        hidden = tr.patch_embedding(hidden).flatten(2).transpose(1, 2).contiguous()
+        temb, timestep_proj, text, _ = tr.condition_embedder(timestep, text, None, timestep_seq_len=None)
+        timestep_proj = timestep_proj.unflatten(1, (6, -1))
+        grid = (frames // p_t, height // p_h, width // p_w)
+        return WanCallState(hidden, text, timestep_proj, temb, rotary_emb, grid, (p_t, p_h, p_w))
+
+    @torch.no_grad()
+    def run_blocks(self, state: WanCallState, start: int, stop: int) -> WanCallState:
+        blocks = self.transformer.blocks
+        if not 0 <= start <= stop <= len(blocks):
+            raise ValueError(f"blocks {start}:{stop} out of 0:{len(blocks)}")
+        for block in blocks[start:stop]:
+            state.hidden = block(state.hidden, state.text, state.timestep_proj, state.rotary_emb)
+        return state
+
+    @torch.no_grad()
+    def finish(self, state: WanCallState) -> torch.Tensor:
+        tr = self.transformer
+        hidden, temb = state.hidden, state.temb
+        shift, scale = (tr.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift = shift.to(hidden.device)
+        scale = scale.to(hidden.device)
+        hidden = (tr.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        hidden = tr.proj_out(hidden)
+        p_t, p_h, p_w = state.patch
+        hidden = hidden.reshape(hidden.shape[0], *state.grid, p_t, p_h, p_w, -1)
+        hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def keep_rows(self, state: WanCallState, rows: Sequence[int]) -> WanCallState:
+        index = torch.tensor(list(rows), dtype=torch.long, device=state.hidden.device)
+        return WanCallState(
+            state.hidden.index_select(0, index),
+            state.text.index_select(0, index),
+            state.timestep_proj.index_select(0, index),
+            state.temb.index_select(0, index),
+            state.rotary_emb,  # per position, shared by the rows
+            state.grid,
+            state.patch,
+        )
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         scales = [float(s) for s in scale.reshape(-1).tolist()]

@@ -36,6 +36,7 @@ import torch
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
 from .denoiser import Branch, Defaults, Shape
+from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, ImageRequest
 
 #: Published recommendation of Z-Image-Turbo (the model card and the component configs).
@@ -70,6 +71,23 @@ class FlowMatchSampler:
         """The clean-sample estimate at step ``index`` (``latents`` before that step)."""
         sigma = self.scheduler.sigmas[index].to(latents.device)
         return latents - sigma * prediction
+
+
+_PATCH, _F_PATCH = 2, 1  # the forward's defaults, which ZImagePipeline uses
+_PATCH_KEY = f"{_PATCH}-{_F_PATCH}"
+
+
+@dataclass(eq=False)
+class ZImageCallState:
+    """One transformer call between its pieces: the unified (image then caption) sequence, padded
+    to the longest row, and what every main layer and the final layer take besides it."""
+
+    hidden: torch.Tensor  # [rows, tokens, dim]
+    mask: torch.Tensor | None  # [rows, tokens] bool; None when every row has all tokens
+    freqs: torch.Tensor  # RoPE, [rows, tokens, ...]
+    adaln_input: torch.Tensor  # timestep embedding [rows, adaln dim]
+    noise: torch.Tensor | None  # the omni mode's noise mask: None here
+    sizes: list[tuple[int, int, int]]  # per row (frames, height, width) of the latents
 
 
 class ZImageDenoiser:
@@ -198,6 +216,92 @@ class ZImageDenoiser:
         x = latents.to(self.dtype).unsqueeze(2)
         out = self.transformer(list(x.unbind(dim=0)), timestep, list(conditions), return_dict=False)[0]
         return -torch.stack([o.float() for o in out], dim=0).squeeze(2)
+
+    # -- the call in pieces (SplitDenoiser) ------------------------------------------------------
+    # ``ZImageTransformer2DModel.forward`` (diffusers 0.42, basic mode, patch 2, frame patch 1),
+    # its submodules called in the same order with the same arguments: ``start`` is everything up
+    # to the main layers (timestep embedding, patchify, the noise and context refiners, the
+    # unified sequence), ``run_blocks`` a range of ``transformer.layers``, ``finish`` the final
+    # layer and unpatchify (and the pipeline's negation, as in :meth:`predict`).
+
+    @property
+    def num_blocks(self) -> int:
+        return 0 if forward_is_wrapped(self.transformer) else len(self.transformer.layers)
+
+    @torch.no_grad()
+    def start(
+        self,
+        latents: torch.Tensor,
+        step: int,
+        sampler: FlowMatchSampler,  # type: ignore[override]
+        conditions: Sequence[torch.Tensor],
+        branch: Branch,
+    ) -> ZImageCallState:
+        tr = self.transformer
+        rows = latents.shape[0]
+        if len(conditions) != rows:
+            raise ValueError(f"{rows} rows of latents but {len(conditions)} conditions")
+        t = (1000 - sampler.timesteps[step].expand(rows)) / 1000
+        x = list(latents.to(self.dtype).unsqueeze(2).unbind(dim=0))
+        device = x[0].device
+        adaln_input = tr.t_embedder(t * tr.t_scale).type_as(x[0])
+        x, cap_feats, x_size, x_pos_ids, cap_pos_ids, x_pad_mask, cap_pad_mask = tr.patchify_and_embed(
+            x, list(conditions), _PATCH, _F_PATCH
+        )
+        x_seqlens = [len(xi) for xi in x]
+        x = tr.all_x_embedder[_PATCH_KEY](torch.cat(x, dim=0))
+        x, x_freqs, x_mask, _, x_noise = tr._prepare_sequence(
+            list(x.split(x_seqlens, dim=0)), x_pos_ids, x_pad_mask, tr.x_pad_token, None, device
+        )
+        for layer in tr.noise_refiner:
+            x = layer(x, x_mask, x_freqs, adaln_input, x_noise, None, None)
+        cap_seqlens = [len(ci) for ci in cap_feats]
+        cap_feats = tr.cap_embedder(torch.cat(cap_feats, dim=0))
+        cap_feats, cap_freqs, cap_mask, _, _ = tr._prepare_sequence(
+            list(cap_feats.split(cap_seqlens, dim=0)),
+            cap_pos_ids,
+            cap_pad_mask,
+            tr.cap_pad_token,
+            None,
+            device,
+        )
+        for layer in tr.context_refiner:
+            cap_feats = layer(cap_feats, cap_mask, cap_freqs)
+        unified, freqs, mask, noise = tr._build_unified_sequence(
+            x, x_freqs, x_seqlens, None,  # image
+            cap_feats, cap_freqs, cap_seqlens, None,  # caption
+            None, None, None, None,  # no SigLIP features (omni mode only)
+            False,
+            device,
+        )  # fmt: skip
+        return ZImageCallState(unified, mask, freqs, adaln_input, noise, list(x_size))
+
+    @torch.no_grad()
+    def run_blocks(self, state: ZImageCallState, start: int, stop: int) -> ZImageCallState:
+        if not 0 <= start <= stop <= len(self.transformer.layers):
+            raise ValueError(f"blocks {start}:{stop} out of 0:{len(self.transformer.layers)}")
+        s = state
+        for layer in self.transformer.layers[start:stop]:
+            s.hidden = layer(s.hidden, s.mask, s.freqs, s.adaln_input, s.noise, None, None)
+        return state
+
+    @torch.no_grad()
+    def finish(self, state: ZImageCallState) -> torch.Tensor:
+        tr = self.transformer
+        unified = tr.all_final_layer[_PATCH_KEY](state.hidden, c=state.adaln_input)
+        out = tr.unpatchify(list(unified.unbind(dim=0)), state.sizes, _PATCH, _F_PATCH, None)
+        return -torch.stack([o.float() for o in out], dim=0).squeeze(2)
+
+    def keep_rows(self, state: ZImageCallState, rows: Sequence[int]) -> ZImageCallState:
+        index = torch.tensor(list(rows), dtype=torch.long, device=state.hidden.device)
+        return ZImageCallState(
+            state.hidden.index_select(0, index),
+            None if state.mask is None else state.mask.index_select(0, index),
+            state.freqs.index_select(0, index),
+            state.adaln_input.index_select(0, index),
+            None if state.noise is None else state.noise.index_select(0, index),
+            [state.sizes[i] for i in rows],
+        )
 
     def uses_guidance(self, scale: float) -> bool:
         """``ZImagePipeline`` runs the unconditional branch whenever the scale is above 0."""
