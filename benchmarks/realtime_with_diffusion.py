@@ -114,7 +114,6 @@ P99_GROWTH_GOAL = 0.10
 THROUGHPUT_LOSS_GOAL = 0.15
 DIT_FLOOR_MS = 63.0  # the compute floor of a Z-Image step at 1024x1024 on the H200
 DIT_GOAL_MS = 70.0
-PHASES = ("realtime alone", "diffusion alone", "both")
 
 
 # -- timing every pipeline step -------------------------------------------------------------------
@@ -136,7 +135,7 @@ class TimedPipeline:
 
     def step(self) -> list[tuple[str, Any]]:
         p = self._pipeline
-        # The speech tick is one row whatever its batch (its rows are the sessions, all phases).
+        # Diffusion steps by call and rows; every speech step is one "tick" (all its sessions).
         call, rows = (p.next_call() or ("idle", 0)) if isinstance(p, DiffusionPipeline) else ("tick", 0)
         t0 = time.perf_counter()
         out = p.step()
