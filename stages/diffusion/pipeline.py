@@ -369,6 +369,12 @@ class DiffusionPipeline:
         # A call never measured yet: assume the costliest seen so far (0 before the first step).
         return max((t.seconds for t in self._timers.values()), default=0.0)
 
+    def next_call(self) -> tuple[Call, int] | None:
+        """The call the next :meth:`step` runs and its rows (``encode``: texts), or None when there
+        is no work (stats and benchmarks; no side effects)."""
+        work = self._plan()
+        return None if work is None else (work.call, work.rows)
+
     def step(self) -> list[tuple[str, DiffusionOutput | Finished]]:
         work = self._plan()
         out: list[tuple[str, DiffusionOutput | Finished]] = []

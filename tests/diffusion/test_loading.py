@@ -92,7 +92,8 @@ def test_folders_that_are_not_z_image_are_refused(tmp_path: Path) -> None:
         load_zimage(tmp_path, load_format="gguf")
 
 
-PUBLISHED = Path(__file__).resolve().parents[3] / "shared" / "models" / "z-image-turbo.components.json"
+MODELS = Path(__file__).resolve().parents[2] / "benchmarks" / "models"
+PUBLISHED = MODELS / "z-image-turbo" / "z-image-turbo.components.json"
 
 
 @pytest.mark.gpu

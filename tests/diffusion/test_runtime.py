@@ -39,12 +39,18 @@ def test_every_step_runs_at_most_one_model_call(denoiser: ZImageDenoiser) -> Non
     for request in (_request("g", n=2, guidance_scale=3.0), _request("u", seed=9)):
         p.add(request, p.prepare(request))
     names: list[str] = []
+    planned: list[tuple[str, int] | None] = []
     while p.has_work():
+        planned.append(p.next_call())
         before = collections.Counter(p.calls)
         p.step()
         added = [name for (name, _), n in (p.calls - before).items() for _ in range(n)]
         assert len(added) <= 1, added
         names += added
+    assert p.next_call() is None
+    # next_call() names each step's call before it runs: encode over the 2 prompts and the shared
+    # negative prompt (deduplicated to 2 texts in the encoder call), then cond / uncond, decode.
+    assert planned == [("encode", 3)] + [("cond", 3), ("uncond", 2)] * 3 + [("decode", 3)]
     # Text encoder once, then per denoising step cond (3 rows) and uncond (the 2 guided rows),
     # then one VAE decode for all 3 images.
     assert names == ["text_encoder"] + ["transformer"] * 6 + ["vae"]

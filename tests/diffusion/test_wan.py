@@ -36,8 +36,8 @@ from omnirt.stages.pipeline import RequestRejected  # noqa: E402
 torch.set_num_threads(1)
 
 SIZE = {"width": 32, "height": 32, "num_frames": 5}
-#: The published Wan2.1 T2V component configs (beside the checkout, in ``shared/models``).
-PUBLISHED = Path(__file__).resolve().parents[3] / "shared" / "models" / "wan2.1-t2v.components.json"
+#: The published Wan2.1 T2V component configs (copied from ``shared/models`` into the repository).
+PUBLISHED = Path(__file__).resolve().parents[2] / "benchmarks/models/wan2.1-t2v/wan2.1-t2v.components.json"
 STEPS = 3
 
 

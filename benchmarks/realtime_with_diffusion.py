@@ -1,0 +1,891 @@
+"""Realtime speech beside image and video diffusion in one process, through the engine's scheduler.
+
+Builds the speech pipeline (as ``speech_capacity.py`` does) and the image (Z-Image) and video (Wan)
+diffusion pipelines, puts them under one :class:`~omnirt.stages.scheduler.Scheduler` (what the
+engine thread runs: realtime steps first, then one batch step per tick while realtime work has no
+deadline) and drives ``Scheduler.tick()`` in a loop in this process: no server, no engine thread.
+Prompt work (``prepare``) runs inline between ticks, outside the timed tick, as the engine's prompt
+threads do it beside the engine thread.
+
+Load: ``--sessions`` N sessions speaking in turns (each turn ``--audio-seconds`` of a speech-like
+tone, audio out, replies capped as in ``speech_capacity.py``; the next turn starts when one
+ends), and a stream of image jobs (``--image-size``, ``--image-steps``, ``--image-n``) and of
+video jobs (``--video-size``, ``--video-frames``, ``--video-steps``), ``--image-jobs`` and
+``--video-jobs`` of each kept in flight (a new one is submitted when one finishes).
+
+Three phases in one run, each a ramp (until every session has heard audio and every diffusion
+stream has done a denoising step), a measured window of ``--seconds``, and a tail that starts no
+turn until the window's turns have their first audio (diffusion load goes on through the tail):
+
+1. **realtime alone**: the sessions only;
+2. **diffusion alone**: the image and video jobs only;
+3. **both** together.
+
+Measured per phase (window only):
+
+- **frame p50/p99**: wall time of the scheduler ticks in which a talker frame was produced. A tick
+  is the realtime step plus the batch step that follows it, so under diffusion load this is the
+  time from one frame to the next (80 ms of audio each);
+- **first audio p50/p99**: from a turn's ``prepare`` to the end of the tick that returned its
+  first ``AudioDelta`` (turns started in the window);
+- **diffusion throughput**: images finished per second, video jobs finished per second, and
+  denoising steps per second of each kind (one ``Progress``: one step of one request, all its
+  images; the CFG branches of a step count once). The throughput goal is checked on steps/s
+  (finished jobs/s are coarse in a short window);
+- **step times per call**: every pipeline step timed alone (on CUDA with ``synchronize`` after it):
+  the speech tick, and each diffusion call (``encode``, ``cond``, ``uncond``, ``decode``,
+  ``preview``, ``settle``) by rows, against the 80 ms frame budget.
+
+Then the ratios against the alone baselines of the same run: realtime frame p99 growth (goal:
+at most +10%) and diffusion steps/s loss (goal: at most -15%). Before the phases one image and one
+video job run alone: the first request of each kind pays whatever the runtime initialises lazily
+(there is no diffusion warm-up at start-up; the report says whether one exists and what the first
+job cost against a steady one). Last, a Z-Image transformer (DiT) step alone at ``--dit-size``
+(default: the image model's default size), batch 1: its median time, FLOPs counted by
+``torch.utils.flop_counter`` and the compute floor at ``--peak-tflops``, against the issue's
+floor (~63 ms on the H200) and goal (70 ms).
+
+On the H200, real sizes with random weights (bf16; Z-Image-Turbo 1024x1024 8 steps, Wan2.1 1.3B
+480p 81 frames; ``benchmarks/diffusion_gpu_run.sh`` runs this with bounded time)::
+
+    python benchmarks/realtime_with_diffusion.py --load-format dummy \\
+        --speech-model benchmarks/models/qwen3-omni-30b-a3b-instruct \\
+        --image-model benchmarks/models/z-image-turbo/z-image-turbo.components.json \\
+        --video-model benchmarks/models/wan2.1-t2v/wan2.1-t2v.components.json --video-variant 1.3b \\
+        --sessions 8 --max-output-tokens 8 --max-audio-frames 24 --video-steps 2 --seconds 15
+
+On CPU with the embedded models (demo speech, tiny Z-Image and Wan; about a minute)::
+
+    python benchmarks/realtime_with_diffusion.py --device cpu --threads 1 --sessions 4 --seconds 15 \\
+        --max-output-tokens 4 --max-audio-frames 16 --image-size 128x128 --image-steps 4 \\
+        --video-size 64x64 --video-frames 5 --video-steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omnirt.stages.diffusion.pipeline import DiffusionPipeline
+from omnirt.stages.diffusion.types import (
+    GeneratedImage,
+    GeneratedVideo,
+    ImageRequest,
+    Progress,
+    VideoRequest,
+)
+from omnirt.stages.pipeline import Pipeline, RequestRejected
+from omnirt.stages.scheduler import Scheduler
+from omnirt.stages.types import (
+    AudioDelta,
+    AudioPart,
+    ContextMessage,
+    Finished,
+    GenerationRequest,
+    TextPart,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speech_capacity import (  # noqa: E402  (a sibling script, not a package)
+    DTYPES,
+    FRAME_SECONDS,
+    FrameCounter,
+    Session,
+    Startup,
+    _sync,
+    build,
+    speechlike_tone,
+)
+
+log = logging.getLogger("realtime_with_diffusion")
+
+#: Goals of issue 10.
+P99_GROWTH_GOAL = 0.10
+THROUGHPUT_LOSS_GOAL = 0.15
+DIT_FLOOR_MS = 63.0  # the issue's compute floor of a Z-Image step at 1024x1024 on the H200
+DIT_GOAL_MS = 70.0
+
+
+# -- timing every pipeline step -------------------------------------------------------------------
+
+CallKey = tuple[str, str, int]  # (pipeline kind, call, rows)
+
+
+class TimedPipeline:
+    """A pipeline as the scheduler sees it, with each ``step`` timed (synchronised on CUDA, so a
+    step's time is its own) and named by the call it runs. Everything else is the pipeline's."""
+
+    def __init__(self, pipeline: Any, device: torch.device, record: Callable[[CallKey, float], None]) -> None:
+        self._pipeline = pipeline
+        self._device = device
+        self._record = record
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipeline, name)
+
+    def step(self) -> list[tuple[str, Any]]:
+        p = self._pipeline
+        # Diffusion steps by call and rows; every speech step is one "tick" (all its sessions).
+        call, rows = (p.next_call() or ("idle", 0)) if isinstance(p, DiffusionPipeline) else ("tick", 0)
+        t0 = time.perf_counter()
+        out = p.step()
+        _sync(self._device)
+        self._record((p.kind, call, rows), time.perf_counter() - t0)
+        return out
+
+
+# -- diffusion load -----------------------------------------------------------------------------
+
+
+@dataclass
+class JobStream:
+    """Keeps ``in_flight`` jobs of one diffusion pipeline going: a new one when one ends."""
+
+    kind: str  # "image" or "video"
+    pipeline: DiffusionPipeline
+    make: Callable[[str, int], ImageRequest | VideoRequest]
+    in_flight: int
+    seq: int = 0
+    submitted: dict[str, float] = field(default_factory=dict)  # request id -> submit time
+    progressed: bool = False  # a denoising step was done in this phase
+
+    def top_up(self, scheduler: Scheduler) -> None:
+        while len(self.submitted) < self.in_flight:
+            self.seq += 1
+            request = self.make(f"{self.kind}-{self.seq}", self.seq)
+            at = time.perf_counter()
+            prepared = self.pipeline.prepare(request)
+            if not scheduler.enqueue(self.pipeline.kind, request, prepared):
+                raise RuntimeError(f"the {self.kind} queue is full")
+            self.submitted[request.request_id] = at
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size is WIDTHxHEIGHT, got {text!r}") from None
+    return width, height
+
+
+def image_maker(args: argparse.Namespace) -> Callable[[str, int], ImageRequest]:
+    width, height = args.image_size or (None, None)
+
+    def make(rid: str, seq: int) -> ImageRequest:
+        return ImageRequest(
+            rid,
+            "a lighthouse on a cliff at dusk, oil painting",
+            n=args.image_n,
+            width=width,
+            height=height,
+            num_inference_steps=args.image_steps,
+            guidance_scale=args.image_guidance,
+            seed=seq,
+        )
+
+    return make
+
+
+def video_maker(args: argparse.Namespace) -> Callable[[str, int], VideoRequest]:
+    width, height = args.video_size or (None, None)
+
+    def make(rid: str, seq: int) -> VideoRequest:
+        return VideoRequest(
+            rid,
+            "a red kite over a windy beach, slow pan",
+            width=width,
+            height=height,
+            num_frames=args.video_frames,
+            num_inference_steps=args.video_steps,
+            guidance_scale=args.video_guidance,
+            seed=seq,
+        )
+
+    return make
+
+
+# -- one phase ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    name: str
+    ramp_s: float | None = None  # None: the ramp did not complete
+    window_s: float = 0.0
+    frame_walls: list[float] = field(default_factory=list)
+    first_audio: list[float] = field(default_factory=list)
+    turns_done: int = 0
+    steps: Counter[str] = field(default_factory=Counter)  # denoising steps per kind
+    finished: Counter[str] = field(default_factory=Counter)  # images / videos per kind
+    job_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    calls: dict[CallKey, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: Counter[str] = field(default_factory=Counter)
+    peak_gib: float | None = None
+
+    def rate(self, counts: Counter[str], kind: str) -> float | None:
+        return counts[kind] / self.window_s if self.window_s else None
+
+    def frame_p(self, q: float) -> float | None:
+        return float(np.percentile(self.frame_walls, q)) if self.frame_walls else None
+
+    def first_audio_p(self, q: float) -> float | None:
+        return float(np.percentile(self.first_audio, q)) if self.first_audio else None
+
+
+class Bench:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        speech: Any | None,
+        streams: list[JobStream],
+    ) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.speech = speech
+        self.streams = streams
+        self.phase: Phase | None = None  # the phase whose window is being measured
+        #: Calls of the jobs run before the phases ("first job", "second job").
+        self.warm_up: dict[str, dict[CallKey, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.recording: dict[CallKey, list[float]] | None = None
+        pipelines: list[Pipeline[Any, Any]] = []
+        if speech is not None:
+            self.counter = FrameCounter(speech)
+            pipelines.append(TimedPipeline(speech, self.device, self._record))  # type: ignore[arg-type]
+        pipelines += [TimedPipeline(s.pipeline, self.device, self._record) for s in streams]  # type: ignore[misc]
+        self.scheduler = Scheduler(pipelines)
+        self.turn_seq = 0
+        self._time_media_encoding()
+
+    def _time_media_encoding(self) -> None:
+        """Times the PNG and MP4 encoding the runtime does inside its decode step (on the CPU, on
+        the engine thread): rows ``decode: png`` / ``decode: mp4`` of the call table, per image or
+        video, part of their decode call's time."""
+        from omnirt.stages.diffusion import pipeline as runtime
+
+        for name, kind in (("png", "image"), ("encode_mp4", "video")):
+            original = getattr(runtime, name)
+
+            def timed(*a: Any, _original: Callable[..., Any] = original, _kind: str = kind, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                result = _original(*a, **kw)
+                label = "decode: png" if _kind == "image" else "decode: mp4"
+                self._record((_kind, label, 1), time.perf_counter() - t0)
+                return result
+
+            setattr(runtime, name, timed)
+
+    def _record(self, key: CallKey, seconds: float) -> None:
+        if self.recording is not None:
+            self.recording[key].append(seconds)
+
+    def _turn(self, session: Session) -> GenerationRequest:
+        self.turn_seq += 1
+        a = self.args
+        parts = (AudioPart(session.audio), TextPart("Please answer briefly."))
+        return GenerationRequest(
+            request_id=f"s{session.index}-t{session.turns}",
+            messages=[ContextMessage("user", parts)],
+            output_audio=True,
+            max_output_tokens=a.max_output_tokens,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            seed=self.turn_seq,
+        )
+
+    def first_jobs(self) -> dict[str, tuple[float, float]]:
+        """Two jobs of each diffusion kind, one after the other, each alone: what the first request
+        pays (lazy initialisation at request time) against the second. (first s, second s) by kind."""
+        latency: dict[str, tuple[float, float]] = {}
+        for stream in self.streams:
+            wanted, times = stream.in_flight, []
+            for label in ("first job", "second job"):
+                self.recording = self.warm_up[label]
+                stream.in_flight = 1
+                stream.top_up(self.scheduler)
+                stream.in_flight = 0
+                while stream.submitted:
+                    for rid, out in self.scheduler.tick():
+                        if isinstance(out, Finished):
+                            if out.reason == "error":
+                                raise RuntimeError(f"{rid} failed: {out.error}")
+                            times.append(time.perf_counter() - stream.submitted.pop(rid))
+            latency[stream.kind] = (times[0], times[1])
+            stream.in_flight = wanted
+        self.recording = None
+        return latency
+
+    def run(self, name: str, speech: bool, diffusion: bool) -> Phase:
+        args, scheduler = self.args, self.scheduler
+        phase = Phase(name)
+        n = args.sessions if speech and self.speech is not None else 0
+        sessions = [
+            Session(i, (i * args.ramp_ticks) // max(n, 1), speechlike_tone(args.audio_seconds, seed=i))
+            for i in range(n)
+        ]
+        owner: dict[str, Session] = {}
+        streams = self.streams if diffusion else []
+        stream_of: dict[str, JobStream] = {}
+        for s in streams:
+            s.progressed = False
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if n:
+            self.counter.take()
+        begin = time.perf_counter()
+        stage, window_start, window_end, tick = "ramp", 0.0, 0.0, 0
+        while True:
+            now = time.perf_counter()
+            if now - begin > args.phase_timeout:
+                if stage == "window":
+                    window_end = now
+                log.warning(
+                    "%s: stopped at --phase-timeout %g s (in the %s)", name, args.phase_timeout, stage
+                )
+                break
+            if stage == "window" and now - window_start >= args.seconds:
+                stage, window_end, self.recording = "tail", now, None
+            if stage == "tail" and not any(s.request_id and s.in_window and not s.heard for s in sessions):
+                break
+            for s in sessions:
+                if stage != "tail" and s.request_id is None and tick >= s.start_tick:
+                    request = self._turn(s)
+                    s.added_at = time.perf_counter()
+                    prepared = self.speech.prepare(request)
+                    if not scheduler.enqueue(self.speech.kind, request, prepared):
+                        raise RuntimeError("the speech queue is full")
+                    s.request_id, s.heard, s.in_window = request.request_id, False, stage == "window"
+                    s.turns += 1
+                    owner[request.request_id] = s
+            for stream in streams:
+                before = set(stream.submitted)
+                stream.top_up(scheduler)
+                stream_of.update(dict.fromkeys(set(stream.submitted) - before, stream))
+            t0 = time.perf_counter()
+            outs = scheduler.tick()
+            _sync(self.device)
+            t1 = time.perf_counter()
+            frames = 0
+            for rid, out in outs:
+                if (s := owner.get(rid)) is not None and s.request_id == rid:
+                    if isinstance(out, AudioDelta):
+                        frames += out.frames
+                        if not s.heard:
+                            s.heard = s.ever_heard = True
+                            if s.in_window:
+                                phase.first_audio.append(t1 - s.added_at)
+                    elif isinstance(out, Finished):
+                        if out.reason == "error":
+                            phase.errors[f"speech: {out.error}"] += 1
+                        elif stage == "window":
+                            phase.turns_done += 1
+                        s.request_id = None
+                elif (stream := stream_of.get(rid)) is not None:
+                    self._diffusion_output(phase, stream, rid, out, stage == "window", t1)
+            if n:  # talker frames as speech_capacity counts them: at the vocoder, else audio deltas
+                counted = sum(self.counter.take().values())
+                if self.counter.exact and frames and not counted and not self.counter.ever:
+                    self.counter.exact = False  # frames do not pass through vocoder.push
+                self.counter.ever = self.counter.ever or bool(counted)
+                frames = counted if self.counter.exact else frames
+            if stage == "window" and frames:
+                phase.frame_walls.append(t1 - t0)
+            if stage == "ramp" and all(s.ever_heard for s in sessions) and all(s.progressed for s in streams):
+                stage, window_start, phase.ramp_s = "window", t1, t1 - begin
+                self.recording = phase.calls
+            tick += 1
+        self.recording = None
+        phase.window_s = window_end - window_start if phase.ramp_s is not None else 0.0
+        if self.device.type == "cuda":
+            phase.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+        for rid in [*(s.request_id for s in sessions if s.request_id), *stream_of]:
+            scheduler.cancel(rid)
+        for stream in streams:
+            stream.submitted.clear()
+        return phase
+
+    def _diffusion_output(
+        self, phase: Phase, stream: JobStream, rid: str, out: Any, in_window: bool, now: float
+    ) -> None:
+        if isinstance(out, Progress):
+            stream.progressed = True
+            phase.steps[stream.kind] += in_window
+        elif isinstance(out, GeneratedImage | GeneratedVideo):
+            phase.finished[stream.kind] += in_window
+        elif isinstance(out, Finished):
+            submitted = stream.submitted.pop(rid, None)
+            if out.reason == "error":
+                phase.errors[f"{stream.kind}: {out.error}"] += 1
+                if phase.errors[f"{stream.kind}: {out.error}"] > 3:
+                    raise RuntimeError(f"{stream.kind} jobs keep failing: {out.error}")
+            elif in_window and submitted is not None:
+                phase.job_s[stream.kind].append(now - submitted)
+
+
+# -- Z-Image DiT step alone ------------------------------------------------------------------------
+
+
+@dataclass
+class DitStep:
+    width: int
+    height: int
+    dtype: str
+    first_ms: float
+    times_ms: list[float]
+    gflop: float | None
+
+    @property
+    def median_ms(self) -> float:
+        return float(np.median(self.times_ms))
+
+
+@torch.no_grad()
+def dit_step(pipeline: DiffusionPipeline, args: argparse.Namespace, device: torch.device) -> DitStep:
+    """One Z-Image transformer call (branch ``cond``, batch 1) timed alone, as the runtime calls it."""
+    den = pipeline.denoiser
+    width, height = args.dit_size or (den.defaults.width, den.defaults.height)
+    shape = den.check(ImageRequest("dit", "x", width=width, height=height))
+    latents = den.init_latents(shape, [torch.Generator("cpu").manual_seed(0)])
+    sampler = den.sampler(shape, den.defaults.num_inference_steps)
+    cond = den.encode(["a lighthouse on a cliff at dusk, oil painting"])
+    _sync(device)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        den.predict(latents, 0, sampler, cond, "cond")
+        _sync(device)
+        return (time.perf_counter() - t0) * 1000
+
+    first = once()
+    times = [once() for _ in range(args.dit_iters)]
+    gflop = None
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            den.predict(latents, 0, sampler, cond, "cond")
+        gflop = counter.get_total_flops() / 1e9
+    except Exception as exc:  # the count is a bonus: the timing stands without it
+        log.warning("FLOP count failed: %s", exc)
+    dtype = next((k for k, v in DTYPES.items() if v == den.dtype), str(den.dtype))
+    return DitStep(width, height, dtype, first, times, gflop)
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def per_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def change(alone: float | None, loaded: float | None) -> float | None:
+    if alone is None or loaded is None or alone == 0:
+        return None
+    return loaded / alone - 1
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def phase_header(kinds: list[str]) -> str:
+    cells = ["phase", "ramp (s)", "window (s)", "frame ticks", "frame p50 (ms)", "frame p99 (ms)"]
+    cells += ["first audio p50 (ms)", "first audio p99 (ms)", "turns done"]
+    for kind in kinds:
+        unit = "images" if kind == "image" else "video jobs"
+        cells += [f"{unit}/s", f"{kind} steps/s", f"{kind} job p50 (s)"]
+    cells.append("peak GPU mem (GiB)")
+    return "| " + " | ".join(cells) + " |\n" + "|" + "---|" * len(cells)
+
+
+def phase_row(p: Phase, kinds: list[str]) -> str:
+    row = [
+        p.name,
+        f"{p.ramp_s:.1f}" if p.ramp_s is not None else "incomplete",
+        f"{p.window_s:.1f}",
+        str(len(p.frame_walls)),
+        ms(p.frame_p(50)),
+        ms(p.frame_p(99)),
+        ms(p.first_audio_p(50)) + f" (n={len(p.first_audio)})",
+        ms(p.first_audio_p(99)),
+        str(p.turns_done),
+    ]
+    for kind in kinds:
+        jobs = p.job_s.get(kind)
+        row += [
+            per_s(p.rate(p.finished, kind)),
+            per_s(p.rate(p.steps, kind)),
+            f"{np.median(jobs):.2f}" if jobs else "-",
+        ]
+    row.append(f"{p.peak_gib:.1f}" if p.peak_gib is not None else "-")
+    return "| " + " | ".join(row) + " |"
+
+
+def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, bool | None]]:
+    alone_rt, alone_df, both = by.get("realtime alone"), by.get("diffusion alone"), by.get("both")
+    lines = [
+        "| measure | alone | with the other load | change | goal | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    met: dict[str, bool | None] = {}
+    if alone_rt is not None and both is not None:
+        for label, q, goal in (("frame p50 (ms)", 50, None), ("frame p99 (ms)", 99, P99_GROWTH_GOAL)):
+            a, b = alone_rt.frame_p(q), both.frame_p(q)
+            c = change(a, b)
+            ok = None if goal is None or c is None else c <= goal
+            if goal is not None:
+                met["realtime p99"] = ok
+            lines.append(
+                f"| realtime {label} | {ms(a)} | {ms(b)} | {pct(c)} | "
+                + (f"<= +{goal:.0%}" if goal is not None else "-")
+                + f" | {'-' if ok is None else 'yes' if ok else 'no'} |"
+            )
+        for q in (50, 99):
+            a, b = alone_rt.first_audio_p(q), both.first_audio_p(q)
+            lines.append(
+                f"| realtime first audio p{q} (ms) | {ms(a)} | {ms(b)} | {pct(change(a, b))} | - | - |"
+            )
+    if alone_df is not None and both is not None:
+        losses: list[bool] = []
+        for kind in kinds:
+            unit = "images" if kind == "image" else "video jobs"
+            a, b = alone_df.rate(alone_df.steps, kind), both.rate(both.steps, kind)
+            c = change(a, b)
+            ok = None if c is None else -c <= THROUGHPUT_LOSS_GOAL
+            if ok is not None:
+                losses.append(ok)
+            lines.append(
+                f"| {kind} denoising steps/s | {per_s(a)} | {per_s(b)} | {pct(c)} | "
+                f">= -{THROUGHPUT_LOSS_GOAL:.0%} | {'-' if ok is None else 'yes' if ok else 'no'} |"
+            )
+            a, b = alone_df.rate(alone_df.finished, kind), both.rate(both.finished, kind)
+            lines.append(f"| {unit}/s | {per_s(a)} | {per_s(b)} | {pct(change(a, b))} | - | - |")
+        met["diffusion throughput"] = all(losses) if losses else None
+    return "\n".join(lines), met
+
+
+def calls_table(phases: list[Phase], warm_up: dict[str, dict[CallKey, list[float]]]) -> str:
+    lines = [
+        "| phase | pipeline | call | rows | calls | p50 (ms) | p99 (ms) | max (ms) | p50 / 80 ms frame |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    sources = [*warm_up.items(), *((p.name, p.calls) for p in phases)]
+    for name, calls in sources:
+        for (kind, call, rows), times in sorted(calls.items()):
+            p50 = float(np.percentile(times, 50))
+            lines.append(
+                f"| {name} | {kind} | {call} | {rows if kind != 'speech' else '-'} | {len(times)} | "
+                f"{p50 * 1000:.1f} | "
+                f"{np.percentile(times, 99) * 1000:.1f} | {max(times) * 1000:.1f} | "
+                f"{p50 / FRAME_SECONDS:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def diffusion_calls(phases: list[Phase]) -> dict[CallKey, list[float]]:
+    """Every diffusion step's time over the measured windows, by call (the encoding sub-rows left
+    out: they are part of their decode call)."""
+    merged: dict[CallKey, list[float]] = defaultdict(list)
+    for p in phases:
+        for key, times in p.calls.items():
+            if key[0] != "speech" and ":" not in key[1]:
+                merged[key] += times
+    return merged
+
+
+def budget_lines(phases: list[Phase]) -> list[str]:
+    merged = diffusion_calls(phases)
+    if not merged:
+        return []
+    p50 = {key: float(np.median(times)) for key, times in merged.items()}
+    (kind, call, rows), worst = max(p50.items(), key=lambda kv: kv[1])
+    over = [
+        f"{k} {c} x{r}" for (k, c, r), v in sorted(p50.items(), key=lambda kv: -kv[1]) if v > FRAME_SECONDS
+    ]
+    return [
+        f"- largest diffusion call: {kind} {call} x{rows}, p50 {worst * 1000:.1f} ms "
+        f"(max {max(merged[kind, call, rows]) * 1000:.1f}) = {worst / FRAME_SECONDS:.1f}x "
+        "the 80 ms frame budget",
+        "- calls with p50 over the budget (a realtime frame waits behind each): "
+        + (", ".join(over) if over else "none"),
+    ]
+
+
+def warm_up_lines(bench: Bench, jobs: dict[str, tuple[float, float]], builds: dict[str, float]) -> list[str]:
+    lines = []
+    for stream in bench.streams:
+        p, den = stream.pipeline, stream.pipeline.denoiser
+        has = callable(getattr(p, "warm_up", None)) or callable(getattr(den, "warm_up", None))
+        compiled = hasattr(getattr(den, "transformer", None), "_orig_mod")
+        first, second = jobs[stream.kind]
+        calls = {
+            label: [
+                t
+                for (k, c, _), ts in bench.warm_up[label].items()
+                if k == stream.kind and c == "cond"
+                for t in ts
+            ]
+            for label in ("first job", "second job")
+        }
+        lines.append(
+            f"- {stream.kind} ({p.info.id}): built in {builds[stream.kind]:.1f} s; "
+            + (
+                "has a warm-up method; "
+                if has
+                else "no warm-up at start-up (the diffusion runtime has none); "
+            )
+            + f"transformer {'under torch.compile' if compiled else 'eager (no torch.compile)'}; "
+            f"first job alone (request time) {first:.2f} s, second {second:.2f} s ({first / second:.2f}x)"
+            + (
+                f"; first transformer call {calls['first job'][0] * 1000:.1f} ms, the second job's p50 "
+                f"{np.median(calls['second job']) * 1000:.1f} ms"
+                if calls["first job"] and calls["second job"]
+                else ""
+            )
+        )
+    return lines
+
+
+def dit_lines(dit: DitStep, device: torch.device, peak_tflops: float) -> list[str]:
+    med = dit.median_ms
+    lines = [
+        f"- Z-Image DiT step at {dit.width}x{dit.height}, batch 1, {dit.dtype}, {device.type}: "
+        f"median {med:.1f} ms over {len(dit.times_ms)} calls (min {min(dit.times_ms):.1f}, "
+        f"first of this benchmark's calls {dit.first_ms:.1f} ms)"
+    ]
+    if dit.gflop is not None and device.type == "cuda":
+        floor = dit.gflop / peak_tflops  # GFLOP / (TFLOP/s) = ms
+        lines.append(
+            f"- counted {dit.gflop / 1e3:.1f} TFLOP per call (torch.utils.flop_counter): compute floor "
+            f"{floor:.1f} ms at {peak_tflops:g} TFLOP/s; measured {med / floor:.2f}x that floor"
+        )
+    elif dit.gflop is not None:
+        rate = dit.gflop / med * 1000
+        lines.append(f"- counted {dit.gflop:.2f} GFLOP per call: {rate:.1f} GFLOP/s on this CPU")
+    if device.type == "cuda":
+        ok = med <= DIT_GOAL_MS
+        lines.append(
+            f"- against the issue's floor ~{DIT_FLOOR_MS:g} ms: {med / DIT_FLOOR_MS:.2f}x; "
+            f"goal <= {DIT_GOAL_MS:g} ms "
+            f"(1.1x the floor): {'yes' if ok else 'no'}"
+            + ("" if (dit.width, dit.height) == (1024, 1024) else " (the goal is for 1024x1024)")
+        )
+    else:
+        lines.append(f"- (the {DIT_GOAL_MS:g} ms goal is for the H200 at 1024x1024; not checked on CPU)")
+    return lines
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--speech-model", default=None, help="speech checkpoint or config folder; default: the embedded demo")
+    add(
+        "--image-model",
+        default=None,
+        help="Z-Image diffusers folder or components file; default: embedded; none",
+    )
+    add(
+        "--video-model", default=None, help="Wan diffusers folder or components file; default: embedded; none"
+    )
+    add("--video-variant", default=None, help="transformer of a components file, e.g. 1.3b or 14b")
+    add("--load-format", choices=("auto", "dummy"), default="auto")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="speech model; auto: bf16 on CUDA, fp32 on CPU",
+    )
+    add("--max-context", type=int, default=1024, help="thinker tokens per session (KV slots)")
+    add("--sessions", type=int, default=4, help="sessions speaking in turns (0: no realtime load)")
+    add("--audio-seconds", type=float, default=1.0, help="input audio per turn")
+    add("--max-output-tokens", type=int, default=16, help="thinker tokens per reply")
+    add("--max-audio-frames", type=int, default=64, help="talker frames per reply (80 ms each)")
+    add("--temperature", type=float, default=0.7)
+    add("--top-p", type=float, default=0.9)
+    add("--ramp-ticks", type=int, default=16, help="ticks over which first turns start")
+    add("--image-size", type=parse_size, default=None, help="WxH; default: the model's")
+    add("--image-steps", type=int, default=None, help="default: the model's")
+    add("--image-n", type=int, default=1, help="images per image job")
+    add("--image-guidance", type=float, default=None, help="default: the model's")
+    add("--image-jobs", type=int, default=1, help="image jobs kept in flight")
+    add("--video-size", type=parse_size, default=None, help="WxH; default: the model's")
+    add("--video-frames", type=int, default=None, help="default: the model's")
+    add("--video-steps", type=int, default=None, help="default: the model's")
+    add("--video-guidance", type=float, default=None, help="default: the model's")
+    add("--video-jobs", type=int, default=1, help="video jobs kept in flight")
+    add("--max-rows", type=int, default=8, help="rows (images, videos) each diffusion pipeline admits")
+    add("--seconds", type=float, default=20.0, help="measured window per phase")
+    add("--phase-timeout", type=float, default=120.0, help="hard limit per phase (s)")
+    add(
+        "--time-budget", type=float, default=0.0, help="skip what could end after this many seconds (0: none)"
+    )
+    add("--dit-size", type=parse_size, default=None, help="WxH of the DiT step alone; default: the model's")
+    add("--dit-iters", type=int, default=5, help="timed DiT calls (0: skip)")
+    add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for the floor (H200 SXM: 989)")
+    args = parser.parse_args(argv)
+    if args.sessions < 0 or args.image_jobs < 0 or args.video_jobs < 0 or args.image_n < 1:
+        parser.error("--sessions, --image-jobs and --video-jobs must be >= 0, --image-n >= 1")
+    return args
+
+
+def build_diffusion(args: argparse.Namespace) -> tuple[list[JobStream], dict[str, float]]:
+    from omnirt.stages.diffusion.factory import WAN_DEMO_ID, build_image_pipeline, diffusion_family
+    from omnirt.stages.diffusion.wan_demo import ensure_wan_demo
+    from omnirt.stages.diffusion.wan_loader import load_wan
+
+    streams, builds = [], {}
+    if args.image_model != "none" and args.image_jobs:
+        start = time.perf_counter()
+        image = build_image_pipeline(
+            args.image_model, device=args.device, load_format=args.load_format, max_rows=args.max_rows
+        )
+        _sync(torch.device(args.device))
+        builds["image"] = time.perf_counter() - start
+        streams.append(JobStream("image", image, image_maker(args), args.image_jobs))
+    if args.video_model != "none" and args.video_jobs:
+        start = time.perf_counter()
+        if args.video_model in (None, "demo"):
+            denoiser = load_wan(ensure_wan_demo(), device=args.device, model_id=WAN_DEMO_ID)
+        else:
+            path = Path(args.video_model).expanduser()
+            if diffusion_family(path) != "wan":
+                raise SystemExit(f"--video-model {args.video_model}: not a Wan pipeline")
+            denoiser = load_wan(
+                path,
+                device=args.device,
+                load_format=args.load_format,
+                variant=args.video_variant,
+            )
+        video = DiffusionPipeline(denoiser, max_rows=args.max_rows)
+        _sync(torch.device(args.device))
+        builds["video"] = time.perf_counter() - start
+        streams.append(JobStream("video", video, video_maker(args), args.video_jobs))
+    for stream in streams:  # bad settings fail here, before any phase
+        try:
+            stream.pipeline.prepare(stream.make("check", 0))
+        except RequestRejected as exc:
+            raise SystemExit(f"the {stream.kind} job settings are refused: {exc}") from None
+    return streams, builds
+
+
+def describe_job(stream: JobStream) -> str:
+    prep = stream.pipeline.prepare(stream.make("describe", 0))
+    s = prep.shape
+    what = f"{s.width}x{s.height}" + (
+        f", {s.frames} frames" if stream.kind == "video" else f", n={prep.rows}"
+    )
+    return (
+        f"{stream.kind} jobs ({stream.pipeline.info.id}, {stream.pipeline.denoiser.dtype}): {what}, "
+        f"{prep.steps} steps, guidance {prep.guidance_scale:g} "
+        f"({'cond + uncond' if prep.guided else 'cond only'}), "
+        f"{stream.in_flight} in flight"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    speech, startup = None, None
+    if args.sessions:
+        speech_args = argparse.Namespace(**vars(args), model=args.speech_model)
+        speech, startup = build(speech_args, max_slots=args.sessions)
+    streams, builds = build_diffusion(args)
+    if speech is None and not streams:
+        raise SystemExit("nothing to run: no sessions and no diffusion jobs")
+    gc.collect()
+    gc.freeze()  # as the server does after start-up
+    kinds = [s.kind for s in streams]
+    bench = Bench(args, speech, streams)
+
+    print("# Realtime speech with diffusion\n")
+    if speech is not None:
+        assert isinstance(startup, Startup)
+        info = speech.info
+        print(
+            f"- speech: {info.id} ({'RANDOM WEIGHTS' if info.random_weights else 'checkpoint weights'}, "
+            f"{speech.dtype}, {device}); load {startup.load_s:.1f} s + warm-up {startup.warm_up_s:.1f} s; "
+            f"{args.sessions} sessions speaking in turns ({args.audio_seconds:g} s of audio in, up to "
+            f"{args.max_output_tokens} thinker tokens and {args.max_audio_frames} talker frames out)"
+        )
+    for stream in streams:
+        print(f"- {describe_job(stream)}")
+    print(
+        f"- each phase: ramp, {args.seconds:g} s measured, tail (limit {args.phase_timeout:g} s); one "
+        "scheduler: the speech step, then one diffusion step (image and video in turn) per tick; "
+        f"{torch.get_num_threads()} torch CPU threads"
+    )
+    first_jobs = bench.first_jobs()
+    print("\n## Phases\n")
+    print(phase_header(kinds), flush=True)
+    phases: list[Phase] = []
+    plan = [("realtime alone", True, False), ("diffusion alone", False, True), ("both", True, True)]
+    skipped = []
+    for name, with_speech, with_diffusion in plan:
+        if (with_speech and speech is None) or (with_diffusion and not streams):
+            continue
+        elapsed = time.perf_counter() - started
+        if args.time_budget and elapsed + args.phase_timeout > args.time_budget:
+            skipped.append(name)
+            continue
+        phases.append(bench.run(name, with_speech, with_diffusion))
+        print(phase_row(phases[-1], kinds), flush=True)
+    by = {p.name: p for p in phases}
+    for name in skipped:
+        print(f"\n(phase {name!r} skipped: --time-budget {args.time_budget:g} s would be exceeded)")
+    for p in phases:
+        for error, count in p.errors.items():
+            print(f"\n(errors in {p.name}: {error} x{count})")
+    goals, met = goals_table(by, kinds)
+    print("\n## Against the alone baselines of this run\n")
+    print(goals)
+    print()
+    for label, ok in met.items():
+        print(f"- goal {label}: {'-' if ok is None else 'yes' if ok else 'no'}")
+
+    print("\n## Step times per pipeline call\n")
+    print(calls_table(phases, bench.warm_up))
+    print()
+    for line in budget_lines(phases):
+        print(line)
+
+    print("\n## Start-up and request-time warm-up\n")
+    for line in warm_up_lines(bench, first_jobs, builds):
+        print(line)
+    image = next((s.pipeline for s in streams if s.kind == "image"), None)
+    if image is not None and args.dit_iters and getattr(image.denoiser, "family", "") == "z-image":
+        if args.time_budget and time.perf_counter() - started > args.time_budget:
+            print("\n(DiT step skipped: --time-budget exceeded)")
+        else:
+            print("\n## Z-Image DiT step alone\n")
+            for line in dit_lines(dit_step(image, args, device), device, args.peak_tflops):
+                print(line)
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
