@@ -59,6 +59,11 @@ def is_background(request: Request) -> bool:
     return bool(getattr(request, "background", False))
 
 
+def runs_early(pipeline: object) -> bool:
+    """See :meth:`Pipeline.next_deadline`."""
+    return bool(getattr(pipeline, "runs_early", False))
+
+
 Req = TypeVar("Req", bound=Request, contravariant=True)
 Out = TypeVar("Out", covariant=True)
 
@@ -96,7 +101,10 @@ class Pipeline(Protocol[Req, Out]):
 
     def next_deadline(self) -> float | None:
         """``time.monotonic()`` at which the next step is due; None: no deadline, as soon as
-        possible. Only asked while ``has_work()``."""
+        possible. Only asked while ``has_work()``. A realtime pipeline whose steps may also run
+        before their deadline (turn-based speech: audio ahead of playback) says so with a
+        ``runs_early = True`` attribute: the scheduler then steps it at once whenever no batch
+        work is waiting, and keeps its deadline only to fit batch steps in before it."""
         ...
 
     def step_cost(self) -> float:

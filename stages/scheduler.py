@@ -6,7 +6,8 @@ full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
 
 1. admits waiting requests into every pipeline with free slots, in arrival order, background
    requests (input transcription) after every other;
-2. runs the realtime pipelines whose step is due (no deadline, or a deadline already reached),
+2. runs the realtime pipelines whose step is due (no deadline, or a deadline already reached;
+   with no batch work waiting, also those that may run early, see ``Pipeline.next_deadline``),
    earliest deadline first;
 3. runs batch pipelines' steps (round robin) in the time left before the earliest realtime
    deadline: a batch step starts only when its ``step_cost()`` fits before that deadline. With no
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .pipeline import Pipeline, Priority, Request, RequestRejected, is_background
+from .pipeline import Pipeline, Priority, Request, RequestRejected, is_background, runs_early
 from .types import Finished, Usage
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class Scheduler:
                 continue
             if p.priority is Priority.REALTIME:
                 deadline = p.next_deadline()
-                due.append(now if deadline is None else deadline)
+                due.append(now if deadline is None or self._early(p) else deadline)
         horizon = self._horizon()
         for lane in self._batch_lanes_with_work():
             if horizon is None or now + lane.pipeline.step_cost() <= horizon:
@@ -167,7 +168,7 @@ class Scheduler:
             p = lane.pipeline
             if p.priority is Priority.REALTIME and p.has_work():
                 deadline = p.next_deadline()
-                if deadline is None or deadline <= now:
+                if deadline is None or deadline <= now or self._early(p):
                     due.append((now if deadline is None else deadline, lane))
         due.sort(key=lambda item: item[0])  # stable: registration order among equals
         for _, lane in due:
@@ -204,6 +205,10 @@ class Scheduler:
             for lane in self._lanes.values()
             if lane.pipeline.priority is Priority.BATCH and lane.pipeline.has_work()
         ]
+
+    def _early(self, pipeline: Pipeline[Any, Any]) -> bool:
+        """A realtime pipeline that may run before its deadline, with no batch work to fit in."""
+        return runs_early(pipeline) and not self._batch_lanes_with_work()
 
     def _horizon(self) -> float | None:
         """The earliest deadline of realtime work (None: there is none with a deadline)."""

@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -66,6 +67,7 @@ from omnirt.codecs.audio import float_to_int16
 
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import (
+    SAMPLE_RATE,
     AudioDelta,
     Finished,
     GenerationRequest,
@@ -134,6 +136,8 @@ class _Active:
     job: futures.Future[Prefilled] | None = None  # the prompt's prefill, once started
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
+    audio_seconds: float = 0.0  # of audio gone out
+    audio_started: float | None = None  # time.monotonic() when its first audio went out
 
 
 class _FreeSlots:
@@ -157,6 +161,8 @@ class SpeechPipeline:
 
     kind = "speech"
     priority = Priority.REALTIME
+    #: Audio may be made ahead of playback: see :meth:`next_deadline`.
+    runs_early = True
 
     def __init__(
         self,
@@ -176,6 +182,7 @@ class SpeechPipeline:
         cuda_graphs: bool = True,
         prefill_worker: bool = False,
         tool_call_budget: int = 1024,
+        playback_margin: float = 0.15,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -250,6 +257,8 @@ class SpeechPipeline:
         )
         self._retired: list[Prefilled] = []
         self.step_timer = StepTimer()
+        #: Seconds of audio kept ahead of playback beyond one tick (network and clock jitter).
+        self.playback_margin = playback_margin
 
     # -- graphs and warm-up ------------------------------------------------------------------------
     @property
@@ -317,7 +326,23 @@ class SpeechPipeline:
         return isinstance(request, GenerationRequest)
 
     def next_deadline(self) -> float | None:
-        return None  # every tick while it has work
+        """When the next tick must start so that no reply's audio runs dry: each speaking reply
+        plays from its first audio on at real time, so its audio sent so far lasts until
+        ``audio_started + audio_seconds``; the tick must begin ``step_cost() +
+        playback_margin`` before the earliest of those. None (at once) while any request has
+        no audio playing yet (a prompt to read, text-only work, a reply before its first audio):
+        latency is what counts there. The pipeline ``runs_early``: with no batch work waiting
+        the scheduler steps it at once, so replies still come as fast as the model can make them."""
+        earliest = math.inf
+        for a in self._active.values():
+            t = a.talker
+            if t is None or a.audio_started is None:
+                return None
+            if not t.done:
+                earliest = min(earliest, a.audio_started + a.audio_seconds)
+        if earliest == math.inf:
+            return None  # only replies whose audio is all made: finish them now
+        return earliest - self.step_timer.seconds - self.playback_margin
 
     def step_cost(self) -> float:
         return self.step_timer.seconds
@@ -659,6 +684,9 @@ class SpeechPipeline:
             if active is None or pcm.size == 0:
                 continue
             active.audio_frames_sent += frames
+            active.audio_seconds += pcm.size / SAMPLE_RATE
+            if active.audio_started is None:
+                active.audio_started = time.monotonic()
             pcm16 = float_to_int16(pcm)
             chars = self._text_chars(active, active.audio_frames_sent)
             out.append((rid, AudioDelta(pcm16, chars, frames)))

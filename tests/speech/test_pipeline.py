@@ -283,3 +283,33 @@ def test_prefill_worker_reads_prompts_beside_the_decode_steps(demo_dir: Path) ->
         drain(inline)
     assert logs[id(worker)].tokens == logs[id(inline)].tokens
     assert of(outs, "b")[-1].reason == "length"
+
+
+def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(pipeline) -> None:
+    """No deadline (at once) until a reply's audio plays; then the tick is due one step and the
+    margin before the earliest playing reply runs out of audio; a text-only request beside it
+    asks for at once again."""
+    import time
+
+    pipeline.add(audio_request("a", tone(1.0), max_output_tokens=12))
+    assert pipeline.next_deadline() is None
+    first_audio = None
+    for _ in range(64):
+        before = time.monotonic()
+        outs = of(pipeline.step(), "a")
+        if any(isinstance(o, AudioDelta) for o in outs):
+            first_audio = before
+            break
+    assert first_audio is not None and pipeline.has_work()
+    active = pipeline._active["a"]
+    heard = active.audio_seconds
+    assert heard > 0
+    deadline = pipeline.next_deadline()
+    assert deadline is not None
+    playback_end = active.audio_started + heard
+    assert deadline == pytest.approx(playback_end - pipeline.step_timer.seconds - pipeline.playback_margin)
+    assert first_audio <= active.audio_started <= time.monotonic()
+    pipeline.add(text_request("t", "hello", max_output_tokens=2))
+    assert pipeline.next_deadline() is None
+    drain(pipeline)
+    assert pipeline.next_deadline() is None and not pipeline.has_work()

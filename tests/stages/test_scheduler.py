@@ -206,3 +206,31 @@ def test_background_requests_are_admitted_after_every_other_waiting_request() ->
             break
         s.tick()
     assert admitted == ["reply-1", "reply-2", "reply-3", "asr-1", "asr-2"]
+
+
+class _AheadPipeline(FramePipeline):
+    """Turn-based speech's shape: frames may be made ahead of their deadline (``runs_early``)."""
+
+    runs_early = True
+
+
+def test_a_pipeline_that_may_run_early_runs_at_once_without_batch_work() -> None:
+    """No batch work: every step runs as soon as the last ends (work-conserving), not at the
+    frame clock. Batch work waiting: it runs at its deadlines and batch steps fill the time
+    between, still never making it late by more than one batch step."""
+    clock = FakeClock()
+    ahead = _AheadPipeline(clock, period=0.08, cost=0.01)
+    s = Scheduler([ahead, JobPipeline(clock, cost=0.03)], clock=clock.now, starvation_limit=1.0)
+    _enqueue(s, FrameRequest("alone", frames=10))
+    start = clock.t
+    _run(s, clock)
+    assert clock.t - start == pytest.approx(10 * 0.01)  # ten steps back to back, no waiting
+
+    clock2 = FakeClock()
+    ahead2, jobs = _AheadPipeline(clock2, period=0.08, cost=0.01), JobPipeline(clock2, cost=0.03)
+    s2 = Scheduler([ahead2, jobs], clock=clock2.now, starvation_limit=1.0)
+    _enqueue(s2, JobRequest("job", steps=1000))
+    _enqueue(s2, FrameRequest("beside", frames=10))
+    _run_until_frames_done(s2, clock2, ahead2)
+    assert max(ahead2.lateness) < 1e-9  # 30 ms steps fit in the 70 ms between its frames
+    assert sum(jobs.calls.values()) >= 2 * 9  # and they did run there
