@@ -122,6 +122,9 @@ class Engine:
         self._running = False
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
+        for pipeline in self.pipelines.values():
+            if hasattr(pipeline, "wake"):  # work finished off this thread (encoding) wakes it
+                pipeline.wake = self._wake  # type: ignore[attr-defined]
 
     @property
     def pipeline(self) -> Pipeline[Any, Any]:
@@ -180,6 +183,11 @@ class Engine:
         if duplicate:
             message = f"request id {rid!r} is already in flight"
             self._end(sink, Finished("error", Usage(), message, "rejected"))
+
+    def _wake(self) -> None:
+        """Any thread: the engine thread re-reads what is due (a pipeline has new output ready)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def check(self, request: Request) -> None:
         """Validates ``request`` as its pipeline's ``prepare`` does, without starting it; raises

@@ -15,6 +15,9 @@ log = logging.getLogger(__name__)
 
 Family = Literal["z-image", "wan"]
 
+#: Threads encoding PNGs and MP4s beside the engine thread, per pipeline (stages/diffusion/encoding.py).
+MEDIA_WORKERS = 2
+
 #: The embedded video model's id (the image one is ``zimage_demo.DEMO_ID``).
 WAN_DEMO_ID = "demo-wan2.1-t2v"
 
@@ -66,10 +69,16 @@ def build_diffusion_pipeline(
     if family == "z-image":
         from .zimage_loader import load_zimage
 
-        return DiffusionPipeline(load_zimage(path, device=device, load_format=load_format), max_rows=max_rows)
+        return DiffusionPipeline(
+            load_zimage(path, device=device, load_format=load_format),
+            max_rows=max_rows,
+            media_workers=MEDIA_WORKERS,
+        )
     from .wan_loader import load_wan
 
-    return DiffusionPipeline(load_wan(path, device=device, load_format=load_format), max_rows=max_rows)
+    return DiffusionPipeline(
+        load_wan(path, device=device, load_format=load_format), max_rows=max_rows, media_workers=MEDIA_WORKERS
+    )
 
 
 def build_image_pipeline(
@@ -94,7 +103,7 @@ def _embedded_image(device: str, max_rows: int) -> DiffusionPipeline:
 
     path = ensure_zimage_demo()
     denoiser = load_zimage(path, device=device, model_id=DEMO_ID, random_weights=True)
-    return DiffusionPipeline(denoiser, max_rows=max_rows)
+    return DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS)
 
 
 def build_embedded_diffusion_pipelines(*, device: str, max_rows: int = 4) -> list[DiffusionPipeline]:
@@ -104,7 +113,9 @@ def build_embedded_diffusion_pipelines(*, device: str, max_rows: int = 4) -> lis
 
     image = _embedded_image(device, max_rows)
     video = DiffusionPipeline(
-        load_wan(ensure_wan_demo(), device=device, model_id=WAN_DEMO_ID), max_rows=max_rows
+        load_wan(ensure_wan_demo(), device=device, model_id=WAN_DEMO_ID),
+        max_rows=max_rows,
+        media_workers=MEDIA_WORKERS,
     )
     log.warning(
         "serving the embedded demo %s and %s with RANDOM WEIGHTS: their images and videos are noise. "

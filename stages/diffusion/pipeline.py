@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -56,6 +57,7 @@ import torch
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import Finished, ModelInfo, Usage
 from .denoiser import Denoiser, Sampler, Shape, split_blocks
+from .encoding import MediaEncoder
 from .media import png
 from .types import (
     DiffusionOutput,
@@ -209,6 +211,7 @@ class DiffusionPipeline:
         clock: Callable[[], float] = time.perf_counter,
         split_calls: bool | None = None,
         max_step_seconds: float = MAX_STEP_SECONDS,
+        media_workers: int = 0,
     ) -> None:
         """``max_rows``: rows (images) admitted at once; a request is admitted while fewer are in
         use, so one of ``n`` images may take the total to ``max_rows + n - 1``. ``max_images``:
@@ -216,7 +219,9 @@ class DiffusionPipeline:
         ``clock`` times the steps for :meth:`step_cost` (tests pass a simulated one).
         ``split_calls``: run transformer calls in pieces when the denoiser can split them (None:
         on CUDA devices only; on CPU the steps are not synchronised with any accelerator and the
-        models served there are toys). ``max_step_seconds``: the target duration of one piece."""
+        models served there are toys). ``max_step_seconds``: the target duration of one piece.
+        ``media_workers``: threads encoding PNGs and MP4s beside the engine thread (the server
+        runs 2: :mod:`.factory`); 0 encodes inline, within the decode step."""
         if max_rows < 1 or max_images < 1 or max_decode_rows < 1:
             raise ValueError("max_rows, max_images and max_decode_rows must be positive")
         if not max_step_seconds > 0:
@@ -244,6 +249,9 @@ class DiffusionPipeline:
         #: Measured seconds of the start, one block and the finish of a call, per (shape, rows).
         self._part_costs: dict[tuple[Shape, int], dict[str, StepTimer]] = {}
         self._sync = cuda  # steps are timed to the end of their GPU work
+        #: Set by the engine: wakes its thread (an encoded output is ready to be released).
+        self.wake: Callable[[], None] | None = None
+        self.media = MediaEncoder(media_workers, on_ready=self._ready)
 
     # -- requests (any thread) ----------------------------------------------------------------
     def accepts(self, request: object) -> bool:
@@ -336,15 +344,20 @@ class DiffusionPipeline:
         )
 
     def has_work(self) -> bool:
-        return bool(self._jobs)
+        return bool(self._jobs) or self.media.ready()
+
+    def _ready(self) -> None:
+        if self.wake is not None:
+            self.wake()
 
     def next_deadline(self) -> float | None:
         return None
 
     def remove(self, request_id: str) -> Usage | None:
+        encoding = self.media.drop(request_id)
         job = self._jobs.pop(request_id, None)
         if job is None:
-            return None
+            return Usage() if encoding else None
         self._previews = collections.deque(p for p in self._previews if p[0] is not job)
         if self._branched is not None and not self._live(self._branched):
             self._branched = None
@@ -376,8 +389,8 @@ class DiffusionPipeline:
         return None if work is None else (work.call, work.rows)
 
     def step(self) -> list[tuple[str, DiffusionOutput | Finished]]:
+        out: list[tuple[str, DiffusionOutput | Finished]] = self.media.drain()  # encoded since
         work = self._plan()
-        out: list[tuple[str, DiffusionOutput | Finished]] = []
         if work is None:
             return out
         start = self.clock()
@@ -393,6 +406,7 @@ class DiffusionPipeline:
         if self._sync:
             torch.cuda.synchronize(self.denoiser.device)
         seconds = self.clock() - start
+        out += self.media.drain()  # inline encoding: this step's images; threaded: what is done
         for key in (self._cost_key(work), (self._cost_key(work)[0],)):
             self._timers.setdefault(key, StepTimer()).record(seconds)
         if work.piece is not None:
@@ -679,7 +693,8 @@ class DiffusionPipeline:
         pixels = self.denoiser.preview(estimate).numpy()
         self.calls["vae_preview", job.rows] += 1
         for i in range(job.rows):
-            out.append((job.request_id, ImagePreview(i, partial_index, png(pixels[i, 0]))))
+            build = functools.partial(ImagePreview, i, partial_index)
+            self.media.submit(job.request_id, build, png, pixels[i, 0])
 
     def _decode(self, work: _Work, out: list) -> None:
         latents = torch.cat([j.latents for j in work.jobs if j.latents is not None])
@@ -692,15 +707,15 @@ class DiffusionPipeline:
                 frames = pixels[row + i]
                 if self.kind == "video":
                     assert p.fps is not None
-                    result: DiffusionOutput = GeneratedVideo(
-                        encode_mp4(frames, p.fps), p.shape.width, p.shape.height, frames.shape[0], p.fps
-                    )
+                    video = functools.partial(_video, width=p.shape.width, height=p.shape.height,
+                                              frames=frames.shape[0], fps=p.fps)
+                    self.media.submit(job.request_id, video, encode_mp4, frames, p.fps)
                 else:
-                    result = GeneratedImage(i, png(frames[0]), p.shape.width, p.shape.height)
-                out.append((job.request_id, result))
+                    image = functools.partial(_image, i, width=p.shape.width, height=p.shape.height)
+                    self.media.submit(job.request_id, image, png, frames[0])
             row += job.rows
             del self._jobs[job.request_id]
-            out.append((job.request_id, Finished("stop", Usage())))
+            self.media.put(job.request_id, Finished("stop", Usage()))
             log.info(
                 "%s %s: done, %d rows %dx%d, %d steps in %.2f s",
                 self.kind,
@@ -711,3 +726,11 @@ class DiffusionPipeline:
                 p.steps,
                 time.monotonic() - job.admitted,
             )
+
+
+def _image(index: int, png_bytes: bytes, *, width: int, height: int) -> GeneratedImage:
+    return GeneratedImage(index, png_bytes, width, height)
+
+
+def _video(mp4: bytes, *, width: int, height: int, frames: int, fps: int) -> GeneratedVideo:
+    return GeneratedVideo(mp4, width, height, frames, fps)
