@@ -156,3 +156,45 @@ def split_blocks(denoiser: Denoiser) -> int:
     if not all(callable(getattr(denoiser, name, None)) for name in ("start", "run_blocks", "finish")):
         return 0
     return int(getattr(denoiser, "num_blocks", 0))
+
+
+class SplitDecoder(Protocol):
+    """A denoiser whose VAE decode also runs in pieces (a video VAE decoding one latent frame at a
+    time with a feature cache), the decode's state kept in between:
+    ``finish_decode(decode_frames(start_decode(latents), total))`` (in any grouping of the frames)
+    is bitwise :meth:`Denoiser.decode`. Each state owns its cache: decodes of several batches may
+    be under way at once on one model.
+
+    The runtime calls ``start_decode``, then ``decode_frames`` until ``decode_frames_total`` frames
+    ran, then ``finish_decode``."""
+
+    #: Whether decodes can run in pieces now (False: e.g. the VAE's tiling is on).
+    decode_splits: bool
+
+    def decode_frames_total(self, shape: Shape) -> int:
+        """The frames (decoder calls) of the decode of rows of ``shape``."""
+        ...
+
+    def start_decode(self, latents: torch.Tensor) -> Any:
+        """The decode's state, before its first frame (the latents prepared for the decoder)."""
+        ...
+
+    def decode_frames(self, state: Any, n: int) -> Any:
+        """The next ``n`` frames over ``state`` (fewer when fewer are left); returns the state."""
+        ...
+
+    def finish_decode(self, state: Any) -> torch.Tensor:
+        """The pixels once every frame ran: uint8 ``[rows, frames, H, W, 3]``, as ``decode``."""
+        ...
+
+    def decode_keep_rows(self, state: Any, rows: Sequence[int]) -> Any:
+        """The state of the listed rows only (in that order): the others' memory is released."""
+        ...
+
+
+def split_decode(denoiser: Denoiser) -> bool:
+    """Whether ``denoiser`` can run its VAE decode in pieces now."""
+    names = ("start_decode", "decode_frames", "finish_decode", "decode_frames_total")
+    if not all(callable(getattr(denoiser, name, None)) for name in names):
+        return False
+    return bool(getattr(denoiser, "decode_splits", False))

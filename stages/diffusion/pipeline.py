@@ -31,11 +31,22 @@ many blocks go in a piece follows the measured cost of the start, of one block a
 measured before it is grouped); :meth:`DiffusionPipeline.step_cost` is the next piece's estimate.
 The pieces give bitwise the prediction of the whole call.
 
+Long decodes: a video VAE decode at real size takes seconds (Wan 1.3B at 832x480, 81 frames:
+about 2.9 s on an H200). When the denoiser also splits its decode
+(:class:`~.denoiser.SplitDecoder`) and splitting is on, the decode runs as pieces the same way:
+its start with the first latent frame, then groups of latent frames (one decoder call each, the
+decoder's feature cache kept in the decode's own state), then its finish (the pixels, then the
+results); a decode under way is continued before any other work but the pieces of a transformer
+call. The pixels are bitwise those of the whole decode. The latent frames themselves do not split:
+a piece is at least one of them (at 480p on an H200 about 140 ms: 2.86 s over 21 latent frames).
+The finish also encodes the results (PNG, MP4) on the CPU.
+
 Rows: a request of ``n`` images has ``n`` rows, seeded ``seed, seed + 1, ...`` (one CPU
 ``torch.Generator`` each: diffusers' results for ``generator=[Generator().manual_seed(seed + i)
 for i in range(n)]``). A request without a seed gets a random one. ``remove`` frees a request's
 rows at once: a transformer call under way drops its rows from the hidden states it holds (all of
-them when no other request is in it); a branch already computed for it is dropped at the next step.
+them when no other request is in it), a decode under way its rows of the decoder's caches and frames;
+a branch already computed for it is dropped at the next step.
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ import torch
 
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import Finished, ModelInfo, Usage
-from .denoiser import Denoiser, Sampler, Shape, split_blocks
+from .denoiser import Denoiser, Sampler, Shape, split_blocks, split_decode
 from .encoding import MediaEncoder
 from .media import png
 from .types import (
@@ -175,6 +186,19 @@ class _Call:
 
 
 @dataclass(eq=False)
+class _Decoding:
+    """A split VAE decode under way: the denoiser's decode state between two pieces. Its "blocks"
+    are the frames after the first (the start piece decodes frame 0, cheaper than the others)."""
+
+    jobs: list[tuple[_Job, int]]  # each job with the offset of its rows in the state
+    shape: Shape
+    rows: int
+    blocks: int
+    state: Any
+    done: int = 0  # frames run after the first
+
+
+@dataclass(eq=False)
 class _Work:
     call: Call
     jobs: list[_Job]
@@ -246,8 +270,10 @@ class DiffusionPipeline:
         #: Steps of split transformer calls, by rows (``calls`` counts each call once).
         self.pieces: CallCounter = collections.Counter()
         self._call: _Call | None = None
-        #: Measured seconds of the start, one block and the finish of a call, per (shape, rows).
-        self._part_costs: dict[tuple[Shape, int], dict[str, StepTimer]] = {}
+        self._decoding: _Decoding | None = None
+        #: Measured seconds of the start, one block and the finish of a call (or of a decode: its
+        #: start with frame 0, one frame, its finish), per ("transformer" | "vae", shape, rows).
+        self._part_costs: dict[tuple[str, Shape, int], dict[str, StepTimer]] = {}
         self._sync = cuda  # steps are timed to the end of their GPU work
         #: Set by the engine: wakes its thread (an encoded output is ready to be released).
         self.wake: Callable[[], None] | None = None
@@ -363,6 +389,8 @@ class DiffusionPipeline:
             self._branched = None
         if self._call is not None:
             self._drop_rows(self._call)
+        if self._decoding is not None:
+            self._drop_decode_rows(self._decoding)
         log.debug("%s: removed %s at step %d/%d", self.kind, request_id, job.index, job.prep.steps)
         return Usage()
 
@@ -394,14 +422,18 @@ class DiffusionPipeline:
         if work is None:
             return out
         start = self.clock()
-        run = self._piece if work.piece is not None else {
-            "cond": self._cond,
-            "uncond": self._uncond,
-            "settle": self._settle,
-            "preview": self._preview,
-            "decode": self._decode,
-            "encode": self._encode,
-        }[work.call]
+        run = (
+            (self._decode_piece if work.call == "decode" else self._piece)
+            if work.piece is not None
+            else {
+                "cond": self._cond,
+                "uncond": self._uncond,
+                "settle": self._settle,
+                "preview": self._preview,
+                "decode": self._decode,
+                "encode": self._encode,
+            }[work.call]
+        )
         run(work, out)
         if self._sync:
             torch.cuda.synchronize(self.denoiser.device)
@@ -411,11 +443,17 @@ class DiffusionPipeline:
             self._timers.setdefault(key, StepTimer()).record(seconds)
         if work.piece is not None:
             assert work.shape is not None
-            self._record_parts((work.shape, work.rows), work.piece, seconds)
+            self._record_parts(self._parts_key(work), work.piece, seconds)
         return out
 
     def _cost_key(self, work: _Work) -> tuple[Any, ...]:
-        return ("piece" if work.piece is not None else work.call, work.shape, work.rows)
+        if work.piece is None:
+            return (work.call, work.shape, work.rows)
+        return ("decode_piece" if work.call == "decode" else "piece", work.shape, work.rows)
+
+    def _parts_key(self, work: _Work) -> tuple[str, Shape, int]:
+        assert work.shape is not None
+        return ("vae" if work.call == "decode" else "transformer", work.shape, work.rows)
 
     def _live(self, branched: _Branched) -> list[tuple[_Job, int]]:
         return [(job, at) for job, at in branched.jobs if self._jobs.get(job.request_id) is job]
@@ -424,8 +462,13 @@ class DiffusionPipeline:
         """The next step's work (no side effects: ``step_cost`` asks too)."""
         if self._call is not None:
             call = self._call
-            piece, cost = self._next_piece(call.shape, call.rows, call.blocks, call.done, started=True)
+            key = ("transformer", call.shape, call.rows)
+            piece, cost = self._next_piece(key, call.blocks, call.done, started=True)
             return _Work("piece", [job for job, _ in call.jobs], call.rows, call.shape, piece, cost)
+        if self._decoding is not None:  # finished first: it holds the rows' decoder caches
+            dec = self._decoding
+            piece, cost = self._next_piece(("vae", dec.shape, dec.rows), dec.blocks, dec.done, started=True)
+            return _Work("decode", [job for job, _ in dec.jobs], dec.rows, dec.shape, piece, cost)
         if self._branched is not None:
             live = [job for job, _ in self._live(self._branched)]
             guided = [job for job in live if job.prep.guided]
@@ -446,6 +489,10 @@ class DiffusionPipeline:
                 if job.prep.shape == shape and (not batch or rows + job.rows <= self.max_decode_rows):
                     batch.append(job)
                     rows += job.rows
+            if self.split_calls and split_decode(self.denoiser):
+                blocks = self.denoiser.decode_frames_total(shape) - 1  # type: ignore[attr-defined]
+                piece, cost = self._next_piece(("vae", shape, rows), blocks, 0, started=False)
+                return _Work("decode", batch, rows, shape, piece, cost)
             return _Work("decode", batch, rows, shape)
         new = [j for j in jobs if j.stage == "encode"]
         if new:
@@ -463,17 +510,18 @@ class DiffusionPipeline:
         blocks = split_blocks(self.denoiser) if self.split_calls else 0
         if blocks <= 0:
             return _Work(branch, jobs, rows, shape)
-        piece, cost = self._next_piece(shape, rows, blocks, 0, started=False)
+        piece, cost = self._next_piece(("transformer", shape, rows), blocks, 0, started=False)
         return _Work(branch, jobs, rows, shape, piece, cost)
 
     # -- split transformer calls ----------------------------------------------------------------
     def _next_piece(
-        self, shape: Shape, rows: int, blocks: int, done: int, *, started: bool
+        self, key: tuple[str, Shape, int], blocks: int, done: int, *, started: bool
     ) -> tuple[_Piece, float | None]:
-        """The next piece of a call (``done`` blocks run, its start run or not) and its estimated
-        seconds: as many parts as fit ``max_step_seconds`` by their measured costs, at least one;
-        a part never measured at this shape and row count runs alone (estimate None)."""
-        costs = self._part_costs.get((shape, rows), {})
+        """The next piece of a call or decode (``done`` blocks run, its start run or not; ``key``:
+        what, shape, rows) and its estimated seconds: as many parts as fit ``max_step_seconds``
+        by their measured costs, at least one; a part never measured at this shape and row count
+        runs alone (estimate None)."""
+        costs = self._part_costs.get(key, {})
         budget = self.max_step_seconds * (1 + 1e-9)  # parts that add up to it exactly fit
         spent = 0.0
         if not started:
@@ -500,12 +548,19 @@ class DiffusionPipeline:
                 spent += costs["finish"].seconds
         return _Piece(not started, done, stop, finish), spent
 
-    def _record_parts(self, key: tuple[Shape, int], piece: _Piece, seconds: float) -> None:
+    def _record_parts(self, key: tuple[str, Shape, int], piece: _Piece, seconds: float) -> None:
         """Attributes a piece's measured time to its parts: all of it to a part that ran alone,
         else in proportion to the parts' estimates."""
         costs = self._part_costs.setdefault(key, {})
-        parts = [(name, n) for name, n in (("start", int(piece.start)), ("block", piece.blocks),
-                                           ("finish", int(piece.finish))) if n]
+        parts = [
+            (name, n)
+            for name, n in (
+                ("start", int(piece.start)),
+                ("block", piece.blocks),
+                ("finish", int(piece.finish)),
+            )
+            if n
+        ]
         if len(parts) == 1:
             name, n = parts[0]
             costs.setdefault(name, StepTimer()).record(seconds / n)
@@ -567,6 +622,50 @@ class DiffusionPipeline:
             call.jobs.append((job, at))
             at += job.rows
         call.rows = at
+
+    # -- split VAE decodes ------------------------------------------------------------------------
+    def _decode_piece(self, work: _Work, out: list) -> None:
+        piece = work.piece
+        assert piece is not None and work.shape is not None
+        den: Any = self.denoiser
+        if piece.start:
+            assert self._decoding is None
+            latents, offsets = self._decode_inputs(work.jobs)
+            self.calls["vae", work.rows] += 1
+            state = den.decode_frames(den.start_decode(latents), 1)
+            blocks = den.decode_frames_total(work.shape) - 1
+            self._decoding = _Decoding(offsets, work.shape, work.rows, blocks, state)
+        dec = self._decoding
+        assert dec is not None
+        self.pieces["vae", dec.rows] += 1
+        if piece.blocks:
+            dec.state = den.decode_frames(dec.state, piece.blocks)
+            dec.done = piece.stop
+        if piece.finish:
+            self._decoding = None
+            pixels: np.ndarray = den.finish_decode(dec.state).numpy()
+            dec.state = None
+            self._decoded(dec.jobs, pixels, out)
+
+    def _drop_decode_rows(self, dec: _Decoding) -> None:
+        """Drops the rows of removed requests from a decode under way (the whole decode, its
+        caches freed, when none is left)."""
+        live = [(job, at) for job, at in dec.jobs if self._jobs.get(job.request_id) is job]
+        if len(live) == len(dec.jobs):
+            return
+        if not live:
+            self._decoding = None
+            return
+        keep_rows = getattr(self.denoiser, "decode_keep_rows", None)
+        if keep_rows is None:  # the rows stay in the decode; its pixels are cut at the end
+            dec.jobs = live
+            return
+        dec.state = keep_rows(dec.state, [r for job, at in live for r in range(at, at + job.rows)])
+        dec.jobs, at = [], 0
+        for job, _ in live:
+            dec.jobs.append((job, at))
+            at += job.rows
+        dec.rows = at
 
     # -- the calls ------------------------------------------------------------------------------
     def _encode(self, work: _Work, out: list) -> None:
@@ -696,24 +795,35 @@ class DiffusionPipeline:
             build = functools.partial(ImagePreview, i, partial_index)
             self.media.submit(job.request_id, build, png, pixels[i, 0])
 
+    def _decode_inputs(self, jobs: Sequence[_Job]) -> tuple[torch.Tensor, list[tuple[_Job, int]]]:
+        latents = torch.cat([j.latents for j in jobs if j.latents is not None])
+        offsets, at = [], 0
+        for job in jobs:
+            offsets.append((job, at))
+            at += job.rows
+        return latents, offsets
+
     def _decode(self, work: _Work, out: list) -> None:
-        latents = torch.cat([j.latents for j in work.jobs if j.latents is not None])
+        latents, offsets = self._decode_inputs(work.jobs)
         pixels: np.ndarray = self.denoiser.decode(latents).numpy()
         self.calls["vae", latents.shape[0]] += 1
-        row = 0
-        for job in work.jobs:
+        self._decoded(offsets, pixels, out)
+
+    def _decoded(self, offsets: list[tuple[_Job, int]], pixels: np.ndarray, out: list) -> None:
+        """The results of decoded jobs (each job's rows at its offset in ``pixels``); they finish."""
+        for job, row in offsets:
             p = job.prep
             for i in range(job.rows):
                 frames = pixels[row + i]
                 if self.kind == "video":
                     assert p.fps is not None
-                    video = functools.partial(_video, width=p.shape.width, height=p.shape.height,
-                                              frames=frames.shape[0], fps=p.fps)
+                    video = functools.partial(
+                        _video, width=p.shape.width, height=p.shape.height, frames=frames.shape[0], fps=p.fps
+                    )
                     self.media.submit(job.request_id, video, encode_mp4, frames, p.fps)
                 else:
                     image = functools.partial(_image, i, width=p.shape.width, height=p.shape.height)
                     self.media.submit(job.request_id, image, png, frames[0])
-            row += job.rows
             del self._jobs[job.request_id]
             self.media.put(job.request_id, Finished("stop", Usage()))
             log.info(

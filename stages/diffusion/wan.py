@@ -89,6 +89,17 @@ class WanCallState:
     patch: tuple[int, int, int]
 
 
+@dataclass(eq=False)
+class WanDecodeState:
+    """One VAE decode between its pieces (see :meth:`WanDenoiser.start_decode`)."""
+
+    latents: torch.Tensor  # after ``post_quant_conv`` [rows, z, latent frames, h, w]
+    cache: list[Any]  # the decoder's feature cache, one entry per causal conv (None, "Rep", tensor)
+    frames: list[torch.Tensor]  # decoder outputs so far, [rows, 3, 1 or 4, H, W] each
+    done: int  # latent frames decoded
+    total: int
+
+
 class WanDenoiser:
     """Wan2.1 T2V for the diffusion runtime. Conditions are per prompt ``[max_sequence_length,
     text_dim]`` tensors (zero past the prompt) in the transformer's dtype, on its device."""
@@ -358,16 +369,101 @@ class WanDenoiser:
         rows = [uncond[i : i + 1] + s * (cond[i : i + 1] - uncond[i : i + 1]) for i, s in enumerate(scales)]
         return torch.cat(rows)
 
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """The latents de-normalised for the VAE, on its device in its dtype (as the pipeline)."""
         vae_device = next(self.vae.parameters()).device
         z = latents.to(vae_device, dtype=self.vae.dtype)
         mean = self._latents_mean.to(z.device, z.dtype)
         inv_std = 1.0 / self._latents_std.to(z.device, z.dtype)
-        z = z / inv_std + mean
-        video = self.vae.decode(z, return_dict=False)[0]  # [rows, 3, frames, H, W] in [-1, 1]
+        return z / inv_std + mean
+
+    @staticmethod
+    def _to_pixels(video: torch.Tensor) -> torch.Tensor:
+        """``[rows, 3, frames, H, W]`` in [-1, 1] to uint8 ``[rows, frames, H, W, 3]`` on the CPU."""
         pixels = (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float()
         return (pixels * 255).round().to(torch.uint8).cpu()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        video = self.vae.decode(self._vae_input(latents), return_dict=False)[0]
+        return self._to_pixels(video)
+
+    # -- the VAE decode in pieces (SplitDecoder) ---------------------------------------------------
+    # ``AutoencoderKLWan._decode`` (diffusers 0.42, no tiling): ``post_quant_conv`` over all the
+    # latents, then the causal decoder one latent frame at a time (frame 0 with ``first_chunk``),
+    # each call starting its conv index at 0 and sharing one feature cache, then the frames
+    # concatenated, unpatchified (Wan2.2) and clamped. Here the feature cache and the conv index
+    # are the decode state's own lists, passed as ``feat_cache`` / ``feat_idx`` as ``_decode``
+    # passes the module's: decodes of several jobs never share the module's ``_feat_map``.
+
+    @property
+    def decode_splits(self) -> bool:
+        """Whether decodes run in pieces: not with the VAE's tiling or slicing on (``decode``
+        then follows them whole), nor with a model-level hook on the VAE (an offload hook could
+        move it off the device between two pieces)."""
+        vae = self.vae
+        tiled = getattr(vae, "use_tiling", False) or getattr(vae, "use_slicing", False)
+        return not tiled and not forward_is_wrapped(vae)
+
+    def decode_frames_total(self, shape: Shape) -> int:
+        """Latent frames of a video of ``shape``: the decoder calls of one decode."""
+        return (shape.frames - 1) // self.temporal_factor + 1
+
+    @torch.no_grad()
+    def start_decode(self, latents: torch.Tensor) -> WanDecodeState:
+        vae = self.vae
+        if not self.decode_splits:
+            raise ValueError("this VAE decodes whole (tiling, slicing or a hook is on)")
+        x = vae.post_quant_conv(self._vae_input(latents))
+        cache: list[Any] = [None] * int(vae._cached_conv_counts["decoder"])
+        return WanDecodeState(x, cache, [], 0, int(x.shape[2]))
+
+    @torch.no_grad()
+    def decode_frames(self, state: WanDecodeState, n: int) -> WanDecodeState:
+        """The next ``n`` latent frames (fewer when fewer are left) through the decoder."""
+        if n < 0:
+            raise ValueError(f"cannot decode {n} frames")
+        decoder = self.vae.decoder
+        for i in range(state.done, min(state.done + n, state.total)):
+            frame = state.latents[:, :, i : i + 1, :, :]
+            if i == 0:
+                out = decoder(frame, feat_cache=state.cache, feat_idx=[0], first_chunk=True)
+            else:
+                out = decoder(frame, feat_cache=state.cache, feat_idx=[0])
+            state.frames.append(out)
+            state.done = i + 1
+        return state
+
+    @torch.no_grad()
+    def finish_decode(self, state: WanDecodeState) -> torch.Tensor:
+        """The pixels of a decode whose frames all ran: uint8 ``[rows, frames, H, W, 3]``, bitwise
+        :meth:`decode`'s."""
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        if state.done != state.total:
+            raise ValueError(f"decode has run {state.done} of {state.total} latent frames")
+        out = torch.cat(state.frames, 2)
+        state.frames.clear()
+        state.cache.clear()
+        patch = self.vae.config.patch_size
+        if patch is not None:
+            out = unpatchify(out, patch_size=patch)
+        return self._to_pixels(torch.clamp(out, min=-1.0, max=1.0))
+
+    def decode_keep_rows(self, state: WanDecodeState, rows: Sequence[int]) -> WanDecodeState:
+        """The decode of the listed rows only; the others' latents, cache and frames are released."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=state.latents.device)
+
+        def pick(t: Any) -> Any:
+            return t.index_select(0, index.to(t.device)) if isinstance(t, torch.Tensor) else t
+
+        return WanDecodeState(
+            pick(state.latents),
+            [pick(c) for c in state.cache],
+            [pick(f) for f in state.frames],
+            state.done,
+            state.total,
+        )
 
     def preview(self, latents: torch.Tensor) -> torch.Tensor:
         """The first frame only (the causal VAE decodes the first latent frame alone, at a fraction
