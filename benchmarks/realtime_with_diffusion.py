@@ -267,9 +267,9 @@ class Bench:
         self._time_media_encoding()
 
     def _time_media_encoding(self) -> None:
-        """Times the PNG and MP4 encoding the runtime does inside its decode step (on the CPU, on
-        the engine thread): rows ``decode: png`` / ``decode: mp4`` of the call table, per image or
-        video, part of their decode call's time."""
+        """Times the PNG and MP4 encoding of the results (on the CPU, in the runtime's encoding
+        threads as the server runs them, beside the engine thread: ``MEDIA_WORKERS``): rows
+        ``decode: png`` / ``decode: mp4`` of the call table, per image or video."""
         from omnirt.stages.diffusion import pipeline as runtime
 
         for name, kind in (("png", "image"), ("encode_mp4", "video")):
@@ -749,7 +749,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def build_diffusion(args: argparse.Namespace) -> tuple[list[JobStream], dict[str, float]]:
-    from omnirt.stages.diffusion.factory import WAN_DEMO_ID, build_image_pipeline, diffusion_family
+    from omnirt.stages.diffusion.factory import (
+        MEDIA_WORKERS,
+        WAN_DEMO_ID,
+        build_image_pipeline,
+        diffusion_family,
+    )
     from omnirt.stages.diffusion.wan_demo import ensure_wan_demo
     from omnirt.stages.diffusion.wan_loader import load_wan
 
@@ -776,7 +781,7 @@ def build_diffusion(args: argparse.Namespace) -> tuple[list[JobStream], dict[str
                 load_format=args.load_format,
                 variant=args.video_variant,
             )
-        video = DiffusionPipeline(denoiser, max_rows=args.max_rows)
+        video = DiffusionPipeline(denoiser, max_rows=args.max_rows, media_workers=MEDIA_WORKERS)
         _sync(torch.device(args.device))
         builds["video"] = time.perf_counter() - start
         streams.append(JobStream("video", video, video_maker(args), args.video_jobs))
