@@ -28,6 +28,12 @@ Measured per phase (window only):
   time from one frame to the next (80 ms of audio each);
 - **first audio p50/p99**: from a turn's ``prepare`` to the end of the tick that returned its
   first ``AudioDelta`` (turns started in the window);
+- **audio late p99 / late deltas**: what a listener hears. Each reply plays from its first
+  ``AudioDelta`` on at real time, so every later delta is due when the audio before it has
+  played; its lateness is how long after that it arrived (0 when early). Late deltas are gaps in
+  the playback. With diffusion beside it the speech pipeline keeps its replies just ahead of
+  playback (its ``next_deadline``) and lets diffusion steps run in the slack, so the frame time
+  grows by design while the lateness must stay at 0;
 - **diffusion throughput**: images finished per second, video jobs finished per second, and
   denoising steps per second of each kind (one ``Progress``: one step of one request, all its
   images; the CFG branches of a step count once). The throughput goal is checked on steps/s
@@ -87,6 +93,7 @@ from omnirt.stages.diffusion.types import (
 from omnirt.stages.pipeline import Pipeline, RequestRejected
 from omnirt.stages.scheduler import Scheduler
 from omnirt.stages.types import (
+    SAMPLE_RATE,
     AudioDelta,
     AudioPart,
     ContextMessage,
@@ -224,6 +231,8 @@ class Phase:
     window_s: float = 0.0
     frame_walls: list[float] = field(default_factory=list)
     first_audio: list[float] = field(default_factory=list)
+    #: Each audio delta's lateness against its reply's real-time playback (0: in time).
+    audio_late: list[float] = field(default_factory=list)
     turns_done: int = 0
     steps: Counter[str] = field(default_factory=Counter)  # denoising steps per kind
     finished: Counter[str] = field(default_factory=Counter)  # images / videos per kind
@@ -240,6 +249,13 @@ class Phase:
 
     def first_audio_p(self, q: float) -> float | None:
         return float(np.percentile(self.first_audio, q)) if self.first_audio else None
+
+    def late_p(self, q: float) -> float | None:
+        return float(np.percentile(self.audio_late, q)) if self.audio_late else None
+
+    @property
+    def late_deltas(self) -> int:
+        return sum(late > 0 for late in self.audio_late)
 
 
 class Bench:
@@ -343,6 +359,7 @@ class Bench:
             self.counter.take()
         begin = time.perf_counter()
         stage, window_start, window_end, tick = "ramp", 0.0, 0.0, 0
+        playback: dict[str, tuple[float, float]] = {}  # reply -> (first audio at, seconds sent)
         while True:
             now = time.perf_counter()
             if now - begin > args.phase_timeout:
@@ -379,6 +396,10 @@ class Bench:
                 if (s := owner.get(rid)) is not None and s.request_id == rid:
                     if isinstance(out, AudioDelta):
                         frames += out.frames
+                        start, played = playback.get(rid, (t1, 0.0))
+                        if stage == "window":
+                            phase.audio_late.append(max(0.0, t1 - (start + played)))
+                        playback[rid] = (start, played + len(out.pcm) / SAMPLE_RATE)
                         if not s.heard:
                             s.heard = s.ever_heard = True
                             if s.in_window:
@@ -503,7 +524,13 @@ def pct(value: float | None) -> str:
 
 def phase_header(kinds: list[str]) -> str:
     cells = ["phase", "ramp (s)", "window (s)", "frame ticks", "frame p50 (ms)", "frame p99 (ms)"]
-    cells += ["first audio p50 (ms)", "first audio p99 (ms)", "turns done"]
+    cells += [
+        "first audio p50 (ms)",
+        "first audio p99 (ms)",
+        "audio late p99 (ms)",
+        "late deltas",
+        "turns done",
+    ]
     for kind in kinds:
         unit = "images" if kind == "image" else "video jobs"
         cells += [f"{unit}/s", f"{kind} steps/s", f"{kind} job p50 (s)"]
@@ -521,6 +548,8 @@ def phase_row(p: Phase, kinds: list[str]) -> str:
         ms(p.frame_p(99)),
         ms(p.first_audio_p(50)) + f" (n={len(p.first_audio)})",
         ms(p.first_audio_p(99)),
+        ms(p.late_p(99)),
+        f"{p.late_deltas} of {len(p.audio_late)}",
         str(p.turns_done),
     ]
     for kind in kinds:
@@ -558,6 +587,12 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
             lines.append(
                 f"| realtime first audio p{q} (ms) | {ms(a)} | {ms(b)} | {pct(change(a, b))} | - | - |"
             )
+        a, b = alone_rt.late_p(99), both.late_p(99)
+        lines.append(f"| realtime audio late p99 (ms) | {ms(a)} | {ms(b)} | - | - | - |")
+        lines.append(
+            f"| realtime late deltas | {alone_rt.late_deltas} of {len(alone_rt.audio_late)} | "
+            f"{both.late_deltas} of {len(both.audio_late)} | - | - | - |"
+        )
     if alone_df is not None and both is not None:
         losses: list[bool] = []
         for kind in kinds:
