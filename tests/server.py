@@ -1,13 +1,19 @@
-"""Run a real uvicorn server on loopback for tests: ``with serve(app) as base_url: ...``."""
+"""Real servers on loopback for tests: ``with serve(app) as base_url: ...`` (uvicorn in a thread)
+and ``with serve_cli(args, ...) as base_url: ...`` (``omnirt serve`` in a process)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import uvicorn
 from omnirt.realtime import cli
 from omnirt.realtime.config import ServerConfig
@@ -53,3 +59,35 @@ def serve(
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextlib.contextmanager
+def serve_cli(args: list[str], *, cache: Path, log: Path, start_timeout: float = 180) -> Iterator[str]:
+    """``omnirt serve ARGS --port P`` as a user runs it: the real CLI in a process of its own,
+    cache under ``cache``, output in ``log``; yields ``http://127.0.0.1:P`` once ``/health``
+    answers, and stops the process after (terminate, then kill)."""
+    port = free_port()
+    env = dict(os.environ, OMNIRT_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "omnirt.realtime.cli", "serve", *args, "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            assert proc.poll() is None, f"omnirt serve exited: {log.read_text()[-3000:]}"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"omnirt serve did not come up: {log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import inspect
 import time
 from collections.abc import Iterator
@@ -28,26 +29,39 @@ MODEL = "demo-qwen3-omni"
 
 @dataclass
 class DemoServer:
+    """The embedded speech pipeline in the real engine and app, on loopback (what
+    ``tests.realtime.conftest.connect`` and the SDK need of a server)."""
+
     base_url: str
     engine: Engine
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://") + "/v1/realtime?model=" + MODEL
 
     def sdk(self) -> AsyncOpenAI:
         ws = self.base_url.replace("http://", "ws://") + "/v1"
         return AsyncOpenAI(api_key="k", base_url=self.base_url + "/v1", websocket_base_url=ws, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoServer]:
+@contextlib.contextmanager
+def running_demo(tmp_path_factory: pytest.TempPathFactory, *, max_output_tokens: int) -> Iterator[DemoServer]:
     mp = pytest.MonkeyPatch()
     mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
     pipeline = build_pipeline(None, device="cpu", max_slots=4)
     engine = Engine(pipeline)
-    app = create_app(EngineClient(engine), ServerConfig(max_output_tokens=64))
+    app = create_app(EngineClient(engine), ServerConfig(max_output_tokens=max_output_tokens))
     try:
         with serve(app) as base_url:
             yield DemoServer(base_url, engine)
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoServer]:
+    with running_demo(tmp_path_factory, max_output_tokens=64) as server:
+        yield server
 
 
 def speechlike(ms: int) -> bytes:

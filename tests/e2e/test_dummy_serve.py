@@ -5,18 +5,15 @@ config, every token id as published), the official SDK as client."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from tests.server import serve_cli
 from tests.speech.test_dummy_load import config_folder, published_tiny
 
 
@@ -29,29 +26,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = config_folder(tmp_path_factory.mktemp("qwen3-omni-dummy"), published_tiny())
-    port = _free_port()
-    env = dict(os.environ, OMNIRT_CACHE=str(tmp_path_factory.mktemp("cache")), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "omnirt.realtime.cli", "serve", "--model", str(folder), "--load-format",
-           "dummy", "--port", str(port), "--device", "cpu", "--max-sessions", "2"]
+    args = ["--model", str(folder), "--load-format", "dummy", "--device", "cpu", "--max-sessions", "2"]
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"omnirt serve exited: {log.read_text()[-2000:]}"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"omnirt serve did not come up: {log.read_text()[-2000:]}"
-            time.sleep(0.2)
+    with serve_cli(args, cache=tmp_path_factory.mktemp("cache"), log=log, start_timeout=120) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
     assert "RANDOM WEIGHTS (--load-format dummy" in log.read_text()
 
 

@@ -8,62 +8,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import av
-import httpx
 import numpy as np
 import pytest
 from openai import AsyncOpenAI, OpenAI
 from PIL import Image
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.server import serve_cli
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    env = dict(os.environ, OMNIRT_CACHE=str(tmp_path_factory.mktemp("cache")), HF_HUB_OFFLINE="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "omnirt.realtime.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--max-sessions",
-        "2",
-    ]
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"omnirt serve exited: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"omnirt serve did not come up: {log.read_text()[-3000:]}"
-            time.sleep(0.3)
+    args = ["--device", "cpu", "--max-sessions", "2"]
+    with serve_cli(args, cache=tmp_path_factory.mktemp("cache"), log=log) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
     text = log.read_text()
     assert "RANDOM WEIGHTS" in text and "Traceback" not in text, text[-3000:]
 

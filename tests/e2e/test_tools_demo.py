@@ -16,15 +16,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-from omnirt.realtime.app import create_app
-from omnirt.realtime.config import ServerConfig
-from omnirt.stages.engine import Engine, EngineClient
-from omnirt.stages.factory import build_pipeline
 
 from tests.realtime.conftest import connect, text_item
-from tests.server import serve
 
-from .test_demo_server import MODEL, DemoServer
+from .test_demo_server import MODEL, DemoServer, running_demo
 
 WEATHER_PARAMS: dict[str, Any] = {
     "type": "object",
@@ -55,27 +50,13 @@ TIME = {
 }
 
 
-class _Server(DemoServer):
-    @property
-    def ws_url(self) -> str:
-        return self.base_url.replace("http://", "ws://") + "/v1/realtime?model=" + MODEL
-
-
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Server]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
-    pipeline = build_pipeline(None, device="cpu", max_slots=4)
-    engine = Engine(pipeline)
-    app = create_app(EngineClient(engine), ServerConfig(max_output_tokens=256))
-    try:
-        with serve(app) as base_url:
-            yield _Server(base_url, engine)
-    finally:
-        mp.undo()
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoServer]:
+    with running_demo(tmp_path_factory, max_output_tokens=256) as server:
+        yield server
 
 
-def test_realtime_forced_call_validates_and_the_reply_continues_after_its_output(demo: _Server) -> None:
+def test_realtime_forced_call_validates_and_the_reply_continues_after_its_output(demo: DemoServer) -> None:
     """A named ``tool_choice`` on an audio session: one ``function_call`` item whose arguments
     validate, no audio for it; the tool's output then continues the conversation with speech."""
 
@@ -132,7 +113,7 @@ def test_realtime_forced_call_validates_and_the_reply_continues_after_its_output
     )
 
 
-def test_realtime_required_picks_one_of_the_tools_with_valid_arguments(demo: _Server) -> None:
+def test_realtime_required_picks_one_of_the_tools_with_valid_arguments(demo: DemoServer) -> None:
     async def main() -> list[dict]:
         async with connect(demo, manual=True) as c:  # type: ignore[arg-type]
             await c.send(
@@ -160,7 +141,7 @@ def test_realtime_required_picks_one_of_the_tools_with_valid_arguments(demo: _Se
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
 
 
-def test_chat_tool_call_then_tool_result_then_structured_output(demo: _Server) -> None:
+def test_chat_tool_call_then_tool_result_then_structured_output(demo: DemoServer) -> None:
     tools = [
         {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in (WEATHER, TIME)
     ]

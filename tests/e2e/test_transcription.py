@@ -11,46 +11,21 @@ from typing import Any
 
 import pytest
 from omnirt.codecs.audio import b64encode
-from omnirt.realtime.app import create_app
-from omnirt.realtime.config import ServerConfig
-from omnirt.stages.engine import Engine, EngineClient
-from omnirt.stages.factory import build_pipeline
 
 from tests.realtime.conftest import Client, connect
 from tests.realtime.test_transcription import TRANSCRIBED, transcription_update, until_all
 from tests.realtime.vad_helpers import kinds, stream_audio
-from tests.server import serve
 from tests.vad.speech import SENTENCES, place, spoken, to_pcm16
 
-from .test_demo_server import MODEL
+from .test_demo_server import DemoServer, running_demo
 
 ENGLISH = {"model": "gpt-4o-transcribe", "language": "en"}
 
 
-class _Server:
-    """What ``tests.realtime.conftest.connect`` needs of a server."""
-
-    def __init__(self, base_url: str, engine: Engine) -> None:
-        self.base_url = base_url
-        self.engine = engine
-
-    @property
-    def ws_url(self) -> str:
-        return self.base_url.replace("http://", "ws://") + "/v1/realtime?model=" + MODEL
-
-
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Server]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
-    pipeline = build_pipeline(None, device="cpu", max_slots=4)
-    engine = Engine(pipeline)
-    app = create_app(EngineClient(engine), ServerConfig(max_output_tokens=48))
-    try:
-        with serve(app) as base_url:
-            yield _Server(base_url, engine)
-    finally:
-        mp.undo()
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoServer]:
+    with running_demo(tmp_path_factory, max_output_tokens=48) as server:
+        yield server
 
 
 def speech(sentence: int = 0) -> bytes:
@@ -69,7 +44,7 @@ def transcription_of(events: list[dict[str, Any]], item_id: str) -> tuple[list[d
     ]
 
 
-def test_manual_commit_is_transcribed_by_the_model_beside_the_reply(demo: _Server) -> None:
+def test_manual_commit_is_transcribed_by_the_model_beside_the_reply(demo: DemoServer) -> None:
     async def main() -> tuple[list[dict], dict]:
         async with connect(demo) as c:  # type: ignore[arg-type]
             await c.send(transcription_update(ENGLISH, None))
@@ -99,7 +74,7 @@ def test_manual_commit_is_transcribed_by_the_model_beside_the_reply(demo: _Serve
     assert part["type"] == "input_audio" and part["transcript"] == completed["transcript"]
 
 
-def test_server_vad_turn_is_transcribed(demo: _Server) -> None:
+def test_server_vad_turn_is_transcribed(demo: DemoServer) -> None:
     async def main() -> list[dict]:
         async with connect(demo) as c:  # type: ignore[arg-type]
             update = transcription_update(ENGLISH, {"type": "server_vad", "create_response": True})
@@ -123,7 +98,7 @@ def test_server_vad_turn_is_transcribed(demo: _Server) -> None:
     assert completed["transcript"] == "".join(e["delta"] for e in deltas)
 
 
-def test_item_deleted_mid_transcription_gets_no_more_events(demo: _Server) -> None:
+def test_item_deleted_mid_transcription_gets_no_more_events(demo: DemoServer) -> None:
     stats = demo.engine.stats
 
     async def main() -> tuple[list[dict], list[dict], int]:
@@ -148,7 +123,7 @@ def test_item_deleted_mid_transcription_gets_no_more_events(demo: _Server) -> No
     assert after == [] and cancelled == 1
 
 
-def test_a_failed_transcription_says_so_and_the_reply_goes_on(demo: _Server) -> None:
+def test_a_failed_transcription_says_so_and_the_reply_goes_on(demo: DemoServer) -> None:
     """A prompt hint longer than the model's context makes the engine refuse the transcription
     request: ``.failed`` with the reason; the reply (which does not carry the hint) completes."""
     hint = "remember these words " * 4000

@@ -16,8 +16,6 @@ import asyncio
 import importlib
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,12 +23,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
 from tests.frameworks.relay import Connection, Relay, relay_to
-from tests.server import free_port
+from tests.server import serve_cli
 
 #: The pip extra that holds the frameworks (pyproject.toml).
 EXTRA = "frameworks"
@@ -138,32 +135,9 @@ class OmnirtServer:
 @pytest.fixture(scope="package")
 def omnirt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmnirtServer]:
     """``omnirt serve --device cpu``: the embedded demo model, as the README starts it."""
-    port = free_port()
-    env = dict(os.environ, OMNIRT_CACHE=str(tmp_path_factory.mktemp("cache")), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "omnirt.realtime.cli", "serve", "--port", str(port), "--device", "cpu"]
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"omnirt serve exited: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"omnirt serve did not come up: {log.read_text()[-3000:]}"
-            time.sleep(0.2)
+    with serve_cli(["--device", "cpu"], cache=tmp_path_factory.mktemp("cache"), log=log) as base:
         yield OmnirtServer(base, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
     assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
 
 
