@@ -61,37 +61,46 @@ def diffusion_family(path: Path) -> Family:
 
 
 def build_diffusion_pipeline(
-    path: Path, *, device: str, load_format: str = "auto", max_rows: int = 8
+    path: Path, *, device: str, load_format: str = "auto", max_rows: int = 8, warm_up: bool = True
 ) -> DiffusionPipeline:
     """The image (Z-Image) or video (Wan) pipeline of ``path``: a diffusers folder, or with
-    ``load_format="dummy"`` its configs alone or a components JSON file."""
-    family = diffusion_family(path)
-    if family == "z-image":
+    ``load_format="dummy"`` its configs alone or a components JSON file. ``warm_up``: run one
+    request at start-up (:meth:`DiffusionPipeline.warm_up`), not at the first client's."""
+    if diffusion_family(path) == "z-image":
         from .zimage_loader import load_zimage
 
-        return DiffusionPipeline(
-            load_zimage(path, device=device, load_format=load_format),
-            max_rows=max_rows,
-            media_workers=MEDIA_WORKERS,
-        )
-    from .wan_loader import load_wan
+        denoiser: Any = load_zimage(path, device=device, load_format=load_format)
+    else:
+        from .wan_loader import load_wan
 
-    return DiffusionPipeline(
-        load_wan(path, device=device, load_format=load_format), max_rows=max_rows, media_workers=MEDIA_WORKERS
-    )
+        denoiser = load_wan(path, device=device, load_format=load_format)
+    return _served(DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS), warm_up)
+
+
+def _served(pipeline: DiffusionPipeline, warm_up: bool) -> DiffusionPipeline:
+    if warm_up:
+        pipeline.warm_up()
+    return pipeline
 
 
 def build_image_pipeline(
-    model: str | None, *, device: str = "cpu", load_format: str = "auto", max_rows: int = 8
+    model: str | None,
+    *,
+    device: str = "cpu",
+    load_format: str = "auto",
+    max_rows: int = 8,
+    warm_up: bool = True,
 ) -> DiffusionPipeline:
     """The image pipeline of ``model``: None or ``"demo"`` for the embedded tiny Z-Image (random
     weights, built into the cache on first use), else a path as :func:`build_diffusion_pipeline`."""
     if model in (None, "", "demo"):
-        return _embedded_image(device, max_rows)
+        return _served(_embedded_image(device, max_rows), warm_up)
     path = Path(model).expanduser()  # type: ignore[arg-type]
     if not path.exists():
         raise ValueError(f"image model {model!r}: no such file or folder (nothing is downloaded)")
-    pipeline = build_diffusion_pipeline(path, device=device, load_format=load_format, max_rows=max_rows)
+    pipeline = build_diffusion_pipeline(
+        path, device=device, load_format=load_format, max_rows=max_rows, warm_up=warm_up
+    )
     if pipeline.kind != "image":
         raise ValueError(f"image model {model!r}: {pipeline.info.id} makes {pipeline.kind}s")
     return pipeline
@@ -106,7 +115,9 @@ def _embedded_image(device: str, max_rows: int) -> DiffusionPipeline:
     return DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS)
 
 
-def build_embedded_diffusion_pipelines(*, device: str, max_rows: int = 4) -> list[DiffusionPipeline]:
+def build_embedded_diffusion_pipelines(
+    *, device: str, max_rows: int = 4, warm_up: bool = True
+) -> list[DiffusionPipeline]:
     """The embedded default's image and video pipelines: tiny Z-Image and Wan, random weights."""
     from .wan_demo import ensure_wan_demo
     from .wan_loader import load_wan
@@ -123,4 +134,4 @@ def build_embedded_diffusion_pipelines(*, device: str, max_rows: int = 4) -> lis
         image.info.id,
         video.info.id,
     )
-    return [image, video]
+    return [_served(image, warm_up), _served(video, warm_up)]

@@ -202,3 +202,15 @@ def test_a_realtime_tick_never_waits_behind_more_than_one_transformer_call(
         assert max(frames.lateness) < 1e-9  # a 30 ms call fits the 70 ms between frames
     else:
         assert max(frames.lateness) > 0.1  # a 200 ms call never fits: it runs when starved
+
+
+def test_warm_up_runs_every_kind_of_call_once_and_leaves_the_pipeline_idle(denoiser: ZImageDenoiser) -> None:
+    p = DiffusionPipeline(denoiser, media_workers=2)
+    assert p.warm_up() > 0
+    assert not p.has_work() and not p.media.busy() and p.rows_in_use() == 0
+    called = {name for name, _ in p.calls}
+    assert {"text_encoder", "transformer", "vae"} <= called, called
+    request = _request("after", seed=3)
+    p.add(request, p.prepare(request))
+    with pytest.raises(RuntimeError, match="idle pipeline"):
+        p.warm_up()
