@@ -171,6 +171,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
     from omnirt.stages.factory import build_pipelines
 
     from .app import create_app
+    from .graceful import GracefulServer
 
     try:
         pipelines = build_pipelines(
@@ -218,7 +219,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
         weights = ", RANDOM weights" if model.random_weights else ""
         log.info("%s pipeline: %s (%s, from %s%s)", kind, model.id, model.architecture, model.source, weights)
     app = create_app(EngineClient(engine), config)
-    server = uvicorn.Server(
+    server = GracefulServer(
         uvicorn.Config(
             app,
             host=config.host,
@@ -227,7 +228,8 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             ws_max_size=ws_max_size(config),
             ws_per_message_deflate=WS_PER_MESSAGE_DEFLATE,
             lifespan="on",
-        )
+        ),
+        app,
     )
     try:
         server.run()

@@ -72,5 +72,17 @@ class ServerConfig:
     max_video_jobs: int = 64
     max_video_store_bytes: int = 1 << 30
     video_job_ttl_seconds: float = 3600.0
+    #: Server events queued for one realtime connection and not yet taken by its socket (bytes of
+    #: JSON). A client that reads more slowly than the session produces (or not at all) and falls
+    #: this far behind has its responses cancelled and is closed with 1008 (``docs/realtime.md``).
+    #: 8 MiB: about two minutes of base64 24 kHz audio deltas.
+    max_send_queue_bytes: int = 8 * 1024 * 1024
+    #: Realtime conversation caps: items held, and bytes held (text, audio, images); over
+    #: either, ``conversation.item.create`` and commits get ``conversation_limit_exceeded``.
+    max_conversation_items: int = 1000
+    max_conversation_bytes: int = 64 * 1024 * 1024
+    #: On shutdown (SIGTERM), how long realtime connections get to end their streaming responses
+    #: with ``response.done`` and close with 1012 before the server closes them anyway.
+    shutdown_grace_seconds: float = 5.0
     #: Long generations log their progress at most this often (seconds).
     progress_log_seconds: float = 10.0

@@ -10,6 +10,13 @@ server VAD, OpenAI's default). ``?turn=push_to_talk`` opens a push-to-talk sessi
 client asking for the beta protocol (``OpenAI-Beta: realtime=v1``; :mod:`.protocol.beta`) gets it
 by translation here, at the edge: its events are made GA before they are parsed, the session's GA
 events beta before they are sent.
+
+Backpressure: the frames waiting for the socket are counted in bytes; a client that falls
+``max_send_queue_bytes`` behind (it reads more slowly than its session produces, or not at all)
+has its responses cancelled and its queue dropped, and is closed with 1008 (policy violation: the
+client's doing, not the server's load). On shutdown (:meth:`RealtimeService.shutdown`) each
+connection's streaming responses end with ``response.done`` (``cancelled``) before it closes
+with 1012 (service restart).
 """
 
 from __future__ import annotations
@@ -43,12 +50,15 @@ log = logging.getLogger(__name__)
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # session lifetime over
-CLOSE_POLICY = 1008  # asked for something this server does not serve (duplex)
+CLOSE_POLICY = 1008  # asked for something this server does not serve (duplex); fell too far behind
+CLOSE_SERVICE_RESTART = 1012  # the server is shutting down
 CLOSE_TRY_LATER = 1013  # max sessions reached
 CLOSE_UNAUTHORIZED = 3000
 
 #: Client frames larger than this are parsed and decoded in a worker thread.
 OFFLOAD_FRAME_CHARS = 256 * 1024
+#: How long a close frame may wait for a client that is not reading before the socket is dropped.
+CLOSE_WAIT_SECONDS = 2.0
 #: Values of the ``turn`` query parameter (extension): ``push_to_talk`` marks the session.
 TURN_MODES = ("manual", "push_to_talk")
 
@@ -71,6 +81,8 @@ class RealtimeService:
             max_vad_backlog_ms=config.max_vad_backlog_ms,
             max_images=config.max_images_per_session,
             max_image_bytes=config.max_image_bytes,
+            max_items=config.max_conversation_items,
+            max_conversation_bytes=config.max_conversation_bytes,
         )
         #: Server VAD for every session (None: sessions asking for it get
         #: ``server_vad_initialization_failed``).
@@ -78,6 +90,25 @@ class RealtimeService:
         self.events_received = 0
         self.events_sent = 0
         self.errors_sent = 0
+        #: Connections closed for falling ``max_send_queue_bytes`` behind.
+        self.slow_clients_closed = 0
+        self.connections: set[Connection] = set()
+        self.shutting_down = False
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """End every connection: its streaming responses get ``response.done`` (``cancelled``),
+        then it closes with 1012. Waits for them up to ``timeout`` (default
+        ``shutdown_grace_seconds``); new connections are refused meanwhile (1012)."""
+        self.shutting_down = True
+        connections = list(self.connections)
+        if not connections:
+            return
+        log.info("shutting down: closing %d realtime session(s)", len(connections))
+        tasks = [c.stop_for_shutdown() for c in connections]
+        done = [t for t in tasks if t is not None]
+        if done:
+            grace = self.config.shutdown_grace_seconds if timeout is None else timeout
+            await asyncio.wait(done, timeout=grace)
 
     @property
     def vad_stats(self) -> VadStats:
@@ -115,6 +146,10 @@ class RealtimeService:
                 CLOSE_POLICY,
             )
             return
+        if self.shutting_down:
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+                await websocket.close(CLOSE_SERVICE_RESTART)
+            return
         lease = self.sessions.admit()
         if lease is None:
             await self._refuse(
@@ -135,9 +170,11 @@ class RealtimeService:
                 " (beta protocol)" if beta else "",
                 self.active_sessions,
             )
+            self.connections.add(connection)
             try:
                 await connection.run()
             finally:
+                self.connections.discard(connection)
                 log.info("realtime session %s ended", connection.session.id)
 
     async def _refuse(
@@ -173,6 +210,14 @@ class Connection:
         self._to_beta = server_event_to_beta if beta else None
         #: Serialized frames to send, each with whether it is an error event (for the counters).
         self.outbox: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()
+        #: Bytes (characters) of the frames in ``outbox`` and the one being sent; over
+        #: ``max_send_queue_bytes`` the client is closed (:meth:`_fell_behind`).
+        self.queued_bytes = 0
+        self._max_queued = service.config.max_send_queue_bytes
+        #: Why the reader was stopped from outside: "writer", "idle", "behind" or "shutdown".
+        self._stopped: str | None = None
+        self._reader: asyncio.Task[Any] | None = None
+        self._run_task: asyncio.Task[Any] | None = None
         self.session = RealtimeSession(
             service.client,
             model=service.model,
@@ -205,7 +250,40 @@ class Connection:
                 type="server_error",
             )
             frame = dumps(event)
+        if self._stopped == "behind":  # being closed: nothing more is queued
+            return
+        self.queued_bytes += len(frame)
+        if self.queued_bytes > self._max_queued:
+            self._fell_behind()
+            return
         self.outbox.put_nowait((frame, event["type"] == "error"))
+
+    def _fell_behind(self) -> None:
+        """The client is ``max_send_queue_bytes`` behind: drop what is queued and stop the reader;
+        :meth:`run` cancels the responses and closes with 1008."""
+        log.warning(
+            "session %s: client fell %d bytes behind (limit %d); closing it",
+            self.session.id,
+            self.queued_bytes,
+            self._max_queued,
+        )
+        self.service.slow_clients_closed += 1
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        self.queued_bytes = 0
+        self._stop("behind")
+
+    def _stop(self, reason: str) -> None:
+        """Stop the reader (once) for ``reason``; :meth:`_read` tells it apart from others."""
+        if self._stopped is None:
+            self._stopped = reason
+            if self._reader is not None:
+                self._reader.cancel()
+
+    def stop_for_shutdown(self) -> asyncio.Task[Any] | None:
+        """Begin closing for a server shutdown; returns the connection's task to wait for."""
+        self._stop("shutdown")
+        return self._run_task
 
     def _send_error(
         self,
@@ -235,11 +313,13 @@ class Connection:
                 return
             frame, is_error = item
             await self.ws.send_text(frame)
+            self.queued_bytes -= len(frame)
             service.events_sent += 1
             service.errors_sent += is_error
 
     # -- the connection ----------------------------------------------------------------------
     async def run(self) -> None:
+        self._run_task = asyncio.current_task()
         writer = asyncio.create_task(self._writer(), name=f"writer {self.session.id}")
         close_code: int | None = None
         try:
@@ -254,17 +334,33 @@ class Connection:
                     f"{self.service.config.max_session_seconds:g} seconds.",
                 )
                 close_code = CLOSE_GOING_AWAY
-            await self.session.close(notify=close_code == CLOSE_NORMAL)
-            if close_code is not None:
+            # Responses still streaming end with response.done (cancelled); on shutdown without a
+            # reason (neither of OpenAI's, turn_detected and client_cancelled, is what happened).
+            await self.session.close(
+                notify=close_code == CLOSE_NORMAL,
+                reason=None if close_code == CLOSE_SERVICE_RESTART else "client_cancelled",
+            )
+            if close_code == CLOSE_POLICY:  # fell behind: nothing more is sent but the close
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await writer
+                await self._close(close_code, f"client fell over {self._max_queued} bytes behind")
+            elif close_code is not None:
                 await self._drain(writer)
-                with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
-                    await self.ws.close(close_code)
+                await self._close(close_code)
         finally:
             if not self.session.closed:
                 await self.session.close(notify=False)
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await writer
+
+    async def _close(self, code: int, reason: str = "") -> None:
+        """Send the close frame; a client that does not read within ``CLOSE_WAIT_SECONDS`` is left
+        to the server, which drops the socket when the handler returns."""
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError, TimeoutError):
+            async with asyncio.timeout(CLOSE_WAIT_SECONDS):
+                await self.ws.close(code, reason)
 
     async def _drain(self, writer: asyncio.Task[None]) -> None:
         self.outbox.put_nowait(None)
@@ -292,28 +388,25 @@ class Connection:
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         assert me is not None
-        stopped: list[str] = []  # why this task cancelled itself: "writer" or "idle"
+        self._reader = me
         last = loop.time()
 
-        def stop(reason: str) -> None:
-            if not stopped:
-                stopped.append(reason)
-                me.cancel()
-
         def on_writer_done(_: object) -> None:
-            stop("writer")
+            self._stop("writer")
 
         def check_idle() -> None:
             nonlocal idle_timer
             due = last + idle  # type: ignore[operator]
             if loop.time() >= due:
-                stop("idle")
+                self._stop("idle")
             else:
                 idle_timer = loop.call_at(due, check_idle)
 
         idle_timer = loop.call_at(last + idle, check_idle) if idle is not None else None
         writer.add_done_callback(on_writer_done)
         try:
+            if self._stopped is not None:  # stopped before reading began
+                raise asyncio.CancelledError
             while True:
                 message = await self.ws.receive()
                 last = loop.time()
@@ -349,16 +442,22 @@ class Connection:
                         type="server_error",
                     )
         except asyncio.CancelledError:
-            # Ours (the writer ended or the idle limit) unless someone else cancelled us too.
-            if not stopped or me.uncancel() > 0:
+            # Ours (see _stop) unless someone else cancelled us too.
+            stopped = self._stopped
+            if stopped is None or me.uncancel() > 0:
                 raise
-            if stopped[0] == "writer":  # the client is gone
+            if stopped == "writer":  # the client is gone
                 return None
+            if stopped == "behind":
+                return CLOSE_POLICY
+            if stopped == "shutdown":
+                return CLOSE_SERVICE_RESTART
             self._send_error(
                 ErrorCode.IDLE_TIMEOUT, f"No client event for {idle:g} seconds; closing the session."
             )
             return CLOSE_GOING_AWAY
         finally:
+            self._reader = None
             writer.remove_done_callback(on_writer_done)
             if idle_timer is not None:
                 idle_timer.cancel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .errors import ErrorCode, SessionError
-from .items import Item
+from .items import Item, item_bytes
 
 #: ``previous_item_id`` that places an item at the very beginning.
 ROOT = "root"
@@ -24,6 +24,12 @@ class Conversation:
 
     def __contains__(self, item_id: str) -> bool:
         return any(i.id == item_id for i in self._items)
+
+    @property
+    def bytes_held(self) -> int:
+        """What the items hold (:func:`~.items.item_bytes`), computed now (reply audio grows and
+        truncation shrinks items after they are added)."""
+        return sum(item_bytes(i) for i in self._items)
 
     @property
     def last_id(self) -> str | None:

@@ -45,6 +45,7 @@ class ErrorCode(StrEnum):
     UNSUPPORTED = "unsupported"
     SERVER_VAD_INIT_FAILED = "server_vad_initialization_failed"
     IMAGE_LIMIT = "image_limit_exceeded"
+    CONVERSATION_LIMIT = "conversation_limit_exceeded"
     IDLE_TIMEOUT = "session_idle_timeout"
 
 

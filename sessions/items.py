@@ -117,3 +117,24 @@ class FunctionCallOutputItem:
 
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+def content_bytes(part: Content) -> int:
+    """What a content part holds, for the conversation's byte cap: characters of text, bytes of
+    audio (as stored: float32 user audio, int16 reply audio) and of images (decoded and URL)."""
+    if isinstance(part, InputText | OutputText):
+        return len(part.text)
+    if isinstance(part, InputAudio):
+        return part.audio.nbytes + len(part.transcript or "")
+    if isinstance(part, InputImage):
+        return len(part.data) + len(part.url)
+    return part.samples * 2 + len(part.transcript)
+
+
+def item_bytes(item: Item) -> int:
+    """What an item holds (:func:`content_bytes` of its parts; a call's name, arguments, output)."""
+    if isinstance(item, MessageItem):
+        return sum(content_bytes(c) for c in item.content)
+    if isinstance(item, FunctionCallItem):
+        return len(item.name) + len(item.arguments) + len(item.call_id)
+    return len(item.output) + len(item.call_id)

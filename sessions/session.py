@@ -52,8 +52,9 @@ from .items import (
     Item,
     MessageItem,
     OutputAudio,
+    item_bytes,
 )
-from .response import Response, ResponseOptions
+from .response import Response, ResponseOptions, StatusReason
 from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
 from .tools import realtime_tools
@@ -159,10 +160,11 @@ class RealtimeSession:
             vad_settings(turn_detection), self.vad, base_sample=self.input.end, on_signal=self._on_signal
         )
 
-    async def close(self, *, notify: bool) -> None:
-        """Cancel everything in flight; with ``notify``, end with ``session.closed``."""
+    async def close(self, *, notify: bool, reason: StatusReason | None = "client_cancelled") -> None:
+        """Cancel everything in flight (responses end ``cancelled`` with ``reason``; ``None``: no
+        reason, as on a server shutdown); with ``notify``, end with ``session.closed``."""
         for run in list(self.runs.values()):
-            run.cancel()
+            run.cancel(reason)
         for transcription in list(self.transcriptions.values()):
             transcription.cancel()
         self.turns.close()
@@ -191,6 +193,8 @@ class RealtimeSession:
             self.input.drop_before(self.input.ms_to_sample(keep_ms))
 
     def commit_audio(self) -> MessageItem:
+        # float32 as stored: twice the buffer's PCM16 bytes.
+        self._check_room(1, 2 * self.input.held_bytes, None)
         audio = self.input.commit()
         self.turns.reset()
         item_id = self._speech[0] if self._speech is not None else self.new_id("item")
@@ -255,6 +259,8 @@ class RealtimeSession:
             self._speech = None
             self._emit(SpeechStopped(signal.audio_ms, item_id))
             audio = self.input.take(start, self.input.ms_to_sample(signal.audio_ms))
+            if not self._room_for_turn(audio):
+                return
             item = self._add_user_audio(item_id, audio)
             try:
                 if settings.create_response and self.active is None:
@@ -273,11 +279,23 @@ class RealtimeSession:
             audio = self.input.take(
                 self.input.ms_to_sample(start_ms), self.input.ms_to_sample(signal.audio_ms)
             )
+            if not self._room_for_turn(audio):
+                return
             item = self._add_user_audio(item_id, audio)
             try:
                 self._respond_to_turn()
             finally:
                 self._transcribe(item)
+
+    def _room_for_turn(self, audio: Any) -> bool:
+        """Whether server VAD's turn fits the conversation caps; if not, the turn's audio is
+        dropped and the client told (``conversation_limit_exceeded``), as a commit would be."""
+        try:
+            self._check_room(1, audio.nbytes, None)
+        except SessionError as exc:
+            self._emit(ErrorReported(exc.code, exc.message, exc.param, exc.type))
+            return False
+        return True
 
     def _respond_to_turn(self) -> None:
         """The response server VAD creates; one the session's settings refuse (a ``tool_choice``
@@ -290,6 +308,7 @@ class RealtimeSession:
 
     # -- items -------------------------------------------------------------------------------
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
+        self._check_room(1, item_bytes(item), "item")
         self._check_images([item], "item")
         self._check_call_outputs([("item.call_id", item)])
         previous = self.conversation.insert(item, previous_item_id)
@@ -387,6 +406,27 @@ class RealtimeSession:
                     param,
                 )
 
+    def _check_room(self, items: int, size: int, param: str | None) -> None:
+        """The conversation caps (``max_items``, ``max_conversation_bytes``): raises
+        ``conversation_limit_exceeded`` when adding ``items`` holding ``size`` would pass one."""
+        limits = self.limits
+        held = len(self.conversation)
+        if held + items > limits.max_items:
+            raise SessionError(
+                ErrorCode.CONVERSATION_LIMIT,
+                f"The conversation holds {held} items, this server's limit is {limits.max_items} "
+                "(delete some items first).",
+                param,
+            )
+        held_bytes = self.conversation.bytes_held
+        if held_bytes + size > limits.max_conversation_bytes:
+            raise SessionError(
+                ErrorCode.CONVERSATION_LIMIT,
+                f"The conversation would hold {held_bytes + size} bytes of text, audio and images; "
+                f"this server's limit is {limits.max_conversation_bytes} (delete some items first).",
+                param,
+            )
+
     def _check_images(self, items: Iterable[Item], param: str) -> None:
         def images(its: Iterable[Item]) -> list[InputImage]:
             return [
@@ -421,6 +461,8 @@ class RealtimeSession:
                 f"Conversation already has an active response in progress: {self.active.id}. "
                 "Wait until the response is finished before creating a new one.",
             )
+        if in_conversation:  # its output items join the conversation
+            self._check_room(1, 0, None)
         if options.voice:
             self.limits.voices.resolve(options.voice, "response.audio.output.voice")
         cfg = self.config

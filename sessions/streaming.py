@@ -142,8 +142,9 @@ class ResponseRun:
             return
         self.task = asyncio.get_running_loop().create_task(self._pump(), name=f"response {self.id}")
 
-    def cancel(self, reason: StatusReason = "client_cancelled") -> None:
-        """Stop generating now; ``response.done`` (cancelled) is emitted before this returns."""
+    def cancel(self, reason: StatusReason | None = "client_cancelled") -> None:
+        """Stop generating now; ``response.done`` (cancelled, with ``reason`` unless None) is
+        emitted before this returns."""
         if self.finished:
             return
         usage = Usage()
@@ -245,7 +246,7 @@ class ResponseRun:
             self._emit(ItemDone(item, self._conversation.previous_id(item.id)))
 
     # -- the end -----------------------------------------------------------------------------
-    def _finish(self, finished: Finished, cancel_reason: StatusReason = "client_cancelled") -> None:
+    def _finish(self, finished: Finished, cancel_reason: StatusReason | None = "client_cancelled") -> None:
         if self.finished:
             return
         self.finished = True

@@ -17,6 +17,7 @@ import httpx
 import uvicorn
 from omnirt.realtime import cli
 from omnirt.realtime.config import ServerConfig
+from omnirt.realtime.graceful import GracefulServer
 
 
 def free_port() -> int:
@@ -36,6 +37,26 @@ def serve(
     """Serve ``app`` on a free loopback port in a thread; yields ``http://127.0.0.1:PORT``.
 
     permessage-deflate is off by default, as ``omnirt serve`` runs (realtime/cli.py)."""
+    with serve_server(
+        app,
+        ws_max_size=ws_max_size,
+        ws_per_message_deflate=ws_per_message_deflate,
+        start_timeout=start_timeout,
+    ) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def serve_server(
+    app,
+    *,
+    ws_max_size: int = cli.ws_max_size(ServerConfig()),
+    ws_per_message_deflate: bool = cli.WS_PER_MESSAGE_DEFLATE,
+    start_timeout: float = 30,
+) -> Iterator[tuple[str, uvicorn.Server]]:
+    """As :func:`serve`, also yielding the uvicorn server (``omnirt serve``'s
+    :class:`~omnirt.realtime.graceful.GracefulServer` for an app with a realtime service), so a
+    test can stop it as SIGTERM does (``server.handle_exit(signal.SIGTERM, None)``)."""
     port = free_port()
     config = uvicorn.Config(
         app,
@@ -46,7 +67,8 @@ def serve(
         ws_per_message_deflate=ws_per_message_deflate,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    has_realtime = getattr(getattr(app, "state", None), "realtime", None) is not None
+    server = GracefulServer(config, app) if has_realtime else uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
@@ -55,7 +77,7 @@ def serve(
             raise RuntimeError("test server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(30)

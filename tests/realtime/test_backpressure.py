@@ -1,0 +1,233 @@
+"""Slow clients, conversation caps and shutdown (issue 16): one session can never hurt another.
+
+A client that stops reading while its response streams is closed (1008) once its send queue
+passes ``max_send_queue_bytes``, its response cancelled, while a second session on the same server
+completes its turn; a conversation over ``max_conversation_items`` / ``max_conversation_bytes``
+refuses more items with ``conversation_limit_exceeded`` and is unchanged; a server stopping (as on
+SIGTERM) ends a streaming response with ``response.done`` before closing with 1012.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import websockets
+from omnirt.realtime.app import create_app
+from omnirt.realtime.config import ServerConfig
+from omnirt.stages.engine import Engine, EngineClient
+
+from tests.server import serve_server
+
+from .conftest import (
+    MAX_FRAME,
+    Client,
+    RecordingPipeline,
+    Server,
+    connect,
+    pcm_b64,
+    run,
+    running,
+    text_item,
+)
+
+#: A reply of ~500 words: with audio, ~40 s of it (~2.6 MB of deltas), in ~2.5 s of engine time.
+LONG = " ".join(f"w{i}" for i in range(500))
+BOUND = 128 * 1024
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[Server]:
+    with running(ServerConfig(max_send_queue_bytes=BOUND, max_sessions=4)) as s:
+        yield s
+
+
+@contextlib.asynccontextmanager
+async def slow_client(server: Server):  # type: ignore[no-untyped-def]
+    """A raw client that reads nothing it is not asked to: a 4 KiB socket receive buffer and room
+    for one frame in the library, so the server's socket backs up as soon as it stops reading."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    port = int(server.base_url.rsplit(":", 1)[1])
+    sock.connect(("127.0.0.1", port))
+    async with websockets.connect(server.ws_url, sock=sock, max_queue=1, max_size=MAX_FRAME) as ws:
+        client = Client(ws)
+        assert (await client.recv())["type"] == "session.created"
+        await client.send(
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+            }
+        )
+        assert (await client.recv())["type"] == "session.updated"
+        yield client
+
+
+async def start_long_responses(client: Client) -> list[str]:
+    """The long reply, in band and three times out of band at once: ~10 MB of events, more than
+    loopback's socket buffers absorb (the kernel grows a send buffer up to 4 MiB)."""
+    await client.send({"type": "conversation.item.create", "item": text_item(LONG)})
+    await client.send({"type": "response.create"})
+    for _ in range(3):
+        await client.send({"type": "response.create", "response": {"conversation": "none"}})
+    ids: list[str] = []
+    while len(ids) < 4:
+        event = await client.recv()
+        if event["type"] == "response.created":
+            ids.append(event["response"]["id"])
+    return ids
+
+
+async def text_turn(server: Server) -> dict:
+    async with connect(server, manual=True) as c:
+        await c.send({"type": "conversation.item.create", "item": text_item("hello there")})
+        await c.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+        return (await c.until("response.done"))[-1]["response"]
+
+
+async def wait_for(predicate, timeout: float) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_a_client_that_stops_reading_is_closed_with_1008(bounded: Server) -> None:
+    """The slow client reads up to response.created, then nothing: within seconds the server has
+    cancelled its response (the engine drops it) and counted it closed, while a second session's
+    turn completes. Reading again, the client gets what was already in the socket and then the
+    close: 1008, reason naming the limit."""
+    service, pipeline = bounded.service, bounded.pipeline
+    before = service.slow_clients_closed
+
+    async def main() -> tuple[float, dict, int | None, str]:
+        async with slow_client(bounded) as slow:
+            response_ids = await start_long_responses(slow)
+            other = asyncio.create_task(text_turn(bounded))
+            waited = await wait_for(lambda: service.slow_clients_closed > before, 10)
+            done = await other
+            # Cancelled, not left generating (the engine removes a request only when cancelled).
+            assert set(response_ids) <= set(pipeline.removed)
+            code = await slow.closed(timeout=10)
+            return waited, done, code, slow.ws.close_reason
+
+    waited, done, code, reason = run(main())
+    assert waited < 5
+    assert done["status"] == "completed"
+    assert code == 1008 and str(BOUND) in reason and "behind" in reason
+
+
+def test_a_client_that_never_reads_again_is_dropped(bounded: Server) -> None:
+    """Not reading at all after response.created: the server ends the session in bounded time
+    (close wait included) and the engine holds nothing for it."""
+    service = bounded.service
+
+    async def main() -> float:
+        async with slow_client(bounded) as slow:
+            base = service.active_sessions
+            await start_long_responses(slow)
+            t = await wait_for(lambda: service.active_sessions < base, 10)
+            assert not bounded.pipeline.active
+            slow.ws.transport.abort()
+            return t
+
+    assert run(main()) < 8
+
+
+def test_well_behaved_long_response_is_not_cut(bounded: Server) -> None:
+    """A client reading as it goes gets the whole long reply under the same small bound."""
+
+    async def main() -> dict:
+        async with connect(bounded, manual=True) as c:
+            await c.send({"type": "conversation.item.create", "item": text_item(LONG)})
+            await c.send({"type": "response.create"})
+            return (await c.until("response.done", timeout=30))[-1]["response"]
+
+    response = run(main())
+    assert response["status"] in ("completed", "incomplete")
+
+
+# -- conversation caps ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def capped() -> Iterator[Server]:
+    with running(ServerConfig(max_conversation_items=3, max_conversation_bytes=48_000)) as s:
+        yield s
+
+
+def test_conversation_caps(capped: Server) -> None:
+    """Three items fit; a fourth (create or commit) gets conversation_limit_exceeded; an item that
+    would pass 48 000 bytes too; in-band response.create at the cap too. Nothing changes: the
+    conversation still lists its three items, the input buffer still commits once room is made."""
+
+    async def main() -> tuple[list[dict], list[str]]:
+        async with connect(capped, manual=True) as c:
+            for i in range(2):
+                await c.send({"type": "conversation.item.create", "item": text_item("hi", f"it{i}")})
+                await c.until("conversation.item.done")
+            await c.send(
+                {"type": "conversation.item.create", "item": text_item("x" * 50_000), "event_id": "evt_big"}
+            )
+            errors = [await c.error()]
+            await c.send({"type": "conversation.item.create", "item": text_item("hi", "it2")})
+            await c.until("conversation.item.done")
+            await c.send(
+                {"type": "conversation.item.create", "item": text_item("more"), "event_id": "evt_item"}
+            )
+            errors.append(await c.error())
+            await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(200)})
+            await c.send({"type": "input_audio_buffer.commit", "event_id": "evt_commit"})
+            errors.append(await c.error())
+            await c.send({"type": "response.create", "event_id": "evt_resp"})
+            errors.append(await c.error())
+            await c.send({"type": "conversation.item.delete", "item_id": "it0"})
+            await c.until("conversation.item.deleted")
+            await c.send({"type": "input_audio_buffer.commit"})  # the buffer was kept
+            committed = await c.until("conversation.item.done")
+            ids = [e["item"]["id"] for e in committed if e["type"] == "conversation.item.done"]
+            return errors, ["it1", "it2", *ids]
+
+    errors, ids = run(main())
+    assert [(e["code"], e["event_id"]) for e in errors] == [
+        ("conversation_limit_exceeded", "evt_big"),
+        ("conversation_limit_exceeded", "evt_item"),
+        ("conversation_limit_exceeded", "evt_commit"),
+        ("conversation_limit_exceeded", "evt_resp"),
+    ]
+    assert "48000" in errors[0]["message"] and errors[0]["param"] == "item"
+    assert "3" in errors[1]["message"]
+    assert len(ids) == 3
+
+
+# -- graceful shutdown -----------------------------------------------------------------------
+def test_shutdown_ends_the_streaming_response_before_closing_with_1012() -> None:
+    """The server stopped as SIGTERM stops it, mid-response: the client gets response.done
+    (cancelled, no reason) and its item's done events, then the close frame with 1012; an idle
+    session on the same server is closed with 1012 too."""
+    pipeline = RecordingPipeline(step_seconds=0.02)
+    app = create_app(EngineClient(Engine(pipeline)), ServerConfig())
+    with serve_server(app) as (base_url, uvicorn_server):
+        server = Server(base_url, app.state.client.engine, pipeline, app.state.realtime, app.state.config)
+
+        async def main() -> tuple[list[dict], int | None, int | None]:
+            async with connect(server, manual=True) as c, connect(server) as idle:
+                await c.send({"type": "conversation.item.create", "item": text_item(LONG)})
+                await c.send({"type": "response.create"})
+                await c.until("response.output_audio.delta")
+                uvicorn_server.handle_exit(signal.SIGTERM, None)
+                start = len(c.events)
+                code = await c.closed(timeout=10)
+                return c.events[start:], code, await idle.closed(timeout=10)
+
+        events, code, idle_code = run(main())
+    types = [e["type"] for e in events]
+    assert "response.done" in types
+    done = events[types.index("response.done")]["response"]
+    assert done["status"] == "cancelled" and done["status_details"] == {"type": "cancelled"}
+    assert types[-1] == "response.done"
+    assert code == 1012 and idle_code == 1012
