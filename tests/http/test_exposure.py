@@ -5,52 +5,19 @@ take only JSON. Each through a real server on loopback."""
 from __future__ import annotations
 
 import base64
-import dataclasses
-import io
 import json
-from typing import Any
 
 import httpx
 import openai
 import pytest
 from omnirt.realtime.config import ServerConfig
-from omnirt.stages.pipeline import RequestRejected
-from omnirt.stages.types import GenerationRequest, ImagePart
-from PIL import Image, UnidentifiedImageError
 
-from tests.fakes import EchoPipeline
+from tests.leaky import LeakyPipeline, assert_nothing_internal
 from tests.server import free_port
 
 from .conftest import MODEL, Server, run, running, running_media, user
 
-SECRET_DIR = "/home/alice/private-models/tiny-omni"
 CHAT = {"model": MODEL, "messages": user("hi")}
-
-
-class LeakyPipeline(EchoPipeline):
-    """EchoPipeline loaded from a private folder that decodes images with PIL as the speech
-    prompt does (``stages.speech.prompt``), passing PIL's message on: a repr with a heap address."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.info = dataclasses.replace(self.info, source=SECRET_DIR)
-
-    def prepare(self, request: GenerationRequest) -> Any:
-        for message in request.messages:
-            for part in message.parts:
-                if isinstance(part, ImagePart):
-                    try:
-                        Image.open(io.BytesIO(part.data)).load()
-                    except (UnidentifiedImageError, OSError, ValueError) as exc:
-                        raise RequestRejected(
-                            f"image 1 of {SECRET_DIR} could not be decoded: {exc}"
-                        ) from None
-        return super().prepare(request)
-
-
-def _assert_nothing_internal(text: str) -> None:
-    assert "/home/alice" not in text and "private-models" not in text, text
-    assert "0x" not in text and " object at " not in text, text
 
 
 def test_metrics_take_the_api_key_when_keys_are_set() -> None:
@@ -97,7 +64,7 @@ def test_model_source_path_stays_out_of_models_health_and_metrics() -> None:
     assert card["source"] == "tiny-omni"  # the folder's name only
     assert 'source="tiny-omni"' in bodies[3]
     for text in bodies:
-        _assert_nothing_internal(text)
+        assert_nothing_internal(text)
 
 
 def test_decode_errors_carry_no_heap_address_or_path() -> None:
@@ -115,7 +82,7 @@ def test_decode_errors_carry_no_heap_address_or_path() -> None:
 
         message = run(go())
     assert "image 1 of <path> could not be decoded: cannot identify image file <object>" in message
-    _assert_nothing_internal(message)
+    assert_nothing_internal(message)
 
 
 # -- content types ------------------------------------------------------------------------------
