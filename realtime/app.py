@@ -7,6 +7,11 @@ first one, the speech model). Its
 lifespan starts the engine thread when nobody has yet (and then stops it on shutdown). The
 browser UI is served at ``/`` from the ``omnirt.web_ui`` package's ``static/`` folder when it
 exists; otherwise ``/`` answers a small JSON index of the APIs.
+
+Exposure: browsers' requests pass the Origin allow-list (:mod:`.origin`; same-origin by default)
+before any route; ``/metrics`` takes the API key when keys are set, or lives on its own listener
+(``config.metrics_host``); responses never carry filesystem paths or memory addresses
+(:mod:`.redact`).
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from .config import ServerConfig
 from .http.chat import ChatCompletions
 from .http.errors import EXCEPTION_HANDLERS
 from .http.images import ImageGenerations
-from .http.metrics import HTTPMetricsMiddleware, Metrics
+from .http.metrics import HTTPMetricsMiddleware, Metrics, start_metrics_listener
 from .http.models import Models
 from .http.videos import Videos
+from .origin import OriginGuard, OriginPolicy
 from .ws import RealtimeService
 
 log = logging.getLogger(__name__)
@@ -90,7 +96,8 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     videos = Videos(client, config)
     kinds = {p.info.id: kind for kind, p in reversed(client.engine.pipelines.items())}
     models = Models(client.infos, config, {realtime.model: realtime.limits.voices.aliases}, kinds)
-    metrics = Metrics(client.engine, lambda: realtime)
+    metrics = Metrics(client.engine, lambda: realtime, config.api_keys)
+    origins = OriginPolicy(config.allowed_origins)  # a bad origin fails here, before serving
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse(
@@ -115,7 +122,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
                     "videos": "POST|GET /v1/videos, GET|DELETE /v1/videos/{id}, GET /v1/videos/{id}/content",
                     "models": "GET /v1/models",
                     "health": "GET /health",
-                    "metrics": "GET /metrics",
+                    "metrics": "GET /metrics" if config.metrics_host is None else None,
                 },
                 "web_ui": None,
             }
@@ -123,7 +130,6 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
 
     routes: list[BaseRoute] = [
         Route("/health", health, methods=["GET"], name="health"),
-        Route("/metrics", metrics.endpoint, methods=["GET"], name="metrics"),
         Route("/v1/models", models.list, methods=["GET"], name="list_models"),
         Route("/v1/models/{model:path}", models.retrieve, methods=["GET"], name="retrieve_model"),
         Route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions"),
@@ -135,6 +141,8 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
         Route("/v1/videos/{video_id}/content", videos.content, methods=["GET"], name="video_content"),
         WebSocketRoute("/v1/realtime", realtime.handle, name="realtime"),
     ]
+    if config.metrics_host is None:
+        routes.append(Route("/metrics", metrics.endpoint, methods=["GET"], name="metrics"))
     static = web_ui_dir()
     if static is not None:
         routes.extend(web_ui_routes(static))
@@ -143,6 +151,12 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # The metrics listener first: an address that cannot be bound fails the start-up.
+        stop_metrics = (
+            start_metrics_listener(metrics, config.metrics_host) if config.metrics_host is not None else None
+        )
+        if stop_metrics is not None:
+            log.info("metrics on http://%s/metrics", config.metrics_host)
         started_here = not client.engine.running
         if started_here:
             client.engine.start()
@@ -170,10 +184,15 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
             vad.stop()  # sessions still open just stop getting VAD decisions
             if started_here:
                 await asyncio.to_thread(client.engine.stop)
+            if stop_metrics is not None:
+                await asyncio.to_thread(stop_metrics)
 
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(HTTPMetricsMiddleware, metrics=metrics)],
+        middleware=[
+            Middleware(HTTPMetricsMiddleware, metrics=metrics),
+            Middleware(OriginGuard, policy=origins),
+        ],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .config import ServerConfig
+from .config import ServerConfig, parse_host_port
 
 log = logging.getLogger("omnirt.serve")
 
@@ -76,6 +76,24 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, not {text!r}")
 
 
+def _origin(text: str) -> str:
+    from .origin import ANY_ORIGIN, normalize_origin
+
+    if text == ANY_ORIGIN or normalize_origin(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"expected an origin such as https://app.example.com (or *), not {text!r}"
+    )
+
+
+def _host_port(text: str) -> str:
+    try:
+        parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 def _model(text: str) -> str:
     if text == "demo" or Path(text).expanduser().exists():
         return text
@@ -122,6 +140,24 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"accept this API key (repeatable; also ${API_KEYS_ENV}, comma-separated). No keys: no auth",
     )
     serve.add_argument(
+        "--allowed-origin",
+        type=_origin,
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="also accept browser requests (realtime WebSocket, POST/DELETE) from this web origin, e.g. "
+        "https://app.example.com (repeatable; * for any). By default only the server's own origin (the "
+        "Host the request was sent to); requests without an Origin header (SDKs, curl) always pass",
+    )
+    serve.add_argument(
+        "--metrics-host",
+        type=_host_port,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve /metrics on this separate address instead of the API port, without a key (bind it to "
+        "a private address). By default /metrics is on the API port, behind the API key when keys are set",
+    )
+    serve.add_argument(
         "--max-sessions",
         type=_positive,
         default=ServerConfig.max_sessions,
@@ -160,6 +196,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
         voice_aliases=dict(args.voice_alias),
+        allowed_origins=list(args.allowed_origin),
+        metrics_host=args.metrics_host,
     )
 
 

@@ -16,6 +16,13 @@ class ServerConfig:
     cuda_graphs: bool = True
     #: Empty: no authentication. Otherwise a request must present one of these keys.
     api_keys: list[str] = field(default_factory=list)
+    #: Web origins (``scheme://host[:port]``) allowed besides the server's own to open realtime
+    #: sessions and send POST/DELETE requests from a browser; ``"*"``: any. ``--allowed-origin``.
+    allowed_origins: list[str] = field(default_factory=list)
+    #: ``HOST:PORT`` of a separate listener for ``/metrics`` (then not served on the API port,
+    #: and open there: bind it to a private address). ``None``: ``/metrics`` on the API port,
+    #: behind the API key when keys are set. ``--metrics-host``.
+    metrics_host: str | None = None
     #: OpenAI voice names (or any others) as aliases of the model's voices, alias -> model voice,
     #: on top of the default mapping (OpenAI's ten names onto the model's voices by index;
     #: ``omnirt.sessions.voices``). ``--voice-alias NAME=VOICE``.
@@ -86,3 +93,12 @@ class ServerConfig:
     shutdown_grace_seconds: float = 5.0
     #: Long generations log their progress at most this often (seconds).
     progress_log_seconds: float = 10.0
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9100`` for IPv6) -> (host, port); ValueError when it is not one."""
+    host, sep, port_text = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9100), not {text!r}")
+    return host, int(port_text)

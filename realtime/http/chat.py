@@ -36,6 +36,7 @@ from .access import require_api_key
 from .body import read_body
 from .chat_input import check_supported, generation_request
 from .chat_schema import ChatCompletionRequest
+from .content_type import require_json
 from .disconnect import cancel_on_disconnect
 from .errors import APIError, from_engine_error, from_validation_error, model_not_found
 
@@ -75,6 +76,7 @@ class ChatCompletions:
 
     async def create(self, request: Request) -> Response:
         require_api_key(request, self.config.api_keys)
+        require_json(request)
         body = await read_body(request, self.config.max_http_body_bytes)
         try:
             req = ChatCompletionRequest.model_validate_json(body)

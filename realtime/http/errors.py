@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..redact import public_message
+
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
@@ -24,7 +26,11 @@ SERVER_ERROR = "server_error"
 
 
 class APIError(Exception):
-    """An error answered to the client as ``status`` + the OpenAI error body."""
+    """An error answered to the client as ``status`` + the OpenAI error body.
+
+    The message is scrubbed of memory addresses and filesystem paths (:mod:`..redact`): whatever
+    exception text a handler puts in it, the client never sees the server's internals.
+    """
 
     def __init__(
         self,
@@ -36,6 +42,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = public_message(message)
         super().__init__(message)
         self.status = status
         self.message = message

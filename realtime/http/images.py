@@ -37,6 +37,7 @@ from ..config import ServerConfig
 from ..ids import new_id
 from .access import require_api_key
 from .body import read_body
+from .content_type import require_json
 from .disconnect import cancel_on_disconnect
 from .errors import APIError, from_engine_error, from_validation_error
 from .image_params import ImageGenerateBody, check_body, image_request
@@ -68,6 +69,7 @@ class ImageGenerations:
 
     async def create(self, request: Request) -> Response:
         require_api_key(request, self.config.api_keys)
+        require_json(request)
         raw = await read_body(request, self.config.max_http_body_bytes)
         try:
             body = ImageGenerateBody.model_validate_json(raw)

@@ -1,5 +1,9 @@
 """``GET /metrics``: Prometheus text format, one registry per app.
 
+On the API port it takes the API key when keys are set (``Authorization: Bearer KEY``, as
+Prometheus sends ``authorization``/``bearer_token``); ``--metrics-host HOST:PORT`` serves it on
+a listener of its own instead (:func:`start_metrics_listener`), open, for a private address.
+
 Engine and realtime numbers are read when scraped, by a custom collector, from the counters
 their owners already keep (``engine.stats``, with each pipeline's own count of batched model
 calls, and the realtime service's counters); nothing on the hot path is touched for them. HTTP
@@ -10,12 +14,19 @@ which would let clients create label values).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from omnirt.stages.engine import Engine
 from omnirt.vad.worker import LATENCY_BUCKETS
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -28,6 +39,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..config import parse_host_port
+from ..redact import public_source
+from .access import require_api_key
 
 
 class VadCounters(Protocol):
@@ -66,7 +81,7 @@ class ServerCollector(Collector):
                 {
                     "id": info.id,
                     "architecture": info.architecture,
-                    "source": info.source,
+                    "source": public_source(info.source),
                     "random_weights": str(info.random_weights).lower(),
                 },
             )
@@ -150,7 +165,14 @@ class ServerCollector(Collector):
 class Metrics:
     """The app's registry, its HTTP instruments and the ``/metrics`` endpoint."""
 
-    def __init__(self, engine: Engine, realtime: Callable[[], RealtimeCounters | None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        realtime: Callable[[], RealtimeCounters | None],
+        api_keys: Sequence[str] = (),
+    ) -> None:
+        #: Keys a scraper must present on the API port (``Authorization: Bearer KEY``); empty: open.
+        self.api_keys = list(api_keys)
         self.registry = CollectorRegistry()
         self.registry.register(ServerCollector(engine, realtime))
         self.http_requests = Counter(
@@ -168,6 +190,7 @@ class Metrics:
         )
 
     async def endpoint(self, request: Request) -> Response:
+        require_api_key(request, self.api_keys)
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -210,3 +233,17 @@ class HTTPMetricsMiddleware:
             method = scope["method"] if scope["method"] in _METHODS else "other"
             self.metrics.http_requests.labels(route, method, str(status)).inc()
             self.metrics.http_seconds.labels(route, method).observe(time.perf_counter() - t0)
+
+
+def start_metrics_listener(metrics: Metrics, host_port: str) -> Callable[[], None]:
+    """Serve ``metrics``' registry over HTTP on ``host_port`` (a thread of prometheus_client);
+    returns the function that stops it. OSError when the address cannot be bound."""
+    host, port = parse_host_port(host_port)
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+    return stop

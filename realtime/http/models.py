@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..config import ServerConfig
+from ..redact import public_source
 from .access import require_api_key
 from .errors import model_not_found
 
@@ -24,6 +25,7 @@ def model_card(
     ``random_weights`` is true for the embedded default: replies are then noise, by design.
     ``voice_aliases`` (alias -> the model's voice) are the other names a realtime session takes.
     ``kind`` is the kind of the pipeline that serves it ("speech", "image", "video", ...).
+    ``source`` is the model folder's name, never its path (which stays in the server's log).
     """
     return {
         "id": info.id,
@@ -32,7 +34,7 @@ def model_card(
         "owned_by": "omnirt",
         "kind": kind,
         "architecture": info.architecture,
-        "source": info.source,
+        "source": public_source(info.source),
         "random_weights": info.random_weights,
         "voices": list(info.voices),
         "voice_aliases": dict(voice_aliases or {}),

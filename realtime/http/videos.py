@@ -31,6 +31,7 @@ from ..config import ServerConfig
 from ..ids import new_id
 from .access import require_api_key
 from .body import read_body
+from .content_type import require_json_or_form
 from .errors import APIError, bad_request, from_engine_error
 from .media import ProgressLog, choose_model
 from .video_jobs import StoreFull, VideoJob, VideoJobStore
@@ -67,6 +68,7 @@ class Videos:
 
     async def create(self, request: Request) -> JSONResponse:
         require_api_key(request, self.config.api_keys)
+        require_json_or_form(request)
         raw = await read_body(request, self.config.max_http_body_bytes)
         body = parse_body(await read_fields(request, raw), self.config)
         probe = VideoRequest(request_id="", prompt="")

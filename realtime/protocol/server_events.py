@@ -13,6 +13,7 @@ from omnirt.sessions.config import SessionConfig
 from omnirt.sessions.response import Response
 from omnirt.stages.types import Usage
 
+from ..redact import public_message
 from .items import item_to_wire
 
 #: Every server frame stays under this (older SDKs close with 1009 above 1 MiB).
@@ -71,7 +72,11 @@ def _status_details(r: Response) -> dict[str, Any] | None:
     if r.reason is not None:
         details["reason"] = r.reason
     if r.error is not None:
-        details["error"] = {"type": r.error.type, "code": r.error.code, "message": r.error.message}
+        details["error"] = {
+            "type": r.error.type,
+            "code": r.error.code,
+            "message": public_message(r.error.message),
+        }
     return details
 
 
@@ -106,7 +111,7 @@ def error_event(
         "error": {
             "type": type,
             "code": code,
-            "message": message,
+            "message": public_message(message),
             "param": param,
             "event_id": client_event_id,
         },
@@ -304,5 +309,10 @@ def _(e: ev.InputTranscriptionFailed, c: SessionConfig) -> dict[str, Any]:
         "type": "conversation.item.input_audio_transcription.failed",
         "item_id": e.item_id,
         "content_index": e.content_index,
-        "error": {"type": error.type, "code": error.code, "message": error.message, "param": None},
+        "error": {
+            "type": error.type,
+            "code": error.code,
+            "message": public_message(error.message),
+            "param": None,
+        },
     }

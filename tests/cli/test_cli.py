@@ -29,7 +29,7 @@ def test_serve_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     options = (
         "--model --load-format --host --port --api-key --max-sessions --voice-alias --device "
-        "--no-cuda-graphs --log-level"
+        "--no-cuda-graphs --log-level --allowed-origin --metrics-host"
     )
     for option in options.split():
         assert option in out
@@ -56,6 +56,10 @@ def test_console_script_is_installed_and_answers_help() -> None:
         (["serve", "--bogus"], "unrecognized arguments: --bogus"),
         (["serve", "--voice-alias", "alloy"], "expected NAME=VOICE"),
         (["serve", "--voice-alias", "=ethan"], "expected NAME=VOICE"),
+        (["serve", "--allowed-origin", "app.example"], "expected an origin such as"),
+        (["serve", "--allowed-origin", "https://app.example/path"], "expected an origin such as"),
+        (["serve", "--metrics-host", "9100"], "expected HOST:PORT"),
+        (["serve", "--metrics-host", "127.0.0.1:99999"], "expected HOST:PORT"),
     ],
 )
 def test_argument_errors_exit_2_with_a_message(
@@ -109,6 +113,15 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     eager = config_from_args(build_parser().parse_args(["serve", "--no-cuda-graphs"]), {})
     assert not eager.cuda_graphs
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
+
+
+def test_exposure_options_reach_the_config() -> None:
+    argv = ["serve", "--allowed-origin", "https://app.example", "--allowed-origin", "*"]
+    args = build_parser().parse_args([*argv, "--metrics-host", "[::1]:9100"])
+    config = config_from_args(args, {})
+    assert config.allowed_origins == ["https://app.example", "*"] and config.metrics_host == "[::1]:9100"
+    defaults = config_from_args(build_parser().parse_args(["serve"]), {})
+    assert defaults.allowed_origins == [] and defaults.metrics_host is None
 
 
 def test_load_format_parses_and_matches_the_loader(tmp_path: Path) -> None:

@@ -1,0 +1,34 @@
+"""What the server's internals may not show a client: memory addresses and filesystem paths.
+
+Exception text reaches clients in error messages (a decoder's ``str(exc)`` often carries a repr
+such as ``<_io.BytesIO object at 0x7f...>``, a loader's a path under the operator's home);
+:func:`public_message` scrubs both at the edge, where an error becomes an HTTP body or a realtime
+event, so no layer below has to remember to. The full text stays in the server's log.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePath
+
+#: ``<... object at 0x7f3a...>`` and any other hexadecimal address of 6+ digits.
+_REPR = re.compile(r"<[^<>]{0,200}? at 0x[0-9a-fA-F]+>")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+#: An absolute POSIX path of at least two components (``/home/u/model``, ``'/tmp/x.json'``),
+#: or a Windows one. Not a URL's path (``https://host/a/b``: ``//`` is excluded) and not this
+#: server's own API paths (``/v1/...``), which error messages name.
+_POSIX_PATH = re.compile(r"(?<![\w:/.~-])(?:~|/(?!/|v1/))[\w.@+-]*(?:/[\w.@+-]+)+/?")
+_WINDOWS_PATH = re.compile(r"\b[A-Za-z]:\\[^\s'\",;]+")
+
+
+def public_message(text: str) -> str:
+    """``text`` without memory addresses or filesystem paths (each replaced by a placeholder)."""
+    text = _REPR.sub("<object>", text)
+    text = _ADDRESS.sub("<address>", text)
+    text = _WINDOWS_PATH.sub("<path>", text)
+    return _POSIX_PATH.sub("<path>", text)
+
+
+def public_source(source: str) -> str:
+    """Where a model came from, as a client may see it: the folder's name, never its full path."""
+    return PurePath(source).name or "local checkpoint"

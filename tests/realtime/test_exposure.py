@@ -1,0 +1,96 @@
+"""Exposure on the realtime WebSocket (issue 16): the Origin allow-list (same-origin by default:
+a foreign page's handshake is refused with 403 before the upgrade) and error events that carry
+no filesystem path or heap address. Real servers on loopback; every frame validated strictly."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import websockets
+from omnirt.realtime.app import create_app
+from omnirt.realtime.config import ServerConfig
+from omnirt.stages.engine import Engine, EngineClient
+
+from tests.leaky import LeakyPipeline, assert_nothing_internal
+from tests.server import serve
+
+from .conftest import Server, connect, running
+
+
+def _refused_status(server: Server, origin: str) -> int:
+    async def go() -> int:
+        with pytest.raises(websockets.InvalidStatus) as info:
+            async with websockets.connect(server.ws_url, origin=origin):  # type: ignore[arg-type]
+                pass
+        return info.value.response.status_code
+
+    return asyncio.run(go())
+
+
+def _session_opens(server: Server, origin: str | None) -> None:
+    async def go() -> None:
+        headers = {"Origin": origin} if origin else None
+        async with connect(server, headers=headers) as client:  # waits for a valid session.created
+            update = {"type": "realtime", "instructions": "x"}
+            await client.send({"type": "session.update", "session": update})
+            assert (await client.recv())["type"] == "session.updated"
+
+    asyncio.run(go())
+
+
+def test_a_foreign_page_cannot_open_a_session_but_its_own_page_and_sdks_can(server: Server) -> None:
+    for origin in ("https://evil.example", "null", "http://127.0.0.1:1", "http://localhost.evil.example"):
+        assert _refused_status(server, origin) == 403
+    _session_opens(server, server.base_url)  # the served UI's own origin: http://127.0.0.1:PORT
+    _session_opens(server, None)  # SDKs and servers send no Origin
+    assert server.service.active_sessions == 0
+
+
+@pytest.mark.parametrize("allowed", [["https://app.example"], ["*"]])
+def test_allowed_origins_open_sessions(allowed: list[str]) -> None:
+    with running(ServerConfig(allowed_origins=allowed)) as server:
+        _session_opens(server, "https://app.example")
+        if allowed == ["*"]:
+            _session_opens(server, "https://other.example")
+        else:
+            assert _refused_status(server, "https://other.example") == 403
+
+
+@contextlib.contextmanager
+def leaky_server() -> Iterator[Server]:
+    config = ServerConfig(vad_preload=False)
+    pipeline = LeakyPipeline()
+    engine = Engine(pipeline)
+    app = create_app(EngineClient(engine), config)
+    with serve(app) as base_url:
+        yield Server(base_url, engine, pipeline, app.state.realtime, config)  # type: ignore[arg-type]
+
+
+def test_a_bad_image_fails_the_response_without_paths_or_addresses() -> None:
+    garbage = "data:image/png;base64," + base64.b64encode(b"not an image at all").decode()
+    item = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": garbage}],
+    }
+
+    async def go() -> list[dict]:
+        with leaky_server() as server:
+            async with connect(server, manual=True) as client:
+                await client.send({"type": "conversation.item.create", "item": item})
+                await client.until("conversation.item.done")
+                await client.send({"type": "response.create"})
+                return await client.until("response.done")
+
+    events = asyncio.run(go())
+    done = events[-1]["response"]
+    assert done["status"] == "failed", done
+    failures = [e["error"]["message"] for e in events if e["type"] == "error"]
+    failures.append(done["status_details"]["error"]["message"])
+    assert any("cannot identify image file <object>" in m for m in failures), failures
+    for message in failures:
+        assert_nothing_internal(message)
