@@ -13,24 +13,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import string
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..speech.demo import default_cache_root
+from ..cache import MARKER, ensure_built
 
 log = logging.getLogger(__name__)
 
 WAN_DEMO_SEED = 4321
 #: Bumped whenever the recipe below changes, so an old cache is never reused.
 WAN_DEMO_VERSION = 1
-#: The marker file of a built demo folder (also holds its defaults and limits).
-MARKER = "omnirt_demo.json"
+# MARKER (``..cache``): the marker file of a built demo folder also holds its defaults and limits.
 
 #: T5's special tokens, at T5's ids.
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")
@@ -216,22 +213,7 @@ def wan_demo_cache_key(seed: int = WAN_DEMO_SEED) -> str:
 
 
 def ensure_wan_demo(cache_root: Path | None = None, *, seed: int = WAN_DEMO_SEED) -> Path:
-    """The demo Wan folder, built in the cache (``OMNIRT_CACHE``, else ``~/.cache/omnirt``) on first
-    use, atomically (build, then rename)."""
-    root = cache_root or default_cache_root()
-    target = root / f"demo-wan2.1-t2v-{wan_demo_cache_key(seed)}"
-    if (target / MARKER).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
-        build_wan_demo(tmp / "pipe", seed=seed)
-        try:
-            os.rename(tmp / "pipe", target)
-        except OSError:
-            if not (target / MARKER).is_file():
-                raise  # someone else won the race only if the target is complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("built the demo Wan2.1 T2V pipeline (random weights) at %s", target)
-    return target
+    """The demo Wan folder, built in the cache on first use (:func:`...cache.ensure_built`)."""
+    return ensure_built(
+        f"demo-wan2.1-t2v-{wan_demo_cache_key(seed)}", lambda d: build_wan_demo(d, seed=seed), cache_root
+    )

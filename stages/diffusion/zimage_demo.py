@@ -13,15 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..speech.demo import default_cache_root
+from ..cache import MARKER, ensure_built
 from ..speech.demo_tokenizer import SPECIAL_TOKENS, save_tokenizer
 
 log = logging.getLogger(__name__)
@@ -122,7 +120,7 @@ def build_tiny_zimage(directory: Path, *, seed: int = DEMO_SEED) -> None:
     )
     pipe.save_pretrained(str(directory))
     (directory / "omnirt_defaults.json").write_text(json.dumps(DEMO_DEFAULTS, indent=2) + "\n")
-    (directory / "omnirt_demo.json").write_text(
+    (directory / MARKER).write_text(
         json.dumps({"random_weights": True, "seed": seed, "version": DEMO_VERSION}) + "\n"
     )
 
@@ -145,21 +143,7 @@ def demo_cache_key(seed: int = DEMO_SEED) -> str:
 
 
 def ensure_zimage_demo(cache_root: Path | None = None, *, seed: int = DEMO_SEED) -> Path:
-    """The demo Z-Image folder, built there on first use (atomically: build, then rename)."""
-    root = cache_root or default_cache_root()
-    target = root / f"{DEMO_ID}-{demo_cache_key(seed)}"
-    if (target / "omnirt_demo.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
-        build_tiny_zimage(tmp / "model", seed=seed)
-        try:
-            os.rename(tmp / "model", target)
-        except OSError:
-            if not (target / "omnirt_demo.json").is_file():
-                raise  # someone else won the race only if the target is complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("built the demo Z-Image (random weights) at %s", target)
-    return target
+    """The demo Z-Image folder, built in the cache on first use (:func:`...cache.ensure_built`)."""
+    return ensure_built(
+        f"{DEMO_ID}-{demo_cache_key(seed)}", lambda d: build_tiny_zimage(d, seed=seed), cache_root
+    )

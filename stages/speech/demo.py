@@ -12,14 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..cache import MARKER, ensure_built
 from .demo_tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, save_tokenizer
 
 log = logging.getLogger(__name__)
@@ -192,7 +190,7 @@ def build_demo_checkpoint(directory: Path, *, seed: int = DEMO_SEED) -> None:
     model.save_pretrained(str(directory))
     WhisperFeatureExtractor(feature_size=128).save_pretrained(str(directory))
     _add_image_processor(directory)
-    (directory / "omnirt_demo.json").write_text(
+    (directory / MARKER).write_text(
         json.dumps({"random_weights": True, "seed": seed, "version": DEMO_VERSION}) + "\n"
     )
 
@@ -241,27 +239,8 @@ def demo_cache_key(seed: int = DEMO_SEED) -> str:
     return hashlib.sha256(recipe.encode()).hexdigest()[:12]
 
 
-def default_cache_root() -> Path:
-    root = os.environ.get("OMNIRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnirt")
-    return Path(root)
-
-
 def ensure_demo_checkpoint(cache_root: Path | None = None, *, seed: int = DEMO_SEED) -> Path:
-    """The demo checkpoint's folder, built there on first use (atomically: build, then rename)."""
-    root = cache_root or default_cache_root()
-    target = root / f"demo-qwen3-omni-{demo_cache_key(seed)}"
-    if (target / "omnirt_demo.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
-        build_demo_checkpoint(tmp / "ckpt", seed=seed)
-        try:
-            os.rename(tmp / "ckpt", target)
-        except OSError:
-            if not (target / "omnirt_demo.json").is_file():
-                raise  # someone else won the race only if the target is complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("built the demo Qwen3-Omni checkpoint (random weights) at %s", target)
-    return target
+    """The demo checkpoint's folder, built in the cache on first use (:func:`..cache.ensure_built`)."""
+    return ensure_built(
+        f"demo-qwen3-omni-{demo_cache_key(seed)}", lambda d: build_demo_checkpoint(d, seed=seed), cache_root
+    )
