@@ -1,10 +1,15 @@
-"""Reading request bodies under the server's size limit."""
+"""Reading request bodies under the server's size limit, and JSON bodies into their models."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from .errors import bad_request, body_too_large
+from .errors import bad_request, body_too_large, from_validation_error
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -29,3 +34,13 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def json_body(request: Request, model: type[Body], limit: int) -> Body:
+    """A JSON endpoint's body: read under ``limit`` (413), then validated into ``model`` (400 in
+    OpenAI's error shape). The caller checks the key and the content type first."""
+    raw = await read_body(request, limit)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None

@@ -24,7 +24,6 @@ from typing import Any
 
 from omnirt.stages.engine import EngineClient, RequestStream
 from omnirt.stages.types import Finished, Output, TextDelta, ToolCall, Usage
-from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -33,12 +32,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..config import ServerConfig
 from ..ids import ALPHABET
 from .access import require_api_key
-from .body import read_body
+from .body import json_body
 from .chat_input import check_supported, generation_request
 from .chat_schema import ChatCompletionRequest
 from .content_type import require_json
 from .disconnect import cancel_on_disconnect
-from .errors import APIError, from_engine_error, from_validation_error, model_not_found
+from .errors import APIError, from_engine_error, model_not_found
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +76,7 @@ class ChatCompletions:
     async def create(self, request: Request) -> Response:
         require_api_key(request, self.config.api_keys)
         require_json(request)
-        body = await read_body(request, self.config.max_http_body_bytes)
-        try:
-            req = ChatCompletionRequest.model_validate_json(body)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
+        req = await json_body(request, ChatCompletionRequest, self.config.max_http_body_bytes)
         model_id = self.client.info.id
         if req.model != model_id:
             raise model_not_found(req.model)

@@ -28,7 +28,6 @@ from typing import Any
 from omnirt.stages.diffusion.types import GeneratedImage, ImagePreview, ImageRequest, Progress
 from omnirt.stages.engine import EngineClient, RequestStream
 from omnirt.stages.types import Finished
-from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -36,10 +35,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..config import ServerConfig
 from ..ids import new_id
 from .access import require_api_key
-from .body import read_body
+from .body import json_body
 from .content_type import require_json
 from .disconnect import cancel_on_disconnect
-from .errors import APIError, from_engine_error, from_validation_error
+from .errors import APIError, from_engine_error
 from .image_params import ImageGenerateBody, check_body, image_request
 from .media import ProgressLog, choose_model, image_usage, sse
 
@@ -70,11 +69,7 @@ class ImageGenerations:
     async def create(self, request: Request) -> Response:
         require_api_key(request, self.config.api_keys)
         require_json(request)
-        raw = await read_body(request, self.config.max_http_body_bytes)
-        try:
-            body = ImageGenerateBody.model_validate_json(raw)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
+        body = await json_body(request, ImageGenerateBody, self.config.max_http_body_bytes)
         width, height = check_body(body, self.config)
         probe = ImageRequest(request_id="", prompt="")
         model = choose_model(self.client, body.model, probe, "image generation")
