@@ -112,7 +112,9 @@ def test_a_client_that_stops_reading_is_closed_with_1008(bounded: Server) -> Non
             other = asyncio.create_task(text_turn(bounded))
             waited = await wait_for(lambda: service.slow_clients_closed > before, 10)
             done = await other
-            # Cancelled, not left generating (the engine removes a request only when cancelled).
+            # Cancelled, not left generating (the engine removes a request only when cancelled;
+            # it does so on its own thread, at its next step boundary).
+            await wait_for(lambda: set(response_ids) <= set(pipeline.removed), 5)
             assert set(response_ids) <= set(pipeline.removed)
             code = await slow.closed(timeout=10)
             return waited, done, code, slow.ws.close_reason
