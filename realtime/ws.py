@@ -226,6 +226,7 @@ class Connection:
             new_id=new_id,
             vad=service.vad,
             push_to_talk=push_to_talk,
+            check_sendable=self._check_sendable,
         )
         self._serialize = Serializer(new_id, lambda: self.session.config)
         self._limits = Limits(max_append_bytes=service.config.max_append_bytes)
@@ -234,13 +235,36 @@ class Connection:
     def _emit(self, event: SessionEvent) -> None:
         self._send(self._serialize(event))
 
-    def _send(self, event: dict[str, Any]) -> None:
+    def _frame(self, event: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+        """The event as this client receives it (GA or beta) and its frame; None: not sent."""
         if self._to_beta is not None:
             translated = self._to_beta(event)
             if translated is None:  # no beta counterpart
-                return
+                return None
             event = translated
-        frame = dumps(event)
+        return event, dumps(event)
+
+    def _check_sendable(self, event: SessionEvent, param: str) -> None:
+        """Refuse (``invalid_value`` on ``param``) a change whose echo would be over the frame limit."""
+        framed = self._frame(self._serialize(event))
+        if framed is None:
+            return
+        wire, frame = framed
+        size = len(frame) if len(frame) <= MAX_SERVER_FRAME // 4 else len(frame.encode())
+        if size > MAX_SERVER_FRAME:
+            raise SessionError(
+                ErrorCode.INVALID_VALUE,
+                f"Invalid value for '{param}': echoed in {wire['type']} it would take {size} bytes, over "
+                f"the {MAX_SERVER_FRAME} bytes a server event may take; send less text (instructions, "
+                "tool descriptions and schemas, content parts).",
+                param,
+            )
+
+    def _send(self, event: dict[str, Any]) -> None:
+        framed = self._frame(event)
+        if framed is None:
+            return
+        event, frame = framed
         if len(frame) > MAX_SERVER_FRAME // 4 and len(frame.encode()) > MAX_SERVER_FRAME:
             log.error("dropping a %s event of %d bytes (over the frame limit)", event["type"], len(frame))
             event = error_event(
@@ -301,6 +325,8 @@ class Connection:
         )
 
     def _error(self, exc: SessionError, client_event_id: str | None) -> None:
+        # Expected (the client's doing): one line, never a traceback.
+        log.info("session %s: refused an event: %s (param %s)", self.session.id, exc.code, exc.param)
         self._send_error(
             exc.code, exc.message, param=exc.param, client_event_id=client_event_id, type=exc.type
         )

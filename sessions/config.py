@@ -65,7 +65,8 @@ class SessionConfig:
     def merged(self, patch: dict[str, Any], *, limits: SessionLimits, voice_locked: bool) -> SessionConfig:
         """A new config with ``patch`` applied; raises :class:`SessionError` and changes nothing
         when the patch asks for something this server cannot do."""
-        c = copy.deepcopy(self)
+        # Shallow: every field a patch sets is replaced whole, never changed in place.
+        c = copy.copy(self)
         if "instructions" in patch:
             c.instructions = patch["instructions"] or ""
         if "output_modalities" in patch:

@@ -23,7 +23,7 @@ from omnirt.vad.worker import VadWorker
 
 from .config import SessionConfig, SessionLimits
 from .context import build_messages
-from .conversation import Conversation
+from .conversation import ROOT, Conversation
 from .errors import ErrorCode, SessionError
 from .events import (
     ErrorReported,
@@ -81,8 +81,12 @@ class RealtimeSession:
         new_id: IdFactory,
         vad: VadWorker | None = None,
         push_to_talk: bool = False,
+        check_sendable: Callable[[SessionEvent, str], None] | None = None,
     ) -> None:
         self.client = client
+        #: Raises :class:`SessionError` (naming the param given) when an event could not be sent
+        #: (over the server frame limit): the echo of a change is checked before it is applied.
+        self._check_sendable = check_sendable
         self.limits = limits
         self.vad = vad
         #: Push-to-talk (extension): audio appended while a reply is in progress is dropped.
@@ -134,6 +138,8 @@ class RealtimeSession:
 
     def update(self, patch: dict[str, Any]) -> None:
         config = self.config.merged(patch, limits=self.limits, voice_locked=self.audio_produced)
+        if self._check_sendable is not None:
+            self._check_sendable(SessionUpdated(self.id, config), "session")
         turns: TurnPolicy | None = None
         if config.turn_detection != self.config.turn_detection:
             turns = self._policy(config.turn_detection)  # may raise: nothing has changed yet
@@ -311,6 +317,10 @@ class RealtimeSession:
         self._check_room(1, item_bytes(item), "item")
         self._check_images([item], "item")
         self._check_call_outputs([("item.call_id", item)])
+        if self._check_sendable is not None:
+            self.conversation.check_insert(item.id, previous_item_id)
+            before = self.conversation.last_id if previous_item_id is None else previous_item_id
+            self._check_sendable(ItemDone(item, None if before == ROOT else before), "item")
         previous = self.conversation.insert(item, previous_item_id)
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))

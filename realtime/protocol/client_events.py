@@ -9,6 +9,7 @@ from typing import Any
 from omnirt.sessions.errors import ErrorCode
 from pydantic import BaseModel, ValidationError
 
+from .bounds import check_shape
 from .errors import ProtocolError, from_validation
 from .models import (
     BETA_SESSION_FIELDS,
@@ -72,6 +73,11 @@ def parse_client_event(
     event_id = event_id_of(raw)
     if not isinstance(raw, dict):
         raise ProtocolError(ErrorCode.INVALID_EVENT, "An event must be a JSON object.")
+    try:
+        check_shape(raw)
+    except ProtocolError as exc:
+        exc.event_id = event_id
+        raise
     kind = raw.get("type")
     if not isinstance(kind, str):
         if kind is None:

@@ -11,6 +11,18 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 MAX_TEXT_CHARS = 256 * 1024
 #: Client-chosen item ids may be up to this long.
 MAX_ITEM_ID = 32
+#: Function names (OpenAI's rule: 1-64 letters, digits, ``_`` and ``-``; checked in full by the
+#: session), voice names, call ids and other short identifiers.
+MAX_NAME = 64
+MAX_CALL_ID = 256
+#: Function tools per session or response, content parts per message item, items in
+#: ``response.input``.
+MAX_TOOLS = 128
+MAX_PARTS = 128
+MAX_RESPONSE_INPUT = 1000
+#: OpenAI's ``metadata`` bounds: 16 pairs, keys up to 64 and values up to 512 characters.
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 
 class Strict(BaseModel):
@@ -88,12 +100,12 @@ class AudioInputPatch(Strict):
 
 
 class VoiceId(Strict):
-    id: str
+    id: str = Field(max_length=MAX_NAME)
 
 
 class AudioOutputPatch(Strict):
     format: AudioFormat | None = None
-    voice: str | VoiceId | None = None
+    voice: Annotated[str, Field(max_length=MAX_NAME)] | VoiceId | None = None
     speed: float | None = Field(default=None, ge=0.25, le=1.5)
 
 
@@ -107,7 +119,7 @@ class FunctionTool(Strict):
     by the session (``sessions/tools.py``)."""
 
     type: Literal["function"] = "function"
-    name: str
+    name: str = Field(max_length=MAX_NAME)
     description: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     parameters: dict[str, Any] | None = None
 
@@ -141,7 +153,7 @@ Tool = Annotated[
 
 class ToolChoiceFunction(Strict):
     type: Literal["function"]
-    name: str
+    name: str = Field(max_length=MAX_NAME)
 
 
 class ToolChoiceMcp(BaseModel):
@@ -187,11 +199,11 @@ BETA_SESSION_FIELDS: dict[str, str | None] = {
 class SessionPatch(Strict):
     type: Literal["realtime"] | None = None
     #: The served model is fixed by the server; a requested name is accepted and not applied.
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=256)
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = None
     audio: AudioPatch | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     max_output_tokens: TokenLimit | None = Field(default=None)
     tracing: Any = None
@@ -215,7 +227,7 @@ class InputTextPart(Strict):
 class InputAudioPart(Strict):
     type: Literal["input_audio"]
     audio: str
-    transcript: str | None = None
+    transcript: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
 
 
 class InputImagePart(Strict):
@@ -262,19 +274,19 @@ class _ItemBase(Strict):
 class MessageItem(_ItemBase):
     type: Literal["message"]
     role: Literal["user", "assistant", "system"]
-    content: list[dict[str, Any]]
+    content: list[dict[str, Any]] = Field(max_length=MAX_PARTS)
 
 
 class FunctionCallItem(_ItemBase):
     type: Literal["function_call"]
-    name: str
-    arguments: str
-    call_id: str | None = None
+    name: str = Field(max_length=MAX_NAME)
+    arguments: str = Field(max_length=MAX_TEXT_CHARS)
+    call_id: str | None = Field(default=None, max_length=MAX_CALL_ID)
 
 
 class FunctionCallOutputItem(_ItemBase):
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: str = Field(max_length=MAX_CALL_ID)
     output: str = Field(max_length=MAX_TEXT_CHARS)
 
 
@@ -293,7 +305,7 @@ ITEM_MODELS: dict[str, type[Strict]] = {
 # -- responses --------------------------------------------------------------------------------
 class ResponseAudioOutput(Strict):
     format: AudioFormat | None = None
-    voice: str | None = None
+    voice: str | None = Field(default=None, max_length=MAX_NAME)
 
 
 class ResponseAudio(Strict):
@@ -304,11 +316,17 @@ class ResponseParams(Strict):
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     max_output_tokens: TokenLimit | None = None
-    conversation: str | None = None
-    input: list[dict[str, Any]] | None = None
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    conversation: str | None = Field(default=None, max_length=MAX_NAME)
+    input: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_RESPONSE_INPUT)
+    metadata: (
+        dict[
+            Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+            Annotated[str, Field(max_length=MAX_METADATA_VALUE)],
+        ]
+        | None
+    ) = Field(default=None, max_length=16)
     audio: ResponseAudio | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     prompt: Any = None
     reasoning: Any = None

@@ -362,21 +362,22 @@ def test_voice_aliases_are_server_configuration() -> None:
     }
 
 
-def test_an_event_too_large_to_send_becomes_a_server_error(server: Server) -> None:
-    """A user item of five 256 Ki-character texts is accepted, but its echo would be a frame over
-    1 MiB (older SDKs close on those): the client gets server_error (type server_error) in its
-    place, for conversation.item.added and .done, and the session goes on."""
+def test_an_item_too_large_to_echo_is_refused_up_front(server: Server) -> None:
+    """A user item of five 256 Ki-character texts: each part fits, but its echo would be a frame
+    over 1 MiB (older SDKs close on those), so it is refused with invalid_value on 'item' (not the
+    server_error it once got after being added) and is not in the conversation."""
     part = {"type": "input_text", "text": "x" * (256 * 1024)}
     item = {"type": "message", "role": "user", "content": [part] * 5, "id": "item_big"}
 
-    async def main() -> tuple[list[dict], dict]:
+    async def main() -> tuple[dict, dict]:
         async with connect(server) as c:
             await c.send({"type": "conversation.item.create", "item": item, "event_id": "evt_big"})
-            errors = [await c.error(), await c.error()]
+            error = await c.error()
             await c.send({"type": "conversation.item.delete", "item_id": "item_big"})
-            return errors, await c.recv()
+            return error, await c.error()
 
-    errors, deleted = run(main())
-    assert [(e["code"], e["type"]) for e in errors] == [("server_error", "server_error")] * 2
-    assert "conversation.item.added" in errors[0]["message"]
-    assert deleted["type"] == "conversation.item.deleted"
+    error, not_there = run(main())
+    assert (error["code"], error["param"]) == ("invalid_value", "item")
+    assert error["type"] == "invalid_request_error"
+    assert "conversation.item.done" in error["message"] and error["event_id"] == "evt_big"
+    assert not_there["code"] == "item_delete_invalid_item_id"
