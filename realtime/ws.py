@@ -83,6 +83,7 @@ class RealtimeService:
             max_image_bytes=config.max_image_bytes,
             max_items=config.max_conversation_items,
             max_conversation_bytes=config.max_conversation_bytes,
+            max_context_tokens=info.max_context_tokens if info is not None else 4096,
         )
         #: Server VAD for every session (None: sessions asking for it get
         #: ``server_vad_initialization_failed``).

@@ -42,6 +42,9 @@ class SessionLimits:
     #: bytes of audio and images: :func:`~.items.item_bytes`).
     max_items: int = 1000
     max_conversation_bytes: int = 64 * 1024 * 1024
+    #: The model's context (tokens): a prompt of more than ``max_prompt_chars`` of it in text
+    #: cannot fit, and is refused before the engine tokenises it (:mod:`omnirt.stages.prompt_size`).
+    max_context_tokens: int = 4096
 
 
 @dataclass

@@ -46,6 +46,8 @@ class ErrorCode(StrEnum):
     SERVER_VAD_INIT_FAILED = "server_vad_initialization_failed"
     IMAGE_LIMIT = "image_limit_exceeded"
     CONVERSATION_LIMIT = "conversation_limit_exceeded"
+    #: OpenAI's Chat Completions code for a prompt over the model's context.
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     IDLE_TIMEOUT = "session_idle_timeout"
 
 

@@ -138,3 +138,21 @@ def item_bytes(item: Item) -> int:
     if isinstance(item, FunctionCallItem):
         return len(item.name) + len(item.arguments) + len(item.call_id)
     return len(item.output) + len(item.call_id)
+
+
+def item_text_chars(item: Item) -> int:
+    """Characters of text an item puts in a prompt (its text parts and transcripts; a call's
+    name, arguments and output), for the context bound (:mod:`omnirt.stages.prompt_size`)."""
+    if isinstance(item, MessageItem):
+        total = 0
+        for part in item.content:
+            if isinstance(part, InputText | OutputText):
+                total += len(part.text)
+            elif isinstance(part, InputAudio):
+                total += len(part.transcript or "")
+            elif isinstance(part, OutputAudio):
+                total += len(part.transcript)
+        return total
+    if isinstance(item, FunctionCallItem):
+        return len(item.name) + len(item.arguments) + len(item.call_id)
+    return len(item.output) + len(item.call_id)

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from omnirt.stages.prompt_size import max_prompt_chars, prompt_chars, too_long_message
 from omnirt.stages.types import GenerationRequest
 from omnirt.vad.worker import VadWorker
 
@@ -53,6 +54,7 @@ from .items import (
     MessageItem,
     OutputAudio,
     item_bytes,
+    item_text_chars,
 )
 from .response import Response, ResponseOptions, StatusReason
 from .server_vad import ServerVadTurns
@@ -315,6 +317,7 @@ class RealtimeSession:
     # -- items -------------------------------------------------------------------------------
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
         self._check_room(1, item_bytes(item), "item")
+        self._check_text(item)
         self._check_images([item], "item")
         self._check_call_outputs([("item.call_id", item)])
         if self._check_sendable is not None:
@@ -437,6 +440,27 @@ class RealtimeSession:
                 param,
             )
 
+    def _check_text(self, item: Item) -> None:
+        """An item whose text, alone or with the conversation's, cannot fit the model's context
+        gets ``context_length_exceeded`` (counted in characters: no tokenising)."""
+        limit = max_prompt_chars(self.limits.max_context_tokens)
+        size = item_text_chars(item)
+        if size > limit:
+            raise SessionError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"The item holds {size} characters of text; this model's context "
+                f"({self.limits.max_context_tokens} tokens) holds at most {limit}.",
+                "item",
+            )
+        held = sum(item_text_chars(i) for i in self.conversation)
+        if held + size > limit:
+            raise SessionError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"The conversation would hold {held + size} characters of text; this model's context "
+                f"({self.limits.max_context_tokens} tokens) holds at most {limit} (delete some items first).",
+                "item",
+            )
+
     def _check_images(self, items: Iterable[Item], param: str) -> None:
         def images(its: Iterable[Item]) -> list[InputImage]:
             return [
@@ -504,9 +528,13 @@ class RealtimeSession:
         )
         instructions = options.instructions if options.instructions is not None else cfg.instructions
         cap = self.limits.max_output_tokens
+        messages = build_messages(instructions, context)
+        too_long = too_long_message(prompt_chars(messages, tools), self.limits.max_context_tokens)
+        if too_long is not None:  # refused before the engine tokenises it
+            raise SessionError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, too_long, "response")
         request = GenerationRequest(
             request_id=response.id,
-            messages=build_messages(instructions, context),
+            messages=messages,
             output_audio=response.wants_audio,
             max_output_tokens=cap if max_tokens == "inf" else min(int(max_tokens), cap),
             voice=self.limits.voices.resolve(response.voice, "response.audio.output.voice"),

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omnirt.stages.engine import EngineClient, RequestStream
+from omnirt.stages.prompt_size import prompt_chars, too_long_message
 from omnirt.stages.types import Finished, Output, TextDelta, ToolCall, Usage
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -85,6 +86,10 @@ class ChatCompletions:
         gen = await run_in_threadpool(
             generation_request, req, cid, max_output_tokens=self.config.max_output_tokens
         )
+        context = self.client.info.max_context_tokens
+        too_long = too_long_message(prompt_chars(gen.messages, gen.tools), context)
+        if too_long is not None:  # refused before the engine tokenises it
+            raise APIError(400, too_long, param="messages", code="context_length_exceeded")
         stream = self.client.submit(gen)
         created = int(time.time())
         watcher = asyncio.create_task(cancel_on_disconnect(request, stream))

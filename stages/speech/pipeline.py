@@ -66,6 +66,7 @@ import torch
 from omnirt.codecs.audio import float_to_int16
 
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
+from ..prompt_size import prompt_chars, too_long_message
 from ..types import (
     SAMPLE_RATE,
     AudioDelta,
@@ -355,6 +356,10 @@ class SpeechPipeline:
         if request.max_output_tokens is not None and request.max_output_tokens < 1:
             raise RequestRejected("max_output_tokens must be at least 1")
         speaker_id = self._speaker(request) if request.output_audio else -1
+        # Refuse a prompt that cannot fit before tokenising it (seconds under the GIL for megabytes).
+        too_long = too_long_message(prompt_chars(request.messages, request.tools), self.max_context)
+        if too_long is not None:
+            raise RequestRejected(too_long)
         prompt = self.prompts.build(request.messages, request.tools)
         if prompt.length >= self.max_context:
             raise RequestRejected(

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import openai
 import pytest
 from omnirt.codecs.audio import b64encode, float_to_pcm16
 from omnirt.realtime.app import create_app
@@ -246,3 +247,32 @@ def test_chat_completions_share_the_engine_with_a_live_session(demo: DemoServer)
     asyncio.run(main())
     after = sum(n for rows, n in stats.rows("speech", "thinker").items() if rows >= 2)
     assert after > before, "chat and the voice turn never shared a thinker decode call"
+
+
+def test_a_huge_prompt_is_refused_before_tokenising(demo: DemoServer) -> None:
+    """The speech pipeline's own guard (what the HTTP and realtime checks stand in front of): a
+    6 MiB prompt is refused at once, not tokenised; through the server it is a 400."""
+    from omnirt.stages.pipeline import RequestRejected
+    from omnirt.stages.types import ContextMessage, GenerationRequest, TextPart
+
+    pipeline = demo.engine.pipelines["speech"]
+    huge = "word " * (6 * 1024 * 1024 // 5)
+    request = GenerationRequest("r", [ContextMessage("user", (TextPart(huge),))], output_audio=False)
+    t0 = time.perf_counter()
+    with pytest.raises(RequestRejected, match="maximum context length"):
+        pipeline.prepare(request)
+    assert time.perf_counter() - t0 < 0.5
+
+    async def main() -> None:
+        sdk = demo.sdk()
+        t0 = time.perf_counter()
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}])
+        assert info.value.code == "context_length_exceeded"
+        assert time.perf_counter() - t0 < 1.0
+        ok = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+        )
+        assert ok.choices[0].finish_reason == "length"
+
+    asyncio.run(main())
