@@ -364,7 +364,8 @@ def test_voice_aliases_are_server_configuration() -> None:
 
 def test_an_item_too_large_to_echo_is_refused_up_front(server: Server) -> None:
     """A user item of five 256 Ki-character texts: each part fits, but its echo would be a frame
-    over 1 MiB (older SDKs close on those), so it is refused with invalid_value on 'item' (not the
+    over 1 MiB (older SDKs close on those) and it is more than the model's context: it is refused
+    up front (context_length_exceeded on 'item', before the echo's size is checked; not the
     server_error it once got after being added) and is not in the conversation."""
     part = {"type": "input_text", "text": "x" * (256 * 1024)}
     item = {"type": "message", "role": "user", "content": [part] * 5, "id": "item_big"}
@@ -377,7 +378,6 @@ def test_an_item_too_large_to_echo_is_refused_up_front(server: Server) -> None:
             return error, await c.error()
 
     error, not_there = run(main())
-    assert (error["code"], error["param"]) == ("invalid_value", "item")
-    assert error["type"] == "invalid_request_error"
-    assert "conversation.item.done" in error["message"] and error["event_id"] == "evt_big"
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "item")
+    assert error["type"] == "invalid_request_error" and error["event_id"] == "evt_big"
     assert not_there["code"] == "item_delete_invalid_item_id"
