@@ -58,6 +58,10 @@ def parse_client_event(
         raise ProtocolError(
             ErrorCode.INVALID_JSON, f"Invalid event: failed to parse JSON value ({exc})."
         ) from None
+    except RecursionError:  # nested deeper than the parser's stack: no client event is
+        raise ProtocolError(
+            ErrorCode.INVALID_JSON, "Invalid event: the JSON value is nested too deeply to parse."
+        ) from None
     if type(raw) is dict and raw.get("type") == APPEND:
         # The hot event (every audio chunk): when it is plainly valid, skip pydantic. Exactly what
         # AudioAppend.model_validate accepts from JSON: a str 'audio', an optional str or null

@@ -210,3 +210,24 @@ def test_too_many_values_refused(server: Server, caplog: pytest.LogCaptureFixtur
     assert error["code"] == "invalid_value" and "65536 JSON values" in error["message"], error
     assert updated["type"] == "session.updated" and updated["session"]["tools"] == []
     assert_clean_log(caplog)
+
+
+def test_json_nested_past_the_parser_is_invalid_json(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frame nested 100,000 levels deep cannot even be parsed (the parser's stack ends first):
+    invalid_json, not a server_error; the session goes on."""
+    caplog.set_level(logging.INFO)
+    deep = '{"type": "session.update", "session": {"instructions": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+
+    async def main() -> tuple[dict, dict]:
+        async with connect(server, manual=True) as c:
+            await c.send(deep)
+            error = await c.error()
+            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
+            return error, await c.recv()
+
+    error, updated = run(main())
+    assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
+    assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
+    assert_clean_log(caplog)
