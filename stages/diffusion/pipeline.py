@@ -413,9 +413,11 @@ class DiffusionPipeline:
         if self._branched is not None and not self._live(self._branched):
             self._branched = None
         if self._call is not None:
-            self._drop_rows(self._call)
+            if not self._keep_live_rows(self._call, "keep_rows"):
+                self._call = None
         if self._decoding is not None:
-            self._drop_decode_rows(self._decoding)
+            if not self._keep_live_rows(self._decoding, "decode_keep_rows"):
+                self._decoding = None  # its caches freed
         log.debug("%s: removed %s at step %d/%d", self.kind, request_id, job.index, job.prep.steps)
         return Usage()
 
@@ -627,26 +629,27 @@ class DiffusionPipeline:
             call.state = None
             self._called(call.branch, call.jobs, call.index, prediction, out)
 
-    def _drop_rows(self, call: _Call) -> None:
-        """Drops the rows of removed requests from a call under way (the whole call when none is
-        left), so their hidden states are freed now rather than when the call ends."""
-        live = [(job, at) for job, at in call.jobs if self._jobs.get(job.request_id) is job]
-        if len(live) == len(call.jobs):
-            return
+    def _keep_live_rows(self, held: _Call | _Decoding, keep_rows_name: str) -> bool:
+        """Drops the rows of removed requests from a transformer call or VAE decode under way, so
+        their states are freed now rather than when it ends (through the denoiser's
+        ``keep_rows_name`` when it has one; else the rows stay and the result is cut at the end).
+        False when no request is left in it: the caller drops it whole."""
+        live = [(job, at) for job, at in held.jobs if self._jobs.get(job.request_id) is job]
+        if len(live) == len(held.jobs):
+            return True
         if not live:
-            self._call = None
-            return
-        keep_rows = getattr(self.denoiser, "keep_rows", None)
-        if keep_rows is None:  # the rows stay in the call; its prediction is cut at the end
-            call.jobs = live
-            return
-        rows = [r for job, at in live for r in range(at, at + job.rows)]
-        call.state = keep_rows(call.state, rows)
-        call.jobs, at = [], 0
+            return False
+        keep_rows = getattr(self.denoiser, keep_rows_name, None)
+        if keep_rows is None:
+            held.jobs = live
+            return True
+        held.state = keep_rows(held.state, [r for job, at in live for r in range(at, at + job.rows)])
+        held.jobs, at = [], 0
         for job, _ in live:
-            call.jobs.append((job, at))
+            held.jobs.append((job, at))
             at += job.rows
-        call.rows = at
+        held.rows = at
+        return True
 
     # -- split VAE decodes ------------------------------------------------------------------------
     def _decode_piece(self, work: _Work, out: list) -> None:
@@ -671,26 +674,6 @@ class DiffusionPipeline:
             pixels: np.ndarray = den.finish_decode(dec.state).numpy()
             dec.state = None
             self._decoded(dec.jobs, pixels, out)
-
-    def _drop_decode_rows(self, dec: _Decoding) -> None:
-        """Drops the rows of removed requests from a decode under way (the whole decode, its
-        caches freed, when none is left)."""
-        live = [(job, at) for job, at in dec.jobs if self._jobs.get(job.request_id) is job]
-        if len(live) == len(dec.jobs):
-            return
-        if not live:
-            self._decoding = None
-            return
-        keep_rows = getattr(self.denoiser, "decode_keep_rows", None)
-        if keep_rows is None:  # the rows stay in the decode; its pixels are cut at the end
-            dec.jobs = live
-            return
-        dec.state = keep_rows(dec.state, [r for job, at in live for r in range(at, at + job.rows)])
-        dec.jobs, at = [], 0
-        for job, _ in live:
-            dec.jobs.append((job, at))
-            at += job.rows
-        dec.rows = at
 
     # -- the calls ------------------------------------------------------------------------------
     def _encode(self, work: _Work, out: list) -> None:
