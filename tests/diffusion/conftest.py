@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from omnirt.stages.diffusion.zimage import ZImageDenoiser
 from omnirt.stages.diffusion.zimage_demo import build_tiny_zimage
 from omnirt.stages.diffusion.zimage_loader import load_zimage
 from omnirt.stages.types import Finished
+
+from tests.stages.pipelines import FakeClock
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +53,22 @@ def run_to_end(pipeline: DiffusionPipeline, requests, max_steps: int = 1000) -> 
             out[rid].append(output)
     assert all(isinstance(o[-1], Finished) for o in out.values()), "a request never finished"
     return out
+
+
+class Timed:
+    """A denoiser whose calls spend simulated time (``costs``: seconds per call, by method name)."""
+
+    def __init__(self, inner: Any, clock: FakeClock, **costs: float) -> None:
+        self._inner, self._clock, self._costs = inner, clock, costs
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        cost = self._costs.get(name)
+        if cost is None:
+            return value
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._clock.spend(cost)
+            return value(*args, **kwargs)
+
+        return timed

@@ -17,7 +17,7 @@ from omnirt.stages.scheduler import Scheduler
 from omnirt.stages.types import Finished
 
 from ..stages.pipelines import FakeClock, FramePipeline, FrameRequest
-from .conftest import pixels, run_to_end
+from .conftest import Timed, pixels, run_to_end
 
 SIZE = 32
 
@@ -141,31 +141,12 @@ def test_defaults_and_seeds(denoiser: ZImageDenoiser) -> None:
 
 def test_step_cost_is_the_measured_cost_of_the_next_call(denoiser: ZImageDenoiser) -> None:
     clock = FakeClock()
-    p = DiffusionPipeline(_Timed(denoiser, clock, predict=0.25, encode=0.1), clock=clock.now)
+    p = DiffusionPipeline(Timed(denoiser, clock, predict=0.25, encode=0.1), clock=clock.now)
     p.add(_request("a", num_inference_steps=4), p.prepare(_request("a", num_inference_steps=4)))
     assert p.step_cost() == 0.0  # nothing measured yet
     p.step()  # encode
     p.step()  # step 1 (no guidance: cond alone)
     assert p.step_cost() == pytest.approx(0.25)  # the next step is step 2's cond call
-
-
-class _Timed:
-    """A denoiser whose calls spend simulated time (seconds per call)."""
-
-    def __init__(self, inner: ZImageDenoiser, clock: FakeClock, **costs: float) -> None:
-        self._inner, self._clock, self._costs = inner, clock, costs
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._inner, name)
-        cost = self._costs.get(name)
-        if cost is None:
-            return value
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._clock.spend(cost)
-            return value(*args, **kwargs)
-
-        return timed
 
 
 def _run(s: Scheduler, clock: FakeClock) -> list:
@@ -186,7 +167,7 @@ def test_a_realtime_tick_never_waits_behind_more_than_one_transformer_call(
 ) -> None:
     clock = FakeClock()
     frames = FramePipeline(clock, period=0.08, cost=0.01)
-    timed = _Timed(denoiser, clock, predict=call_cost, encode=0.02, decode=0.02, preview=0.02)
+    timed = Timed(denoiser, clock, predict=call_cost, encode=0.02, decode=0.02, preview=0.02)
     images = DiffusionPipeline(timed, clock=clock.now)  # type: ignore[arg-type]
     s = Scheduler([frames, images], clock=clock.now, starvation_limit=1.0)
     request = _request("img", num_inference_steps=6, guidance_scale=4.0, n=2)

@@ -25,7 +25,7 @@ from omnirt.stages.scheduler import Scheduler
 from omnirt.stages.types import Finished
 
 from ..stages.pipelines import FakeClock, FramePipeline, FrameRequest
-from .conftest import pixels, run_to_end
+from .conftest import Timed, pixels, run_to_end
 from .test_wan import SIZE as WAN_SIZE
 from .test_wan import diffusers_run
 from .test_zimage_parity import STEPS, _close, _diffusers, _ours
@@ -263,24 +263,13 @@ def test_cancelling_mid_call_frees_its_rows_then_the_call(denoiser: ZImageDenois
 # -- scheduling (simulated time) ----------------------------------------------------------------
 
 
-class _TimedSplit:
+class _TimedSplit(Timed):
     """A denoiser whose calls spend simulated time: ``costs`` per call, ``block`` per block."""
 
     def __init__(self, inner: Any, clock: FakeClock, block: float, **costs: float) -> None:
-        self._inner, self._clock, self._block, self._costs = inner, clock, block, costs
+        super().__init__(inner, clock, **costs)
+        self._block = block
         self.ranges: list[tuple[int, int]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._inner, name)
-        cost = self._costs.get(name)
-        if cost is None:
-            return value
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._clock.spend(cost)
-            return value(*args, **kwargs)
-
-        return timed
 
     def run_blocks(self, state: Any, start: int, stop: int) -> Any:
         self._clock.spend(self._block * (stop - start))
