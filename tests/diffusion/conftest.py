@@ -3,8 +3,11 @@ once per test session, and helpers to run the diffusion pipeline to completion."
 
 from __future__ import annotations
 
+import collections
 import io
+import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ from omnirt.stages.diffusion.pipeline import DiffusionPipeline
 from omnirt.stages.diffusion.zimage import ZImageDenoiser
 from omnirt.stages.diffusion.zimage_demo import build_tiny_zimage
 from omnirt.stages.diffusion.zimage_loader import load_zimage
+from omnirt.stages.engine import Engine
 from omnirt.stages.types import Finished
 
 from tests.stages.pipelines import FakeClock
@@ -72,3 +76,35 @@ class Timed:
             return value(*args, **kwargs)
 
         return timed
+
+
+def run_in_engine(
+    engine: Engine,
+    requests: Sequence[Any],
+    on_output: Callable[[str, object], None] | None = None,
+    timeout: float = 60,
+) -> dict[str, list]:
+    """Starts ``engine``, submits ``requests``, waits until each has finished and stops it; the
+    outputs per request id. ``on_output(rid, output)`` is called from the engine's thread."""
+    outputs: dict[str, list] = collections.defaultdict(list)
+    ended: dict[str, threading.Event] = collections.defaultdict(threading.Event)
+
+    def sink_for(rid: str) -> Callable[[object], None]:
+        def sink(output: object) -> None:
+            outputs[rid].append(output)
+            if on_output is not None:
+                on_output(rid, output)
+            if isinstance(output, Finished):
+                ended[rid].set()
+
+        return sink
+
+    engine.start()
+    try:
+        for request in requests:
+            engine.submit(request, sink_for(request.request_id))
+        for request in requests:
+            assert ended[request.request_id].wait(timeout), f"{request.request_id} never finished"
+    finally:
+        engine.stop()
+    return outputs

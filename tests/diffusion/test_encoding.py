@@ -3,7 +3,6 @@ order per request, failures and cancels, and a realtime pipeline never waiting f
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 
@@ -17,6 +16,7 @@ from omnirt.stages.engine import Engine
 from omnirt.stages.types import Finished, TextDelta, Usage
 
 from ..stages.pipelines import FramePipeline, FrameRequest, RealClock
+from .conftest import run_in_engine
 
 
 def _slow(seconds: float, value: bytes) -> bytes:
@@ -79,29 +79,11 @@ def test_a_slow_encoder_never_holds_up_realtime_frames(
     frames = FramePipeline(RealClock(), period=0.02, cost=0.001)
     images = DiffusionPipeline(denoiser, max_rows=4, media_workers=2)
     engine = Engine([frames, images])
-    outputs: dict[str, list] = collections.defaultdict(list)
-    ended: dict[str, threading.Event] = collections.defaultdict(threading.Event)
-
-    def sink_for(rid: str):  # type: ignore[no-untyped-def]
-        def sink(output: object) -> None:
-            outputs[rid].append(output)
-            if isinstance(output, Finished):
-                ended[rid].set()
-
-        return sink
-
     requests = [
         ImageRequest("a", "a quiet harbour", n=2, width=32, height=32, num_inference_steps=2, seed=1),
         FrameRequest("call", frames=150),
     ]
-    engine.start()
-    try:
-        for request in requests:
-            engine.submit(request, sink_for(request.request_id))
-        for request in requests:
-            assert ended[request.request_id].wait(30), f"{request.request_id} never finished"
-    finally:
-        engine.stop()
+    outputs = run_in_engine(engine, requests, timeout=30)
     a = outputs["a"]
     assert [(type(o).__name__, getattr(o, "png", None)) for o in a if not hasattr(o, "done")] == [
         ("GeneratedImage", b"png"),

@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import collections
-import threading
-
 from omnirt.stages.diffusion.pipeline import DiffusionPipeline
 from omnirt.stages.diffusion.types import GeneratedImage, ImageRequest, Progress
 from omnirt.stages.diffusion.zimage import ZImageDenoiser
 from omnirt.stages.engine import Engine
-from omnirt.stages.types import Finished, TextDelta
+from omnirt.stages.types import TextDelta
 
 from ..stages.pipelines import FramePipeline, FrameRequest, RealClock
+from .conftest import run_in_engine
 
 
 def test_image_requests_through_the_engine_beside_realtime_frames(denoiser: ZImageDenoiser) -> None:
     frames = FramePipeline(RealClock(), period=0.02, cost=0.001)
     images = DiffusionPipeline(denoiser, max_rows=4)
     engine = Engine([frames, images])
-    outputs: dict[str, list] = collections.defaultdict(list)
-    ended: dict[str, threading.Event] = collections.defaultdict(threading.Event)
 
-    def sink_for(rid: str):  # type: ignore[no-untyped-def]
-        def sink(output: object) -> None:
-            outputs[rid].append(output)
-            if rid == "doomed" and output == Progress(2, 50):
-                engine.cancel("doomed")  # from the engine thread, mid-run
-            if isinstance(output, Finished):
-                ended[rid].set()
-
-        return sink
+    def cancel_mid_run(rid: str, output: object) -> None:
+        if rid == "doomed" and output == Progress(2, 50):
+            engine.cancel("doomed")  # from the engine thread, mid-run
 
     requests = [
         ImageRequest(
@@ -39,14 +29,7 @@ def test_image_requests_through_the_engine_beside_realtime_frames(denoiser: ZIma
         ImageRequest("bad", "a crooked frame", width=40, height=32),
         FrameRequest("call", frames=25),
     ]
-    engine.start()
-    try:
-        for request in requests:
-            engine.submit(request, sink_for(request.request_id))
-        for request in requests:
-            assert ended[request.request_id].wait(60), f"{request.request_id} never finished"
-    finally:
-        engine.stop()
+    outputs = run_in_engine(engine, requests, cancel_mid_run)
     a = outputs["a"]
     assert [o.done for o in a if isinstance(o, Progress)] == [1, 2, 3, 4, 5]
     assert [o.index for o in a if isinstance(o, GeneratedImage)] == [0]
