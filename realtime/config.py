@@ -84,6 +84,13 @@ class ServerConfig:
     #: this far behind has its responses cancelled and is closed with 1008 (``docs/realtime.md``).
     #: 8 MiB: about two minutes of base64 24 kHz audio deltas.
     max_send_queue_bytes: int = 8 * 1024 * 1024
+    #: Past this many queued bytes the connection's responses are held (they take no model steps)
+    #: until the client has read the queue down to half of it: a client that reads slowly gets
+    #: no compute ahead of its reading. 1 MiB: about 16 s of audio deltas.
+    hold_send_queue_bytes: int = 1024 * 1024
+    #: A client held this long without reading its queue down is closed with 1008, as one past
+    #: ``max_send_queue_bytes`` is.
+    max_held_seconds: float = 10.0
     #: Realtime conversation caps: items held, and bytes held (text, audio, images); over
     #: either, ``conversation.item.create`` and commits get ``conversation_limit_exceeded``.
     max_conversation_items: int = 1000

@@ -11,12 +11,14 @@ client asking for the beta protocol (``OpenAI-Beta: realtime=v1``; :mod:`.protoc
 by translation here, at the edge: its events are made GA before they are parsed, the session's GA
 events beta before they are sent.
 
-Backpressure: the frames waiting for the socket are counted in bytes; a client that falls
-``max_send_queue_bytes`` behind (it reads more slowly than its session produces, or not at all)
-has its responses cancelled and its queue dropped, and is closed with 1008 (policy violation: the
-client's doing, not the server's load). On shutdown (:meth:`RealtimeService.shutdown`) each
-connection's streaming responses end with ``response.done`` (``cancelled``) before it closes
-with 1012 (service restart).
+Backpressure: the frames waiting for the socket are counted in bytes. Past
+``hold_send_queue_bytes`` the session's responses are held (the engine gives them no steps) until
+the client has read the queue down to half of that, so a client that does not read costs no
+compute; one held for ``max_held_seconds``, or one that falls ``max_send_queue_bytes`` behind
+anyway (events that are not generated: errors, echoes), has its responses cancelled and its queue
+dropped, and is closed with 1008 (policy violation: the client's doing, not the server's load).
+On shutdown (:meth:`RealtimeService.shutdown`) each connection's streaming responses end with
+``response.done`` (``cancelled``) before it closes with 1012 (service restart).
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ class RealtimeService:
         self.events_received = 0
         self.events_sent = 0
         self.errors_sent = 0
-        #: Connections closed for falling ``max_send_queue_bytes`` behind.
+        #: Times a connection's responses were held for its client being behind.
+        self.clients_held = 0
+        #: Connections closed for falling ``max_send_queue_bytes`` behind (or held too long).
         self.slow_clients_closed = 0
         self.connections: set[Connection] = set()
         self.shutting_down = False
@@ -215,9 +219,18 @@ class Connection:
         #: ``max_send_queue_bytes`` the client is closed (:meth:`_fell_behind`).
         self.queued_bytes = 0
         self._max_queued = service.config.max_send_queue_bytes
+        #: Over this many queued bytes the session's responses are held (:meth:`_hold`); the timer
+        #: that closes a client held too long runs while they are.
+        self._hold_mark = min(service.config.hold_send_queue_bytes, self._max_queued)
+        self._held_timer: asyncio.TimerHandle | None = None
+        #: The close reason of a client closed for being behind.
+        self._behind = ""
         #: Why the reader was stopped from outside: "writer", "idle", "behind" or "shutdown".
         self._stopped: str | None = None
         self._reader: asyncio.Task[Any] | None = None
+        #: When the reader last got a frame (loop time), and the idle timer watching it.
+        self._last_read = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._run_task: asyncio.Task[Any] | None = None
         self.session = RealtimeSession(
             service.client,
@@ -229,7 +242,8 @@ class Connection:
             push_to_talk=push_to_talk,
             check_sendable=self._check_sendable,
         )
-        self._serialize = Serializer(new_id, lambda: self.session.config)
+        session = self.session  # not ``self``: the closure must not hold the connection (a cycle)
+        self._serialize = Serializer(new_id, lambda: session.config)
         self._limits = Limits(max_append_bytes=service.config.max_append_bytes)
 
     # -- outgoing ----------------------------------------------------------------------------
@@ -282,6 +296,33 @@ class Connection:
             self._fell_behind()
             return
         self.outbox.put_nowait((frame, event["type"] == "error"))
+        if self.queued_bytes > self._hold_mark and self._held_timer is None:
+            self._hold()
+
+    def _hold(self) -> None:
+        """The client is behind: hold its responses; closed if it stays behind ``max_held_seconds``."""
+        self.session.hold(True)
+        self.service.clients_held += 1
+        loop = asyncio.get_running_loop()
+        self._held_timer = loop.call_later(self.service.config.max_held_seconds, self._held_too_long)
+
+    def _release(self) -> None:
+        """The client has read its queue down to half the hold mark: its responses go on."""
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+            self.session.hold(False)
+
+    def _held_too_long(self) -> None:
+        self._held_timer = None
+        held = self.service.config.max_held_seconds
+        log.warning(
+            "session %s: client held %g s without reading its %d queued bytes; closing it",
+            self.session.id,
+            held,
+            self.queued_bytes,
+        )
+        self._close_behind(f"client stayed over {self._hold_mark} bytes behind for {held:g} s")
 
     def _fell_behind(self) -> None:
         """The client is ``max_send_queue_bytes`` behind: drop what is queued and stop the reader;
@@ -292,6 +333,14 @@ class Connection:
             self.queued_bytes,
             self._max_queued,
         )
+        self._close_behind(f"client fell over {self._max_queued} bytes behind")
+
+    def _close_behind(self, reason: str) -> None:
+        """Close the client for being behind (1008 with ``reason``), its queue dropped."""
+        self._behind = reason
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
         self.service.slow_clients_closed += 1
         while not self.outbox.empty():
             self.outbox.get_nowait()
@@ -341,6 +390,8 @@ class Connection:
             frame, is_error = item
             await self.ws.send_text(frame)
             self.queued_bytes -= len(frame)
+            if self._held_timer is not None and self.queued_bytes <= self._hold_mark // 2:
+                self._release()
             service.events_sent += 1
             service.errors_sent += is_error
 
@@ -371,11 +422,14 @@ class Connection:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await writer
-                await self._close(close_code, f"client fell over {self._max_queued} bytes behind")
+                await self._close(close_code, self._behind)
             elif close_code is not None:
                 await self._drain(writer)
                 await self._close(close_code)
         finally:
+            if self._held_timer is not None:
+                self._held_timer.cancel()
+                self._held_timer = None
             if not self.session.closed:
                 await self.session.close(notify=False)
             writer.cancel()
@@ -416,27 +470,16 @@ class Connection:
         me = asyncio.current_task()
         assert me is not None
         self._reader = me
-        last = loop.time()
-
-        def on_writer_done(_: object) -> None:
-            self._stop("writer")
-
-        def check_idle() -> None:
-            nonlocal idle_timer
-            due = last + idle  # type: ignore[operator]
-            if loop.time() >= due:
-                self._stop("idle")
-            else:
-                idle_timer = loop.call_at(due, check_idle)
-
-        idle_timer = loop.call_at(last + idle, check_idle) if idle is not None else None
-        writer.add_done_callback(on_writer_done)
+        self._last_read = loop.time()
+        if idle is not None:
+            self._idle_timer = loop.call_at(self._last_read + idle, self._check_idle)
+        writer.add_done_callback(self._on_writer_done)
         try:
             if self._stopped is not None:  # stopped before reading began
                 raise asyncio.CancelledError
             while True:
                 message = await self.ws.receive()
-                last = loop.time()
+                self._last_read = loop.time()
                 if message["type"] == "websocket.disconnect":
                     return None
                 service.events_received += 1
@@ -485,6 +528,22 @@ class Connection:
             return CLOSE_GOING_AWAY
         finally:
             self._reader = None
-            writer.remove_done_callback(on_writer_done)
-            if idle_timer is not None:
-                idle_timer.cancel()
+            writer.remove_done_callback(self._on_writer_done)
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+
+    def _on_writer_done(self, _: object) -> None:
+        self._stop("writer")
+
+    def _check_idle(self) -> None:
+        """The idle timer: stop the reader once no frame came for ``max_idle_seconds``."""
+        idle = self.service.config.max_idle_seconds
+        assert idle is not None
+        loop = asyncio.get_running_loop()
+        due = self._last_read + idle
+        if loop.time() >= due:
+            self._idle_timer = None
+            self._stop("idle")
+        else:
+            self._idle_timer = loop.call_at(due, self._check_idle)

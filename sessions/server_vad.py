@@ -94,4 +94,10 @@ class ServerVadTurns:
         self.endpointer.reset()
 
     def close(self) -> None:
+        """Close the stream and drop the session's callback (no cycle outlives the session)."""
         self.stream.close()
+        self._on_signal = _ignore
+
+
+def _ignore(signal: TurnSignal) -> None:
+    """The signal callback once the policy is closed."""

@@ -112,6 +112,8 @@ class RealtimeSession:
         #: The user item server VAD will commit, and its first sample, while speech goes on.
         self._speech: tuple[str, int] | None = None
         self.audio_produced = False
+        #: Responses held while the client is behind (:meth:`hold`).
+        self.held = False
         self.closed = False
 
     def _emit(self, event: SessionEvent) -> None:
@@ -179,6 +181,10 @@ class RealtimeSession:
         if notify:
             self._emit(SessionClosed(self.id))
         self.closed = True
+        # The owner's callbacks hold the owner: dropped, so a closed session and its connection
+        # are freed by reference counting alone, at once (no cycle left to the garbage collector).
+        self._emit_to = _discard
+        self._check_sendable = None
 
     # -- input audio -------------------------------------------------------------------------
     def append_audio(self, data: bytes) -> None:
@@ -560,7 +566,19 @@ class RealtimeSession:
             if isinstance(self.turns, ServerVadTurns):
                 self.turns.disarm_idle()
         run.start()
+        if self.held:
+            run.hold(True)
         return response
+
+    def hold(self, held: bool) -> None:
+        """Hold (or release) every response's generation: the client has fallen behind reading
+        what they make (the connection's send queue), so they get no compute until it catches up.
+        Responses created while held start held."""
+        if held == self.held:
+            return
+        self.held = held
+        for run in self.runs.values():
+            run.hold(held)
 
     def cancel_response(self, response_id: str | None = None) -> None:
         if response_id:
@@ -621,6 +639,10 @@ class RealtimeSession:
                 )
                 # Idle time counts from when the reply's audio has finished playing.
                 self.turns.arm_idle(self.input.end_ms + audio_ms)
+
+
+def _discard(event: SessionEvent) -> None:
+    """Where a closed session's events go."""
 
 
 def _check_truncatable(item: Item) -> None:

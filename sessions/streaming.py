@@ -59,6 +59,8 @@ class OutputStream(Protocol):
 
     def cancel(self) -> None: ...
 
+    def hold(self, held: bool) -> None: ...
+
     def __aiter__(self): ...
 
 
@@ -152,6 +154,11 @@ class ResponseRun:
             self._stream.cancel()
             usage = self._stream.usage  # type: ignore[assignment]
         self._finish(Finished("cancelled", usage), reason)
+
+    def hold(self, held: bool) -> None:
+        """Hold (or release) the generation: while held it makes nothing (the client is behind)."""
+        if self._stream is not None and not self.finished:
+            self._stream.hold(held)
 
     async def _pump(self) -> None:
         assert self._stream is not None

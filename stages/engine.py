@@ -205,6 +205,12 @@ class Engine:
                 return
         self._end(sink, Finished("cancelled", Usage()))
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Hold (or release) a request: it takes no steps while held (see ``Pipeline.hold``)."""
+        with self._cond:
+            self._inbox.append(("hold", (request_id, held)))
+            self._cond.notify_all()
+
     # -- prompt threads ----------------------------------------------------------------------
     def _prepare(self, request: Request, sink: Sink) -> None:
         rid = request.request_id
@@ -258,6 +264,8 @@ class Engine:
             for kind, payload in inbox:
                 if kind == "add":
                     self._enqueue(*payload)
+                elif kind == "hold":
+                    scheduler.hold(*payload)
                 else:
                     self._cancel(payload)
             for request_id, output in scheduler.tick():
@@ -355,6 +363,11 @@ class RequestStream:
             return
         self._engine.cancel(self.request_id)
         self._close(Finished("cancelled", self.usage))
+
+    def hold(self, held: bool) -> None:
+        """Hold the request (no more steps until released; for a client that is behind reading)."""
+        if not self._done:
+            self._engine.hold(self.request_id, held)
 
     def _close(self, finished: Finished) -> None:
         self._done = True

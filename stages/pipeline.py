@@ -119,6 +119,11 @@ class Pipeline(Protocol[Req, Out]):
         """Drop a request now (cancel). Returns its usage so far, or None if unknown."""
         ...
 
+    # Optional: ``hold(request_id, held: bool) -> None``. A held request takes no steps (and
+    # counts for neither ``has_work`` nor ``next_deadline``) until released, its state kept: the
+    # engine holds the requests of a realtime client that has fallen behind reading what they
+    # made, so a client that does not read gets no compute (see :func:`can_hold`).
+
 
 class StepTimer:
     """Exponential moving average of a pipeline's measured step times: its ``step_cost()``."""
@@ -136,3 +141,8 @@ class StepTimer:
             self.seconds += self.alpha * (seconds - self.seconds)
         else:
             self.seconds, self._measured = seconds, True
+
+
+def can_hold(pipeline: object) -> bool:
+    """Whether ``pipeline`` can hold requests (the optional ``hold`` of :class:`Pipeline`)."""
+    return callable(getattr(pipeline, "hold", None))

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .pipeline import Pipeline, Priority, Request, RequestRejected, is_background, runs_early
+from .pipeline import Pipeline, Priority, Request, RequestRejected, can_hold, is_background, runs_early
 from .types import Finished, Usage
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Scheduler:
         self.clock = clock
         self.on_step = on_step
         self._owner: dict[str, _Lane] = {}  # request id -> its lane, waiting or active
+        self._held: set[str] = set()  # requests held (see hold), waiting or active
         self._batch_turn = 0
 
     @property
@@ -111,6 +112,7 @@ class Scheduler:
     def cancel(self, request_id: str) -> Usage | None:
         """Drop a waiting or active request; its usage so far, or None if it is not here."""
         lane = self._owner.pop(request_id, None)
+        self._held.discard(request_id)
         if lane is None:
             return None
         if request_id in lane.active:
@@ -122,6 +124,19 @@ class Scheduler:
                 break
         return Usage()
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Hold (or release) a request: while held it takes no steps in a pipeline that can hold
+        (``Pipeline.hold``); a request still waiting is held from its admission on."""
+        lane = self._owner.get(request_id)
+        if lane is None:
+            return
+        if held:
+            self._held.add(request_id)
+        else:
+            self._held.discard(request_id)
+        if request_id in lane.active and can_hold(lane.pipeline):
+            lane.pipeline.hold(request_id, held)  # type: ignore[attr-defined]
+
     def remove_all(self) -> None:
         """Drop every waiting and active request (shutdown)."""
         for lane in self._lanes.values():
@@ -130,6 +145,7 @@ class Scheduler:
             lane.active.clear()
             lane.waiting.clear()
         self._owner.clear()
+        self._held.clear()
 
     def counts(self) -> tuple[int, int]:
         """(active, waiting) requests over all pipelines."""
@@ -230,15 +246,17 @@ class Scheduler:
             try:
                 p.add(request, prepared)
             except RequestRejected as exc:
-                del self._owner[rid]
+                self._forget(rid)
                 out.append((rid, Finished("error", Usage(), str(exc), "rejected")))
                 continue
             except Exception as exc:  # a model bug must not take the engine down
                 log.exception("%s: add failed for %s", lane.kind, rid)
-                del self._owner[rid]
+                self._forget(rid)
                 out.append((rid, Finished("error", Usage(), f"internal error: {exc}", "internal")))
                 continue
             lane.active.add(rid)
+            if rid in self._held and can_hold(p):
+                p.hold(rid, True)  # type: ignore[attr-defined]
 
     def _step(self, lane: _Lane, out: Outputs) -> None:
         t0 = time.perf_counter()
@@ -248,7 +266,7 @@ class Scheduler:
             log.exception("%s step failed; failing its %d active requests", lane.kind, len(lane.active))
             for rid in lane.active:
                 usage = self._remove_quietly(lane, rid)
-                del self._owner[rid]
+                self._forget(rid)
                 out.append((rid, Finished("error", usage or Usage(), f"internal error: {exc}", "internal")))
             lane.active.clear()
             return
@@ -261,8 +279,13 @@ class Scheduler:
                 continue  # removed earlier (cancelled): nothing of it goes out any more
             if isinstance(output, Finished):
                 lane.active.discard(rid)
-                del self._owner[rid]
+                self._forget(rid)
             out.append((rid, output))
+
+    def _forget(self, request_id: str) -> None:
+        """A request has ended: it is no longer owned (nor held)."""
+        del self._owner[request_id]
+        self._held.discard(request_id)
 
     def _remove_quietly(self, lane: _Lane, request_id: str) -> Usage | None:
         try:

@@ -91,6 +91,7 @@ class _Active:
     text: str = ""
     started: bool = False
     phase: float = field(default=0.0)
+    held: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,11 @@ class EchoPipeline:
         self.active[request.request_id] = _Active(request, list(prepared.words), prepared.usage)
 
     def has_work(self) -> bool:
-        return bool(self.active)
+        return any(not a.held for a in self.active.values())
+
+    def hold(self, request_id: str, held: bool) -> None:
+        if request_id in self.active:
+            self.active[request_id].held = held
 
     def step(self) -> list[tuple[str, Output]]:
         if self.step_seconds:
@@ -186,6 +191,8 @@ class EchoPipeline:
         self.calls["echo", len(self.active)] += 1
         out: list[tuple[str, Output]] = []
         for rid, a in list(self.active.items()):
+            if a.held:
+                continue
             if not a.started:
                 a.started = True
                 out.append(

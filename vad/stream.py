@@ -66,6 +66,13 @@ class VadStream:
             self.on_result(index, prob)
 
     def close(self) -> None:
+        """Stop the stream; ``on_result`` (which holds its owner) is dropped, so nothing of the
+        owner stays reachable from the worker or in a reference cycle."""
         if not self.closed:
             self.closed = True
+            self.on_result = _closed
             self._worker.close_stream(self)
+
+
+def _closed(index: int, prob: float) -> None:
+    """The result callback of a closed stream (results still in flight are dropped)."""

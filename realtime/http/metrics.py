@@ -60,6 +60,8 @@ class RealtimeCounters(Protocol):
     events_received: int
     events_sent: int
     errors_sent: int
+    clients_held: int
+    slow_clients_closed: int
 
     @property
     def vad_stats(self) -> VadCounters: ...
@@ -141,6 +143,16 @@ class ServerCollector(Collector):
         )
         yield CounterMetricFamily("omnirt_realtime_events_sent", "Server events sent", value=rt.events_sent)
         yield CounterMetricFamily("omnirt_realtime_errors_sent", "Error events sent", value=rt.errors_sent)
+        yield CounterMetricFamily(
+            "omnirt_realtime_clients_held",
+            "Times a session's responses were held because its client was behind reading",
+            value=rt.clients_held,
+        )
+        yield CounterMetricFamily(
+            "omnirt_realtime_slow_clients_closed",
+            "Realtime connections closed (1008) for falling behind reading",
+            value=rt.slow_clients_closed,
+        )
         vad = rt.vad_stats
         yield CounterMetricFamily("omnirt_vad_windows", "Server-VAD windows scored", value=vad.windows)
         yield CounterMetricFamily("omnirt_vad_batches", "Server-VAD model calls (batched)", value=vad.batches)

@@ -12,7 +12,6 @@ the video models here are text-to-video. Other fields are ignored.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from omnirt.stages.diffusion.types import VideoRequest
@@ -21,6 +20,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from ..config import ServerConfig
+from ..protocol import json_text
 from .errors import bad_request, from_validation_error
 from .image_params import MAX_PROMPT_CHARS
 from .media import check_prompt, check_range, parse_size, unsupported
@@ -61,8 +61,8 @@ async def read_fields(request: Request, body: bytes) -> dict[str, Any]:
                 fields[name] = value
             return fields
     try:
-        fields = json.loads(body)
-    except ValueError as exc:
+        fields = json_text.loads(body)
+    except json_text.InvalidJson as exc:
         raise bad_request(
             f"We could not parse the body of your request: send a multipart form or a JSON object ({exc}).",
             code="invalid_json",

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 from omnirt.sessions.errors import ErrorCode
 from pydantic import BaseModel, ValidationError
 
+from . import json_text
 from .bounds import check_shape
 from .errors import ProtocolError, from_validation
 from .models import (
@@ -53,14 +53,10 @@ def parse_client_event(
             f"Client event of {len(text)} bytes is over this server's limit of {max_bytes} bytes.",
         )
     try:
-        raw = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = json_text.loads(text)
+    except json_text.InvalidJson as exc:
         raise ProtocolError(
             ErrorCode.INVALID_JSON, f"Invalid event: failed to parse JSON value ({exc})."
-        ) from None
-    except RecursionError:  # nested deeper than the parser's stack: no client event is
-        raise ProtocolError(
-            ErrorCode.INVALID_JSON, "Invalid event: the JSON value is nested too deeply to parse."
         ) from None
     if type(raw) is dict and raw.get("type") == APPEND:
         # The hot event (every audio chunk): when it is plainly valid, skip pydantic. Exactly what

@@ -139,6 +139,7 @@ class _Active:
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
     audio_seconds: float = 0.0  # of audio gone out
     audio_started: float | None = None  # time.monotonic() when its first audio went out
+    held: bool = False  # no decode steps while held (its client is behind; ``hold``)
 
 
 class _FreeSlots:
@@ -321,7 +322,14 @@ class SpeechPipeline:
         return bool(self._free)
 
     def has_work(self) -> bool:
-        return bool(self._active)
+        return any(not a.held for a in self._active.values())
+
+    def hold(self, request_id: str, held: bool) -> None:
+        """Hold (or release) a request: while held its rows take no thinker or talker steps (a
+        prefill under way still lands); its reply goes on unchanged once released."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.held = held
 
     def accepts(self, request: object) -> bool:
         return isinstance(request, GenerationRequest)
@@ -336,6 +344,8 @@ class SpeechPipeline:
         the scheduler steps it at once, so replies still come as fast as the model can make them."""
         earliest = math.inf
         for a in self._active.values():
+            if a.held:
+                continue
             t = a.talker
             if t is None or a.audio_started is None:
                 return None
@@ -437,12 +447,14 @@ class SpeechPipeline:
         # 1. start new prompts' prefills, load the finished ones; 2. a thinker token for every
         # prefilled request, the new ones included (their first token is fed at once, so their
         # talker can take its first step in this tick).
-        busy = any(a.prefilled and not a.thinker_done for a in self._active.values())
+        busy = any(a.prefilled and not a.thinker_done and not a.held for a in self._active.values())
         first_tokens = self._take_prefills(out, idle=not busy)
         # A grammar's next mask needs the first token on the host: those rows decode next tick.
         waiting = {id(a) for a, _ in first_tokens if isinstance(a.constraint, GrammarConstraint)}
         decoding = [
-            a for a in self._active.values() if a.prefilled and not a.thinker_done and id(a) not in waiting
+            a
+            for a in self._active.values()
+            if a.prefilled and not a.thinker_done and not a.held and id(a) not in waiting
         ]
         tokens = None
         if decoding:
@@ -621,7 +633,7 @@ class SpeechPipeline:
 
     def _talker_ready(self, active: _Active) -> bool:
         t = active.talker
-        if t is None or not t.started or t.done:
+        if t is None or not t.started or t.done or active.held:
             return False
         return self._text_input(active, 4 + t.step) is not None
 

@@ -155,6 +155,75 @@ def test_well_behaved_long_response_is_not_cut(bounded: Server) -> None:
     assert response["status"] in ("completed", "incomplete")
 
 
+# -- held responses -------------------------------------------------------------------------
+HOLD = 64 * 1024
+HELD_SECONDS = 3.0
+
+
+@pytest.fixture(scope="module")
+def holding() -> Iterator[Server]:
+    config = ServerConfig(hold_send_queue_bytes=HOLD, max_held_seconds=HELD_SECONDS, max_sessions=4)
+    with running(config) as s:
+        yield s
+
+
+def words_made(server: Server, response_ids: list[str]) -> int:
+    """Words the engine has made for these responses so far (the echo pipeline's progress)."""
+    active = dict(server.pipeline.active)
+    return sum(active[rid].sent for rid in response_ids if rid in active)
+
+
+def test_a_client_behind_gets_no_compute_until_it_reads(holding: Server) -> None:
+    """Once the slow client's queue passes the hold mark its responses are held: the engine makes
+    nothing more for them (while another session's turn completes). Reading again, the client
+    gets everything, the responses are released and complete, nothing cancelled, no close."""
+    service = holding.service
+    held_before = service.clients_held
+
+    async def main() -> tuple[int, int, list[dict], dict]:
+        async with slow_client(holding) as slow:
+            response_ids = await start_long_responses(slow)
+            await wait_for(lambda: service.clients_held > held_before, 10)
+            await asyncio.sleep(0.2)  # the hold reaches the engine thread
+            made = words_made(holding, response_ids)
+            done = await text_turn(holding)  # the engine keeps serving others meanwhile
+            await asyncio.sleep(1.0)
+            made_later = words_made(holding, response_ids)
+            finished = []
+            while len(finished) < len(response_ids):  # read again: released, all of it comes
+                event = await slow.recv(timeout=10)
+                if event["type"] == "response.done":
+                    finished.append(event["response"])
+            return made, made_later, finished, done
+
+    made, made_later, finished, done = run(main())
+    assert made > 0 and made_later == made
+    assert done["status"] == "completed"
+    assert {r["status"] for r in finished} == {"completed"}
+    assert service.slow_clients_closed == 0
+
+
+def test_a_client_held_too_long_is_closed_with_1008(holding: Server) -> None:
+    """Held and still not reading for ``max_held_seconds``: closed with 1008 (reason naming the
+    hold), its responses cancelled in the engine."""
+    service = holding.service
+    closed_before = service.slow_clients_closed
+    held_before = service.clients_held
+
+    async def main() -> tuple[float, int | None, str, list[str]]:
+        async with slow_client(holding) as slow:
+            response_ids = await start_long_responses(slow)
+            await wait_for(lambda: service.clients_held > held_before, 10)
+            waited = await wait_for(lambda: service.slow_clients_closed > closed_before, HELD_SECONDS + 5)
+            await wait_for(lambda: set(response_ids) <= set(holding.pipeline.removed), 5)
+            code = await slow.closed(timeout=10)
+            return waited, code, slow.ws.close_reason, response_ids
+
+    waited, code, reason, response_ids = run(main())
+    assert HELD_SECONDS - 0.5 < waited < HELD_SECONDS + 2
+    assert code == 1008 and f"{HELD_SECONDS:g} s" in reason and str(HOLD) in reason
+
+
 # -- conversation caps ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def capped() -> Iterator[Server]:

@@ -313,3 +313,35 @@ def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(pipeline) -> 
     assert pipeline.next_deadline() is None
     drain(pipeline)
     assert pipeline.next_deadline() is None and not pipeline.has_work()
+
+
+def test_a_held_request_takes_no_steps_and_then_goes_on_unchanged(demo_dir: Path) -> None:
+    """``hold`` (its client is behind reading): the request makes nothing while held, counts as
+    no work and no deadline, while another request keeps stepping; released, it finishes with the
+    same reply (tokens, text, audio frames) it makes without the hold."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    make = lambda: audio_request("a", tone(1.0), max_output_tokens=10, temperature=1.0, seed=7)  # noqa: E731
+    log = TokenLog(pipe)
+    pipe.add(make())
+    text, audio, reason, frames = _summary(of(drain(pipe), "a"))
+    unheld_tokens = log.tokens.pop("a")
+
+    pipe.add(make())
+    outs = []
+    while not any(isinstance(o, AudioDelta) for o in of(outs, "a")):  # speaking
+        outs += pipe.step()
+    pipe.hold("a", True)
+    assert not pipe.has_work() and pipe.next_deadline() is None
+    pipe.add(text_request("other", "meanwhile", max_output_tokens=6))
+    tokens_before = len(log.tokens["a"])
+    while_held = drain(pipe)
+    assert of(while_held, "other")[-1].reason in ("stop", "length")
+    assert not [o for o in of(while_held, "a") if isinstance(o, TextDelta | Finished)]
+    assert len(log.tokens["a"]) == tokens_before
+    pipe.hold("a", False)
+    assert pipe.has_work()
+    outs += while_held + drain(pipe)
+    t2, a2, r2, f2 = _summary(of(outs, "a"))
+    assert log.tokens["a"] == unheld_tokens
+    assert (t2, r2, f2) == (text, reason, frames)
+    assert a2.shape == audio.shape
