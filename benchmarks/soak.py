@@ -1,0 +1,592 @@
+"""Soak: many realtime sessions for minutes, with and without hostile clients beside them.
+
+Starts ``omnirt serve`` (the embedded default on CPU unless ``--serve-args`` says otherwise) as a
+subprocess and runs one phase per ``--phases`` entry, each on a fresh server:
+
+- ``calm``: ``--sessions`` well-behaved sessions for ``--minutes``;
+- ``hostile``: the same sessions plus ``--hostile`` hostile clients beside them.
+
+A well-behaved session connects, keeps server VAD (OpenAI's default) and caps replies at
+``--reply-tokens`` thinker tokens, then loops: think ``--think`` seconds (uniform), then one turn,
+picked at random:
+
+- ``text``: ``conversation.item.create`` + ``response.create`` with text output; latency: from the
+  ``response.create`` sent to the first ``response.output_text.delta``;
+- ``audio``: espeak-ng speech streamed in 100 ms chunks at real time, then silence until the
+  server VAD ends the turn; the reply (audio) follows on its own; latency: from
+  ``input_audio_buffer.speech_stopped`` to the first ``response.output_audio.delta``;
+- ``barge-in``: an audio turn whose reply is interrupted by more speech after its first audio; the
+  first response must end ``cancelled`` (``turn_detected``), the second complete; latency as
+  ``audio``, for the second response.
+
+A session lives ``--lifetime`` seconds (uniform) and then closes and reconnects, so sessions are
+torn down and made all along (RSS staying flat shows teardown frees them). A turn fails on an
+``error`` event, a response that does not end as expected, a close, or ``--turn-timeout``.
+
+Hostile clients, in turn one of:
+
+- ``fuzz``: malformed and random events (bad JSON, unknown types, wrong types, deep nesting,
+  huge integers, invalid base64, binary frames) at ``--fuzz-rate`` per second;
+- ``slow``: asks for long replies (in band and out of band) and never reads; reconnects once closed;
+- ``huge``: a text item of ``--huge-mib`` MiB every few seconds (refused: context length) and
+  an audio append over the size limit.
+
+The server's RSS (the serve process, and with its children: the VAD worker) is sampled every
+``--rss-every`` seconds; the table gives it at the end of warm-up (``--warmup`` of the phase), in
+the middle and at the end, and the growth after warm-up. Goal (issue 16) on the 2-core machine:
+100 sessions x 10 minutes, 0 failed turns, RSS growth under 5% after warm-up, and with 10
+hostile clients the well-behaved sessions' p99 latency grows by less than 20%.
+
+    python benchmarks/soak.py --sessions 100 --minutes 10 --hostile 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import functools
+import json
+import logging
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+import websockets
+from omnirt.codecs.audio import float_to_pcm16
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from turn_latency import espeak_speech, speechlike_tone  # noqa: E402
+
+log = logging.getLogger("soak")
+
+CHUNK_MS = 100
+BYTES_PER_MS = 48  # PCM16 mono at 24 kHz
+MAX_FRAME = 1 << 20
+UTTERANCES = (
+    "Hello there, how are you today?",
+    "Could you tell me what the weather will be like tomorrow afternoon?",
+    "Please book a table for two at seven.",
+    "What time does the train to the airport leave?",
+)
+
+
+# -- audio --------------------------------------------------------------------------------------
+
+
+def utterances() -> list[bytes]:
+    """PCM16 speech (espeak-ng; a speech-like tone when it is missing) for the audio turns."""
+    out = []
+    for i, text in enumerate(UTTERANCES):
+        pcm = espeak_speech(text)
+        if pcm is None:
+            pcm = speechlike_tone(1.2 + 0.3 * i)
+        out.append(float_to_pcm16(np.asarray(pcm, dtype=np.float32)))
+    return out
+
+
+def chunks(pcm: bytes) -> Iterator[str]:
+    step = CHUNK_MS * BYTES_PER_MS
+    for start in range(0, len(pcm), step):
+        yield base64.b64encode(pcm[start : start + step]).decode()
+
+
+KINDS = ("text", "audio", "barge-in")
+SILENCE = base64.b64encode(bytes(CHUNK_MS * BYTES_PER_MS)).decode()
+
+
+# -- results ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    name: str
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    turns: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    sessions_opened: int = 0
+    refused_sessions: int = 0
+    hostile_events: int = 0
+    hostile_connections: int = 0
+    rss: list[tuple[float, int, int]] = field(default_factory=list)  # (t, serve, with children)
+
+    def fail(self, kind: str, why: str) -> None:
+        self.failed[kind] += 1
+        if len(self.failures) < 20:
+            self.failures.append(f"{kind}: {why}")
+
+
+class TurnFailed(Exception):
+    pass
+
+
+def check_done(done: dict[str, Any], what: str) -> None:
+    """A reply ended as it should: completed, or cut at the session's ``max_output_tokens``."""
+    response = done["response"]
+    reason = (response.get("status_details") or {}).get("reason")
+    if response["status"] == "completed" or (
+        response["status"] == "incomplete" and reason == "max_output_tokens"
+    ):
+        return
+    raise TurnFailed(f"{what} ended {response['status']} ({reason})")
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def server(args: argparse.Namespace, port: int, log_path: Path) -> Iterator[psutil.Process]:
+    cmd = [
+        sys.executable, "-m", "omnirt.realtime.cli", "serve", "--port", str(port),
+        "--max-sessions", str(args.sessions + args.hostile + 8), "--log-level", "warning",
+        *shlex.split(args.serve_args),
+    ]  # fmt: skip
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited ({proc.returncode}); see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not start in 300 s")
+            time.sleep(0.5)
+        yield psutil.Process(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def rss(proc: psutil.Process) -> tuple[int, int]:
+    own = proc.memory_info().rss
+    children = sum(c.memory_info().rss for c in proc.children(recursive=True))
+    return own, own + children
+
+
+# -- well-behaved sessions ---------------------------------------------------------------------
+
+
+class Session:
+    def __init__(self, ws: Any, phase: Phase) -> None:
+        self.ws = ws
+        self.phase = phase
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def recv(self, timeout: float) -> dict[str, Any]:
+        event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        if event["type"] == "error":
+            raise TurnFailed(f"error {event['error'].get('code')}: {event['error'].get('message')}"[:300])
+        return event
+
+    async def until(self, kind: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            event = await self.recv(max(0.01, deadline - time.monotonic()))
+            if event["type"] == kind:
+                return event
+            if event["type"] == "response.done" and kind != "response.done":
+                raise TurnFailed(f"response.done ({event['response']['status']}) before {kind}")
+
+
+async def stream(s: Session, pcm: bytes, silence_ms: int) -> None:
+    """Speech at real time, then ``silence_ms`` of silence (the VAD needs it to end the turn)."""
+    t0 = time.monotonic()
+    frames = list(chunks(pcm)) + [SILENCE] * (silence_ms // CHUNK_MS)
+    for i, chunk in enumerate(frames):
+        await asyncio.sleep(max(0.0, t0 + i * CHUNK_MS / 1000 - time.monotonic()))
+        await s.send({"type": "input_audio_buffer.append", "audio": chunk})
+
+
+async def text_turn(s: Session, rng: random.Random, timeout: float) -> float:
+    words = " ".join(rng.choice(("tell", "me", "about", "the", "sea", "please", "now")) for _ in range(8))
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words}]}
+    await s.send({"type": "conversation.item.create", "item": item})
+    await s.until("conversation.item.done", timeout)
+    sent = time.monotonic()
+    await s.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+    await s.until("response.output_text.delta", timeout)
+    latency = time.monotonic() - sent
+    check_done(await s.until("response.done", timeout), "text response")
+    return latency
+
+
+async def audio_reply(s: Session, pcm: bytes, timeout: float) -> float:
+    """Speak, then wait for the reply's first audio; returns speech_stopped -> first audio."""
+    sender = asyncio.create_task(stream(s, pcm, 1000))
+    try:
+        await s.until("input_audio_buffer.speech_stopped", timeout)
+        stopped = time.monotonic()
+        await s.until("response.output_audio.delta", timeout)
+        return time.monotonic() - stopped
+    finally:
+        await sender
+
+
+async def audio_turn(s: Session, pcm: bytes, timeout: float) -> float:
+    latency = await audio_reply(s, pcm, timeout)
+    check_done(await s.until("response.done", timeout), "audio response")
+    return latency
+
+
+async def barge_in_turn(s: Session, pcm: bytes, timeout: float) -> float:
+    await audio_reply(s, pcm, timeout)
+    sender = asyncio.create_task(stream(s, pcm, 1000))  # talk over the reply
+    try:
+        while True:
+            event = await s.recv(timeout)
+            if event["type"] == "response.done":
+                break
+        details = event["response"].get("status_details") or {}
+        if event["response"]["status"] != "cancelled" or details.get("reason") != "turn_detected":
+            raise TurnFailed(f"interrupted reply ended {event['response']['status']} {details}")
+        await s.until("input_audio_buffer.speech_stopped", timeout)
+        stopped = time.monotonic()
+        await s.until("response.output_audio.delta", timeout)
+        latency = time.monotonic() - stopped
+        done = await s.until("response.done", timeout)
+    finally:
+        await sender
+    check_done(done, "reply after barge-in")
+    return latency
+
+
+async def well_behaved(
+    index: int, url: str, args: argparse.Namespace, phase: Phase, speech: list[bytes], end: float
+) -> None:
+    rng = random.Random(args.seed * 1000 + index)
+    await asyncio.sleep(rng.uniform(0, args.think[1]))  # staggered start
+    while time.monotonic() < end:
+        lifetime = time.monotonic() + rng.uniform(*args.lifetime)
+        try:
+            async with websockets.connect(url, max_size=MAX_FRAME, open_timeout=60) as ws:
+                s = Session(ws, phase)
+                created = await s.recv(60)
+                assert created["type"] == "session.created", created["type"]
+                phase.sessions_opened += 1
+                await s.send({"type": "session.update", "session": {
+                    "type": "realtime", "max_output_tokens": args.reply_tokens}})  # fmt: skip
+                await s.until("session.updated", 30)
+                while time.monotonic() < min(lifetime, end):
+                    await asyncio.sleep(rng.uniform(*args.think))
+                    if time.monotonic() >= end:
+                        break
+                    kind = rng.choices(("text", "audio", "barge-in"), weights=args.mix)[0]
+                    phase.turns[kind] += 1
+                    try:
+                        if kind == "text":
+                            latency = await text_turn(s, rng, args.turn_timeout)
+                        elif kind == "audio":
+                            latency = await audio_turn(s, rng.choice(speech), args.turn_timeout)
+                        else:
+                            latency = await barge_in_turn(s, rng.choice(speech), args.turn_timeout)
+                    except (TurnFailed, TimeoutError) as exc:
+                        phase.fail(kind, str(exc) or type(exc).__name__)
+                        break  # the session's state is unknown: reconnect
+                    phase.latencies[kind].append(latency)
+        except websockets.InvalidStatus as exc:
+            phase.refused_sessions += 1
+            log.warning("session refused: %s", exc)
+            await asyncio.sleep(1)
+        except (websockets.ConnectionClosed, OSError, TimeoutError, AssertionError) as exc:
+            phase.fail("connection", f"{type(exc).__name__}: {exc}"[:200])
+            await asyncio.sleep(1)
+
+
+# -- hostile clients ---------------------------------------------------------------------------
+
+
+def junk(rng: random.Random) -> str | bytes:
+    """One malformed or hostile client frame."""
+    pick = rng.randrange(10)
+    if pick == 0:
+        return "{not json" + "x" * rng.randrange(100)
+    if pick == 1:
+        return json.dumps({"type": rng.choice(("nope", "session.explode", "", 7))})
+    if pick == 2:
+        depth = rng.choice((40, 500, 5000))
+        tools = "[" * depth + "]" * depth
+        return '{"type":"session.update","session":{"type":"realtime","tools":' + tools + "}}"
+    if pick == 3:
+        return '{"type":"session.update","session":{"max_output_tokens":' + "9" * 5000 + "}}"
+    if pick == 4:
+        return json.dumps({"type": "input_audio_buffer.append", "audio": "%%%not base64%%%"})
+    if pick == 5:
+        return bytes(rng.randrange(256) for _ in range(64))
+    if pick == 6:
+        return json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": 5}})
+    if pick == 7:
+        return '{"type":"session.update","session":{"type":"realtime","temperature":NaN}}'
+    if pick == 8:
+        return json.dumps({"type": "conversation.item.truncate", "item_id": "x" * 300, "audio_end_ms": -1})
+    return json.dumps({"type": "response.cancel", "response_id": rng.random()})
+
+
+async def fuzz_client(url: str, rng: random.Random, args: argparse.Namespace, phase: Phase) -> None:
+    async with websockets.connect(url, max_size=MAX_FRAME) as ws:
+        phase.hostile_connections += 1
+        reader = asyncio.create_task(drain(ws))
+        try:
+            for _ in range(int(args.fuzz_rate * 30)):
+                await ws.send(junk(rng))
+                phase.hostile_events += 1
+                await asyncio.sleep(1 / args.fuzz_rate)
+        finally:
+            reader.cancel()
+
+
+async def drain(ws: Any) -> None:
+    with contextlib.suppress(websockets.ConnectionClosed):
+        async for _ in ws:
+            pass
+
+
+async def slow_client(url: str, rng: random.Random, args: argparse.Namespace, phase: Phase) -> None:
+    """Asks for long replies, then reads nothing: the server must close it (1008), not grow."""
+    async with websockets.connect(url, max_size=MAX_FRAME, max_queue=1) as ws:
+        phase.hostile_connections += 1
+        long = " ".join(f"word{i}" for i in range(400))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": long}],
+                    },
+                }
+            )
+        )
+        await ws.send(json.dumps({"type": "response.create"}))
+        for _ in range(3):
+            await ws.send(json.dumps({"type": "response.create", "response": {"conversation": "none"}}))
+        phase.hostile_events += 5
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await asyncio.sleep(60)  # not reading; closed by the server long before
+            await ws.close()
+
+
+@functools.cache
+def huge_frames(mib: float) -> tuple[str, str]:
+    """A text item of ``mib`` MiB (over any context) and an audio append over the frame limit;
+    made once (the client's own CPU is not what is measured)."""
+    text = "lorem ipsum " * int(mib * (1 << 20) / 12)
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    audio = base64.b64encode(bytes(16 << 20)).decode()  # over the server's 16 MiB event limit
+    return (
+        json.dumps({"type": "conversation.item.create", "item": item}),
+        json.dumps({"type": "input_audio_buffer.append", "audio": audio}),
+    )
+
+
+async def huge_client(url: str, rng: random.Random, args: argparse.Namespace, phase: Phase) -> None:
+    async with websockets.connect(url, max_size=MAX_FRAME, max_queue=None) as ws:
+        phase.hostile_connections += 1
+        reader = asyncio.create_task(drain(ws))
+        try:
+            for _ in range(6):
+                for frame in huge_frames(args.huge_mib):
+                    await ws.send(frame)
+                    phase.hostile_events += 1
+                await asyncio.sleep(rng.uniform(3, 6))
+        finally:
+            reader.cancel()
+
+
+HOSTILE_KINDS = {"fuzz": fuzz_client, "slow": slow_client, "huge": huge_client}
+
+
+async def hostile(index: int, url: str, args: argparse.Namespace, phase: Phase, end: float) -> None:
+    rng = random.Random(args.seed * 7919 + index)
+    kinds = args.hostile_kinds.split(",")
+    client = HOSTILE_KINDS[kinds[index % len(kinds)]]
+    while time.monotonic() < end:
+        try:
+            await asyncio.wait_for(client(url, rng, args, phase), max(0.1, end - time.monotonic()))
+        except (websockets.ConnectionClosed, websockets.InvalidStatus, OSError, TimeoutError):
+            pass
+        await asyncio.sleep(0.5)
+
+
+# -- a phase ------------------------------------------------------------------------------------
+
+
+async def sample_rss(proc: psutil.Process, phase: Phase, every: float, t0: float, end: float) -> None:
+    while time.monotonic() < end:
+        own, total = rss(proc)
+        phase.rss.append((time.monotonic() - t0, own, total))
+        await asyncio.sleep(every)
+
+
+async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes], port: int) -> Phase:
+    phase = Phase(name)
+    log_path = Path(args.log_dir) / f"soak-{name}.log"
+    with server(args, port, log_path) as proc:
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+        t0 = time.monotonic()
+        end = t0 + args.minutes * 60
+        tasks = [
+            asyncio.create_task(well_behaved(i, url, args, phase, speech, end)) for i in range(args.sessions)
+        ]
+        if name.startswith("hostile"):
+            tasks += [asyncio.create_task(hostile(i, url, args, phase, end)) for i in range(args.hostile)]
+        sampler = asyncio.create_task(sample_rss(proc, phase, args.rss_every, t0, end))
+        progress = asyncio.create_task(report_progress(phase, t0, end))
+        await asyncio.gather(*tasks)
+        sampler.cancel()
+        progress.cancel()
+        own, total = rss(proc)
+        phase.rss.append((time.monotonic() - t0, own, total))
+    tracebacks = log_path.read_text().count("Traceback")
+    if tracebacks:
+        phase.failures.append(f"server log: {tracebacks} traceback(s), see {log_path}")
+    return phase
+
+
+async def report_progress(phase: Phase, t0: float, end: float) -> None:
+    while True:
+        await asyncio.sleep(60)
+        done = sum(len(v) for v in phase.latencies.values())
+        rss_mib = phase.rss[-1][1] / 2**20 if phase.rss else 0
+        failed = sum(phase.failed.values())
+        log.info(
+            "%s: %.0f s, %d turns done, %d failed, RSS %.0f MiB",
+            phase.name,
+            time.monotonic() - t0,
+            done,
+            failed,
+            rss_mib,
+        )
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+def p99(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return values[0] if values else None
+    return float(np.percentile(values, 99))
+
+
+def rss_at(phase: Phase, t: float, which: int) -> int:
+    return min(phase.rss, key=lambda r: abs(r[0] - t))[which]
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def table(phases: list[Phase], args: argparse.Namespace) -> str:
+    warm = args.warmup * 60
+    total = args.minutes * 60
+    lines = [
+        "| phase | turns (text/audio/barge-in) | failed | sessions opened | p50 (ms) | p99 (ms) | "
+        "p99 text / audio / barge-in (ms) | RSS after warm-up (MiB) | middle | end | growth | "
+        "with VAD worker: warm-up / end (MiB) | growth |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in phases:
+        every = [x for v in p.latencies.values() for x in v]
+        r0, r1, r2 = (rss_at(p, t, 1) for t in (warm, (warm + total) / 2, total))
+        c0, c2 = rss_at(p, warm, 2), rss_at(p, total, 2)
+        lines.append(
+            f"| {p.name} | {p.turns['text']}/{p.turns['audio']}/{p.turns['barge-in']} | "
+            f"{sum(p.failed.values())} | {p.sessions_opened} | "
+            f"{ms(statistics.median(every) if every else None)} | {ms(p99(every))} | "
+            f"{' / '.join(ms(p99(p.latencies[k])) for k in ('text', 'audio', 'barge-in'))} | "
+            f"{r0 / 2**20:.0f} | {r1 / 2**20:.0f} | {r2 / 2**20:.0f} | {(r2 - r0) / r0:+.1%} | "
+            f"{c0 / 2**20:.0f} / {c2 / 2**20:.0f} | {(c2 - c0) / c0:+.1%} |"
+        )
+    by = {p.name: p for p in phases}
+    if "calm" in by and "hostile" in by:
+        calm = p99([x for v in by["calm"].latencies.values() for x in v])
+        loud = p99([x for v in by["hostile"].latencies.values() for x in v])
+        if calm and loud:
+            lines.append("")
+            lines.append(
+                f"Well-behaved p99 with {args.hostile} hostile clients: {ms(loud)} ms vs {ms(calm)} ms calm "
+                f"({loud / calm - 1:+.1%}; goal under +20%); hostile: {by['hostile'].hostile_connections} "
+                f"connections, {by['hostile'].hostile_events} events."
+            )
+    for p in phases:
+        for failure in p.failures:
+            lines.append(f"- {p.name}: {failure}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=100)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=None, help="minutes (default: a fifth of --minutes)")
+    ap.add_argument("--hostile", type=int, default=10)
+    ap.add_argument("--phases", default="calm,hostile", help="calm and/or hostile, in order")
+    ap.add_argument("--hostile-kinds", default="fuzz,slow,huge", help="the hostile clients, in turn")
+    ap.add_argument("--think", type=float, nargs=2, default=(8.0, 20.0), metavar=("MIN", "MAX"))
+    ap.add_argument("--lifetime", type=float, nargs=2, default=(45.0, 90.0), metavar=("MIN", "MAX"))
+    ap.add_argument("--mix", type=float, nargs=3, default=(0.4, 0.4, 0.2), metavar=("TEXT", "AUDIO", "BARGE"))
+    ap.add_argument("--reply-tokens", type=int, default=8)
+    ap.add_argument("--turn-timeout", type=float, default=60.0)
+    ap.add_argument("--fuzz-rate", type=float, default=10.0, help="events per second per fuzzing client")
+    ap.add_argument("--huge-mib", type=float, default=4.0)
+    ap.add_argument("--rss-every", type=float, default=5.0)
+    ap.add_argument("--serve-args", default="", help="extra arguments for omnirt serve")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
+    args = ap.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = args.minutes / 5
+    return args
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    speech = utterances()
+    phases = []
+    for name in args.phases.split(","):
+        log.info(
+            "phase %s: %d sessions%s for %g min",
+            name,
+            args.sessions,
+            f" + {args.hostile} hostile" if name == "hostile" else "",
+            args.minutes,
+        )
+        phases.append(asyncio.run(run_phase(name, args, speech, args.port or free_port())))
+    print(table(phases, args))
+    return 0 if all(not p.failed for p in phases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
