@@ -11,6 +11,7 @@ API keys come from ``--api-key`` (repeatable) and ``OMNIRT_API_KEYS`` (comma-sep
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -34,6 +35,8 @@ API_KEYS_ENV = "OMNIRT_API_KEYS"
 #: (docs/benchmarks.md, issue 4). Clients then send plain frames, as RFC 7692 allows.
 WS_PER_MESSAGE_DEFLATE = False
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: ``--step-cache`` choices (``stages.diffusion.cache.config.BACKENDS``; a test checks they agree).
+STEP_CACHES = ("none", "teacache", "magcache")
 #: ``--load-format`` choices (``stages.speech.dummy.LOAD_FORMATS``, repeated here so that parsing
 #: arguments imports no torch; a test checks that the two agree).
 LOAD_FORMATS = ("auto", "dummy")
@@ -100,6 +103,22 @@ def _model(text: str) -> str:
     raise argparse.ArgumentTypeError(
         f"{text!r} is neither 'demo' nor an existing local path (nothing is downloaded)"
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, not {text!r}")
+    return value
+
+
+def _file(text: str) -> str:
+    if Path(text).expanduser().is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"no such file: {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the model's steps eagerly on CUDA instead of replaying captured CUDA graphs",
     )
+    serve.add_argument(
+        "--step-cache",
+        choices=STEP_CACHES,
+        default="none",
+        help="the diffusion step cache of requests that name none (their cache_backend): none (the "
+        "default), teacache or magcache; every image/video model must have a calibration for it",
+    )
+    serve.add_argument(
+        "--step-cache-config",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="the default step cache's settings, e.g. '{\"threshold\": 0.1}' (docs/http.md); left out: "
+        "the calibrated defaults",
+    )
+    serve.add_argument(
+        "--step-cache-calibration",
+        type=_file,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a step-cache calibration file (omnirt calibrate) (repeatable); also read: "
+        "<model folder>/omnirt-calibration/*.json and those shipped for the embedded models",
+    )
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
     return parser
 
@@ -198,6 +241,9 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),
         metrics_host=args.metrics_host,
+        step_cache=args.step_cache,
+        step_cache_config=dict(args.step_cache_config),
+        step_cache_calibrations=list(args.step_cache_calibration),
     )
 
 
@@ -222,6 +268,11 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
         engine = Engine(pipelines)
     except ValueError as exc:
         log.error("cannot load the model: %s", exc)
+        return 1
+    try:
+        _configure_step_caches(pipelines, config)
+    except ValueError as exc:
+        log.error("step cache: %s", exc)
         return 1
     info = pipelines[0].info
     try:
@@ -274,6 +325,21 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
         log.info("stopped")
     return 0 if server.started else 1
+
+
+def _configure_step_caches(pipelines: Sequence[object], config: ServerConfig) -> None:
+    if not any(hasattr(p, "step_cache") for p in pipelines):
+        if config.step_cache != "none" or config.step_cache_calibrations:
+            raise ValueError("--step-cache and --step-cache-calibration need an image or video model")
+        return
+    from omnirt.stages.diffusion.cache.server import configure_step_caches
+
+    configure_step_caches(
+        pipelines,
+        backend=config.step_cache,
+        config=config.step_cache_config,
+        calibrations=config.step_cache_calibrations,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
