@@ -1,4 +1,6 @@
-"""The ``omnirt`` command: ``omnirt serve [--model demo|PATH]... [--host H] [--port P] ...``.
+"""The ``omnirt`` command: ``omnirt serve [--model demo|PATH]... [--host H] [--port P] ...`` and
+``omnirt calibrate teacache|magcache --model PATH --prompts FILE --steps 25,50`` (a diffusion step
+cache's calibration: ``stages/diffusion/cache/calibrate.py``).
 
 ``serve`` builds the model pipelines (``stages.factory.build_pipelines``: one per ``--model``,
 a speech checkpoint or a diffusers image/video pipeline, told apart by their folder layout), the
@@ -18,6 +20,7 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from .config import ServerConfig, parse_host_port
 
@@ -225,7 +228,52 @@ def build_parser() -> argparse.ArgumentParser:
         "<model folder>/omnirt-calibration/*.json and those shipped for the embedded models",
     )
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    _add_calibrate(commands)
     return parser
+
+
+def _add_calibrate(commands: Any) -> None:
+    """``omnirt calibrate`` (stages/diffusion/cache/calibrate.py runs it)."""
+    p = commands.add_parser(
+        "calibrate",
+        help="calibrate a diffusion step cache (teacache, magcache) for a model",
+        description="Run full-compute trajectories of the prompts through the serving runtime, fit the "
+        "step cache's model (TeaCache's polynomial, MagCache's ratios), print the fit and write the "
+        "calibration file the server reads.",
+    )
+    p.add_argument("backend", choices=STEP_CACHES[1:])
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a diffusers image or video folder, or demo-z-image / demo-wan2.1-t2v (the embedded models)",
+    )
+    p.add_argument("--prompts", required=True, type=Path, help="a text file, one prompt a line")
+    p.add_argument(
+        "--steps", default="25,50", help="step counts to calibrate, comma-separated (default 25,50)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the file to write (default <model>/omnirt-calibration/<backend>.json)",
+    )
+    p.add_argument("--size", default=None, help="WxH (default: the model's)")
+    p.add_argument("--frames", type=int, default=None, help="video frames (default: the model's)")
+    p.add_argument("--guidance-scale", type=float, default=None, help="default: the model's")
+    p.add_argument(
+        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
+    )
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    p.add_argument(
+        "--target-speedup",
+        type=float,
+        default=1.5,
+        help="TeaCache's default threshold aims at it (default 1.5)",
+    )
+    p.add_argument("--threshold", type=float, default=None, help="write this default threshold instead")
+    p.add_argument("--max-skip-steps", type=int, default=3, help="MagCache's default (3)")
+    p.add_argument("--retention-ratio", type=float, default=0.2, help="MagCache's default (0.2)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
@@ -345,6 +393,10 @@ def _configure_step_caches(pipelines: Sequence[object], config: ServerConfig) ->
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    if args.command == "calibrate":
+        from omnirt.stages.diffusion.cache.calibrate import run
+
+        return run(args)
     config = config_from_args(args, os.environ)
     return serve(config, device=args.device, log_level=args.log_level, load_format=args.load_format)
 
