@@ -706,7 +706,7 @@ class DiffusionPipeline:
         held.state = keep_rows(held.state, rows)
         if isinstance(held, _Call) and held.cache is not None:
             alive = {id(job) for job, _ in live}
-            held.cache.keep([i for i, (job, _) in enumerate(held.jobs) if id(job) in alive], rows)
+            held.cache.keep([i for i, (job, _) in enumerate(held.jobs) if id(job) in alive])
         held.jobs, at = [], 0
         for job, _ in live:
             held.jobs.append((job, at))

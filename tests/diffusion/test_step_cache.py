@@ -345,3 +345,26 @@ def test_server_default_backend_applies_when_the_request_leaves_it_out(denoiser:
     prep = p.prepare(_req("a"))
     assert prep.cache is not None and prep.cache.mag is not None and prep.cache.mag.threshold == 0.5
     assert p.prepare(_req("b", "none")).cache is None
+
+
+def test_removing_a_request_mid_call_keeps_the_others_cache_rows(denoiser: ZImageDenoiser) -> None:
+    caches = StepCaches(denoiser, store=store_for(denoiser))
+    p = DiffusionPipeline(denoiser, split_calls=True, max_step_seconds=1e-9, step_cache=caches)
+    a, b = _req("a", "magcache", {"threshold": 0.5}, n=1), _req("b", "magcache", {"threshold": 0.5}, seed=4)
+    for r in (a, b):
+        p.add(r, p.prepare(r))
+    removed = False
+    outputs: list = []
+    for _ in range(500):
+        if not p.has_work():
+            break
+        call = p._call
+        if not removed and call is not None and call.cache is not None and call.index == 3 and call.done == 0:
+            p.remove("a")
+            removed = True
+            assert call.cache is not None and [m.rows for m in call.cache.members] == [2]
+            assert call.cache.hidden_in.shape[0] == 2
+        outputs += p.step()
+    assert removed
+    images = [o for rid, o in outputs if rid == "b" and isinstance(o, GeneratedImage)]
+    assert len(images) == 2 and p.calls["transformer_skipped", 2] > 0

@@ -246,16 +246,15 @@ class CachedCall:
                 rec.entries.append((m.job.request_id, self.branch, self.index, m.job.steps, 0, values))
             b.residual = mine
 
-    def keep(self, kept: Sequence[int], rows: Sequence[int]) -> None:
-        """Only the members at indices ``kept`` remain; ``rows``: their rows in the old state."""
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.hidden_in.device)
-        self.hidden_in = self.hidden_in.index_select(0, index)
-        members, at = [], 0
-        for i in kept:
-            m = self.members[i]
-            members.append(Member(m.job, at, m.rows, m.flag_at))
+    def keep(self, kept: Sequence[int]) -> None:
+        """Only the members at indices ``kept`` (in order) remain, their rows of the call's state
+        cut out of it (slices: no index tensor is copied to the device)."""
+        members = [self.members[i] for i in kept]
+        self.hidden_in = torch.cat([self.hidden_in[m.at : m.at + m.rows] for m in members])
+        self.members, at = [], 0
+        for m in members:
+            self.members.append(Member(m.job, at, m.rows, m.flag_at))
             at += m.rows
-        self.members = members
 
     def _branch(self, m: Member) -> BranchCache:
         assert m.job is not None
