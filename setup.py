@@ -16,5 +16,8 @@ for top in TOP_LEVEL:
 setup(
     packages=packages,
     package_dir={f"omnirt.{top}": top for top in TOP_LEVEL},
-    package_data={"omnirt.web_ui": ["static/*", "static/**/*"]},
+    package_data={
+        "omnirt.web_ui": ["static/*", "static/**/*"],
+        "omnirt.stages.diffusion.cache": ["calibrations/*"],
+    },
 )

@@ -1,4 +1,6 @@
-"""The ``omnirt`` command: ``omnirt serve [--model demo|PATH]... [--host H] [--port P] ...``.
+"""The ``omnirt`` command: ``omnirt serve [--model demo|PATH]... [--host H] [--port P] ...`` and
+``omnirt calibrate teacache|magcache --model PATH --prompts FILE --steps 25,50`` (a diffusion step
+cache's calibration: ``stages/diffusion/cache/calibrate.py``).
 
 ``serve`` builds the model pipelines (``stages.factory.build_pipelines``: one per ``--model``,
 a speech checkpoint or a diffusers image/video pipeline, told apart by their folder layout), the
@@ -11,12 +13,14 @@ API keys come from ``--api-key`` (repeatable) and ``OMNIRT_API_KEYS`` (comma-sep
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from .config import ServerConfig, parse_host_port
 
@@ -34,6 +38,8 @@ API_KEYS_ENV = "OMNIRT_API_KEYS"
 #: (docs/benchmarks.md, issue 4). Clients then send plain frames, as RFC 7692 allows.
 WS_PER_MESSAGE_DEFLATE = False
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: ``--step-cache`` choices (``stages.diffusion.cache.config.BACKENDS``; a test checks they agree).
+STEP_CACHES = ("none", "teacache", "magcache")
 #: ``--load-format`` choices (``stages.speech.dummy.LOAD_FORMATS``, repeated here so that parsing
 #: arguments imports no torch; a test checks that the two agree).
 LOAD_FORMATS = ("auto", "dummy")
@@ -100,6 +106,22 @@ def _model(text: str) -> str:
     raise argparse.ArgumentTypeError(
         f"{text!r} is neither 'demo' nor an existing local path (nothing is downloaded)"
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, not {text!r}")
+    return value
+
+
+def _file(text: str) -> str:
+    if Path(text).expanduser().is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"no such file: {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,8 +203,77 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the model's steps eagerly on CUDA instead of replaying captured CUDA graphs",
     )
+    serve.add_argument(
+        "--step-cache",
+        choices=STEP_CACHES,
+        default="none",
+        help="the diffusion step cache of requests that name none (their cache_backend): none (the "
+        "default), teacache or magcache; every image/video model must have a calibration for it",
+    )
+    serve.add_argument(
+        "--step-cache-config",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="the default step cache's settings, e.g. '{\"threshold\": 0.1}' (docs/http.md); left out: "
+        "the calibrated defaults",
+    )
+    serve.add_argument(
+        "--step-cache-calibration",
+        type=_file,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a step-cache calibration file (omnirt calibrate) (repeatable); also read: "
+        "<model folder>/omnirt-calibration/*.json and those shipped for the embedded models",
+    )
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    _add_calibrate(commands)
     return parser
+
+
+def _add_calibrate(commands: Any) -> None:
+    """``omnirt calibrate`` (stages/diffusion/cache/calibrate.py runs it)."""
+    p = commands.add_parser(
+        "calibrate",
+        help="calibrate a diffusion step cache (teacache, magcache) for a model",
+        description="Run full-compute trajectories of the prompts through the serving runtime, fit the "
+        "step cache's model (TeaCache's polynomial, MagCache's ratios), print the fit and write the "
+        "calibration file the server reads.",
+    )
+    p.add_argument("backend", choices=STEP_CACHES[1:])
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a diffusers image or video folder, or demo-z-image / demo-wan2.1-t2v (the embedded models)",
+    )
+    p.add_argument("--prompts", required=True, type=Path, help="a text file, one prompt a line")
+    p.add_argument(
+        "--steps", default="25,50", help="step counts to calibrate, comma-separated (default 25,50)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the file to write (default <model>/omnirt-calibration/<backend>.json)",
+    )
+    p.add_argument("--size", default=None, help="WxH (default: the model's)")
+    p.add_argument("--frames", type=int, default=None, help="video frames (default: the model's)")
+    p.add_argument("--guidance-scale", type=float, default=None, help="default: the model's")
+    p.add_argument(
+        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
+    )
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    p.add_argument(
+        "--target-speedup",
+        type=float,
+        default=1.5,
+        help="TeaCache's default threshold aims at it (default 1.5)",
+    )
+    p.add_argument("--threshold", type=float, default=None, help="write this default threshold instead")
+    p.add_argument("--max-skip-steps", type=int, default=3, help="MagCache's default (3)")
+    p.add_argument("--retention-ratio", type=float, default=0.2, help="MagCache's default (0.2)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
@@ -198,6 +289,9 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),
         metrics_host=args.metrics_host,
+        step_cache=args.step_cache,
+        step_cache_config=dict(args.step_cache_config),
+        step_cache_calibrations=list(args.step_cache_calibration),
     )
 
 
@@ -222,6 +316,11 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
         engine = Engine(pipelines)
     except ValueError as exc:
         log.error("cannot load the model: %s", exc)
+        return 1
+    try:
+        _configure_step_caches(pipelines, config)
+    except ValueError as exc:
+        log.error("step cache: %s", exc)
         return 1
     info = pipelines[0].info
     try:
@@ -276,9 +375,28 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
     return 0 if server.started else 1
 
 
+def _configure_step_caches(pipelines: Sequence[object], config: ServerConfig) -> None:
+    if not any(hasattr(p, "step_cache") for p in pipelines):
+        if config.step_cache != "none" or config.step_cache_calibrations:
+            raise ValueError("--step-cache and --step-cache-calibration need an image or video model")
+        return
+    from omnirt.stages.diffusion.cache.server import configure_step_caches
+
+    configure_step_caches(
+        pipelines,
+        backend=config.step_cache,
+        config=config.step_cache_config,
+        calibrations=config.step_cache_calibrations,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    if args.command == "calibrate":
+        from omnirt.stages.diffusion.cache.calibrate import run
+
+        return run(args)
     config = config_from_args(args, os.environ)
     return serve(config, device=args.device, log_level=args.log_level, load_format=args.load_format)
 

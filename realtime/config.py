@@ -14,6 +14,12 @@ class ServerConfig:
     models: list[str] = field(default_factory=list)
     #: Replay the model's steps from captured CUDA graphs on CUDA (``--no-cuda-graphs``: eager).
     cuda_graphs: bool = True
+    #: The diffusion step cache a request gets when it names none (``--step-cache``: none,
+    #: teacache, magcache), its settings (``--step-cache-config``, a JSON object) and calibration
+    #: files beyond the shipped ones and the model folders' (``--step-cache-calibration``).
+    step_cache: str = "none"
+    step_cache_config: dict = field(default_factory=dict)
+    step_cache_calibrations: list[str] = field(default_factory=list)
     #: Empty: no authentication. Otherwise a request must present one of these keys.
     api_keys: list[str] = field(default_factory=list)
     #: Web origins (``scheme://host[:port]``) allowed besides the server's own to open realtime

@@ -4,8 +4,9 @@ Fields follow ``openai.types.image_generate_params`` (types strict, as the OpenA
 this server does with each:
 
 - used: ``prompt``, ``model``, ``n``, ``size``, ``stream``, ``partial_images`` (streams only);
-  and the extras ``seed``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``
-  (the SDK sends them with ``extra_body``);
+  and the extras ``seed``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``,
+  ``cache_backend`` and ``cache_config`` (the step cache; docs/http.md) (the SDK sends them with
+  ``extra_body``);
 - accepted and ignored, since nothing here depends on them: ``quality``, ``style``,
   ``complexity`` (the step count is the quality knob here), ``moderation`` (no moderation
   runs), ``user``, ``safety_identifier``;
@@ -26,7 +27,7 @@ from omnirt.stages.diffusion.types import ImageRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import ServerConfig
-from .media import check_prompt, check_range, parse_size, unsupported
+from .media import check_prompt, check_range, check_step_cache, parse_size, unsupported
 
 #: The OpenAI API's prompt limit (characters), also applied to ``negative_prompt``.
 MAX_PROMPT_CHARS = 32_000
@@ -60,6 +61,8 @@ class ImageGenerateBody(BaseModel):
     num_inference_steps: int | None = None
     guidance_scale: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     negative_prompt: str | None = None
+    cache_backend: Literal["none", "teacache", "magcache"] | None = None
+    cache_config: dict[str, Any] | None = None
 
 
 def check_body(body: ImageGenerateBody, config: ServerConfig) -> tuple[int | None, int | None]:
@@ -81,6 +84,7 @@ def check_body(body: ImageGenerateBody, config: ServerConfig) -> tuple[int | Non
     check_prompt(body.negative_prompt, "negative_prompt", MAX_PROMPT_CHARS, required=False)
     check_range(body.n, "n", 1, config.max_images_per_request)
     check_range(body.num_inference_steps, "num_inference_steps", 1, config.max_inference_steps)
+    check_step_cache(body.cache_backend, body.cache_config)
     return parse_size(body.size, max_side=config.max_media_side)
 
 
@@ -100,4 +104,6 @@ def image_request(
         seed=body.seed,
         # Previews only go to streams: a plain response would drop them.
         partial_images=(body.partial_images or 0) if body.stream else 0,
+        cache_backend=body.cache_backend,
+        cache_config=body.cache_config,
     )

@@ -61,6 +61,18 @@ def check_prompt(text: str | None, param: str, max_chars: int, *, required: bool
         )
 
 
+def check_step_cache(backend: str | None, config: dict[str, Any] | None) -> None:
+    """``cache_backend`` and ``cache_config`` (the step cache, :mod:`omnirt.stages.diffusion.cache.config`):
+    a 400 naming what is wrong. Whether the model has a calibration is its pipeline's to say."""
+    from omnirt.stages.diffusion.cache.config import parse_options
+
+    try:
+        parse_options(backend, config)
+    except ValueError as exc:
+        param = "cache_config" if str(exc).startswith("cache_config") else "cache_backend"
+        raise bad_request(f"Invalid value for '{param}': {exc}.", param=param) from None
+
+
 def unsupported(param: str, message: str) -> APIError:
     return bad_request(f"Unsupported value for '{param}': {message}", param=param, code="unsupported_value")
 

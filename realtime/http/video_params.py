@@ -5,17 +5,18 @@ Form fields are all text, so values are converted as pydantic's lax mode does (`
 integer 8); JSON bodies are read the same way. Used: ``prompt``, ``model``, ``seconds`` (any
 positive length, not only OpenAI's 4, 8, 12: the model makes the frame count it allows nearest
 to it), ``size`` (``"WxH"``; omitted: the model's default) and the extras ``seed``,
-``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``num_frames`` and ``fps``
-(``seconds`` and ``num_frames`` are exclusive). ``input_reference`` (image-to-video) is refused:
+``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``num_frames``, ``fps``
+(``seconds`` and ``num_frames`` are exclusive), ``cache_backend`` and ``cache_config`` (the step
+cache; in a form, ``cache_config`` is a JSON object in text). ``input_reference`` (image-to-video) is refused:
 the video models here are text-to-video. Other fields are ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from omnirt.stages.diffusion.types import VideoRequest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
@@ -23,7 +24,7 @@ from ..config import ServerConfig
 from ..protocol import json_text
 from .errors import bad_request, from_validation_error
 from .image_params import MAX_PROMPT_CHARS
-from .media import check_prompt, check_range, parse_size, unsupported
+from .media import check_prompt, check_range, check_step_cache, parse_size, unsupported
 
 
 class VideoCreateBody(BaseModel):
@@ -41,6 +42,19 @@ class VideoCreateBody(BaseModel):
     negative_prompt: str | None = None
     num_frames: int | None = None
     fps: int | None = None
+    cache_backend: Literal["none", "teacache", "magcache"] | None = None
+    cache_config: dict[str, Any] | None = None
+
+    @field_validator("cache_config", mode="before")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """A form field holds text: ``cache_config`` is a JSON object in it."""
+        if isinstance(value, str):
+            try:
+                return json_text.loads(value)
+            except json_text.InvalidJson:
+                raise ValueError("cache_config must be a JSON object") from None
+        return value
 
 
 async def read_fields(request: Request, body: bytes) -> dict[str, Any]:
@@ -97,6 +111,7 @@ def parse_body(fields: dict[str, Any], config: ServerConfig) -> VideoCreateBody:
         raise bad_request(
             "Give 'seconds' or 'num_frames', not both: each sets the clip's length.", param="num_frames"
         )
+    check_step_cache(body.cache_backend, body.cache_config)
     parse_size(body.size, max_side=config.max_media_side)
     return body
 
@@ -116,4 +131,6 @@ def video_request(body: VideoCreateBody, request_id: str, model: str, config: Se
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
         seed=body.seed,
+        cache_backend=body.cache_backend,
+        cache_config=body.cache_config,
     )

@@ -9,6 +9,8 @@
   of compatible requests, one model call per scheduler step (so a realtime tick never waits behind
   more than one transformer call), progress, previews, cancellation. :mod:`.media` encodes PNGs
   and MP4s.
+- :mod:`.cache`: the step caches (TeaCache, MagCache) the runtime applies at the split-call seam,
+  their calibration files and ``omnirt calibrate``.
 - :mod:`.zimage` (the Z-Image denoiser), :mod:`.zimage_loader` (diffusers folders, random weights
   from configs), :mod:`.zimage_demo` (the tiny embedded default).
 """

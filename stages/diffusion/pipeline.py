@@ -67,6 +67,8 @@ import torch
 
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..types import Finished, ModelInfo, Usage
+from .cache.calibration import default_store
+from .cache.state import CachedCall, CachePlan, JobCache, Member, StepCaches
 from .denoiser import Denoiser, Sampler, Shape, split_blocks, split_decode
 from .encoding import MediaEncoder
 from .media import png
@@ -113,6 +115,8 @@ class PreparedDiffusion:
     fps: int | None = None
     #: Whether the rows run the ``uncond`` branch (the denoiser's rule for this scale).
     guided: bool = False
+    #: The step cache (None: every step computed).
+    cache: CachePlan | None = None
 
     @property
     def rows(self) -> int:
@@ -136,6 +140,7 @@ class _Job:
     previews_at: tuple[int, ...] = ()
     previews_sent: int = 0
     logged: float = 0.0
+    cache: JobCache | None = None
 
     @property
     def rows(self) -> int:
@@ -183,6 +188,8 @@ class _Call:
     blocks: int
     state: Any
     done: int = 0  # blocks run
+    #: The step cache's decision for this call (None: no request in it has a cache).
+    cache: CachedCall | None = None
 
 
 @dataclass(eq=False)
@@ -236,6 +243,7 @@ class DiffusionPipeline:
         split_calls: bool | None = None,
         max_step_seconds: float = MAX_STEP_SECONDS,
         media_workers: int = 0,
+        step_cache: StepCaches | None = None,
     ) -> None:
         """``max_rows``: rows (images) admitted at once; a request is admitted while fewer are in
         use, so one of ``n`` images may take the total to ``max_rows + n - 1``. ``max_images``:
@@ -245,7 +253,9 @@ class DiffusionPipeline:
         on CUDA devices only; on CPU the steps are not synchronised with any accelerator and the
         models served there are toys). ``max_step_seconds``: the target duration of one piece.
         ``media_workers``: threads encoding PNGs and MP4s beside the engine thread (the server
-        runs 2: :mod:`.factory`); 0 encodes inline, within the decode step."""
+        runs 2: :mod:`.factory`); 0 encodes inline, within the decode step. ``step_cache``: the
+        step caches' server defaults and calibrations (None: no default backend, the shipped
+        calibrations and those in the model folder's ``omnirt-calibration/``)."""
         if max_rows < 1 or max_images < 1 or max_decode_rows < 1:
             raise ValueError("max_rows, max_images and max_decode_rows must be positive")
         if not max_step_seconds > 0:
@@ -278,6 +288,13 @@ class DiffusionPipeline:
         #: Set by the engine: wakes its thread (an encoded output is ready to be released).
         self.wake: Callable[[], None] | None = None
         self.media = MediaEncoder(media_workers, on_ready=self._ready)
+        if step_cache is None:
+            step_cache = StepCaches(
+                denoiser,
+                store=default_store(getattr(self.info, "source", None)),
+                can_split=split_blocks(denoiser) > 0,
+            )
+        self.step_cache = step_cache
 
     # -- requests (any thread) ----------------------------------------------------------------
     def accepts(self, request: object) -> bool:
@@ -323,6 +340,9 @@ class DiffusionPipeline:
                 request = dataclasses.replace(request, num_frames=max(1, round(seconds * fps)), seconds=None)
         shape = self.denoiser.check(request)  # sizes, frames, steps
         steps = d.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
+        cache = self.step_cache.plan(
+            getattr(request, "cache_backend", None), getattr(request, "cache_config", None), steps
+        )
         return PreparedDiffusion(
             shape=shape,
             steps=steps,
@@ -333,6 +353,7 @@ class DiffusionPipeline:
             partial_images=partial if self.kind == "image" else 0,
             fps=fps,
             guided=self.denoiser.uses_guidance(float(scale)),
+            cache=cache,
         )
 
     # -- admission (engine thread) ------------------------------------------------------------
@@ -380,6 +401,8 @@ class DiffusionPipeline:
             previews_at=preview_steps(prepared.steps, prepared.partial_images),
             logged=now,
         )
+        if prepared.cache is not None:
+            self._jobs[rid].cache = self.step_cache.job(rid, prepared.cache, prepared.rows, prepared.steps)
         self._admitted += 1
         p = prepared
         log.debug(
@@ -490,7 +513,10 @@ class DiffusionPipeline:
         if self._call is not None:
             call = self._call
             key = ("transformer", call.shape, call.rows)
-            piece, cost = self._next_piece(key, call.blocks, call.done, started=True)
+            done = call.done
+            if call.cache is not None and done == 0 and call.cache.known():
+                done = call.blocks  # skipped: straight to the finish
+            piece, cost = self._next_piece(key, call.blocks, done, started=True)
             return _Work("piece", [job for job, _ in call.jobs], call.rows, call.shape, piece, cost)
         if self._decoding is not None:  # finished first: it holds the rows' decoder caches
             dec = self._decoding
@@ -537,7 +563,12 @@ class DiffusionPipeline:
         blocks = split_blocks(self.denoiser) if self.split_calls else 0
         if blocks <= 0:
             return _Work(branch, jobs, rows, shape)
-        piece, cost = self._next_piece(("transformer", shape, rows), blocks, 0, started=False)
+        key = ("transformer", shape, rows)
+        piece, cost = self._next_piece(key, blocks, 0, started=False)
+        if any(j.cache is not None for j in jobs) and piece.blocks:
+            # The cache decides after the start, from flags read at the next piece (no host sync).
+            piece = _Piece(True, 0, 0, False)
+            cost = self._part_costs[key]["start"].seconds
         return _Work(branch, jobs, rows, shape, piece, cost)
 
     # -- split transformer calls ----------------------------------------------------------------
@@ -617,17 +648,45 @@ class DiffusionPipeline:
             )
             blocks = split_blocks(self.denoiser)
             self._call = _Call(branch, offsets, first.index, work.shape, work.rows, blocks, state)
+            self._call.cache = self._begin_cache(offsets, branch, first.index, state)
         call = self._call
         assert call is not None
         self.pieces["transformer", call.rows] += 1
+        if call.cache is not None and not piece.start and call.done == 0 and call.cache.resolve():
+            if piece.first != call.blocks or not piece.finish:  # planned before the flags were read
+                piece = work.piece = _Piece(False, call.blocks, call.blocks, True)
+            if call.done < call.blocks:
+                self._skip_blocks(call)
         if piece.blocks:
             call.state = self.denoiser.run_blocks(call.state, piece.first, piece.stop)  # type: ignore[attr-defined]
             call.done = piece.stop
         if piece.finish:
             self._call = None
-            prediction = self.denoiser.finish(call.state)  # type: ignore[attr-defined]
-            call.state = None
-            self._called(call.branch, call.jobs, call.index, prediction, out)
+            self._finish_call(call, out)
+
+    def _begin_cache(
+        self, offsets: list[tuple[_Job, int]], branch: Branch, index: int, state: Any
+    ) -> CachedCall | None:
+        if all(job.cache is None for job, _ in offsets):
+            return None
+        members = [Member(job.cache, at, job.rows) for job, at in offsets]
+        return self.step_cache.begin(members, branch, index, state)
+
+    def _skip_blocks(self, call: _Call) -> None:
+        """A call its cache skips: the cached residuals applied, no block run."""
+        assert call.cache is not None
+        call.cache.apply(call.state)
+        call.done = call.blocks
+        self.calls["transformer_skipped", call.rows] += 1
+
+    def _finish_call(self, call: _Call, out: list) -> None:
+        cache = call.cache
+        if cache is not None and not cache.resolve():
+            cache.store(call.state)
+        prediction = self.denoiser.finish(call.state)  # type: ignore[attr-defined]
+        call.state = None
+        call.cache = None
+        self._called(call.branch, call.jobs, call.index, prediction, out)
 
     def _keep_live_rows(self, held: _Call | _Decoding, keep_rows_name: str) -> bool:
         """Drops the rows of removed requests from a transformer call or VAE decode under way, so
@@ -643,7 +702,11 @@ class DiffusionPipeline:
         if keep_rows is None:
             held.jobs = live
             return True
-        held.state = keep_rows(held.state, [r for job, at in live for r in range(at, at + job.rows)])
+        rows = [r for job, at in live for r in range(at, at + job.rows)]
+        held.state = keep_rows(held.state, rows)
+        if isinstance(held, _Call) and held.cache is not None:
+            alive = {id(job) for job, _ in live}
+            held.cache.keep([i for i, (job, _) in enumerate(held.jobs) if id(job) in alive])
         held.jobs, at = [], 0
         for job, _ in live:
             held.jobs.append((job, at))
@@ -712,6 +775,21 @@ class DiffusionPipeline:
         first = work.jobs[0]
         assert first.sampler is not None
         self.calls["transformer", latents.shape[0]] += 1
+        if any(job.cache is not None for job in work.jobs):
+            # The pieces in one step: the cache's flags are read right after the start.
+            den: Any = self.denoiser
+            state = den.start(latents, first.index, first.sampler, conditions, branch)
+            blocks = split_blocks(den)
+            shape = work.shape or first.prep.shape
+            call = _Call(branch, offsets, first.index, shape, len(latents), blocks, state)
+            call.cache = self._begin_cache(offsets, branch, first.index, state)
+            assert call.cache is not None
+            if call.cache.resolve():
+                self._skip_blocks(call)
+            else:
+                call.state = den.run_blocks(call.state, 0, blocks)
+            self._finish_call(call, out)
+            return
         prediction = self.denoiser.predict(latents, first.index, first.sampler, conditions, branch)
         self._called(branch, offsets, first.index, prediction, out)
 

@@ -9,6 +9,7 @@ for), the results (:class:`GeneratedImage` per image, or one :class:`GeneratedVi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -26,6 +27,10 @@ class ImageRequest:
     seed: int | None = None
     #: Previews decoded from intermediate latents, sent as :class:`ImagePreview` (0 to 3).
     partial_images: int = 0
+    #: Step cache: ``none``, ``teacache`` or ``magcache`` (None: the server's default), and its
+    #: settings (``stages/diffusion/cache/config.py``); checked by the pipeline's ``prepare``.
+    cache_backend: str | None = None
+    cache_config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -44,6 +49,8 @@ class VideoRequest:
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     seed: int | None = None
+    cache_backend: str | None = None  # as ImageRequest's
+    cache_config: dict[str, Any] | None = None
 
 
 DiffusionRequest = ImageRequest | VideoRequest
