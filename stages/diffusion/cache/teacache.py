@@ -41,9 +41,13 @@ def rel_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     if current.dim() > 2 and current.shape[1] != previous.shape[1]:
         n = min(current.shape[1], previous.shape[1])
         current, previous = current[:, :n], previous[:, :n]
-    c = current.float().flatten(1)
-    p = previous.float().flatten(1)
-    return (c - p).abs().mean(dim=1) / p.abs().mean(dim=1).clamp_min(1e-12)
+    c = current.flatten(1)
+    p = previous.flatten(1)
+    # Sums of |.| accumulated in float32 without float32 copies of the (large) operands; the ratio
+    # of the sums is the ratio of the means.
+    change = torch.linalg.vector_norm(c - p, 1, dim=1, dtype=torch.float32)
+    size = torch.linalg.vector_norm(p, 1, dim=1, dtype=torch.float32)
+    return change / size.clamp_min(1e-12 * p.shape[1])
 
 
 def polyval(coefficients: Sequence[float], x: torch.Tensor) -> torch.Tensor:
