@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,11 @@ def parse_client_event(
     except RecursionError:  # nested deeper than the parser's stack: no client event is
         raise ProtocolError(
             ErrorCode.INVALID_JSON, "Invalid event: the JSON value is nested too deeply to parse."
+        ) from None
+    except ValueError:  # an integer past int()'s digit limit (no field takes one that long)
+        raise ProtocolError(
+            ErrorCode.INVALID_JSON,
+            f"Invalid event: it holds a number of more than {sys.get_int_max_str_digits()} digits.",
         ) from None
     if type(raw) is dict and raw.get("type") == APPEND:
         # The hot event (every audio chunk): when it is plainly valid, skip pydantic. Exactly what

@@ -231,3 +231,30 @@ def test_json_nested_past_the_parser_is_invalid_json(
     assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
     assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
     assert_clean_log(caplog)
+
+
+@pytest.mark.parametrize("padding", [0, 300_000])  # parsed on the loop, and in a worker thread
+def test_integer_past_the_digit_limit_is_invalid_json(
+    server: Server, caplog: pytest.LogCaptureFixture, padding: int
+) -> None:
+    """An integer of 5,000 digits (over Python's int() limit of 4,300) makes the JSON parser
+    raise a plain ValueError: invalid_json naming the limit, not a server_error (found by the
+    fuzzer, tests/fuzz); the session goes on."""
+    caplog.set_level(logging.INFO)
+    frame = (
+        '{"type": "session.update", "session": {"instructions": "' + "x" * padding + '", '
+        '"max_output_tokens": ' + "9" * 5_000 + "}}"
+    )
+
+    async def main() -> tuple[dict, dict]:
+        async with connect(server, manual=True) as c:
+            await c.send(frame)
+            error = await c.error()
+            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
+            return error, await c.recv()
+
+    error, updated = run(main())
+    assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
+    assert "4300 digits" in error["message"], error
+    assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
+    assert_clean_log(caplog)
