@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 import pytest
+from omnirt.realtime.transport_log import INVALID_UTF8_LINE
 
 from .conftest import Server, connect, run, text_item
 
@@ -258,3 +259,41 @@ def test_integer_past_the_digit_limit_is_invalid_json(
     assert "4300 digits" in error["message"], error
     assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
     assert_clean_log(caplog)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_text_frame_not_utf8_closes_1007_with_one_log_line(server: Server) -> None:
+    """A text frame that is not UTF-8: the transport closes with 1007 (RFC 6455), and logs one INFO
+    line, not the traceback at ERROR uvicorn writes (found by the fuzzer, tests/fuzz); other
+    sessions go on."""
+    transport = logging.getLogger("uvicorn.error")
+    records, level = _Records(), transport.level
+    transport.addHandler(records)
+    transport.setLevel(logging.INFO)
+
+    async def main() -> tuple[int | None, dict]:
+        async with connect(server) as bad:
+            await bad.ws.send(b'{"type": "session.update", "session": {"instructions": "\xff"}}', text=True)
+            code = await bad.closed()
+        async with connect(server, manual=True) as good:
+            await good.send({"type": "session.update", "session": {"instructions": "still here"}})
+            return code, await good.recv()
+
+    try:
+        code, updated = run(main())
+    finally:
+        transport.removeHandler(records)
+        transport.setLevel(level)
+    assert code == 1007
+    assert updated["type"] == "session.updated"
+    assert all(r.levelno < logging.ERROR and r.exc_info is None for r in records.records), records.records
+    utf8 = [r for r in records.records if "UTF-8" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in utf8] == [(logging.INFO, INVALID_UTF8_LINE)]
