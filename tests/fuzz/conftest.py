@@ -2,7 +2,8 @@
 in a process of its own on loopback, one per test module, and what every example checks on it.
 
 Hypothesis runs at a fixed seed (``derandomize``) with a fixed example budget, no deadline and no
-example database (nothing is written into the repository), so a CI run is the same every time.
+example database, so a CI run is the same every time; its caches go to the system's temporary
+folder, not into the repository.
 ``OMNIRT_FUZZ_EXAMPLES=N`` runs each fuzz test with N examples instead (a longer local hunt).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,8 +21,11 @@ from typing import Any
 import psutil
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from tests.server import serve_cli_process
+
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "omnirt-hypothesis")
 
 #: Lines the server logs only when something went wrong on its side: a traceback, or a record
 #: at ERROR or CRITICAL (ours: ``2026-01-01 00:00:00,000 ERROR name: ...``; uvicorn's
@@ -74,6 +79,14 @@ class LiveServer:
             except psutil.NoSuchProcess:
                 pass
         return total
+
+    def settled_rss(self, seconds: float = 2.0) -> int:
+        """The least RSS seen over ``seconds`` (work finishing frees what it held)."""
+        samples = []
+        for _ in range(10):
+            samples.append(self.rss())
+            time.sleep(seconds / 10)
+        return min(samples)
 
     def new_log(self) -> str:
         """What the server logged since the last call."""

@@ -29,7 +29,10 @@ from openai.types import ImagesResponse, Video
 from openai.types.chat import ChatCompletion
 
 from .conftest import LiveServer, fuzz_settings
-from .http_bodies import CHAT, IMAGE_MODEL, IMAGES, SPEECH_MODEL, VIDEOS, HttpRequest, requests
+from .http_bodies import CHAT, IMAGE_MODEL, IMAGES, SIZES, SPEECH_MODEL, VIDEOS, HttpRequest, requests
+from .realtime_events import PNG_B64
+
+PNG_URL = "data:image/png;base64," + PNG_B64
 
 #: Growth of the server's RSS over the fuzz run, after the warm-up.
 RSS_GROWTH_LIMIT = 128 * 1024 * 1024
@@ -87,18 +90,27 @@ def check(request: HttpRequest, response: httpx.Response) -> None:
 
 
 def warm_up(live: LiveServer) -> None:
-    """Each route once (a reply, an image, a video to its end) before the baseline memory."""
+    """The valid work the fuzzer asks for, once each (replies, images of each size, plain and
+    streamed, videos of each size and length), before the baseline memory."""
     with httpx.Client(base_url=live.base_url, timeout=TIMEOUT) as client:
-        for _ in range(2):
-            chat = {"model": SPEECH_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-            assert client.post(CHAT, json=chat).status_code == 200
-            image = {"prompt": "a fox", "size": "64x48", "num_inference_steps": 2, "model": IMAGE_MODEL}
+        content = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": PNG_URL}}]
+        for stream in (False, True):
+            chat = {
+                "model": SPEECH_MODEL,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 3,
+            }
+            assert client.post(CHAT, json={**chat, "stream": stream}).status_code == 200
+        for size in SIZES:
+            image = {"prompt": "a fox", "size": size, "n": 2, "num_inference_steps": 2, "model": IMAGE_MODEL}
             assert client.post(IMAGES, json=image).status_code == 200
-            video = client.post(
-                VIDEOS, json={"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 1}
-            )
-            assert video.status_code == 200, video.text
-            wait_for_videos(live)
+            assert client.post(IMAGES, json={**image, "stream": True, "partial_images": 2}).status_code == 200
+        for size in ("16x16", "32x32"):
+            for frames in (1, 5):
+                video = {"prompt": "waves", "size": size, "num_frames": frames, "num_inference_steps": 2}
+                assert client.post(VIDEOS, json=video).status_code == 200
+        assert client.post(VIDEOS, json={"prompt": "waves"}).status_code == 200  # the model's defaults
+        wait_for_videos(live)
 
 
 def wait_for_videos(live: LiveServer, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -115,7 +127,7 @@ def wait_for_videos(live: LiveServer, timeout: float = 120.0) -> list[dict[str, 
             time.sleep(0.2)
 
 
-@fuzz_settings(examples=80)
+@fuzz_settings(examples=120)
 @given(request=requests())
 def test_requests_never_get_a_5xx_and_errors_are_openai_shaped(
     live: LiveServer, request: HttpRequest
@@ -138,8 +150,8 @@ def test_video_jobs_end_without_server_errors_and_memory_stayed_bounded(live: Li
         check_video(job)
         error = job.get("error") or {}
         assert job["status"] == "completed" or error.get("code") != "server_error", job
-    time.sleep(1)
-    grown = live.rss() - live.baseline_rss
-    print(f"http fuzz: server RSS {live.baseline_rss / 2**20:.0f} MiB -> {live.rss() / 2**20:.0f} MiB")
+    rss = live.settled_rss()
+    grown = rss - live.baseline_rss
+    print(f"http fuzz: server RSS {live.baseline_rss / 2**20:.0f} MiB -> {rss / 2**20:.0f} MiB")
     assert grown < RSS_GROWTH_LIMIT, f"server RSS grew by {grown / 2**20:.0f} MiB"
     live.assert_no_fault_logged()

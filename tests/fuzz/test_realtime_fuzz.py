@@ -2,7 +2,8 @@
 
 Each example opens a session (GA, or beta with ``OpenAI-Beta: realtime=v1``), sends a few frames
 drawn from :mod:`.realtime_events` (events of every client type, mutated and malformed frames),
-then a plain ``session.update`` as a probe, and reads up to its ``session.updated``. It holds when:
+then a plain ``session.update`` as a probe, and reads up to its ``session.updated`` (then cancels
+a reply still streaming, and reads up to its ``response.done``). It holds when:
 
 - every server frame validates against the openai SDK's models (GA or beta) and the protocol's
   rules (``tests.realtime.conftest.validate``);
@@ -23,7 +24,6 @@ import base64
 import contextlib
 import itertools
 import json
-import time
 from typing import Any
 
 import websockets
@@ -98,19 +98,33 @@ async def exchange(live: LiveServer, sent: list[Frame], beta: bool) -> str:
         probe = {"type": "session.update", "session": {"instructions": marker}}
         if not beta:
             probe["session"]["type"] = "realtime"
+        streaming: set[str] = set()  # responses created and not done
+
+        async def receive() -> dict[str, Any]:
+            reply = check(await asyncio.wait_for(ws.recv(), RECV_TIMEOUT))
+            kind = reply["type"]
+            event(f"server: {kind}" + (f" {reply['error']['code']}" if kind == "error" else ""))
+            if kind == "response.created":
+                streaming.add(reply["response"]["id"])
+            elif kind == "response.done":
+                streaming.discard(reply["response"]["id"])
+            return reply
+
         try:
             for frame in sent:
                 event(f"frame: {frame.kind}")
                 await send(ws, frame)
             await ws.send(json.dumps(probe))
             while True:
-                reply = check(await asyncio.wait_for(ws.recv(), RECV_TIMEOUT))
-                event(
-                    f"server: {reply['type']}"
-                    + (f" {reply['error']['code']}" if reply["type"] == "error" else "")
-                )
+                reply = await receive()
                 if reply["type"] == "session.updated" and reply["session"].get("instructions") == marker:
-                    return created["session"]["id"]
+                    break
+            # A reply still streaming is cancelled, and must end with its response.done.
+            if streaming:
+                await ws.send(json.dumps({"type": "response.cancel"}))
+                while streaming:
+                    await receive()
+            return created["session"]["id"]
         except websockets.ConnectionClosed:
             pass
         # Closed by the server: everything it sent first is checked too, and the close must be one
@@ -177,7 +191,7 @@ def warm_up(live: LiveServer) -> None:
         asyncio.run(main())
 
 
-@fuzz_settings(examples=60)
+@fuzz_settings(examples=150)
 @given(sent=st.lists(frames(), min_size=2, max_size=8), beta=st.sampled_from([False, False, False, True]))
 def test_client_events_never_break_the_server_or_the_connection(
     live: LiveServer, sent: list[Frame], beta: bool
@@ -196,8 +210,8 @@ def test_server_memory_stayed_bounded(live: LiveServer) -> None:
     if live.baseline_rss is None:  # run alone
         warm_up(live)
         live.baseline_rss = live.rss()
-    time.sleep(1)  # sessions closed by the fuzzer finish their teardown
-    grown = live.rss() - live.baseline_rss
-    print(f"realtime fuzz: server RSS {live.baseline_rss / 2**20:.0f} MiB -> {live.rss() / 2**20:.0f} MiB")
+    rss = live.settled_rss()
+    grown = rss - live.baseline_rss
+    print(f"realtime fuzz: server RSS {live.baseline_rss / 2**20:.0f} MiB -> {rss / 2**20:.0f} MiB")
     assert grown < RSS_GROWTH_LIMIT, f"server RSS grew by {grown / 2**20:.0f} MiB"
     live.assert_no_fault_logged()
