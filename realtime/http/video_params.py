@@ -12,9 +12,9 @@ the video models here are text-to-video. Other fields are ignored.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import pydantic_core
 from omnirt.stages.diffusion.types import VideoRequest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
@@ -61,7 +61,10 @@ async def read_fields(request: Request, body: bytes) -> dict[str, Any]:
                 fields[name] = value
             return fields
     try:
-        fields = json.loads(body)
+        # pydantic's parser, as the other JSON endpoints read their bodies: it refuses what no
+        # later step could handle either (lone surrogates in strings, which no UTF-8 encoder takes:
+        # the model's tokenizer and the job's own JSON would fail on them).
+        fields = pydantic_core.from_json(body)
     except ValueError as exc:
         raise bad_request(
             f"We could not parse the body of your request: send a multipart form or a JSON object ({exc}).",
