@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from omnirt.sessions.errors import ErrorCode
 from pydantic import BaseModel, ValidationError
 
-from .bounds import check_shape
+from .bounds import check_shape, is_text
 from .errors import ProtocolError, from_validation
 from .models import (
     BETA_SESSION_FIELDS,
@@ -31,8 +32,36 @@ _construct_append = AudioAppend.model_construct
 _DROPPED_SESSION_FIELDS = ("type", "model", "id", "object", "expires_at", *IGNORED_SESSION_FIELDS)
 
 
+class NotJson(ValueError):
+    """A number JSON does not have: NaN, Infinity, or one too large for a float (RFC 8259)."""
+
+
+def _not_json(token: str) -> float:
+    raise NotJson(f"{token} is not a JSON number")
+
+
+def _finite(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise NotJson(f"the number {token[:32]} is out of range")
+    return value
+
+
+class _Decoder(json.JSONDecoder):
+    """Python's JSON parser, without the numbers JSON lacks: Python reads ``NaN``, ``Infinity``
+    and ``1e999`` as floats, which stored would be echoed back as the same non-JSON tokens."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(parse_constant=_not_json, parse_float=_finite, **kwargs)
+
+
+_DECODER = _Decoder()
+
+
 def event_id_of(raw: object) -> str | None:
-    if isinstance(raw, dict) and isinstance(raw.get("event_id"), str):
+    """The client's ``event_id``, to echo in an error; None when there is none, or it is not text
+    (a lone surrogate: it could not be sent back)."""
+    if isinstance(raw, dict) and isinstance(raw.get("event_id"), str) and is_text(raw["event_id"]):
         return raw["event_id"]
     return None
 
@@ -54,7 +83,9 @@ def parse_client_event(
             f"Client event of {len(text)} bytes is over this server's limit of {max_bytes} bytes.",
         )
     try:
-        raw = json.loads(text)
+        raw = _DECODER.decode(text) if isinstance(text, str) else json.loads(text, cls=_Decoder)
+    except NotJson as exc:
+        raise ProtocolError(ErrorCode.INVALID_JSON, f"Invalid event: {exc}.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(
             ErrorCode.INVALID_JSON, f"Invalid event: failed to parse JSON value ({exc})."
@@ -71,12 +102,14 @@ def parse_client_event(
     if type(raw) is dict and raw.get("type") == APPEND:
         # The hot event (every audio chunk): when it is plainly valid, skip pydantic. Exactly what
         # AudioAppend.model_validate accepts from JSON: a str 'audio', an optional str or null
-        # 'event_id', no other field. Anything else takes the validating path for its error.
+        # 'event_id', no other field; ASCII (so they hold no lone surrogate: check_shape's rule).
+        # Anything else takes the validating path for its error.
         audio = raw.get("audio")
         event_id = raw.get("event_id")
         if (
             type(audio) is str
-            and (event_id is None or type(event_id) is str)
+            and audio.isascii()
+            and (event_id is None or (type(event_id) is str and event_id.isascii()))
             and _APPEND_FIELDS.issuperset(raw)
         ):
             return _construct_append(**raw)
