@@ -47,7 +47,7 @@ def _png() -> str:
 PNG_B64 = _png()
 
 
-def _pcm(ms: int) -> bytes:
+def pcm(ms: int) -> bytes:
     t = np.arange(24 * ms) / 24_000
     return (0.3 * np.sin(2 * np.pi * 330 * t) * 32767).astype("<i2").tobytes()
 
@@ -55,7 +55,7 @@ def _pcm(ms: int) -> bytes:
 def audio_b64() -> st.SearchStrategy[str]:
     """Base64 of real tone audio, of random bytes (odd counts too), or text that is not base64."""
     return st.one_of(
-        st.sampled_from([20, 100, 300]).map(lambda ms: base64.b64encode(_pcm(ms)).decode()),
+        st.sampled_from([20, 100, 300]).map(lambda ms: base64.b64encode(pcm(ms)).decode()),
         st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode()),
         st.sampled_from(["", "=", "AAA", "AA==AA==", "@@@@", "AAAA\n", "////", "AQ"]),
         st.text(max_size=16),

@@ -6,6 +6,7 @@ hostile values, random JSON, bodies that are not JSON, wrong content types; the 
 with odd ids). It holds when:
 
 - the status is never 5xx;
+- every JSON body is strict JSON (no ``NaN``);
 - a 4xx has OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``, message and
   type strings);
 - a 200 is what the SDK reads (``ChatCompletion``, ``ImagesResponse``, ``Video``), a stream's
@@ -19,7 +20,6 @@ Then every video job the fuzzer started ends (completed, or failed with a client
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -28,7 +28,7 @@ from hypothesis import event, given
 from openai.types import ImagesResponse, Video
 from openai.types.chat import ChatCompletion
 
-from .conftest import LiveServer, fuzz_settings
+from .conftest import LiveServer, fuzz_settings, strict_json
 from .http_bodies import CHAT, IMAGE_MODEL, IMAGES, SIZES, SPEECH_MODEL, VIDEOS, HttpRequest, requests
 from .realtime_events import PNG_B64
 
@@ -59,7 +59,7 @@ def check_stream(response: httpx.Response) -> None:
     for line in response.text.splitlines():
         if not line.startswith("data:") or line == "data: [DONE]":
             continue
-        data = json.loads(line.removeprefix("data:"))
+        data = strict_json(line.removeprefix("data:"))
         error = data.get("error") if isinstance(data, dict) else None
         assert not error or error.get("type") != "server_error", data
 
@@ -74,6 +74,8 @@ def check_video(job: dict[str, Any]) -> None:
 def check(request: HttpRequest, response: httpx.Response) -> None:
     event(f"{request.method} {request.path.split('?')[0][:24]} -> {response.status_code}")
     assert response.status_code < 500, (response.status_code, response.text[:2000])
+    if response.headers.get("content-type", "").startswith("application/json"):
+        strict_json(response.content)
     if response.status_code >= 400:
         check_error_body(response)
         event(f"code: {response.json()['error']['code']}")

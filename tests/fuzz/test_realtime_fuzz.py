@@ -5,8 +5,8 @@ drawn from :mod:`.realtime_events` (events of every client type, mutated and mal
 then a plain ``session.update`` as a probe, and reads up to its ``session.updated`` (then cancels
 a reply still streaming, and reads up to its ``response.done``). It holds when:
 
-- every server frame validates against the openai SDK's models (GA or beta) and the protocol's
-  rules (``tests.realtime.conftest.validate``);
+- every server frame is strict JSON (no ``NaN``) and validates against the openai SDK's models (GA
+  or beta) and the protocol's rules (``tests.realtime.conftest.validate``);
 - no ``error`` is of type or code ``server_error``, and no response fails with one;
 - the probe is answered: the connection is still usable. The only closes allowed are the
   documented ones the frames asked for: 1000 after ``session.close``, 1007 (or 1006: the socket
@@ -34,9 +34,9 @@ from pydantic import TypeAdapter
 
 from tests.realtime.conftest import EXTENSION_EVENTS, MAX_FRAME, validate
 
-from .conftest import LiveServer, fuzz_settings
+from .conftest import LiveServer, fuzz_settings, strict_json
 from .hostile import Frame
-from .realtime_events import PNG_B64, _pcm, frames
+from .realtime_events import PNG_B64, frames, pcm
 
 BETA_ADAPTER: TypeAdapter[Any] = TypeAdapter(BetaServerEvent)
 #: Close codes a client may cause, and the frame kind or event that causes each.
@@ -52,24 +52,26 @@ _probes = itertools.count()
 
 
 def validate_beta(raw: str | bytes, seen: set[str]) -> dict[str, Any]:
+    """A beta client's frame, checked with the SDK's beta models (as tests/realtime/test_beta)."""
     assert len(raw) < MAX_FRAME, f"server frame of {len(raw)} bytes"
-    event = json.loads(raw)
-    assert isinstance(event.get("event_id"), str) and event["event_id"] not in seen, event
-    seen.add(event["event_id"])
-    if event["type"] not in EXTENSION_EVENTS:
-        BETA_ADAPTER.validate_python(event)
-    return event
+    parsed = json.loads(raw)
+    assert isinstance(parsed.get("event_id"), str) and parsed["event_id"] not in seen, parsed
+    seen.add(parsed["event_id"])
+    if parsed["type"] not in EXTENSION_EVENTS:
+        BETA_ADAPTER.validate_python(parsed)
+    return parsed
 
 
-def assert_no_server_error(event: dict[str, Any]) -> None:
-    kind = event["type"]
+def assert_no_server_error(parsed: dict[str, Any]) -> None:
+    """No error event, failed transcription or failed response of type or code ``server_error``."""
+    kind = parsed["type"]
     error: Any = None
     if kind == "error" or kind.endswith("transcription.failed"):
-        error = event.get("error")
+        error = parsed.get("error")
     elif kind == "response.done":
-        error = ((event["response"].get("status_details") or {}).get("error")) or None
+        error = ((parsed["response"].get("status_details") or {}).get("error")) or None
     if error:
-        assert error.get("type") != "server_error" and error.get("code") != "server_error", event
+        assert error.get("type") != "server_error" and error.get("code") != "server_error", parsed
 
 
 async def send(ws: Any, frame: Frame) -> None:
@@ -87,9 +89,10 @@ async def exchange(live: LiveServer, sent: list[Frame], beta: bool) -> str:
     seen: set[str] = set()
 
     def check(raw: str | bytes) -> dict[str, Any]:
-        event = validate_beta(raw, seen) if beta else validate(raw, seen)
-        assert_no_server_error(event)
-        return event
+        strict_json(raw)
+        parsed = validate_beta(raw, seen) if beta else validate(raw, seen)
+        assert_no_server_error(parsed)
+        return parsed
 
     async with websockets.connect(live.ws_url, additional_headers=headers, max_size=MAX_FRAME) as ws:
         created = check(await asyncio.wait_for(ws.recv(), RECV_TIMEOUT))
@@ -168,7 +171,7 @@ def warm_up(live: LiveServer) -> None:
                         ],
                     },
                 },
-                {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(300)).decode()},
+                {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm(300)).decode()},
                 {"type": "input_audio_buffer.commit"},
                 {"type": "response.create", "response": {"max_output_tokens": 3}},
             ]
