@@ -5,6 +5,9 @@ uvicorn's own shutdown (SIGTERM, Ctrl-C, ``should_exit``) closes every WebSocket
 stops accepting connections, then lets the realtime service end each session
 (:meth:`~omnirt.realtime.ws.RealtimeService.shutdown`: ``response.done`` ``cancelled``, then close
 1012, within ``shutdown_grace_seconds``), then runs uvicorn's shutdown for everything else.
+
+It also keeps client mistakes that uvicorn logs as tracebacks to one line each
+(:mod:`.transport_log`).
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import socket
 import uvicorn
 from starlette.applications import Starlette
 
+from .transport_log import quiet_client_faults
+
 
 class GracefulServer(uvicorn.Server):
     """``uvicorn.Server`` for an app made by :func:`~omnirt.realtime.app.create_app`."""
 
     def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
-        super().__init__(config)
+        super().__init__(config)  # uvicorn's logging is set up by now (uvicorn.Config)
+        quiet_client_faults()
         self.realtime = app.state.realtime
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -88,6 +88,15 @@ def serve_cli(args: list[str], *, cache: Path, log: Path, start_timeout: float =
     """``omnirt serve ARGS --port P`` as a user runs it: the real CLI in a process of its own,
     cache under ``cache``, output in ``log``; yields ``http://127.0.0.1:P`` once ``/health``
     answers, and stops the process after (terminate, then kill)."""
+    with serve_cli_process(args, cache=cache, log=log, start_timeout=start_timeout) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def serve_cli_process(
+    args: list[str], *, cache: Path, log: Path, start_timeout: float = 180
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """As :func:`serve_cli`, also yielding the server's process (its pid, to watch its memory)."""
     port = free_port()
     env = dict(os.environ, OMNIRT_CACHE=str(cache), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "omnirt.realtime.cli", "serve", *args, "--port", str(port)]
@@ -105,7 +114,7 @@ def serve_cli(args: list[str], *, cache: Path, log: Path, start_timeout: float =
                 pass
             assert time.monotonic() < deadline, f"omnirt serve did not come up: {log.read_text()[-3000:]}"
             time.sleep(0.2)
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import pydantic_core
 from omnirt.stages.diffusion.types import VideoRequest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.datastructures import UploadFile
@@ -75,8 +76,11 @@ async def read_fields(request: Request, body: bytes) -> dict[str, Any]:
                 fields[name] = value
             return fields
     try:
-        fields = json_text.loads(body)
-    except json_text.InvalidJson as exc:
+        # pydantic's parser, as the other JSON endpoints read their bodies: it refuses what no
+        # later step could handle either (lone surrogates in strings, which no UTF-8 encoder takes:
+        # the model's tokenizer and the job's own JSON would fail on them).
+        fields = pydantic_core.from_json(body)
+    except ValueError as exc:
         raise bad_request(
             f"We could not parse the body of your request: send a multipart form or a JSON object ({exc}).",
             code="invalid_json",

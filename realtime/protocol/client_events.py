@@ -9,7 +9,7 @@ from omnirt.sessions.errors import ErrorCode
 from pydantic import BaseModel, ValidationError
 
 from . import json_text
-from .bounds import check_shape
+from .bounds import check_shape, is_text
 from .errors import ProtocolError, from_validation
 from .models import (
     BETA_SESSION_FIELDS,
@@ -31,7 +31,9 @@ _DROPPED_SESSION_FIELDS = ("type", "model", "id", "object", "expires_at", *IGNOR
 
 
 def event_id_of(raw: object) -> str | None:
-    if isinstance(raw, dict) and isinstance(raw.get("event_id"), str):
+    """The client's ``event_id``, to echo in an error; None when there is none, or it is not text
+    (a lone surrogate: it could not be sent back)."""
+    if isinstance(raw, dict) and isinstance(raw.get("event_id"), str) and is_text(raw["event_id"]):
         return raw["event_id"]
     return None
 
@@ -61,12 +63,14 @@ def parse_client_event(
     if type(raw) is dict and raw.get("type") == APPEND:
         # The hot event (every audio chunk): when it is plainly valid, skip pydantic. Exactly what
         # AudioAppend.model_validate accepts from JSON: a str 'audio', an optional str or null
-        # 'event_id', no other field. Anything else takes the validating path for its error.
+        # 'event_id', no other field; ASCII (so they hold no lone surrogate: check_shape's rule).
+        # Anything else takes the validating path for its error.
         audio = raw.get("audio")
         event_id = raw.get("event_id")
         if (
             type(audio) is str
-            and (event_id is None or type(event_id) is str)
+            and audio.isascii()
+            and (event_id is None or (type(event_id) is str and event_id.isascii()))
             and _APPEND_FIELDS.issuperset(raw)
         ):
             return _construct_append(**raw)

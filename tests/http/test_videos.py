@@ -258,3 +258,22 @@ def test_a_store_full_of_running_jobs_refuses_with_429() -> None:
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
         http.delete(f"/v1/videos/{first['id']}")
         assert http.post("/v1/videos", json={"prompt": "now"}).status_code == 200
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt", "model"])
+def test_a_json_body_with_a_lone_surrogate_is_invalid_json_and_the_list_still_works(
+    media: MediaServer, field: str
+) -> None:
+    """``"\\ud800"`` is a valid JSON escape of no character any UTF-8 encoder takes: the JSON body
+    is refused as invalid_json, as the other endpoints' parser does, before it reaches the model's
+    tokenizer (which failed the step: a 500) or the job store (whose JSON then failed every
+    ``GET /v1/videos``: a 500 for everyone). Found by the fuzzer (tests/fuzz)."""
+    body = '{"prompt": "waves", "num_frames": 1, "' + field + '": "a \\ud800 b"}'
+    if field == "prompt":
+        body = '{"prompt": "a \\ud800 b", "num_frames": 1}'
+    with media.http() as http:
+        refused = http.post("/v1/videos", content=body, headers={"Content-Type": "application/json"})
+        listed = http.get("/v1/videos")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "invalid_json", refused.json()
+    assert listed.status_code == 200, listed.text

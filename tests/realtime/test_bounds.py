@@ -8,10 +8,12 @@ now refused up front with a client error code and the session unchanged and usab
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 import pytest
+from omnirt.realtime.transport_log import INVALID_UTF8_LINE
 
 from .conftest import Server, connect, run, text_item
 
@@ -230,4 +232,134 @@ def test_json_nested_past_the_parser_is_invalid_json(
     error, updated = run(main())
     assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
     assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
+    assert_clean_log(caplog)
+
+
+@pytest.mark.parametrize("padding", [0, 300_000])  # parsed on the loop, and in a worker thread
+def test_integer_past_the_digit_limit_is_invalid_json(
+    server: Server, caplog: pytest.LogCaptureFixture, padding: int
+) -> None:
+    """An integer of 5,000 digits (over Python's int() limit of 4,300) makes the JSON parser
+    raise a plain ValueError: invalid_json naming the limit, not a server_error (found by the
+    fuzzer, tests/fuzz); the session goes on."""
+    caplog.set_level(logging.INFO)
+    frame = (
+        '{"type": "session.update", "session": {"instructions": "' + "x" * padding + '", '
+        '"max_output_tokens": ' + "9" * 5_000 + "}}"
+    )
+
+    async def main() -> tuple[dict, dict]:
+        async with connect(server, manual=True) as c:
+            await c.send(frame)
+            error = await c.error()
+            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
+            return error, await c.recv()
+
+    error, updated = run(main())
+    assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
+    assert "4300 digits" in error["message"], error
+    assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
+    assert_clean_log(caplog)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_text_frame_not_utf8_closes_1007_with_one_log_line(server: Server) -> None:
+    """A text frame that is not UTF-8: the transport closes with 1007 (RFC 6455), and logs one INFO
+    line, not the traceback at ERROR uvicorn writes (found by the fuzzer, tests/fuzz); other
+    sessions go on."""
+    transport = logging.getLogger("uvicorn.error")
+    records, level = _Records(), transport.level
+    transport.addHandler(records)
+    transport.setLevel(logging.INFO)
+
+    async def main() -> tuple[int | None, dict]:
+        async with connect(server) as bad:
+            await bad.ws.send(b'{"type": "session.update", "session": {"instructions": "\xff"}}', text=True)
+            code = await bad.closed()
+        async with connect(server, manual=True) as good:
+            await good.send({"type": "session.update", "session": {"instructions": "still here"}})
+            return code, await good.recv()
+
+    try:
+        code, updated = run(main())
+    finally:
+        transport.removeHandler(records)
+        transport.setLevel(level)
+    assert code == 1007
+    assert updated["type"] == "session.updated"
+    assert all(r.levelno < logging.ERROR and r.exc_info is None for r in records.records), records.records
+    utf8 = [r for r in records.records if "UTF-8" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in utf8] == [(logging.INFO, INVALID_UTF8_LINE)]
+
+
+#: Events with a lone surrogate escape where no field type checks the text (free-form values, keys,
+#: the append's event_id), and the param each error must name.
+SURROGATE_EVENTS = [
+    (
+        '{"type": "session.update", "session": {"tools": [{"type": "function", "name": "f", "parameters": '
+        '{"type": "object", "properties": {"a": {"type": "string", "description": "\\udfff"}}}}]}}',
+        "session.tools.0.parameters.properties.a.description",
+    ),
+    ('{"type": "session.update", "session": {"tracing": {"\\ud800": 1}}}', "session.tracing"),
+    ('{"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "e\\ud800"}', "event_id"),
+]
+
+
+@pytest.mark.parametrize(("frame", "param"), SURROGATE_EVENTS)
+def test_lone_surrogate_refused_and_connection_kept(
+    server: Server, caplog: pytest.LogCaptureFixture, frame: str, param: str
+) -> None:
+    """A lone surrogate escape (``"\\ud800"``: valid JSON to Python's parser, no character) in a
+    free-form value was stored, and the session's next echo could not be encoded: the connection
+    dropped without a word (found by the fuzzer, tests/fuzz). Now invalid_value naming where, and
+    the session goes on unchanged."""
+    caplog.set_level(logging.INFO)
+
+    async def main() -> tuple[dict, dict]:
+        async with connect(server, manual=True) as c:
+            await c.send(frame)
+            error = await c.error()
+            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
+            return error, await c.recv()
+
+    error, updated = run(main())
+    assert (error["code"], error["param"]) == ("invalid_value", param), error
+    assert "lone surrogate" in error["message"]
+    assert updated["type"] == "session.updated" and updated["session"]["tools"] == []
+    assert_clean_log(caplog)
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_numbers_json_lacks_are_invalid_json(
+    server: Server, caplog: pytest.LogCaptureFixture, number: str
+) -> None:
+    """Python's parser reads NaN, Infinity and 1e999 as floats; stored in a free-form value (a
+    tool's schema), they were echoed in ``session.updated`` as the same tokens, which no strict
+    JSON parser (a browser's, the SDKs') reads. Refused as invalid_json; nothing stored."""
+    caplog.set_level(logging.INFO)
+    frame = (
+        '{"type": "session.update", "session": {"tools": [{"type": "function", "name": "f", "parameters": '
+        '{"type": "object", "properties": {"a": {"type": "number", "maximum": ' + number + "}}}}]}}"
+    )
+
+    async def main() -> tuple[dict, str]:
+        async with connect(server, manual=True) as c:
+            await c.send(frame)
+            error = await c.error()
+            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
+            return error, await c.ws.recv()
+
+    error, updated = run(main())
+    assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
+    assert number in error["message"]
+    parsed = json.loads(updated, parse_constant=lambda token: pytest.fail(f"{token} sent back"))
+    assert parsed["type"] == "session.updated" and parsed["session"]["tools"] == []
     assert_clean_log(caplog)
