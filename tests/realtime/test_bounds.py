@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import pytest
+from omnirt.realtime.protocol.json_text import MAX_INT_DIGITS
 from omnirt.realtime.transport_log import INVALID_UTF8_LINE
 
 from .conftest import Server, connect, run, text_item
@@ -239,9 +240,9 @@ def test_json_nested_past_the_parser_is_invalid_json(
 def test_integer_past_the_digit_limit_is_invalid_json(
     server: Server, caplog: pytest.LogCaptureFixture, padding: int
 ) -> None:
-    """An integer of 5,000 digits (over Python's int() limit of 4,300) makes the JSON parser
-    raise a plain ValueError: invalid_json naming the limit, not a server_error (found by the
-    fuzzer, tests/fuzz); the session goes on."""
+    """An integer of 5,000 digits (over Python's int() limit of 4,300, which makes its JSON parser
+    raise a plain ValueError) is invalid_json naming the limit (MAX_INT_DIGITS), not a
+    server_error (found by the fuzzer, tests/fuzz); the session goes on."""
     caplog.set_level(logging.INFO)
     frame = (
         '{"type": "session.update", "session": {"instructions": "' + "x" * padding + '", '
@@ -257,7 +258,7 @@ def test_integer_past_the_digit_limit_is_invalid_json(
 
     error, updated = run(main())
     assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
-    assert "4300 digits" in error["message"], error
+    assert f"at most {MAX_INT_DIGITS}" in error["message"], error
     assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
     assert_clean_log(caplog)
 
