@@ -28,8 +28,8 @@ Hostile clients, in turn one of:
 - ``fuzz``: malformed and random events (bad JSON, unknown types, wrong types, deep nesting,
   huge integers, invalid base64, binary frames) at ``--fuzz-rate`` per second;
 - ``slow``: asks for long replies (in band and out of band) and never reads; reconnects once closed;
-- ``huge``: a text item of ``--huge-mib`` MiB every few seconds (refused: context length) and
-  an audio append over the size limit.
+- ``huge``: a text item of ``--huge-mib`` MiB every few seconds (refused: context length), six
+  times, then an audio append over the frame limit (the server closes the connection).
 
 The server's RSS (the serve process, and with its children: the VAD worker) is sampled every
 ``--rss-every`` seconds; the table gives it at the end of warm-up (``--warmup`` of the phase), in
@@ -405,12 +405,14 @@ async def huge_client(url: str, rng: random.Random, args: argparse.Namespace, ph
     async with websockets.connect(url, max_size=MAX_FRAME, max_queue=None) as ws:
         phase.hostile_connections += 1
         reader = asyncio.create_task(drain(ws))
+        item, append = huge_frames(args.huge_mib)
         try:
-            for _ in range(6):
-                for frame in huge_frames(args.huge_mib):
-                    await ws.send(frame)
-                    phase.hostile_events += 1
+            for _ in range(6):  # refused (context length); the session stays usable
+                await ws.send(item)
+                phase.hostile_events += 1
                 await asyncio.sleep(rng.uniform(3, 6))
+            await ws.send(append)  # over the frame limit: the server closes the connection (1009)
+            phase.hostile_events += 1
         finally:
             reader.cancel()
 
@@ -544,8 +546,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hostile", type=int, default=10)
     ap.add_argument("--phases", default="calm,hostile", help="calm and/or hostile, in order")
     ap.add_argument("--hostile-kinds", default="fuzz,slow,huge", help="the hostile clients, in turn")
-    ap.add_argument("--think", type=float, nargs=2, default=(8.0, 20.0), metavar=("MIN", "MAX"))
-    ap.add_argument("--lifetime", type=float, nargs=2, default=(45.0, 90.0), metavar=("MIN", "MAX"))
+    ap.add_argument("--think", type=float, nargs=2, default=(40.0, 80.0), metavar=("MIN", "MAX"))
+    ap.add_argument("--lifetime", type=float, nargs=2, default=(60.0, 180.0), metavar=("MIN", "MAX"))
     ap.add_argument("--mix", type=float, nargs=3, default=(0.4, 0.4, 0.2), metavar=("TEXT", "AUDIO", "BARGE"))
     ap.add_argument("--reply-tokens", type=int, default=8)
     ap.add_argument("--turn-timeout", type=float, default=60.0)

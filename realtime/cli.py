@@ -304,6 +304,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
 
     from .app import create_app
     from .graceful import GracefulServer
+    from .ws_protocol import websocket_protocol
 
     try:
         pipelines = build_pipelines(
@@ -362,6 +363,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             host=config.host,
             port=config.port,
             log_level=log_level,
+            ws=websocket_protocol(config.ws_send_buffer_bytes),
             ws_max_size=ws_max_size(config),
             ws_per_message_deflate=WS_PER_MESSAGE_DEFLATE,
             lifespan="on",

@@ -18,6 +18,7 @@ import uvicorn
 from omnirt.realtime import cli
 from omnirt.realtime.config import ServerConfig
 from omnirt.realtime.graceful import GracefulServer
+from omnirt.realtime.ws_protocol import websocket_protocol
 
 
 def free_port() -> int:
@@ -58,11 +59,14 @@ def serve_server(
     :class:`~omnirt.realtime.graceful.GracefulServer` for an app with a realtime service), so a
     test can stop it as SIGTERM does (``server.handle_exit(signal.SIGTERM, None)``)."""
     port = free_port()
+    served = getattr(getattr(app, "state", None), "config", None)
+    send_buffer = served.ws_send_buffer_bytes if isinstance(served, ServerConfig) else 0
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=port,
         log_level="warning",
+        ws=websocket_protocol(send_buffer),  # as omnirt serve runs
         ws_max_size=ws_max_size,
         ws_per_message_deflate=ws_per_message_deflate,
         lifespan="on",

@@ -302,3 +302,36 @@ def test_shutdown_ends_the_streaming_response_before_closing_with_1012() -> None
     assert done["status"] == "cancelled" and done["status_details"] == {"type": "cancelled"}
     assert types[-1] == "response.done"
     assert code == 1012 and idle_code == 1012
+
+
+def test_realtime_connections_get_a_fixed_kernel_send_buffer() -> None:
+    """``ws_send_buffer_bytes``: the upgraded connection's socket gets that SO_SNDBUF (Linux
+    doubles it), so a client that reads nothing is seen behind after kilobytes, not after the
+    megabytes an automatically grown buffer absorbs; 0 leaves the kernel's sizing."""
+    from unittest import mock
+
+    import uvicorn
+    from omnirt.realtime.ws_protocol import websocket_protocol
+    from uvicorn.server import ServerState
+
+    for asked in (64 * 1024, 0):
+        a, b = socket.socketpair()
+        with a, b:
+            before = a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            transport = mock.Mock()
+            transport.get_extra_info.side_effect = lambda name, default=None, s=a: {
+                "socket": s,
+                "peername": ("127.0.0.1", 5000),
+                "sockname": ("127.0.0.1", 8000),
+            }.get(name, default)
+
+
+            async def made(transport=transport, asked=asked) -> None:  # the protocol needs a loop
+                protocol = websocket_protocol(asked)(
+                    config=uvicorn.Config(app=None), server_state=ServerState(), app_state={}
+                )
+                protocol.connection_made(transport)
+
+            run(made())
+            after = a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            assert after == (2 * asked if asked else before)
