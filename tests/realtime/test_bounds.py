@@ -16,7 +16,7 @@ import pytest
 from omnirt.realtime.protocol.json_text import MAX_INT_DIGITS
 from omnirt.realtime.transport_log import INVALID_UTF8_LINE
 
-from .conftest import Server, connect, run, text_item
+from .conftest import Server, connect, run, text_item, validate
 
 
 def nested_schema(levels: int) -> dict[str, Any]:
@@ -86,6 +86,21 @@ def assert_clean_log(caplog: pytest.LogCaptureFixture) -> None:
         assert record.exc_info is None, record.getMessage()
         assert record.levelno < logging.ERROR, record.getMessage()
 
+
+
+def refused_then_usable(server: Server, frame: str) -> tuple[dict, str, dict]:
+    """Send ``frame`` on a new session; the error it gets, then the raw frame and the validated
+    event answering a ``session.update`` sent after it (the session still usable)."""
+
+    async def main() -> tuple[dict, str, dict]:
+        async with connect(server, manual=True) as c:
+            await c.send(frame)
+            error = await c.error()
+            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
+            raw = await c.ws.recv()
+            return error, raw, validate(raw)
+
+    return run(main())
 
 def test_deep_values_refused_and_session_usable(server: Server, caplog: pytest.LogCaptureFixture) -> None:
     """Each deeply nested value gets invalid_value naming where it is too deep; the session keeps
@@ -223,14 +238,7 @@ def test_json_nested_past_the_parser_is_invalid_json(
     caplog.set_level(logging.INFO)
     deep = '{"type": "session.update", "session": {"instructions": ' + "[" * 100_000 + "]" * 100_000 + "}}"
 
-    async def main() -> tuple[dict, dict]:
-        async with connect(server, manual=True) as c:
-            await c.send(deep)
-            error = await c.error()
-            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
-            return error, await c.recv()
-
-    error, updated = run(main())
+    error, _, updated = refused_then_usable(server, deep)
     assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
     assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
     assert_clean_log(caplog)
@@ -249,14 +257,7 @@ def test_integer_past_the_digit_limit_is_invalid_json(
         '"max_output_tokens": ' + "9" * 5_000 + "}}"
     )
 
-    async def main() -> tuple[dict, dict]:
-        async with connect(server, manual=True) as c:
-            await c.send(frame)
-            error = await c.error()
-            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
-            return error, await c.recv()
-
-    error, updated = run(main())
+    error, _, updated = refused_then_usable(server, frame)
     assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
     assert f"at most {MAX_INT_DIGITS}" in error["message"], error
     assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "still here"
@@ -324,14 +325,7 @@ def test_lone_surrogate_refused_and_connection_kept(
     the session goes on unchanged."""
     caplog.set_level(logging.INFO)
 
-    async def main() -> tuple[dict, dict]:
-        async with connect(server, manual=True) as c:
-            await c.send(frame)
-            error = await c.error()
-            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
-            return error, await c.recv()
-
-    error, updated = run(main())
+    error, _, updated = refused_then_usable(server, frame)
     assert (error["code"], error["param"]) == ("invalid_value", param), error
     assert "lone surrogate" in error["message"]
     assert updated["type"] == "session.updated" and updated["session"]["tools"] == []
@@ -351,14 +345,7 @@ def test_numbers_json_lacks_are_invalid_json(
         '{"type": "object", "properties": {"a": {"type": "number", "maximum": ' + number + "}}}}]}}"
     )
 
-    async def main() -> tuple[dict, str]:
-        async with connect(server, manual=True) as c:
-            await c.send(frame)
-            error = await c.error()
-            await c.send({"type": "session.update", "session": {"instructions": "still here"}})
-            return error, await c.ws.recv()
-
-    error, updated = run(main())
+    error, updated, _ = refused_then_usable(server, frame)
     assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error"), error
     assert number in error["message"]
     parsed = json.loads(updated, parse_constant=lambda token: pytest.fail(f"{token} sent back"))
