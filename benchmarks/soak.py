@@ -58,7 +58,6 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -67,14 +66,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import psutil
 import websockets
 from omnirt.codecs.audio import float_to_pcm16
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.server
+from omnirt.stages.cache import default_cache_root  # noqa: E402
 from turn_latency import espeak_speech, speechlike_tone  # noqa: E402
+
+from tests.server import serve_cli_process  # noqa: E402
 
 log = logging.getLogger("soak")
 
@@ -156,32 +158,16 @@ def check_done(done: dict[str, Any], what: str) -> None:
 
 
 @contextlib.contextmanager
-def server(args: argparse.Namespace, port: int, log_path: Path) -> Iterator[psutil.Process]:
-    cmd = [
-        sys.executable, "-m", "omnirt.realtime.cli", "serve", "--port", str(port),
-        "--max-sessions", str(args.sessions + args.hostile + 8), "--log-level", "warning",
-        *shlex.split(args.serve_args),
-    ]  # fmt: skip
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited ({proc.returncode}); see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not start in 300 s")
-            time.sleep(0.5)
-        yield psutil.Process(proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def server(args: argparse.Namespace, log_path: Path) -> Iterator[tuple[str, psutil.Process]]:
+    """``omnirt serve`` in a process of its own (tests.server's helper), with room for every
+    session; yields its ws:// base and its process."""
+    serve_args = ["--max-sessions", str(args.sessions + args.hostile + 8), "--log-level", "warning"]
+    serve_args += shlex.split(args.serve_args)
+    with serve_cli_process(serve_args, cache=default_cache_root(), log=log_path, start_timeout=300) as (
+        base,
+        proc,
+    ):
+        yield base.replace("http://", "ws://"), psutil.Process(proc.pid)
 
 
 def rss(proc: psutil.Process) -> tuple[int, int]:
@@ -460,11 +446,11 @@ async def sample_rss(proc: psutil.Process, phase: Phase, every: float, t0: float
         await asyncio.sleep(every)
 
 
-async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes], port: int) -> Phase:
+async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes]) -> Phase:
     phase = Phase(name)
     log_path = Path(args.log_dir) / f"soak-{name}.log"
-    with server(args, port, log_path) as proc:
-        url = f"ws://127.0.0.1:{port}/v1/realtime"
+    with server(args, log_path) as (base, proc):
+        url = f"{base}/v1/realtime"
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
         tasks = [
@@ -579,21 +565,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--huge-mib", type=float, default=4.0)
     ap.add_argument("--rss-every", type=float, default=5.0)
     ap.add_argument("--serve-args", default="", help="extra arguments for omnirt serve")
-    ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = ap.parse_args(argv)
     if args.warmup is None:
         args.warmup = min((args.think[1] + args.lifetime[1]) / 60, args.minutes / 2)
     return args
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -609,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             f" + {args.hostile} hostile" if name == "hostile" else "",
             args.minutes,
         )
-        phases.append(asyncio.run(run_phase(name, args, speech, args.port or free_port())))
+        phases.append(asyncio.run(run_phase(name, args, speech)))
     print(table(phases, args))
     return 0 if all(not p.failed for p in phases) else 1
 
