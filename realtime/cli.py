@@ -82,6 +82,16 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, not {text!r}")
 
 
+def _prefill_chunk(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, at least 16, not {text!r}")
+    return value
+
+
 def _origin(text: str) -> str:
     from .origin import ANY_ORIGIN, normalize_origin
 
@@ -204,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the model's steps eagerly on CUDA instead of replaying captured CUDA graphs",
     )
     serve.add_argument(
+        "--prefill-chunk",
+        type=_prefill_chunk,
+        default=ServerConfig.prefill_chunk,
+        metavar="TOKENS",
+        help="prompt tokens a speech prompt pass reads per engine tick (default %(default)s): a longer "
+        "prompt is read over several ticks, so it never stalls the sessions already speaking",
+    )
+    serve.add_argument(
         "--step-cache",
         choices=STEP_CACHES,
         default="none",
@@ -286,6 +304,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         api_keys=list(dict.fromkeys(keys)),
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
+        prefill_chunk=args.prefill_chunk,
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),
         metrics_host=args.metrics_host,
@@ -312,6 +331,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             device=device,
             max_slots=config.max_sessions,
             cuda_graphs=config.cuda_graphs,
+            prefill_chunk=config.prefill_chunk,
             load_format=load_format,
         )
         engine = Engine(pipelines)

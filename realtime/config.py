@@ -14,6 +14,9 @@ class ServerConfig:
     models: list[str] = field(default_factory=list)
     #: Replay the model's steps from captured CUDA graphs on CUDA (``--no-cuda-graphs``: eager).
     cuda_graphs: bool = True
+    #: Prompt tokens a speech prompt pass reads per engine tick; a longer prompt is read over
+    #: several ticks beside the running sessions (``--prefill-chunk``).
+    prefill_chunk: int = 512
     #: The diffusion step cache a request gets when it names none (``--step-cache``: none,
     #: teacache, magcache), its settings (``--step-cache-config``, a JSON object) and calibration
     #: files beyond the shipped ones and the model folders' (``--step-cache-calibration``).

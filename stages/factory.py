@@ -40,13 +40,14 @@ def build_pipeline(
     device: str | None = None,
     max_slots: int = 32,
     cuda_graphs: bool = True,
+    prefill_chunk: int = 512,
     load_format: str = "auto",
 ) -> Pipeline:
     """The speech pipeline for ``model``: None or ``"demo"`` for the embedded default (a tiny
     Qwen3-Omni with random weights, built into the cache on first use), else a local checkpoint
     folder in the published layout. A missing or unloadable folder raises ``ValueError``.
-    ``cuda_graphs``, ``load_format`` (``"dummy"``: random weights from config.json alone): see
-    :func:`.speech.loader.load_speech_pipeline`."""
+    ``cuda_graphs``, ``prefill_chunk``, ``load_format`` (``"dummy"``: random weights from
+    config.json alone): see :func:`.speech.loader.load_speech_pipeline`."""
     from .speech.demo import ensure_demo_checkpoint
     from .speech.loader import load_speech_pipeline
 
@@ -67,6 +68,7 @@ def build_pipeline(
             random_weights=True,
             audio_frames_per_token=4.0,
             cuda_graphs=cuda_graphs,
+            prefill_chunk=prefill_chunk,
             warm_up=True,
             load_format=load_format,
         )
@@ -80,6 +82,7 @@ def build_pipeline(
         device=device,
         max_slots=max_slots,
         cuda_graphs=cuda_graphs,
+        prefill_chunk=prefill_chunk,
         warm_up=True,
         load_format=load_format,
     )
@@ -168,6 +171,7 @@ def build_pipelines(
     device: str | None = None,
     max_slots: int = 32,
     cuda_graphs: bool = True,
+    prefill_chunk: int = 512,
     load_format: str = "auto",
     builders: Builders = Builders(),
 ) -> list[Pipeline]:
@@ -193,7 +197,12 @@ def build_pipelines(
         model = speech[0] if speech else None
         pipelines.append(
             builders.speech(
-                model, device=device, max_slots=max_slots, cuda_graphs=cuda_graphs, load_format=load_format
+                model,
+                device=device,
+                max_slots=max_slots,
+                cuda_graphs=cuda_graphs,
+                prefill_chunk=prefill_chunk,
+                load_format=load_format,
             )
         )
     if embedded:

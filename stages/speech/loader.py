@@ -192,6 +192,7 @@ def load_speech_pipeline(
     vocoder: str = "auto",
     cuda_graphs: bool = True,
     prefill_worker: bool = False,
+    prefill_chunk: int = 512,
     warm_up: bool = False,
     model_id: str | None = None,
     random_weights: bool | None = None,
@@ -212,7 +213,8 @@ def load_speech_pipeline(
     as eager); ``False`` runs them all eagerly. Ignored on CPU. MoE layers run transformers'
     ``grouped_mm`` experts (no host sync, capturable; ``batched_mm`` for fp32 on CUDA).
     ``prefill_worker``: read prompts on a thread and CUDA stream beside the decode steps (see
-    :class:`~.pipeline.SpeechPipeline`; off by default).
+    :class:`~.pipeline.SpeechPipeline`; off by default). ``prefill_chunk``: prompt tokens a
+    prompt pass reads per tick (a longer prompt is read over several ticks).
     """
     if load_format not in LOAD_FORMATS:
         raise LoadFormatError(
@@ -271,6 +273,7 @@ def load_speech_pipeline(
         vocoder=vocoder,
         cuda_graphs=cuda_graphs,
         prefill_worker=prefill_worker,
+        prefill_chunk=prefill_chunk,
     )
     pipeline.capture()
     if warm_up:

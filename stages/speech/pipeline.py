@@ -3,11 +3,14 @@
 One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request:
 
 1. the prefill of each new request (:mod:`.prefill`): the thinker's prompt pass (audio and
-   vision encoders, then the layers as one static-length pass, :mod:`.thinker`) that draws
-   the first reply token, then the talker's prompt pass that draws the first codec code;
-   inline, up to ``prefills_per_step`` prompts per tick, or with ``prefill_worker=True`` on a
-   thread and CUDA stream of their own, beside the decode steps, which never wait for them;
-   the tick that finds a prefill done loads it into the request's slots;
+   vision encoders, then the layers in static-length pieces, :mod:`.thinker`) that draws the
+   first reply token, then the talker's prompt pass that draws the first codec code. Inline,
+   each tick one piece (``prefill_chunk`` tokens of a pass) of each of the
+   ``prefills_per_step`` prompts with the fewest pieces left, so a long prompt takes several
+   ticks, never stalls the others for more than a piece, and never holds up a short turn; or
+   with ``prefill_worker=True`` whole on a thread and CUDA stream of their own, beside the
+   decode steps, which never wait for them. The tick that finds a prefill done loads it into
+   the request's slots;
 2. one batched thinker decode token for every prefilled request still generating text, the
    ones prefilled in this tick included (so a new turn's talker takes its first step, which
    needs reply token 1, in the tick of its prefill: first audio one tick sooner);
@@ -33,7 +36,7 @@ talker; a constrained request therefore decodes its second token one tick after 
 The decode steps (thinker, talker frame with its code-predictor loop and sampling) run over
 preallocated per-slot device state with an exec mask, rows being slots, so on CUDA they replay
 CUDA graphs captured at start-up (:meth:`capture`), one per batch bucket and attention-length
-bucket, as do the prompt passes (one per prompt-length bucket) and code2wav;
+bucket, as do the prompt pieces (per piece-length or attention-length bucket) and code2wav;
 ``cuda_graphs=False`` (``omnirt serve --no-cuda-graphs``) runs every step eagerly.
 A request holds the same slot in every pool (and one code2wav stream) from ``add`` until it
 finishes or is removed; the lowest free slot is taken, so the busy slots stay packed low.
@@ -81,7 +84,7 @@ from ..types import (
 from .code2wav import Vocoder, make_vocoder
 from .constrain import Constrainer, GrammarConstraint, ReplyConstraint
 from .draws import fresh_seed
-from .prefill import Prefilled, Prefiller
+from .prefill import Prefilled, Prefiller, PrefillJob
 from .prompt import PromptBuilder, PromptInputs
 from .talker import (
     TEXT_EOS,
@@ -134,7 +137,7 @@ class _Active:
     spoken: int = 0  # reply tokens of text (outside tool calls)
     constraint: ReplyConstraint | None = None
     splitter: CallSplitter | None = None  # with tools: which tokens are calls
-    job: futures.Future[Prefilled] | None = None  # the prompt's prefill, once started
+    job: PrefillJob | None = None  # the prompt's prefill, once started
     talker: TalkerState | None = None
     audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
     audio_seconds: float = 0.0  # of audio gone out
@@ -176,6 +179,7 @@ class SpeechPipeline:
         max_context: int = 4096,
         max_audio_frames: int = 2048,
         prefills_per_step: int = 2,
+        prefill_chunk: int = 512,
         audio_frames_per_token: float = 12.0,
         audio_frames_base: int = 25,
         stop_token_ids: set[int] | None = None,
@@ -224,6 +228,7 @@ class SpeechPipeline:
             graphs=graphs,
             pool=pool,
             accept_layer=int(cfg.talker_config.accept_hidden_layer) if self.has_talker else 0,
+            prompt_chunk=prefill_chunk,
         )
         if self.has_talker:
             self.talker = Talker(
@@ -235,6 +240,7 @@ class SpeechPipeline:
                 graphs=graphs,
                 pool=pool,
                 repetition_penalty=talker_repetition_penalty,
+                prompt_chunk=prefill_chunk,
             )
             self.vocoder: Vocoder = (
                 make_vocoder(
@@ -265,10 +271,10 @@ class SpeechPipeline:
     # -- graphs and warm-up ------------------------------------------------------------------------
     @property
     def runners(self) -> list[Any]:
-        """The graphed steps: thinker decode and prompt pass, talker frame (and prompt pass)."""
-        runners = [self.thinker.runner, self.thinker.prompt_runner]
+        """The graphed steps: thinker decode and prompt pieces, talker frame and prompt pieces."""
+        runners = [self.thinker.runner, *self.thinker.prompt.runners]
         if self.has_talker:
-            runners += [self.talker.runner, self.talker.prompt_runner]
+            runners += [self.talker.runner, *self.talker.prompt.runners]
         return runners
 
     def capture(self) -> float:
@@ -511,19 +517,26 @@ class SpeechPipeline:
     # -- thinker ------------------------------------------------------------------------------------
     def _take_prefills(self, out: list[tuple[str, Output]], idle: bool) -> list[tuple[_Active, torch.Tensor]]:
         """Starts the prefill of every new request and loads those that are done; returns their
-        first tokens (on the device). Inline (the default), up to ``prefills_per_step`` run here;
-        on the prefill worker they run beside the decode steps, which never wait for them,
-        except on a tick with nothing else to do."""
-        new = [a for a in self._active.values() if a.job is None]
-        if self._prefiller.worker is None:
-            new = new[: self.prefills_per_step]
-        for active in new:
-            t = active.talker
-            mask = active.constraint.first if active.constraint is not None else None
-            active.job = self._prefiller.start(active.slot, active.prompt, t.speaker_id if t else None, mask)
+        first tokens (on the device). Inline (the default), the ``prefills_per_step`` prompts
+        with the fewest pieces left each read one piece here (``prefill_chunk`` tokens of a
+        pass; a short prompt's two passes in one tick); on the prefill worker they run whole
+        beside the decode steps, which never wait for them, except on a tick with nothing else
+        to do."""
+        for active in self._active.values():
+            if active.job is None:
+                speaker = active.talker.speaker_id if active.talker is not None else None
+                mask = active.constraint.first if active.constraint is not None else None
+                active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask)
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
-        if idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
-            futures.wait([a.job for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)
+        if self._prefiller.worker is None:
+            # Inline: the ``prefills_per_step`` prompts with the fewest pieces left (the oldest
+            # first among equals) each read one more, so short turns never queue behind long
+            # prompts.
+            jobs = sorted((a.job for a in pending if not a.job.done()), key=lambda j: j.pieces_left)  # type: ignore[union-attr]
+            for job in jobs[: self.prefills_per_step]:
+                job.advance()
+        elif idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
+            futures.wait([a.job.future for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)  # type: ignore[union-attr]
         first = []
         for active in pending:
             if active.job.done():  # type: ignore[union-attr]

@@ -2,15 +2,18 @@
 built from it and the talker's prompt pass (first codec code).
 
 A prefill writes only the request's own slot entries, which no decode step touches while the
-slot waits, so it can run inline in the tick (the default) or, with ``worker=True``, on a thread
-and CUDA stream of its own beside the decode steps; either way its result is a future that the
-engine thread loads (``Thinker.load``, ``Talker.load``) in stream order.
+slot waits, so it can run inline in the ticks (the default) or, with ``worker=True``, on a
+thread and CUDA stream of its own beside the decode steps; either way it is a
+:class:`PrefillJob` whose result the engine thread loads (``Thinker.load``, ``Talker.load``) in
+stream order. Inline, a job advances a piece per tick (:meth:`PrefillJob.advance`): the passes
+read their prompts ``prompt_chunk`` tokens at a time (:class:`~.slots.PromptPass`), so a long
+prompt is read over several ticks and never stalls the running sessions for more than a piece.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,53 @@ class Prefilled:
             torch.cuda.current_stream(device).wait_event(self.event)
 
 
+class PrefillJob:
+    """One prompt's prefill as a sequence of pieces: :meth:`advance` runs the next piece (on the
+    engine thread, inline), :meth:`run` all of them (on the worker); :attr:`future` holds the
+    :class:`Prefilled`, or the error that fails this request only."""
+
+    def __init__(
+        self, pieces: Generator[None, None, Prefilled], stream: torch.cuda.Stream | None, estimate: int
+    ) -> None:
+        self._pieces = pieces
+        self._stream = stream
+        self.future: futures.Future[Prefilled] = futures.Future()
+        #: Pieces still to run, estimated (the talker's prompt counted as long as the thinker's):
+        #: the pipeline reads the prompts with the least left first.
+        self.pieces_left = estimate
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> Prefilled:
+        return self.future.result()
+
+    def advance(self) -> None:
+        """Runs the next piece; the last one sets the result."""
+        if self.future.done():
+            return
+        try:
+            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with torch.no_grad(), stream:
+                next(self._pieces)
+            self.pieces_left = max(1, self.pieces_left - 1)
+        except StopIteration as stop:
+            self.future.set_result(stop.value)
+        except Exception as exc:
+            self.future.set_exception(exc)
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # cancelled before it started
+        while not self.future.done():
+            self.advance()
+
+    def cancel(self) -> None:
+        """Drops the pieces not run yet; a job running on the worker runs on, its result dropped."""
+        if not self.future.done() and self.future.cancel():
+            self._pieces.close()
+
+
 class Prefiller:
     def __init__(
         self, model: Any, thinker: Thinker, talker: Talker | None, calls: CallCounter, *, worker: bool
@@ -53,43 +103,40 @@ class Prefiller:
 
     def start(
         self, slot: int, prompt: PromptInputs, speaker_id: int | None, mask: torch.Tensor | None = None
-    ) -> futures.Future[Prefilled]:
+    ) -> PrefillJob:
         """The prefill of ``prompt`` into ``slot`` (``speaker_id``: the voice, None for text
-        only; ``mask``: the first token's allowed-token mask of a constrained reply), run now
-        (inline) or queued on the worker."""
+        only; ``mask``: the first token's allowed-token mask of a constrained reply): inline, a
+        job the pipeline advances a piece per tick; on the worker, queued whole."""
+        pieces = self.thinker.prompt.pieces(prompt.length)
+        if speaker_id is not None:
+            pieces *= 2
+        job = PrefillJob(self._pieces(slot, prompt, speaker_id, mask), self.stream, pieces)
         if self.worker is not None:
-            return self.worker.submit(self._run, slot, prompt, speaker_id, mask)
-        job: futures.Future[Prefilled] = futures.Future()
-        try:
-            job.set_result(self._run(slot, prompt, speaker_id, mask))
-        except Exception as exc:
-            job.set_exception(exc)
+            self.worker.submit(job.run)
         return job
 
-    def _run(
+    def _pieces(
         self, slot: int, prompt: PromptInputs, speaker_id: int | None, mask: torch.Tensor | None
-    ) -> Prefilled:
-        stream = self.stream
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.calls["thinker_prefill", 1] += 1
-            thinker = self.thinker.forward_prompt(slot, prompt, allowed=mask)
-            talker_prompt = talker = None
-            if speaker_id is not None:
-                assert self.talker is not None
-                accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds
-                talker_prompt = build_talker_prompt(self.model, thinker.input_ids, thinker.embeds, accepted)
-                header = talker_prompt.assistant_embeds
-                if header.shape[0] > 4 + HEADER_MAX:
-                    raise RequestRejected("the prompt's assistant header is too long for the talker")
-                # Talker input 3: the header's fourth position, else reply token 0.
-                first = header[3] if header.shape[0] > 3 else self.thinker.embed_tokens.weight[thinker.token]
-                self.calls["talker_prefill", 1] += 1
-                rope = self._rope(prompt)
-                talker = self.talker.forward_prompt(slot, talker_prompt, first, speaker_id, rope)
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
+    ) -> Generator[None, None, Prefilled]:
+        self.calls["thinker_prefill", 1] += 1
+        thinker = yield from self.thinker.forward_prompt(slot, prompt, allowed=mask)
+        talker_prompt = talker = None
+        if speaker_id is not None:
+            assert self.talker is not None
+            accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds
+            talker_prompt = build_talker_prompt(self.model, thinker.input_ids, thinker.embeds, accepted)
+            header = talker_prompt.assistant_embeds
+            if header.shape[0] > 4 + HEADER_MAX:
+                raise RequestRejected("the prompt's assistant header is too long for the talker")
+            # Talker input 3: the header's fourth position, else reply token 0.
+            first = header[3] if header.shape[0] > 3 else self.thinker.embed_tokens.weight[thinker.token]
+            self.calls["talker_prefill", 1] += 1
+            rope = self._rope(prompt)
+            talker = yield from self.talker.forward_prompt(slot, talker_prompt, first, speaker_id, rope)
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
         return Prefilled(thinker, talker_prompt, talker, event)
 
     def _rope(self, prompt: PromptInputs) -> Callable[[torch.Tensor], torch.Tensor] | None:

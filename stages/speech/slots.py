@@ -29,7 +29,7 @@ at that position; it is computed with the model's own rotary module, exactly as 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,43 +74,150 @@ def prompt_runner(
     graphs: bool,
     pool: object | None,
 ) -> LengthBucketedRunner:
-    """Graphs of a prompt pass: one prompt at a time, per prompt-length bucket from 64 tokens;
-    its outputs live in the shared pool, so they are cloned."""
+    """Graphs of a prompt pass's first piece (or of a whole prompt up to ``max_len``, the piece
+    size): one prompt at a time, per prompt-length bucket from 64 tokens; its outputs live in
+    the shared pool, so they are cloned."""
     return LengthBucketedRunner(
         step, example, batch_buckets=[1], length_buckets=length_buckets(max_len, smallest=64),
         enabled=graphs, pool=pool, clone_outputs=True,
     )
 
 
+def chunk_runner(
+    step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
+    example: Callable[[int, int], dict[str, torch.Tensor]],
+    *,
+    chunk: int,
+    max_len: int,
+    graphs: bool,
+    pool: object | None,
+) -> LengthBucketedRunner | None:
+    """Graphs of a prompt pass's later pieces (``chunk`` tokens after the first piece), per
+    attention-length bucket (``start + chunk``: from ``2 * chunk`` to ``max_len``); None when
+    every prompt fits one piece. ``step(inputs, attend)`` and ``example(1, attend)`` take the
+    attention length, the piece is always ``chunk`` long (its last one padded)."""
+    if chunk >= max_len:
+        return None
+    return LengthBucketedRunner(
+        step, example, batch_buckets=[1], length_buckets=length_buckets(max_len, smallest=2 * chunk),
+        enabled=graphs, pool=pool, clone_outputs=True,
+    )
+
+
+def prompt_pieces(length: int, chunk: int) -> list[tuple[int, int]]:
+    """The pieces ``(start, count)`` of a ``length``-token prompt read ``chunk`` tokens at a time."""
+    return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
+
+
 def prompt_inputs(
-    embeds: torch.Tensor, positions: torch.Tensor, slot: int, bucket: int
+    embeds: torch.Tensor, positions: torch.Tensor, slot: int, bucket: int, start: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """A prompt pass's graph inputs: ``embeds`` [L, H] and ``positions`` [3, 1, L] padded to the
-    ``bucket`` length, the slot and the prompt length (see :meth:`SlotDecoder.prompt_step`).
-    Positions go in as float32 (exact for integers): transformers gives audio prompts float
-    positions and text prompts integer ones, and a graph takes one dtype."""
+    """A prompt piece's graph inputs: ``embeds`` [L, H] and ``positions`` [3, 1, L] padded to the
+    ``bucket`` length, the slot, the piece's length and, for a piece after the first, where it
+    starts in the slot (see :meth:`SlotDecoder.prompt_step`). Positions go in as float32 (exact
+    for integers): transformers gives audio prompts float positions and text prompts integer
+    ones, and a graph takes one dtype."""
     pad = bucket - embeds.shape[0]
     device = embeds.device
-    return {
+    inputs = {
         "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
         "positions": F.pad(positions[:, 0].float(), (0, pad))[None],
         "slot": torch.tensor([slot], device=device),
         "length": torch.tensor([embeds.shape[0]], device=device),
     }
+    if start is not None:
+        inputs["start"] = torch.tensor([start], device=device)
+    return inputs
 
 
 def prompt_example(
-    batch: int, length: int, hidden: int, dtype: torch.dtype, device: torch.device
+    batch: int, length: int, hidden: int, dtype: torch.dtype, device: torch.device, chunk: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Example inputs of a prompt pass with :func:`prompt_inputs`' layout. Capture runs the pass
-    on them, which writes zeros-derived entries into slot 0: harmless while no slot is in use
-    (``SpeechPipeline.capture`` needs an idle pipeline)."""
-    return {
-        "embeds": torch.zeros((batch, length, hidden), device=device, dtype=dtype),
-        "positions": torch.zeros((batch, 3, length), dtype=torch.float32, device=device),
+    """Example inputs of a prompt piece with :func:`prompt_inputs`' layout: the first piece of
+    ``length`` tokens, or with ``chunk`` a later piece of ``chunk`` tokens attending over
+    ``length`` entries. Capture runs the pass on them, which writes zeros-derived entries into
+    slot 0: harmless while no slot is in use (``SpeechPipeline.capture`` needs an idle pipeline)."""
+    count = length if chunk is None else chunk
+    example = {
+        "embeds": torch.zeros((batch, count, hidden), device=device, dtype=dtype),
+        "positions": torch.zeros((batch, 3, count), dtype=torch.float32, device=device),
         "slot": torch.zeros(batch, dtype=torch.long, device=device),
         "length": torch.ones(batch, dtype=torch.long, device=device),
     }
+    if chunk is not None:
+        example["start"] = torch.full((batch,), length - chunk, dtype=torch.long, device=device)
+    return example
+
+
+class PromptPass:
+    """A prompt pass read in pieces of ``chunk`` tokens, so that a long prompt never takes a
+    whole tick: the first piece through ``first`` (graphs per prompt-length bucket up to
+    ``chunk``), each later one through ``later`` (graphs per attention-length bucket).
+    ``step(inputs, n)`` runs one piece (``n``: the bucket: the piece's length for the first,
+    the attention length for later ones, whose inputs hold ``start``); ``example(batch, n,
+    chunk)`` makes its example inputs (``chunk`` None for the first piece)."""
+
+    def __init__(
+        self,
+        step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
+        example: Callable[[int, int, int | None], dict[str, torch.Tensor]],
+        *,
+        chunk: int,
+        max_len: int,
+        graphs: bool,
+        pool: object | None,
+    ) -> None:
+        self.chunk = min(chunk, max_len)
+        self.max_len = max_len
+        self.first = prompt_runner(
+            step, lambda batch, n: example(batch, n, None), max_len=self.chunk, graphs=graphs, pool=pool
+        )
+        self.later = chunk_runner(
+            step, lambda batch, n: example(batch, n, self.chunk), chunk=self.chunk, max_len=max_len,
+            graphs=graphs, pool=pool,
+        )
+
+    @property
+    def runners(self) -> list[LengthBucketedRunner]:
+        return [self.first] if self.later is None else [self.first, self.later]
+
+    def pieces(self, length: int) -> int:
+        return len(prompt_pieces(length, self.chunk))
+
+    def run(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        slot: int,
+        per_token: dict[str, torch.Tensor] | None = None,
+    ) -> Generator[None, None, dict[str, torch.Tensor]]:
+        """Reads the prompt ``embeds`` [L, H] at ``positions`` [3, 1, L] into ``slot``, a piece
+        per resumption (it yields between pieces); ``per_token`` tensors [n, L, H] go in sliced
+        like the prompt. Returns the last piece's outputs, with ``accepted`` (when the step
+        keeps a layer's output) joined over the pieces [L, H]."""
+        if embeds.shape[0] > self.max_len:
+            raise ValueError(f"prompt of {embeds.shape[0]} positions exceeds the slot length {self.max_len}")
+        kept: list[torch.Tensor] = []
+        out: dict[str, torch.Tensor] = {}
+        for n, (start, count) in enumerate(prompt_pieces(embeds.shape[0], self.chunk)):
+            if n:
+                yield
+            piece = slice(start, start + count)
+            if n == 0:
+                runner, at, key = self.first, None, count
+                bucket = runner.length_for(count)
+            else:
+                assert self.later is not None
+                runner, at, key, bucket = self.later, start, start + count, self.chunk
+            inputs = prompt_inputs(embeds[piece], positions[..., piece], slot, bucket, at)
+            for name, value in (per_token or {}).items():
+                inputs[name] = F.pad(value[:, piece], (0, 0, 0, bucket - count))[None]
+            out = runner(inputs, key)
+            if "accepted" in out:
+                kept.append(out["accepted"][0, :count])
+        if kept:
+            out["accepted"] = torch.cat(kept)
+        return out
 
 
 class SlotDecoder:
@@ -234,17 +341,24 @@ class SlotDecoder:
         slot: torch.Tensor,
         length: torch.Tensor,
         *,
+        start: torch.Tensor | None = None,
+        attend: int = 0,
         keep: int | None = None,
         deepstack: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A whole prompt through the layers into one slot, at a static length bucket ``P``:
-        ``embeds`` [P, H] (the prompt, then padding), ``positions`` [3, P] (multimodal) or
-        [P], ``slot`` and ``length`` 1-element device tensors. Writes the prompt's keys/values
-        into the slot's first ``P`` cache entries (entries past ``length`` are padding, beyond
-        the slot's length, and overwritten later); the slot's length is the caller's to set
-        (:meth:`set_length`), so this writes nothing a decode step of other slots touches.
-        Causal attention: the prompt never sees its padding. ``deepstack`` [n, P, H] is added
-        to the output of layers ``0..n-1`` (Qwen3-Omni's visual features; zeros elsewhere).
+        """A prompt piece through the layers into one slot, at a static length bucket ``P``:
+        ``embeds`` [P, H] (the piece, then padding), ``positions`` [3, P] (multimodal) or [P],
+        ``slot`` and ``length`` (the piece's tokens) 1-element device tensors.
+
+        The first piece (``start`` None) writes its keys/values into the slot's first ``P``
+        cache entries and attends causally to itself. A later piece (``start``: a 1-element
+        device tensor, where it begins) writes them at ``start..start + P - 1`` (the scratch
+        column past ``max_len`` for padding beyond it) and attends to the slot's first
+        ``attend`` entries, each query to the entries up to its own position: the prompt read so
+        far and the piece itself. Entries past the prompt are padding, beyond the slot's length
+        and overwritten later; the slot's length is the caller's to set (:meth:`set_length`), so
+        this writes nothing a decode step of other slots touches. ``deepstack`` [n, P, H] is
+        added to the output of layers ``0..n-1`` (Qwen3-Omni's visual features; zeros elsewhere).
         Returns the final-norm hidden state at ``length - 1`` [H] and, with ``keep = j``, the
         output of layer ``j - 1`` [P, H] (``j = 0``: the embeddings; what transformers records
         as hidden state ``j``)."""
@@ -253,6 +367,12 @@ class SlotDecoder:
         pos = positions.view(3, 1, count) if self.multimodal_rope else positions.view(1, count)
         cos, sin = self.model.rotary_emb(x, pos)
         kept = x[0] if keep == 0 else None
+        gqa = self.num_kv_heads != self.num_heads
+        if start is not None:
+            at = start + self._columns[:count]  # [P] the piece's positions in the slot
+            write_at = at.clamp_max(self.max_len)
+            # [1, 1, P, attend]: each query sees the entries up to its own position.
+            visible = (self._columns[:attend].view(1, attend) <= at.view(count, 1)).view(1, 1, count, attend)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -260,11 +380,21 @@ class SlotDecoder:
             k = attn.k_norm(attn.k_proj(h).view(1, count, -1, self.head_dim)).transpose(1, 2)
             v = attn.v_proj(h).view(1, count, -1, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.keys[i][:, :, :count].index_copy_(0, slot, k.to(self.keys[i].dtype))
-            self.values[i][:, :, :count].index_copy_(0, slot, v.to(self.values[i].dtype))
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
-            )
+            cache_k, cache_v = self.keys[i], self.values[i]
+            if start is None:
+                cache_k[:, :, :count].index_copy_(0, slot, k.to(cache_k.dtype))
+                cache_v[:, :, :count].index_copy_(0, slot, v.to(cache_v.dtype))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa
+                )
+            else:
+                cache_k[slot, :, write_at] = k[0].transpose(0, 1).to(cache_k.dtype)
+                cache_v[slot, :, write_at] = v[0].transpose(0, 1).to(cache_v.dtype)
+                keys = cache_k[:, :, :attend].index_select(0, slot).to(q.dtype)
+                values = cache_v[:, :, :attend].index_select(0, slot).to(q.dtype)
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=visible, scale=self.scaling, enable_gqa=gqa
+                )
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, count, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if keep == i + 1:

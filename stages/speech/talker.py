@@ -6,7 +6,7 @@ built as ``generate`` builds them: see :mod:`.talker_prompt`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 
 from .draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
 from .sampling import apply_repetition_penalty
-from .slots import SlotDecoder, decode_runner, prompt_example, prompt_inputs, prompt_runner
+from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example
 from .talker_prompt import TalkerPrompt
 
 #: The talker's sampling when the request samples (its generation defaults in ``generate``).
@@ -69,6 +69,7 @@ class Talker:
         graphs: bool,
         pool: object | None,
         repetition_penalty: float = 1.05,
+        prompt_chunk: int = 512,
     ) -> None:
         self.model = model
         self.talker = model.talker
@@ -121,9 +122,9 @@ class Talker:
         self.runner = decode_runner(
             self._step, self._example, batch_buckets=batch_buckets, max_len=max_len, graphs=graphs, pool=pool
         )
-        self.prompt_runner = prompt_runner(
-            self._prompt_step, self._prompt_example, max_len=min(max_prompt, max_len), graphs=graphs,
-            pool=pool,
+        self.prompt = PromptPass(
+            self._prompt_step, self._prompt_example, chunk=prompt_chunk, max_len=min(max_prompt, max_len),
+            graphs=graphs, pool=pool,
         )
 
     # -- admission and prefill -------------------------------------------------------------------
@@ -169,7 +170,6 @@ class Talker:
         ids = torch.cat([prompt.user_ids, prompt.user_ids.new_full((9,), self.tts_pad_token_id)])
         return embeds, ids
 
-    @torch.no_grad()
     def forward_prompt(
         self,
         slot: int,
@@ -177,10 +177,11 @@ class Talker:
         first_text: torch.Tensor,
         speaker_id: int,
         rope: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> TalkerPrefill:
-        """Runs the talker prompt as one static-length pass into ``slot``'s cache entries and
-        draws its first group-0 code with the slot's sampling row. Writes only entries no decode
-        step touches while the slot waits (it may run on another thread and CUDA stream);
+    ) -> Generator[None, None, TalkerPrefill]:
+        """Runs the talker prompt into ``slot``'s cache entries in static-length pieces (a
+        generator that yields between them, as :meth:`Thinker.forward_prompt`) and draws its
+        first group-0 code with the slot's sampling row. Writes only entries no decode step
+        touches while the slot waits (it may run on another thread and CUDA stream);
         :meth:`load` ends the prefill. ``rope``: the prompt ids [L] -> their multimodal RoPE
         index [3, 1, L]; None for prompts without audio or images (positions 0..L-1)."""
         embeds, ids = self.prefill_inputs(prompt, first_text, speaker_id)
@@ -189,8 +190,7 @@ class Talker:
             positions = rope(ids)
         else:
             positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        inputs = prompt_inputs(embeds, positions, slot, self.prompt_runner.length_for(length))
-        hidden = self.prompt_runner(inputs, length)["last"]
+        hidden = (yield from self.prompt.run(embeds, positions, slot))["last"]
         header = prompt.assistant_embeds[4 : 4 + HEADER_MAX]
         # A fresh slot has drawn no code yet: no repetition penalty on the first one.
         logits = self.talker.codec_head(hidden).float().masked_fill(self.suppress, float("-inf"))
@@ -202,12 +202,13 @@ class Talker:
             self.sampling.draw(logits, slot, TALKER_STREAM)[0],
         )
 
-    def _prompt_example(self, batch: int, length: int) -> dict[str, torch.Tensor]:
-        return prompt_example(batch, length, self.hidden.shape[-1], self.hidden.dtype, self.device)
+    def _prompt_example(self, batch: int, length: int, chunk: int | None) -> dict[str, torch.Tensor]:
+        return prompt_example(batch, length, self.hidden.shape[-1], self.hidden.dtype, self.device, chunk)
 
-    def _prompt_step(self, inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    def _prompt_step(self, inputs: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
         last, _ = self.kv.prompt_step(
-            inputs["embeds"][0], inputs["positions"][0], inputs["slot"], inputs["length"]
+            inputs["embeds"][0], inputs["positions"][0], inputs["slot"], inputs["length"],
+            start=inputs.get("start"), attend=bucket,
         )
         return {"last": last[None]}
 

@@ -12,17 +12,17 @@ persistent ``next_token`` buffer: no per-step uploads of tokens or positions, no
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .draws import THINKER_STREAM, SlotSampling
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
-from .slots import SlotDecoder, decode_runner, prompt_example, prompt_inputs, prompt_runner
+from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example
 from .token_masks import SlotMasks
 
 
@@ -49,6 +49,7 @@ class Thinker:
         graphs: bool,
         pool: object | None,
         accept_layer: int = 0,
+        prompt_chunk: int = 512,
     ) -> None:
         self.model = model
         self.thinker = model.thinker
@@ -70,8 +71,9 @@ class Thinker:
         self.accept_layer = accept_layer
         vision = self.thinker.config.vision_config
         self.deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
-        self.prompt_runner = prompt_runner(
-            self._prompt_step, self._prompt_example, max_len=max_len, graphs=graphs, pool=pool
+        self.prompt = PromptPass(
+            self._prompt_step, self._prompt_example, chunk=prompt_chunk, max_len=max_len, graphs=graphs,
+            pool=pool,
         )
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -86,16 +88,17 @@ class Thinker:
     def _example(self, batch: int, length: int = 0) -> dict[str, torch.Tensor]:
         return {"active": torch.zeros(batch, dtype=torch.bool, device=self.device)}
 
-    @torch.no_grad()
     def forward_prompt(
         self, slot: int, prompt: PromptInputs, allowed: torch.Tensor | None = None
-    ) -> ThinkerPrefill:
+    ) -> Generator[None, None, ThinkerPrefill]:
         """Reads a prompt into ``slot``'s cache entries and draws the first reply token with the
         slot's sampling row (and the bitmask ``allowed``, [words] int32 on the host, when the
         reply is constrained): the audio and vision encoders and the embedding merge eagerly (as
-        transformers does), then the layers as one static-length pass (a CUDA graph per length
-        bucket). Writes only the slot's own cache entries, which no decode step touches while
-        the slot waits for its prompt; :meth:`load` then sets the slot's length and tokens."""
+        transformers does), then the layers in static-length pieces of ``prompt_chunk`` tokens
+        (CUDA graphs per length bucket, :class:`~.slots.PromptPass`); a generator that yields
+        between pieces, so a long prompt is read over several ticks. Writes only the slot's own
+        cache entries, which no decode step touches while the slot waits for its prompt;
+        :meth:`load` then sets the slot's length and tokens."""
         ids = prompt.input_ids.to(self.device)
         mask = torch.ones_like(ids)
         extra: dict[str, Any] = {k: v.to(self.device) for k, v in prompt.model_kwargs().items()}
@@ -107,17 +110,13 @@ class Thinker:
             ids, extra.get("image_grid_thw"), None, mask, False, audio_lengths, None
         )
         embeds, deepstack = self._prompt_embeds(ids, extra)
-        length = ids.shape[1]
-        bucket = self.prompt_runner.length_for(length)
-        inputs = prompt_inputs(embeds, positions, slot, bucket)
-        inputs["deepstack"] = F.pad(deepstack, (0, 0, 0, bucket - length))[None]
-        out = self.prompt_runner(inputs, length)
+        out = yield from self.prompt.run(embeds, positions, slot, {"deepstack": deepstack})
         logits = self.lm_head(out["last"])
         if allowed is not None:
             logits = self.masks.apply_bits(logits, allowed.to(self.device, non_blocking=True)[None])
         token = self.sampling.draw(logits, slot, THINKER_STREAM)[0]
-        accepted = out["accepted"][0, :length] if self.accept_layer else None
-        return ThinkerPrefill(length, positions.max() + 1, token, ids[0], embeds, accepted)
+        accepted = out["accepted"] if self.accept_layer else None
+        return ThinkerPrefill(ids.shape[1], positions.max() + 1, token, ids[0], embeds, accepted)
 
     def _prompt_embeds(self, ids: torch.Tensor, extra: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's input embeddings [L, H] with the audio and image features merged in, and
@@ -144,20 +143,23 @@ class Thinker:
                 deepstack[i, at] = torch.cat(features, dim=0).to(deepstack.dtype)
         return embeds[0], deepstack
 
-    def _prompt_example(self, batch: int, length: int) -> dict[str, torch.Tensor]:
+    def _prompt_example(self, batch: int, length: int, chunk: int | None) -> dict[str, torch.Tensor]:
         hidden = self.embed_tokens.embedding_dim
-        example = prompt_example(batch, length, hidden, self.dtype, self.device)
+        example = prompt_example(batch, length, hidden, self.dtype, self.device, chunk)
+        count = example["embeds"].shape[1]
         example["deepstack"] = torch.zeros(
-            (batch, self.deepstack, length, hidden), device=self.device, dtype=self.dtype
+            (batch, self.deepstack, count, hidden), device=self.device, dtype=self.dtype
         )
         return example
 
-    def _prompt_step(self, inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    def _prompt_step(self, inputs: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
         last, accepted = self.kv.prompt_step(
             inputs["embeds"][0],
             inputs["positions"][0],
             inputs["slot"],
             inputs["length"],
+            start=inputs.get("start"),
+            attend=bucket,
             keep=self.accept_layer or None,
             deepstack=inputs["deepstack"][0],
         )

@@ -29,7 +29,7 @@ def test_serve_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     options = (
         "--model --load-format --host --port --api-key --max-sessions --voice-alias --device "
-        "--no-cuda-graphs --log-level --allowed-origin --metrics-host"
+        "--no-cuda-graphs --prefill-chunk --log-level --allowed-origin --metrics-host"
     )
     for option in options.split():
         assert option in out
@@ -59,6 +59,8 @@ def test_console_script_is_installed_and_answers_help() -> None:
         (["serve", "--allowed-origin", "app.example"], "expected an origin such as"),
         (["serve", "--allowed-origin", "https://app.example/path"], "expected an origin such as"),
         (["serve", "--metrics-host", "9100"], "expected HOST:PORT"),
+        (["serve", "--prefill-chunk", "8"], "at least 16"),
+        (["serve", "--prefill-chunk", "many"], "at least 16"),
         (["serve", "--metrics-host", "127.0.0.1:99999"], "expected HOST:PORT"),
     ],
 )
@@ -112,6 +114,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert defaults.vad_preload and defaults.cuda_graphs  # omnirt serve starts the VAD with the app
     eager = config_from_args(build_parser().parse_args(["serve", "--no-cuda-graphs"]), {})
     assert not eager.cuda_graphs
+    chunked = config_from_args(build_parser().parse_args(["serve", "--prefill-chunk", "256"]), {})
+    assert chunked.prefill_chunk == 256 and defaults.prefill_chunk == 512
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 

@@ -82,6 +82,16 @@ def drain(pipeline: SpeechPipeline, max_steps: int = 500) -> list[tuple[str, Out
     raise AssertionError("pipeline did not finish")
 
 
+def run_pieces(pieces):
+    """Runs a prompt pass's pieces (a generator, as ``Thinker.forward_prompt``) to the end."""
+    with torch.no_grad():
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as stop:
+                return stop.value
+
+
 def of(outs: list[tuple[str, Output]], rid: str) -> list[Output]:
     return [o for r, o in outs if r == rid]
 

@@ -285,6 +285,59 @@ def test_prefill_worker_reads_prompts_beside_the_decode_steps(demo_dir: Path) ->
     assert of(outs, "b")[-1].reason == "length"
 
 
+def test_a_long_prompt_is_read_a_piece_per_tick_beside_a_speaking_session(demo_dir: Path) -> None:
+    """With ``prefill_chunk`` 64, a 300-token prompt takes several ticks (one piece of each pass
+    per tick, its last thinker piece and first talker piece together), a speaking session makes
+    a frame in every one of them, and the long turn's reply equals the one read whole."""
+    chunked = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40, prefill_chunk=64)
+    whole = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40)
+    words = " ".join(f"word{i}" for i in range(60))
+    long = GenerationRequest("b", [ContextMessage("user", (TextPart(words),))], max_output_tokens=6)
+    n = chunked.prompts.build(long.messages).length
+    assert n > 4 * 64, n
+    logs = {id(p): TokenLog(p) for p in (chunked, whole)}
+    first = audio_request("a", tone(0.5), max_output_tokens=40)
+    chunked.add(first)
+    outs = []
+    while not any(isinstance(o, AudioDelta) for _, o in outs):
+        outs += chunked.step()
+    chunked.add(long)
+    talker = chunked._active["a"].talker
+    frames = talker.step
+    ticks = 0
+    while not chunked._active["b"].prefilled:
+        outs += chunked.step()
+        ticks += 1
+        assert talker.step == frames + ticks  # "a" speaks on, a frame a tick
+    pieces = -(-n // 64)
+    talker_pieces = -(-(chunked._active["b"].talker.prompt.user_embeds.shape[0] + 9) // 64)
+    assert ticks == pieces + talker_pieces - 1
+    outs += drain(chunked)
+    assert of(outs, "b")[-1].reason == "length"
+    whole.add(first)
+    drain(whole)
+    whole.add(long)
+    drain(whole)
+    assert logs[id(chunked)].tokens == logs[id(whole)].tokens
+
+
+def test_a_short_turn_is_read_before_long_prompts_queued_ahead_of_it(demo_dir: Path) -> None:
+    """Prompts with the fewest pieces left go first: three long prompts admitted before a short
+    turn (with one prefill a tick) do not hold it up; the long ones are read after it."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=40, prefill_chunk=64)
+    pipe.prefills_per_step = 1
+    words = " ".join(f"word{i}" for i in range(60))
+    for i in range(3):
+        pipe.add(text_request(f"long{i}", words, max_output_tokens=2))
+    pipe.step()  # long0 reads its first piece
+    pipe.add(text_request("short", "hi", max_output_tokens=2))
+    outs = pipe.step()
+    assert [type(o) for o in of(outs, "short")][:1] == [Started]  # read at once
+    assert not any(pipe._active[f"long{i}"].prefilled for i in range(3))
+    outs = drain(pipe)
+    assert all(of(outs, f"long{i}")[-1].reason == "length" for i in range(3))
+
+
 def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(pipeline) -> None:
     """No deadline (at once) until a reply's audio plays; then the tick is due one step and the
     margin before the earliest playing reply runs out of audio; a text-only request beside it

@@ -9,7 +9,7 @@ from omnirt.stages.speech.hf_compat import thinker_rope_index, thinker_text_mode
 from omnirt.stages.speech.slots import SlotDecoder, length_buckets
 from omnirt.stages.types import ContextMessage, GenerationRequest, ImagePart, TextPart
 
-from .conftest import audio_request, drain, png, tone
+from .conftest import audio_request, drain, png, run_pieces, tone
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_prompt_pass_equals_the_transformers_prefill(pipeline, hf_model, with_im
     prompt = pipeline.prompts.build(req.messages)
     thinker = pipeline.thinker
     others = [k[[0, 2]].clone() for k in thinker.kv.keys]
-    done = thinker.forward_prompt(1, prompt)
+    done = run_pieces(thinker.forward_prompt(1, prompt))
     ids = prompt.input_ids
     extra = prompt.model_kwargs()
     audio_lengths = extra["feature_attention_mask"].sum(-1) if "feature_attention_mask" in extra else None
@@ -124,13 +124,60 @@ def test_prompt_pass_equals_the_transformers_prefill(pipeline, hf_model, with_im
         ref = hf_model.thinker(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions,
                                use_cache=True, output_hidden_states=True, **extra)
     n = ids.shape[1]
-    assert done.length == n and bool(thinker.prompt_runner.length_for(n) > n)  # padded
+    assert done.length == n and bool(thinker.prompt.first.length_for(n) > n)  # padded
     cache = ref.cache if getattr(ref, "cache", None) is not None else ref.past_key_values
     for i, layer in enumerate(cache.layers):
         torch.testing.assert_close(thinker.kv.keys[i][1, :, :n], layer.keys[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(thinker.kv.values[i][1, :, :n], layer.values[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(done.embeds, ref.hidden_states[0][0])
     accepted = ref.hidden_states[thinker.accept_layer][0]
+    torch.testing.assert_close(done.accepted, accepted, atol=1e-4, rtol=1e-4)
+    assert int(done.token) == int(ref.logits[0, -1].argmax())
+    for before, k in zip(others, thinker.kv.keys, strict=True):
+        assert torch.equal(k[[0, 2]], before)
+
+
+@pytest.mark.parametrize("with_image", [False, True])
+def test_a_prompt_read_in_pieces_equals_the_transformers_prefill(demo_dir, hf_model, with_image) -> None:
+    """A prompt read ``prefill_chunk`` tokens at a time (each later piece attending to the
+    slot's cache, a resumption per piece) leaves the same cache, accepted hidden state and first
+    token as one transformers forward over the whole prompt; the image prompt's deepstack
+    features are sliced with it, and no other slot is touched."""
+    from omnirt.stages.speech.loader import load_speech_pipeline
+
+    pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30, prefill_chunk=64)
+    words = " ".join(f"word{i}" for i in range(60))
+    parts = (ImagePart(png()), TextPart(words)) if with_image else (TextPart(words),)
+    prompt = pipe.prompts.build([ContextMessage("user", parts)])
+    n = prompt.length
+    assert n > 3 * 64, n
+    thinker = pipe.thinker
+    others = [k[[0, 2]].clone() for k in thinker.kv.keys]
+    pieces = thinker.forward_prompt(1, prompt)
+    resumed = 0
+    with torch.no_grad():
+        while True:
+            try:
+                next(pieces)
+                resumed += 1
+            except StopIteration as stop:
+                done = stop.value
+                break
+    assert resumed == -(-n // 64) - 1  # a yield between pieces
+    ids = prompt.input_ids
+    extra = prompt.model_kwargs()
+    positions, _ = thinker_rope_index(hf_model.thinker)(
+        ids, extra.get("image_grid_thw"), None, torch.ones_like(ids), False, None, None
+    )
+    with torch.no_grad():
+        ref = hf_model.thinker(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions,
+                               use_cache=True, output_hidden_states=True, **extra)
+    cache = ref.cache if getattr(ref, "cache", None) is not None else ref.past_key_values
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(thinker.kv.keys[i][1, :, :n], layer.keys[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(thinker.kv.values[i][1, :, :n], layer.values[0], atol=1e-4, rtol=1e-4)
+    accepted = ref.hidden_states[thinker.accept_layer][0]
+    assert done.length == n and done.accepted.shape == accepted.shape
     torch.testing.assert_close(done.accepted, accepted, atol=1e-4, rtol=1e-4)
     assert int(done.token) == int(ref.logits[0, -1].argmax())
     for before, k in zip(others, thinker.kv.keys, strict=True):
@@ -145,7 +192,7 @@ def test_prompt_passes_feed_their_graphs_the_captured_shapes_and_dtypes(pipeline
 
     seen: list[tuple[object, int, dict]] = []
     for owner in (pipeline.thinker, pipeline.talker):
-        for length, runner in owner.prompt_runner.runners.items():
+        for length, runner in owner.prompt.first.runners.items():
             def spy(self, inputs, length=length, owner=owner):
                 seen.append((owner, length, inputs))
                 return CudaGraphRunner.__call__(self, inputs)
@@ -161,11 +208,11 @@ def test_prompt_passes_feed_their_graphs_the_captured_shapes_and_dtypes(pipeline
             drain(pipeline)
     finally:
         for owner in (pipeline.thinker, pipeline.talker):
-            for runner in owner.prompt_runner.runners.values():
+            for runner in owner.prompt.first.runners.values():
                 runner.__class__ = CudaGraphRunner
     assert {type(o).__name__ for o, _, _ in seen} == {"Thinker", "Talker"} and len(seen) == 4
     for owner, length, inputs in seen:
-        example = owner._prompt_example(1, length)
+        example = owner._prompt_example(1, length, None)
         assert CudaGraphRunner._matches(None, _Captured(None, example, {}), inputs), (
             {k: (tuple(v.shape), v.dtype) for k, v in inputs.items()},
             {k: (tuple(v.shape), v.dtype) for k, v in example.items()},

@@ -15,7 +15,7 @@ from omnirt.codecs.audio import float_to_int16
 from omnirt.stages.graphs import CudaGraphRunner
 from omnirt.stages.speech.code2wav import StreamingVocoder, make_vocoder
 from omnirt.stages.speech.loader import load_speech_pipeline
-from omnirt.stages.types import AudioDelta, Finished, TextDelta
+from omnirt.stages.types import AudioDelta, ContextMessage, Finished, GenerationRequest, TextDelta, TextPart
 
 from .conftest import TokenLog, audio_request, drain, of, tone
 
@@ -235,6 +235,37 @@ def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
     graphs = sum(r.graphs for r in pipe.runners)
     print(f"\n[gpu] {dtype}: {graphs} decode graphs captured in {captured:.1f} s; 6 turns "
           "(greedy + sampled): tokens and PCM graph == eager bitwise")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_pieces_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.dtype) -> None:
+    """Prompts read in pieces (``prefill_chunk`` 64: a first piece, then later pieces at several
+    attention-length buckets, for the thinker and the talker) replay their graphs to the eager
+    pieces' results: the same tokens and PCM for two long turns, greedy and sampled."""
+    pipe = load_speech_pipeline(
+        demo_dir, device="cuda", dtype=dtype, max_slots=4, max_audio_frames=40, prefill_chunk=64
+    )
+    for owner in (pipe.thinker, pipe.talker):
+        assert owner.prompt.later is not None and owner.prompt.later.graphs > 0
+
+    def requests(tag: str):
+        return [
+            GenerationRequest(
+                f"{tag}{i}",
+                [ContextMessage("user", (TextPart(" ".join(f"word{k}" for k in range(40 + 50 * i))),))],
+                max_output_tokens=8, temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=i,
+            )
+            for i in range(2)
+        ]
+
+    tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
+    pipe.use_graphs(False)
+    tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
+    assert paths_g == {"graph"} and paths_e == {"eager"}
+    for i in range(2):
+        assert tokens_g[f"g{i}"] == tokens_e[f"e{i}"]
+        assert np.array_equal(pcm_g[f"g{i}"], pcm_e[f"e{i}"]) and pcm_g[f"g{i}"].size > 0
+    print(f"\n[gpu] {dtype}: prompts of 4 to 9 pieces: tokens and PCM graph == eager bitwise")
 
 
 def test_no_cuda_graphs_runs_every_decode_step_eagerly(demo_dir: Path) -> None:
