@@ -5,6 +5,8 @@ random weights) and times, with ``torch.cuda.synchronize()`` around each call:
 
 * **prefill**: one prompt of ``--audio-seconds`` of audio + a short text, thinker prefill (the
   audio encoder and one HF forward) then talker prefill, as a new turn's first tick pays them;
+* **long prompt** (``--long-prompt`` tokens of text, when given): read in pieces of
+  ``--prefill-chunk`` tokens, each piece timed alone: the most a long prompt adds to one tick;
 * for each batch size B, the decode steps of B busy slots (each with ``--cached`` tokens of
   KV): the thinker token step and the talker frame step (code predictor's 15 groups, talker
   decode, sampling), graphed and eager (``use_graphs(False)``) in the same run, and one
@@ -99,6 +101,41 @@ def _measure(pipe, batch: int, args: argparse.Namespace, device: torch.device) -
     return row
 
 
+def _long_prompt(pipe, args: argparse.Namespace, device: torch.device) -> tuple[int, list[float]]:
+    """A ``--long-prompt``-token text turn's prefill, a piece at a time (the second of two runs):
+    its length in tokens and each piece's milliseconds."""
+    from omnirt.stages.types import ContextMessage, GenerationRequest, TextPart
+
+    def turn(count: int) -> GenerationRequest:
+        text = " ".join(f"w{i}" for i in range(count))
+        return GenerationRequest("long", [ContextMessage("user", (TextPart(text),))], max_output_tokens=8)
+
+    low, high = 1, args.long_prompt  # the most words whose prompt fits --long-prompt tokens
+    while low < high:
+        mid = (low + high + 1) // 2
+        if pipe.prompts.build(turn(mid).messages).length <= args.long_prompt:
+            low = mid
+        else:
+            high = mid - 1
+    request = turn(low)
+    prepared = pipe.prepare(request)
+    pieces: list[float] = []
+    for _ in range(2):
+        pipe.add(request, prepared)
+        active = pipe._active["long"]
+        job = pipe._prefiller.start(active.slot, active.prompt, prepared.speaker_id)
+        pieces = []
+        while not job.done():
+            _sync(device)
+            t0 = time.perf_counter()
+            job.advance()
+            _sync(device)
+            pieces.append((time.perf_counter() - t0) * 1000)
+        job.result()
+        pipe.remove("long")
+    return prepared.prompt.length, pieces
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint folder or config (default: the demo)")
@@ -108,6 +145,8 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--cached", type=int, default=200, help="KV entries per busy slot")
     ap.add_argument("--audio-seconds", type=float, default=1.0)
+    ap.add_argument("--long-prompt", type=int, default=0, help="tokens of a long prompt to read in pieces")
+    ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--eager-iters", type=int, default=3)
     args = ap.parse_args()
@@ -126,6 +165,7 @@ def main() -> None:
         max_slots=slots,
         max_context=args.max_context,
         max_audio_frames=64,
+        prefill_chunk=args.prefill_chunk,
     )
     _sync(device)
     startup = time.perf_counter() - t0
@@ -144,10 +184,12 @@ def main() -> None:
         pipe.add(request, prepared)
         active = pipe._active["p"]
         active.job = pipe._prefiller.start(active.slot, active.prompt, prepared.speaker_id)
+        active.job.run()
         pipe._load_prefill(active, [])
         pipe.remove("p")
 
     prefill_ms = _timed(prefill, device, max(3, args.iters // 4))
+    long = _long_prompt(pipe, args, device) if args.long_prompt else None
 
     # -- decode steps at each batch ------------------------------------------------------------------
     vocab = int(pipe.model.config.thinker_config.text_config.vocab_size)
@@ -168,6 +210,11 @@ def main() -> None:
           f"peak GPU memory {mem:.1f} GiB; {slots} slots x {args.max_context} context tokens")
     print(f"- prefill of one turn ({args.audio_seconds:.1f} s audio + text; thinker with audio encoder, "
           f"then talker): {prefill_ms:.1f} ms")
+    if long is not None:
+        tokens, pieces = long
+        print(f"- a long prompt of {tokens} tokens read in {len(pieces)} pieces of at most "
+              f"{args.prefill_chunk} tokens (thinker, then talker): longest piece {max(pieces):.1f} ms, "
+              f"median {statistics.median(pieces):.1f} ms, all {sum(pieces):.1f} ms")
     print(f"- decode steps with {args.cached} cached tokens per slot; median of {args.iters} (eager: "
           f"{args.eager_iters}) calls\n")
     cols = ["thinker graphs", "thinker eager", "talker graphs", "talker eager", "code2wav"]

@@ -180,6 +180,7 @@ class SpeechPipeline:
         max_audio_frames: int = 2048,
         prefills_per_step: int = 2,
         prefill_chunk: int = 512,
+        long_prefill_wait: int = 8,
         audio_frames_per_token: float = 12.0,
         audio_frames_base: int = 25,
         stop_token_ids: set[int] | None = None,
@@ -264,6 +265,9 @@ class SpeechPipeline:
             model, self.thinker, self.talker if self.has_talker else None, self.calls, worker=prefill_worker
         )
         self._retired: list[Prefilled] = []
+        #: Ticks a long prompt may wait in a row for the latency-critical ticks of other turns.
+        self.long_prefill_wait = long_prefill_wait
+        self._long_waits = 0
         self.step_timer = StepTimer()
         #: Seconds of audio kept ahead of playback beyond one tick (network and clock jitter).
         self.playback_margin = playback_margin
@@ -529,12 +533,7 @@ class SpeechPipeline:
                 active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask)
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
         if self._prefiller.worker is None:
-            # Inline: the ``prefills_per_step`` prompts with the fewest pieces left (the oldest
-            # first among equals) each read one more, so short turns never queue behind long
-            # prompts.
-            jobs = sorted((a.job for a in pending if not a.job.done()), key=lambda j: j.pieces_left)  # type: ignore[union-attr]
-            for job in jobs[: self.prefills_per_step]:
-                job.advance()
+            self._advance_prefills([a for a in pending if not a.job.done()])  # type: ignore[union-attr]
         elif idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
             futures.wait([a.job.future for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)  # type: ignore[union-attr]
         first = []
@@ -544,6 +543,33 @@ class SpeechPipeline:
                 if token is not None:
                     first.append((active, token))
         return first
+
+    def _advance_prefills(self, reading: list[_Active]) -> None:
+        """Inline prefill, one tick: the ``prefills_per_step`` prompts with the fewest pieces left
+        (the oldest first among equals) each read one more, so a short turn never queues behind
+        long prompts. A long prompt (more than one piece left) waits while a turn is being read
+        or a reply awaits its first audio, the latency-critical ticks of the other sessions, for
+        at most ``long_prefill_wait`` ticks in a row; then it reads its piece anyway."""
+        jobs = sorted(reading, key=lambda a: a.job.pieces_left)  # type: ignore[union-attr]
+        lanes = self.prefills_per_step
+        critical = any(
+            a.prefilled and a.audio_started is None and a.talker is not None and not (a.talker.done or a.held)
+            for a in self._active.values()
+        )
+        waited = False
+        for active in jobs:
+            job = active.job
+            assert job is not None
+            if lanes == 0:
+                break
+            long = job.pieces_left > 1
+            if long and critical and self._long_waits < self.long_prefill_wait:
+                waited = True
+                continue
+            critical |= not long  # a short turn read now: its reply is the critical one
+            lanes -= 1
+            job.advance()
+        self._long_waits = self._long_waits + 1 if waited else 0
 
     def _load_prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:
         """Loads a finished prefill into the request's slots (engine thread, stream order)."""

@@ -53,8 +53,8 @@ class PrefillJob:
         self._pieces = pieces
         self._stream = stream
         self.future: futures.Future[Prefilled] = futures.Future()
-        #: Pieces still to run, estimated (the talker's prompt counted as long as the thinker's):
-        #: the pipeline reads the prompts with the least left first.
+        #: Advances (ticks) still to run, estimated (the talker's prompt counted as long as the
+        #: thinker's): the pipeline reads the prompts with the least left first.
         self.pieces_left = estimate
 
     def done(self) -> bool:
@@ -108,8 +108,8 @@ class Prefiller:
         only; ``mask``: the first token's allowed-token mask of a constrained reply): inline, a
         job the pipeline advances a piece per tick; on the worker, queued whole."""
         pieces = self.thinker.prompt.pieces(prompt.length)
-        if speaker_id is not None:
-            pieces *= 2
+        if speaker_id is not None:  # the talker's, its first piece in the thinker's last tick
+            pieces += pieces - 1
         job = PrefillJob(self._pieces(slot, prompt, speaker_id, mask), self.stream, pieces)
         if self.worker is not None:
             self.worker.submit(job.run)

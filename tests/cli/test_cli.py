@@ -155,6 +155,21 @@ def test_serve_passes_the_load_format_and_reports_a_bad_config(
     assert "no *.safetensors weights" in caplog.text
 
 
+def test_serve_passes_the_prefill_chunk_to_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--prefill-chunk`` reaches the pipeline builders (here one that then refuses the model)."""
+    import omnirt.stages.factory as factory
+
+    seen: dict = {}
+
+    def refuse(models, **options):
+        seen.update(options)
+        raise ValueError("no model here")
+
+    monkeypatch.setattr(factory, "build_pipelines", refuse)
+    assert main(["serve", "--prefill-chunk", "128", "--device", "cpu"]) == 1
+    assert seen["prefill_chunk"] == 128
+
+
 def _wait_healthy(base_url: str, proc: subprocess.Popen[str], timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

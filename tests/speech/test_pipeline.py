@@ -338,6 +338,36 @@ def test_a_short_turn_is_read_before_long_prompts_queued_ahead_of_it(demo_dir: P
     assert all(of(outs, f"long{i}")[-1].reason == "length" for i in range(3))
 
 
+@pytest.mark.parametrize("wait", [100, 2])
+def test_a_long_prompt_waits_while_a_reply_awaits_its_first_audio(demo_dir: Path, wait: int) -> None:
+    """A long prompt reads no piece while a turn read beside it awaits its first audio (the
+    ticks that make its latency), at most ``long_prefill_wait`` ticks in a row; then (or once
+    the audio is out) it reads a piece every tick."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40, prefill_chunk=64)
+    pipe.long_prefill_wait = wait
+    words = " ".join(f"word{i}" for i in range(60))
+    pipe.add(audio_request("a", tone(0.5), max_output_tokens=20))
+    pipe.add(GenerationRequest("b", [ContextMessage("user", (TextPart(words),))], max_output_tokens=4))
+    outs = pipe.step()
+    job = pipe._active["b"].job
+    assert job is not None and pipe._active["a"].prefilled
+    read = [job.pieces_left]
+    while not any(isinstance(o, AudioDelta) for o in of(outs, "a")):
+        outs = pipe.step()
+        read.append(job.pieces_left)
+    waiting = len(read)
+    assert waiting > 3, read  # "a" took a few ticks to its first audio
+    if wait == 100:
+        assert len(set(read)) == 1  # nothing read meanwhile
+    else:
+        assert read[0] - read[-1] == (waiting - 1) // (wait + 1)  # one piece after each wait
+    before = job.pieces_left
+    for _ in range(3):
+        pipe.step()
+    assert job.pieces_left == before - 3
+    assert of(drain(pipe), "b")[-1].reason == "length"
+
+
 def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(pipeline) -> None:
     """No deadline (at once) until a reply's audio plays; then the tick is due one step and the
     margin before the earliest playing reply runs out of audio; a text-only request beside it
