@@ -180,7 +180,7 @@ class SpeechPipeline:
         max_audio_frames: int = 2048,
         prefills_per_step: int = 2,
         prefill_chunk: int = 512,
-        long_prefill_wait: int = 16,
+        long_prefill_wait: int = 8,
         audio_frames_per_token: float = 12.0,
         audio_frames_base: int = 25,
         stop_token_ids: set[int] | None = None,
