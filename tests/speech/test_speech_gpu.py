@@ -203,6 +203,22 @@ def _turns(pipe, requests) -> tuple[dict[str, list[int]], dict[str, np.ndarray],
     return log.tokens, pcm, paths
 
 
+def _graphs_equal_eager(pipe, requests) -> None:
+    """Runs ``requests("g")`` with graphs, then ``requests("e")`` eagerly (odd turns greedy, even
+    sampled): the paths taken are all graph / all eager, the tokens and PCM equal bitwise."""
+    tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
+    pipe.use_graphs(False)
+    tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
+    assert paths_g == {"graph"} and paths_e == {"eager"}
+    differ = []
+    for i in range(len(tokens_g)):
+        assert tokens_g[f"g{i}"] == tokens_e[f"e{i}"] and pcm_g[f"g{i}"].size > 0
+        a, b = pcm_g[f"g{i}"], pcm_e[f"e{i}"]
+        if not np.array_equal(a, b):
+            differ.append(f"{i} ({'greedy' if i % 2 else 'sampled'}) from sample {np.flatnonzero(a != b)[0]}")
+    assert not differ, f"PCM graph != eager for turns {differ}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.dtype) -> None:
     """Every captured decode step (thinker token, talker frame with its code-predictor loop and
@@ -220,18 +236,7 @@ def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
             for i in range(6)
         ]
 
-    tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
-    pipe.use_graphs(False)
-    tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
-    assert paths_g == {"graph"} and paths_e == {"eager"}
-    for i in range(6):
-        assert tokens_g[f"g{i}"] == tokens_e[f"e{i}"] and pcm_g[f"g{i}"].size > 0
-    differ = []
-    for i in range(6):
-        a, b = pcm_g[f"g{i}"], pcm_e[f"e{i}"]
-        if not np.array_equal(a, b):
-            differ.append(f"{i} ({'greedy' if i % 2 else 'sampled'}) from sample {np.flatnonzero(a != b)[0]}")
-    assert not differ, f"PCM graph != eager for turns {differ}"
+    _graphs_equal_eager(pipe, requests)
     graphs = sum(r.graphs for r in pipe.runners)
     print(f"\n[gpu] {dtype}: {graphs} decode graphs captured in {captured:.1f} s; 6 turns "
           "(greedy + sampled): tokens and PCM graph == eager bitwise")
@@ -258,13 +263,7 @@ def test_prompt_pieces_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
             for i in range(2)
         ]
 
-    tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
-    pipe.use_graphs(False)
-    tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
-    assert paths_g == {"graph"} and paths_e == {"eager"}
-    for i in range(2):
-        assert tokens_g[f"g{i}"] == tokens_e[f"e{i}"]
-        assert np.array_equal(pcm_g[f"g{i}"], pcm_e[f"e{i}"]) and pcm_g[f"g{i}"].size > 0
+    _graphs_equal_eager(pipe, requests)
     print(f"\n[gpu] {dtype}: prompts of 4 to 9 pieces: tokens and PCM graph == eager bitwise")
 
 
