@@ -547,10 +547,10 @@ class SpeechPipeline:
     def _advance_prefills(self, reading: list[_Active]) -> None:
         """Inline prefill, one tick: the ``prefills_per_step`` prompts with the fewest pieces left
         (the oldest first among equals) each read one more, so a short turn never queues behind
-        long prompts. A long prompt (more than one piece left) waits while a turn is being read
+        long prompts. A long prompt (more than one tick left) waits while a turn is being read
         or a reply awaits its first audio, the latency-critical ticks of the other sessions, for
         at most ``long_prefill_wait`` ticks in a row; then it reads its piece anyway."""
-        jobs = sorted(reading, key=lambda a: a.job.pieces_left)  # type: ignore[union-attr]
+        jobs = sorted(reading, key=lambda a: a.job.ticks_left)  # type: ignore[union-attr]
         lanes = self.prefills_per_step
         critical = any(
             a.prefilled and a.audio_started is None and a.talker is not None and not (a.talker.done or a.held)
@@ -562,7 +562,7 @@ class SpeechPipeline:
             assert job is not None
             if lanes == 0:
                 break
-            long = job.pieces_left > 1
+            long = job.ticks_left > 1
             if long and critical and self._long_waits < self.long_prefill_wait:
                 waited = True
                 continue

@@ -55,7 +55,7 @@ class PrefillJob:
         self.future: futures.Future[Prefilled] = futures.Future()
         #: Advances (ticks) still to run, estimated (the talker's prompt counted as long as the
         #: thinker's): the pipeline reads the prompts with the least left first.
-        self.pieces_left = estimate
+        self.ticks_left = estimate
 
     def done(self) -> bool:
         return self.future.done()
@@ -71,7 +71,7 @@ class PrefillJob:
             stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with torch.no_grad(), stream:
                 next(self._pieces)
-            self.pieces_left = max(1, self.pieces_left - 1)
+            self.ticks_left = max(1, self.ticks_left - 1)
         except StopIteration as stop:
             self.future.set_result(stop.value)
         except Exception as exc:

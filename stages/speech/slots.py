@@ -66,44 +66,6 @@ def decode_runner(
     )
 
 
-def prompt_runner(
-    step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
-    example: Callable[[int, int], dict[str, torch.Tensor]],
-    *,
-    max_len: int,
-    graphs: bool,
-    pool: object | None,
-) -> LengthBucketedRunner:
-    """Graphs of a prompt pass's first piece (or of a whole prompt up to ``max_len``, the piece
-    size): one prompt at a time, per prompt-length bucket from 64 tokens; its outputs live in
-    the shared pool, so they are cloned."""
-    return LengthBucketedRunner(
-        step, example, batch_buckets=[1], length_buckets=length_buckets(max_len, smallest=64),
-        enabled=graphs, pool=pool, clone_outputs=True,
-    )
-
-
-def chunk_runner(
-    step: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]],
-    example: Callable[[int, int], dict[str, torch.Tensor]],
-    *,
-    chunk: int,
-    max_len: int,
-    graphs: bool,
-    pool: object | None,
-) -> LengthBucketedRunner | None:
-    """Graphs of a prompt pass's later pieces (``chunk`` tokens after the first piece), per
-    attention-length bucket (``start + chunk``: from ``2 * chunk`` to ``max_len``); None when
-    every prompt fits one piece. ``step(inputs, attend)`` and ``example(1, attend)`` take the
-    attention length, the piece is always ``chunk`` long (its last one padded)."""
-    if chunk >= max_len:
-        return None
-    return LengthBucketedRunner(
-        step, example, batch_buckets=[1], length_buckets=length_buckets(max_len, smallest=2 * chunk),
-        enabled=graphs, pool=pool, clone_outputs=True,
-    )
-
-
 def prompt_pieces(length: int, chunk: int) -> list[tuple[int, int]]:
     """The pieces ``(start, count)`` of a ``length``-token prompt read ``chunk`` tokens at a time."""
     return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
@@ -169,20 +131,28 @@ class PromptPass:
     ) -> None:
         self.chunk = min(chunk, max_len)
         self.max_len = max_len
-        self.first = prompt_runner(
-            step, lambda batch, n: example(batch, n, None), max_len=self.chunk, graphs=graphs, pool=pool
-        )
-        self.later = chunk_runner(
-            step, lambda batch, n: example(batch, n, self.chunk), chunk=self.chunk, max_len=max_len,
-            graphs=graphs, pool=pool,
-        )
+
+        def runner(lengths: list[int], piece: int | None) -> LengthBucketedRunner:
+            # One prompt at a time; outputs live in the shared pool, so they are cloned.
+            return LengthBucketedRunner(
+                step, lambda batch, n: example(batch, n, piece), batch_buckets=[1], length_buckets=lengths,
+                enabled=graphs, pool=pool, clone_outputs=True,
+            )
+
+        #: First pieces, per piece-length bucket from 64 tokens to ``chunk``.
+        self.first = runner(length_buckets(self.chunk, smallest=64), None)
+        #: Later pieces (always ``chunk`` long, the last padded), per attention-length bucket from
+        #: ``2 * chunk`` to ``max_len``; None when every prompt fits one piece.
+        self.later = None
+        if self.chunk < max_len:
+            self.later = runner(length_buckets(max_len, smallest=2 * self.chunk), self.chunk)
 
     @property
     def runners(self) -> list[LengthBucketedRunner]:
         return [self.first] if self.later is None else [self.first, self.later]
 
     def pieces(self, length: int) -> int:
-        return len(prompt_pieces(length, self.chunk))
+        return -(-length // self.chunk)
 
     def run(
         self,

@@ -16,6 +16,8 @@ from openai import OpenAI
 from tests.server import serve_cli
 from tests.speech.test_dummy_load import config_folder, published_tiny
 
+PREFILL_CHUNK = 64
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -27,6 +29,7 @@ def _free_port() -> int:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = config_folder(tmp_path_factory.mktemp("qwen3-omni-dummy"), published_tiny())
     args = ["--model", str(folder), "--load-format", "dummy", "--device", "cpu", "--max-sessions", "2"]
+    args += ["--prefill-chunk", str(PREFILL_CHUNK)]
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with serve_cli(args, cache=tmp_path_factory.mktemp("cache"), log=log, start_timeout=120) as base:
         yield base
@@ -62,3 +65,18 @@ def test_the_published_vocabulary_is_served(server: str) -> None:
     prefills = re.search(r'^omnirt_model_calls_total\{call="thinker_prefill",kind="speech",rows="1"\} (\S+)$',
                          metrics, re.M)
     assert prefills is not None and float(prefills.group(1)) >= 1, metrics
+
+
+def test_a_prompt_longer_than_the_prefill_chunk_is_read_in_pieces_and_answered(server: str) -> None:
+    """``--prefill-chunk 64``: a prompt of several pieces (read over several ticks) gets its
+    seeded reply, the same one twice."""
+    client = OpenAI(api_key="k", base_url=server + "/v1", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}]
+    replies = [
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.7, seed=5)
+        for _ in range(2)
+    ]
+    assert replies[0].usage.prompt_tokens > 3 * PREFILL_CHUNK
+    assert replies[0].usage.completion_tokens == 4
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content

@@ -325,7 +325,6 @@ def test_realtime_connections_get_a_fixed_kernel_send_buffer() -> None:
                 "sockname": ("127.0.0.1", 8000),
             }.get(name, default)
 
-
             async def made(transport=transport, asked=asked) -> None:  # the protocol needs a loop
                 protocol = websocket_protocol(asked)(
                     config=uvicorn.Config(app=None), server_state=ServerState(), app_state={}

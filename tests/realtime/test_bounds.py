@@ -87,7 +87,6 @@ def assert_clean_log(caplog: pytest.LogCaptureFixture) -> None:
         assert record.levelno < logging.ERROR, record.getMessage()
 
 
-
 def refused_then_usable(server: Server, frame: str) -> tuple[dict, str, dict]:
     """Send ``frame`` on a new session; the error it gets, then the raw frame and the validated
     event answering a ``session.update`` sent after it (the session still usable)."""
@@ -101,6 +100,7 @@ def refused_then_usable(server: Server, frame: str) -> tuple[dict, str, dict]:
             return error, raw, validate(raw)
 
     return run(main())
+
 
 def test_deep_values_refused_and_session_usable(server: Server, caplog: pytest.LogCaptureFixture) -> None:
     """Each deeply nested value gets invalid_value naming where it is too deep; the session keeps

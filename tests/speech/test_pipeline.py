@@ -351,20 +351,20 @@ def test_a_long_prompt_waits_while_a_reply_awaits_its_first_audio(demo_dir: Path
     outs = pipe.step()
     job = pipe._active["b"].job
     assert job is not None and pipe._active["a"].prefilled
-    read = [job.pieces_left]
+    read = [job.ticks_left]
     while not any(isinstance(o, AudioDelta) for o in of(outs, "a")):
         outs = pipe.step()
-        read.append(job.pieces_left)
+        read.append(job.ticks_left)
     waiting = len(read)
     assert waiting > 3, read  # "a" took a few ticks to its first audio
     if wait == 100:
         assert len(set(read)) == 1  # nothing read meanwhile
     else:
         assert read[0] - read[-1] == (waiting - 1) // (wait + 1)  # one piece after each wait
-    before = job.pieces_left
+    before = job.ticks_left
     for _ in range(3):
         pipe.step()
-    assert job.pieces_left == before - 3
+    assert job.ticks_left == before - 3
     assert of(drain(pipe), "b")[-1].reason == "length"
 
 
