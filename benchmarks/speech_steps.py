@@ -7,6 +7,10 @@ random weights) and times, with ``torch.cuda.synchronize()`` around each call:
   audio encoder and one HF forward) then talker prefill, as a new turn's first tick pays them;
 * **long prompt** (``--long-prompt`` tokens of text, when given): read in pieces of
   ``--prefill-chunk`` tokens, each piece timed alone: the most a long prompt adds to one tick;
+* **next turn** (with ``--long-prompt``): a conversation's next turn (``--audio-seconds`` of new
+  audio + text) after a turn of the long prompt and its reply: the prefill read whole and read
+  after the cached prefix (the previous turn's prompt and reply, still in the slot pool), all
+  pieces summed, and the ticks each takes;
 * for each batch size B, the decode steps of B busy slots (each with ``--cached`` tokens of
   KV): the thinker token step and the talker frame step (code predictor's 15 groups, talker
   decode, sampling), graphed and eager (``use_graphs(False)``) in the same run, and one
@@ -29,6 +33,7 @@ Checked on CPU with the demo model::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -136,6 +141,49 @@ def _long_prompt(pipe, args: argparse.Namespace, device: torch.device) -> tuple[
     return prepared.prompt.length, pieces
 
 
+def _next_turn(
+    pipe, args: argparse.Namespace, device: torch.device, audio
+) -> dict[str, tuple[float, int, int]]:
+    """A conversation's next turn after a ``--long-prompt``-token turn and its reply: its prefill
+    read whole, then after the reused prefix: {mode: (ms of all pieces, pieces, cached tokens)}."""
+    from omnirt.stages.types import ContextMessage, GenerationRequest, TextDelta, TextPart
+
+    words = " ".join(f"w{i}" for i in range(args.long_prompt // 3))
+    history = [ContextMessage("user", (TextPart(words),))]
+    pipe.add(GenerationRequest("h", history, max_output_tokens=8))
+    outs = []
+    while pipe.has_work():
+        outs += pipe.step()
+    reply = "".join(o.text for rid, o in outs if rid == "h" and isinstance(o, TextDelta))
+    messages = [*history, ContextMessage("assistant", (TextPart(reply),)), ContextMessage("user", audio)]
+    request = GenerationRequest("n", messages, max_output_tokens=8)
+    prepared = pipe.prepare(request)
+    result = {}
+    for mode in ("prefix cache", "whole"):
+        pipe.add(request, prepared)
+        active = pipe._active["n"]
+        _sync(device)
+        t0 = time.perf_counter()
+        reused = (0, 0)
+        reuse = pipe._reuse(active) if mode != "whole" else None
+        moved = pipe._free.vacate(active.slot)
+        if reuse and reuse.slot == active.slot and moved is not None:
+            reuse = dataclasses.replace(reuse, slot=moved)
+        if reuse:
+            pipe._copy_prefix(active, reuse)
+            reused = (reuse.thinker, reuse.talker)
+        job = pipe._prefiller.start(active.slot, active.prompt, prepared.speaker_id, None, reused)
+        pieces = 0
+        while not job.done():
+            job.advance()
+            pieces += 1
+        job.result()
+        _sync(device)
+        result[mode] = ((time.perf_counter() - t0) * 1000, pieces, reused[0])
+        pipe.remove("n")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint folder or config (default: the demo)")
@@ -190,6 +238,7 @@ def main() -> None:
 
     prefill_ms = _timed(prefill, device, max(3, args.iters // 4))
     long = _long_prompt(pipe, args, device) if args.long_prompt else None
+    following = _next_turn(pipe, args, device, parts) if args.long_prompt else None
 
     # -- decode steps at each batch ------------------------------------------------------------------
     vocab = int(pipe.model.config.thinker_config.text_config.vocab_size)
@@ -215,6 +264,11 @@ def main() -> None:
         print(f"- a long prompt of {tokens} tokens read in {len(pieces)} pieces of at most "
               f"{args.prefill_chunk} tokens (thinker, then talker): longest piece {max(pieces):.1f} ms, "
               f"median {statistics.median(pieces):.1f} ms, all {sum(pieces):.1f} ms")
+    if following is not None:
+        (whole, n_whole, _), (reused, n_reused, cached) = following["whole"], following["prefix cache"]
+        print(f"- the next turn of that conversation ({args.audio_seconds:.1f} s audio + text after the long "
+              f"turn and its reply): read whole {whole:.1f} ms in {n_whole} ticks; after the cached prefix "
+              f"of {cached} tokens {reused:.1f} ms in {n_reused} ticks ({whole / reused:.1f}x less)")
     print(f"- decode steps with {args.cached} cached tokens per slot; median of {args.iters} (eager: "
           f"{args.eager_iters}) calls\n")
     cols = ["thinker graphs", "thinker eager", "talker graphs", "talker eager", "code2wav"]

@@ -222,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt is read over several ticks, so it never stalls the sessions already speaking",
     )
     serve.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="read every speech prompt whole, instead of reusing the cached prefix that an earlier "
+        "request of the same conversation (or over the same context) has read",
+    )
+    serve.add_argument(
         "--step-cache",
         choices=STEP_CACHES,
         default="none",
@@ -305,6 +311,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
         prefill_chunk=args.prefill_chunk,
+        prefix_cache=not args.no_prefix_cache,
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),
         metrics_host=args.metrics_host,
@@ -332,6 +339,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             max_slots=config.max_sessions,
             cuda_graphs=config.cuda_graphs,
             prefill_chunk=config.prefill_chunk,
+            prefix_cache=config.prefix_cache,
             load_format=load_format,
         )
         engine = Engine(pipelines)

@@ -17,6 +17,10 @@ class ServerConfig:
     #: Prompt tokens a speech prompt pass reads per engine tick; a longer prompt is read over
     #: several ticks beside the running sessions (``--prefill-chunk``).
     prefill_chunk: int = 512
+    #: Keep each slot's prompt and reply for later requests that start the same way (the next
+    #: turn of a conversation, out-of-band responses over one context): only the rest of their
+    #: prompt is read (``--no-prefix-cache``: every prompt read whole).
+    prefix_cache: bool = True
     #: The diffusion step cache a request gets when it names none (``--step-cache``: none,
     #: teacache, magcache), its settings (``--step-cache-config``, a JSON object) and calibration
     #: files beyond the shipped ones and the model folders' (``--step-cache-calibration``).

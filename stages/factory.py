@@ -41,12 +41,13 @@ def build_pipeline(
     max_slots: int = 32,
     cuda_graphs: bool = True,
     prefill_chunk: int = 512,
+    prefix_cache: bool = True,
     load_format: str = "auto",
 ) -> Pipeline:
     """The speech pipeline for ``model``: None or ``"demo"`` for the embedded default (a tiny
     Qwen3-Omni with random weights, built into the cache on first use), else a local checkpoint
     folder in the published layout. A missing or unloadable folder raises ``ValueError``.
-    ``cuda_graphs``, ``prefill_chunk``, ``load_format`` (``"dummy"``: random weights from
+    ``cuda_graphs``, ``prefill_chunk``, ``prefix_cache``, ``load_format`` (``"dummy"``: random weights from
     config.json alone): see :func:`.speech.loader.load_speech_pipeline`."""
     from .speech.demo import ensure_demo_checkpoint
     from .speech.loader import load_speech_pipeline
@@ -69,6 +70,7 @@ def build_pipeline(
             audio_frames_per_token=4.0,
             cuda_graphs=cuda_graphs,
             prefill_chunk=prefill_chunk,
+            prefix_cache=prefix_cache,
             warm_up=True,
             load_format=load_format,
         )
@@ -83,6 +85,7 @@ def build_pipeline(
         max_slots=max_slots,
         cuda_graphs=cuda_graphs,
         prefill_chunk=prefill_chunk,
+        prefix_cache=prefix_cache,
         warm_up=True,
         load_format=load_format,
     )
@@ -172,6 +175,7 @@ def build_pipelines(
     max_slots: int = 32,
     cuda_graphs: bool = True,
     prefill_chunk: int = 512,
+    prefix_cache: bool = True,
     load_format: str = "auto",
     builders: Builders = Builders(),
 ) -> list[Pipeline]:
@@ -202,6 +206,7 @@ def build_pipelines(
                 max_slots=max_slots,
                 cuda_graphs=cuda_graphs,
                 prefill_chunk=prefill_chunk,
+                prefix_cache=prefix_cache,
                 load_format=load_format,
             )
         )

@@ -128,10 +128,18 @@ class Usage:
     output_text_tokens: int = 0
     #: Codec frames produced by the talker (one per 80 ms of audio).
     output_audio_tokens: int = 0
+    #: Input tokens not read again: a prefix another request had read (counted in the above).
+    cached_text_tokens: int = 0
+    cached_audio_tokens: int = 0
+    cached_image_tokens: int = 0
 
     @property
     def input_tokens(self) -> int:
         return self.input_text_tokens + self.input_audio_tokens + self.input_image_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_text_tokens + self.cached_audio_tokens + self.cached_image_tokens
 
     @property
     def output_tokens(self) -> int:

@@ -53,7 +53,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.output_text_tokens,
         "total_tokens": usage.input_tokens + usage.output_text_tokens,
         "prompt_tokens_details": {
-            "cached_tokens": 0,
+            "cached_tokens": usage.cached_tokens,
             "audio_tokens": usage.input_audio_tokens,
             "image_tokens": usage.input_image_tokens,
             "text_tokens": usage.input_text_tokens,

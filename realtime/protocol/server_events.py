@@ -58,8 +58,12 @@ def usage_to_wire(u: Usage) -> dict[str, Any]:
             "text_tokens": u.input_text_tokens,
             "audio_tokens": u.input_audio_tokens,
             "image_tokens": u.input_image_tokens,
-            "cached_tokens": 0,
-            "cached_tokens_details": {"text_tokens": 0, "audio_tokens": 0, "image_tokens": 0},
+            "cached_tokens": u.cached_tokens,
+            "cached_tokens_details": {
+                "text_tokens": u.cached_text_tokens,
+                "audio_tokens": u.cached_audio_tokens,
+                "image_tokens": u.cached_image_tokens,
+            },
         },
         "output_token_details": {"text_tokens": u.output_text_tokens, "audio_tokens": u.output_audio_tokens},
     }

@@ -193,6 +193,7 @@ def load_speech_pipeline(
     cuda_graphs: bool = True,
     prefill_worker: bool = False,
     prefill_chunk: int = 512,
+    prefix_cache: bool = True,
     warm_up: bool = False,
     model_id: str | None = None,
     random_weights: bool | None = None,
@@ -214,7 +215,8 @@ def load_speech_pipeline(
     ``grouped_mm`` experts (no host sync, capturable; ``batched_mm`` for fp32 on CUDA).
     ``prefill_worker``: read prompts on a thread and CUDA stream beside the decode steps (see
     :class:`~.pipeline.SpeechPipeline`; off by default). ``prefill_chunk``: prompt tokens a
-    prompt pass reads per tick (a longer prompt is read over several ticks).
+    prompt pass reads per tick (a longer prompt is read over several ticks). ``prefix_cache``:
+    reuse the prompt prefix another request has read (see :mod:`.prefix_cache`).
     """
     if load_format not in LOAD_FORMATS:
         raise LoadFormatError(
@@ -274,6 +276,7 @@ def load_speech_pipeline(
         cuda_graphs=cuda_graphs,
         prefill_worker=prefill_worker,
         prefill_chunk=prefill_chunk,
+        prefix_cache=prefix_cache,
     )
     pipeline.capture()
     if warm_up:

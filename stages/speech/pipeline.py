@@ -55,7 +55,7 @@ keyed by the request's seed (:mod:`.draws`), so a seed gives the same reply what
 from __future__ import annotations
 
 import collections
-import heapq
+import dataclasses
 import logging
 import math
 import time
@@ -85,6 +85,7 @@ from .code2wav import Vocoder, make_vocoder
 from .constrain import Constrainer, GrammarConstraint, ReplyConstraint
 from .draws import fresh_seed
 from .prefill import Prefilled, Prefiller, PrefillJob
+from .prefix_cache import Prefix, Reuse, SlotPool, common_prefix
 from .prompt import PromptBuilder, PromptInputs
 from .talker import (
     TEXT_EOS,
@@ -94,6 +95,7 @@ from .talker import (
     Talker,
     TalkerState,
 )
+from .talker_prompt import user_positions
 from .text_out import TextOut
 from .thinker import Thinker
 from .tool_calls import CallSplitter, Piece
@@ -143,22 +145,7 @@ class _Active:
     audio_seconds: float = 0.0  # of audio gone out
     audio_started: float | None = None  # time.monotonic() when its first audio went out
     held: bool = False  # no decode steps while held (its client is behind; ``hold``)
-
-
-class _FreeSlots:
-    """Slot numbers handed out lowest first, so the busy slots stay packed at the bottom."""
-
-    def __init__(self, count: int) -> None:
-        self._heap = list(range(count))
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def take(self) -> int:
-        return heapq.heappop(self._heap)
-
-    def give(self, slot: int) -> None:
-        heapq.heappush(self._heap, slot)
+    drawn: list[int] = field(default_factory=list)  # every reply token drawn (the slot feeds them)
 
 
 class SpeechPipeline:
@@ -188,6 +175,7 @@ class SpeechPipeline:
         vocoder: str | Vocoder = "auto",
         cuda_graphs: bool = True,
         prefill_worker: bool = False,
+        prefix_cache: bool = True,
         tool_call_budget: int = 1024,
         playback_margin: float = 0.15,
     ) -> None:
@@ -253,7 +241,9 @@ class SpeechPipeline:
             self.speakers = {k.lower(): int(v) for k, v in (cfg.talker_config.speaker_id or {}).items()}
         #: Called with (request_id, token_id) for every thinker token drawn (tests, tracing).
         self.token_observer: Callable[[str, int], None] | None = None
-        self._free = _FreeSlots(max_slots)
+        #: Slots, and the prompt prefix each one's caches hold for later requests (``prefix_cache``).
+        self.prefix_cache = prefix_cache
+        self._free = SlotPool(max_slots, self._move_prefix)
         self._active: dict[str, _Active] = {}
         #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
         self.calls: CallCounter = collections.Counter()
@@ -528,9 +518,19 @@ class SpeechPipeline:
         to do."""
         for active in self._active.values():
             if active.job is None:
+                reuse = self._reuse(active)
+                if reuse is False:
+                    continue  # waits for a prompt being read that it shares more of
+                moved = self._free.vacate(active.slot)
+                if reuse is not None and reuse.slot == active.slot and moved is not None:
+                    reuse = dataclasses.replace(reuse, slot=moved)  # reused from where it went
                 speaker = active.talker.speaker_id if active.talker is not None else None
                 mask = active.constraint.first if active.constraint is not None else None
-                active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask)
+                reused = (0, 0)
+                if reuse is not None:
+                    self._copy_prefix(active, reuse)
+                    reused = (reuse.thinker, reuse.talker)
+                active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask, reused)
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
         if self._prefiller.worker is None:
             self._advance_prefills([a for a in pending if not a.job.done()])  # type: ignore[union-attr]
@@ -543,6 +543,48 @@ class SpeechPipeline:
                 if token is not None:
                     first.append((active, token))
         return first
+
+    def _reuse(self, active: _Active) -> Reuse | None | bool:
+        """The longest prefix of the request's prompt that a slot holds (None: none), or False
+        when a prompt still being read shares at least a piece more of it: the request then
+        waits for that one instead of reading the same tokens beside it (out-of-band responses
+        over one context, asked at once)."""
+        keys = active.prompt.fingerprint
+        if not self.prefix_cache or keys is None:
+            return None
+        user = None
+        if active.talker is not None:
+            cfg = self.model.config
+            ids = active.prompt.input_ids[0]
+            user = user_positions(ids, cfg.im_start_token_id, cfg.user_token_id).numpy()
+        best = self._free.best(keys, user)
+        got = best.thinker if best is not None else 0
+        for other in self._active.values():
+            theirs = other.prompt.fingerprint
+            if other.job is None or other.prefilled or theirs is None or other is active:
+                continue
+            if min(common_prefix(keys, theirs), keys.shape[0] - 1) >= got + self.thinker.prompt.chunk:
+                return False
+        return best
+
+    def _copy_prefix(self, active: _Active, reuse: Reuse) -> None:
+        """Copies a reused prefix into the request's slots (unless it is there already); counts
+        it in the request's usage."""
+        self._copy_entries(reuse.slot, active.slot, reuse.thinker, reuse.talker)
+        ids = active.prompt.input_ids[0, : reuse.thinker]
+        thinker = self.model.config.thinker_config
+        audio = int((ids == thinker.audio_token_id).sum())
+        image = int((ids == thinker.image_token_id).sum())
+        active.usage.cached_audio_tokens, active.usage.cached_image_tokens = audio, image
+        active.usage.cached_text_tokens = reuse.thinker - audio - image
+
+    def _move_prefix(self, source: int, target: int, prefix: Prefix) -> None:
+        self._copy_entries(source, target, prefix.keys.shape[0], prefix.talker_user)
+
+    def _copy_entries(self, source: int, target: int, thinker: int, talker: int) -> None:
+        self.thinker.kv.copy_prefix(source, target, thinker)
+        if self.has_talker:
+            self.talker.kv.copy_prefix(source, target, talker)
 
     def _advance_prefills(self, reading: list[_Active]) -> None:
         """Inline prefill, one tick: the ``prefills_per_step`` prompts with the fewest pieces left
@@ -586,6 +628,7 @@ class SpeechPipeline:
             t.prompt = done.talker_prompt
             self.talker.load(active.slot, done.talker)
             t.started = True
+        self._free.hold(active.slot, self._held(active))
         return done.thinker.token
 
     def _thinker_step(self, rows: list[_Active], batch: int) -> torch.Tensor:
@@ -598,6 +641,7 @@ class SpeechPipeline:
         (text or part of a call) if it is still to be sent."""
         if self.token_observer is not None:
             self.token_observer(active.request.request_id, token)
+        active.drawn.append(token)
         if token in self.stop_token_ids:
             self._end_text(active, "stop", out)
             return None
@@ -758,7 +802,7 @@ class SpeechPipeline:
         rid = active.request.request_id
         if self._active.get(rid) is active:  # whoever takes it out of _active frees its slot, once
             del self._active[rid]
-            self._release(active)
+            self._release(active, keep=finished.reason != "error")
         out.append((rid, finished))
 
     def _guard(self, active: _Active, out: list[tuple[str, Output]], fn: Any, *args: Any) -> Any:
@@ -772,10 +816,28 @@ class SpeechPipeline:
             self._fail(active, out, f"internal error: {exc}")
         return None
 
-    def _release(self, active: _Active) -> None:
+    def _held(self, active: _Active, fed: int = 0) -> Prefix | None:
+        """What the request's slots hold once its prompt is read: the prompt and its first
+        ``fed`` reply tokens (thinker), the prompt's user turns (talker)."""
+        keys = active.prompt.fingerprint
+        if not self.prefix_cache or keys is None or not active.prefilled:
+            return None
+        if fed:
+            keys = np.concatenate([keys, np.asarray(active.drawn[:fed], dtype=np.int64)])
+        t = active.talker
+        talker_user = t.prompt.user_embeds.shape[0] if t is not None and t.prompt is not None else 0
+        return Prefix(keys, talker_user)
+
+    def _release(self, active: _Active, keep: bool = True) -> None:
+        """Frees the request's slots; with ``keep`` (not after an error) they hold its prompt and
+        reply for later requests (:mod:`.prefix_cache`)."""
+        fed = self.thinker.kv.length(active.slot) - active.prompt.length
+        held = self._held(active, fed) if keep else None
+        if keep and active.job is None:  # never started: what the slot held is still there
+            held = self._free.held.get(active.slot)
         self.thinker.kv.reset(active.slot)
         self.thinker.masks.reset(active.slot)
         if self.has_talker:
             self.talker.kv.reset(active.slot)
             self.vocoder.close(active.request.request_id)
-        self._free.give(active.slot)
+        self._free.give(active.slot, held)

@@ -102,29 +102,46 @@ class Prefiller:
         self.stream = torch.cuda.Stream(self.device) if worker and self.device.type == "cuda" else None
 
     def start(
-        self, slot: int, prompt: PromptInputs, speaker_id: int | None, mask: torch.Tensor | None = None
+        self,
+        slot: int,
+        prompt: PromptInputs,
+        speaker_id: int | None,
+        mask: torch.Tensor | None = None,
+        reused: tuple[int, int] = (0, 0),
     ) -> PrefillJob:
         """The prefill of ``prompt`` into ``slot`` (``speaker_id``: the voice, None for text
-        only; ``mask``: the first token's allowed-token mask of a constrained reply): inline, a
-        job the pipeline advances a piece per tick; on the worker, queued whole."""
-        pieces = self.thinker.prompt.pieces(prompt.length)
+        only; ``mask``: the first token's allowed-token mask of a constrained reply; ``reused``:
+        the thinker positions and talker user positions the slot holds already, a reused
+        prefix): inline, a job the pipeline advances a piece per tick; on the worker, queued
+        whole."""
+        pieces = self.thinker.prompt.pieces(prompt.length, reused[0])
         if speaker_id is not None:  # the talker's, its first piece in the thinker's last tick
             pieces += pieces - 1
-        job = PrefillJob(self._pieces(slot, prompt, speaker_id, mask), self.stream, pieces)
+        job = PrefillJob(self._pieces(slot, prompt, speaker_id, mask, reused), self.stream, pieces)
+        if self.stream is not None:  # after the reused prefix's copy into the slot
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         if self.worker is not None:
             self.worker.submit(job.run)
         return job
 
     def _pieces(
-        self, slot: int, prompt: PromptInputs, speaker_id: int | None, mask: torch.Tensor | None
+        self,
+        slot: int,
+        prompt: PromptInputs,
+        speaker_id: int | None,
+        mask: torch.Tensor | None,
+        reused: tuple[int, int],
     ) -> Generator[None, None, Prefilled]:
+        start, talker_reused = reused
         self.calls["thinker_prefill", 1] += 1
-        thinker = yield from self.thinker.forward_prompt(slot, prompt, allowed=mask)
+        thinker = yield from self.thinker.forward_prompt(slot, prompt, allowed=mask, start=start)
         talker_prompt = talker = None
         if speaker_id is not None:
             assert self.talker is not None
-            accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds
-            talker_prompt = build_talker_prompt(self.model, thinker.input_ids, thinker.embeds, accepted)
+            accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds[start:]
+            talker_prompt = build_talker_prompt(
+                self.model, thinker.input_ids, thinker.embeds, accepted, start=start, reused=talker_reused
+            )
             header = talker_prompt.assistant_embeds
             if header.shape[0] > 4 + HEADER_MAX:
                 raise RequestRejected("the prompt's assistant header is too long for the talker")

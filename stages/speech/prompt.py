@@ -36,6 +36,7 @@ from ..types import (
     ToolResultPart,
     ToolSpec,
 )
+from .prefix_cache import media_key
 from .tool_calls import CLOSE_TAG, OPEN_TAG
 
 ENCODER_RATE = 16_000
@@ -63,6 +64,10 @@ class PromptInputs:
     image_grid_thw: torch.Tensor | None = None  # [num_images, 3]
     audio_tokens: int = 0
     image_tokens: int = 0
+    #: Each position's key [L] int64: the token id, or for an audio or image placeholder a
+    #: negative digest of the part's content (:func:`~.prefix_cache.media_key`): prompts with
+    #: equal keys up to a position have equal caches up to there. None: never reused.
+    fingerprint: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -163,23 +168,28 @@ class PromptBuilder:
         if images:
             image_counts = self._image_features(images, out)
         expanded: list[int] = []
+        keys: list[int] = []
         a = i = 0
         for tok in ids:
             if tok == self.audio_token_id and audios:
                 if a >= len(audio_counts):
                     raise RequestRejected("the prompt has more audio placeholders than audio parts")
                 expanded.extend([tok] * audio_counts[a])
+                keys.extend([media_key(audios[a].tobytes())] * audio_counts[a])
                 a += 1
             elif tok == self.image_token_id and images:
                 if i >= len(image_counts):
                     raise RequestRejected("the prompt has more image placeholders than image parts")
                 expanded.extend([tok] * image_counts[i])
+                keys.extend([media_key(images[i])] * image_counts[i])
                 i += 1
             else:
                 expanded.append(tok)
+                keys.append(tok)
         if a != len(audio_counts) or i != len(image_counts):
             raise RequestRejected("the chat template dropped an audio or image part")
         out.input_ids = torch.tensor([expanded], dtype=torch.long)
+        out.fingerprint = np.array(keys, dtype=np.int64)
         out.audio_tokens = sum(audio_counts)
         out.image_tokens = sum(image_counts)
         return out

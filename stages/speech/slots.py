@@ -71,6 +71,14 @@ def prompt_pieces(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
 
 
+def token_runs(ids: torch.Tensor, token: int) -> list[tuple[int, int]]:
+    """The runs ``(start, end)`` of ``token`` in ``ids`` [L] (one per audio or image part: the
+    template closes each part's placeholders with an end token)."""
+    hits = (ids == token).int()
+    edges = torch.diff(hits, prepend=hits.new_zeros(1), append=hits.new_zeros(1)).nonzero().flatten().tolist()
+    return list(zip(edges[::2], edges[1::2], strict=True))
+
+
 def prompt_inputs(
     embeds: torch.Tensor, positions: torch.Tensor, slot: int, bucket: int, start: int | None = None
 ) -> dict[str, torch.Tensor]:
@@ -96,8 +104,8 @@ def prompt_example(
     batch: int, length: int, hidden: int, dtype: torch.dtype, device: torch.device, chunk: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Example inputs of a prompt piece with :func:`prompt_inputs`' layout: the first piece of
-    ``length`` tokens, or with ``chunk`` a later piece of ``chunk`` tokens attending over
-    ``length`` entries. Capture runs the pass on them, which writes zeros-derived entries into
+    ``length`` tokens, or with ``chunk`` a later piece of ``chunk`` tokens (padded) attending
+    over ``length`` entries. Capture runs the pass on them, which writes zeros-derived entries into
     slot 0: harmless while no slot is in use (``SpeechPipeline.capture`` needs an idle pipeline)."""
     count = length if chunk is None else chunk
     example = {
@@ -113,11 +121,14 @@ def prompt_example(
 
 class PromptPass:
     """A prompt pass read in pieces of ``chunk`` tokens, so that a long prompt never takes a
-    whole tick: the first piece through ``first`` (graphs per prompt-length bucket up to
-    ``chunk``), each later one through ``later`` (graphs per attention-length bucket).
-    ``step(inputs, n)`` runs one piece (``n``: the bucket: the piece's length for the first,
-    the attention length for later ones, whose inputs hold ``start``); ``example(batch, n,
-    chunk)`` makes its example inputs (``chunk`` None for the first piece)."""
+    whole tick: the first piece of a prompt read from its start through ``first`` (graphs per
+    piece-length bucket up to ``chunk``), every other piece through ``later`` (graphs per
+    piece-length bucket and attention-length bucket): the later pieces of a long prompt, and
+    every piece of a prompt read after a prefix already in the slot (a reused prefix: see
+    :mod:`.prefix_cache`). ``step(inputs, n)`` runs one piece (``n``: the bucket: the piece's
+    length for the first, the attention length for later ones, whose inputs hold ``start``);
+    ``example(batch, n, piece)`` makes its example inputs (``piece`` None for a first piece,
+    else the later piece's length bucket)."""
 
     def __init__(
         self,
@@ -139,20 +150,20 @@ class PromptPass:
                 enabled=graphs, pool=pool, clone_outputs=True,
             )
 
+        pieces = length_buckets(self.chunk, smallest=64)
         #: First pieces, per piece-length bucket from 64 tokens to ``chunk``.
-        self.first = runner(length_buckets(self.chunk, smallest=64), None)
-        #: Later pieces (always ``chunk`` long, the last padded), per attention-length bucket from
-        #: ``2 * chunk`` to ``max_len``; None when every prompt fits one piece.
-        self.later = None
-        if self.chunk < max_len:
-            self.later = runner(length_buckets(max_len, smallest=2 * self.chunk), self.chunk)
+        self.first = runner(pieces, None)
+        #: Later pieces, per piece-length bucket (the same as ``first``), each per
+        #: attention-length bucket from ``2 * chunk`` to ``max_len``.
+        attend = length_buckets(max_len, smallest=2 * self.chunk)
+        self.later = {piece: runner([n for n in attend if n >= piece], piece) for piece in pieces}
 
     @property
     def runners(self) -> list[LengthBucketedRunner]:
-        return [self.first] if self.later is None else [self.first, self.later]
+        return [self.first, *self.later.values()]
 
-    def pieces(self, length: int) -> int:
-        return -(-length // self.chunk)
+    def pieces(self, length: int, start: int = 0) -> int:
+        return -(-(length - start) // self.chunk)
 
     def run(
         self,
@@ -160,26 +171,32 @@ class PromptPass:
         positions: torch.Tensor,
         slot: int,
         per_token: dict[str, torch.Tensor] | None = None,
+        start: int = 0,
     ) -> Generator[None, None, dict[str, torch.Tensor]]:
-        """Reads the prompt ``embeds`` [L, H] at ``positions`` [3, 1, L] into ``slot``, a piece
-        per resumption (it yields between pieces); ``per_token`` tensors [n, L, H] go in sliced
+        """Reads the prompt ``embeds`` [L, H] at ``positions`` [3, 1, L] into ``slot`` from
+        position ``start`` on (the slot holds the first ``start`` entries already), a piece per
+        resumption (it yields between pieces); ``per_token`` tensors [n, L, H] go in sliced
         like the prompt. Returns the last piece's outputs, with ``accepted`` (when the step
-        keeps a layer's output) joined over the pieces [L, H]."""
-        if embeds.shape[0] > self.max_len:
-            raise ValueError(f"prompt of {embeds.shape[0]} positions exceeds the slot length {self.max_len}")
+        keeps a layer's output) joined over the pieces [L - start, H]."""
+        length = embeds.shape[0]
+        if length > self.max_len:
+            raise ValueError(f"prompt of {length} positions exceeds the slot length {self.max_len}")
+        if not 0 <= start < length:
+            raise ValueError(f"a prompt of {length} positions cannot be read from position {start}")
         kept: list[torch.Tensor] = []
         out: dict[str, torch.Tensor] = {}
-        for n, (start, count) in enumerate(prompt_pieces(embeds.shape[0], self.chunk)):
+        for n, (at, count) in enumerate(prompt_pieces(length - start, self.chunk)):
             if n:
                 yield
-            piece = slice(start, start + count)
-            if n == 0:
-                runner, at, key = self.first, None, count
+            at += start
+            piece = slice(at, at + count)
+            if at == 0:
+                runner, offset, key = self.first, None, count
                 bucket = runner.length_for(count)
             else:
-                assert self.later is not None
-                runner, at, key, bucket = self.later, start, start + count, self.chunk
-            inputs = prompt_inputs(embeds[piece], positions[..., piece], slot, bucket, at)
+                bucket = self.first.length_for(count)
+                runner, offset, key = self.later[bucket], at, at + count
+            inputs = prompt_inputs(embeds[piece], positions[..., piece], slot, bucket, offset)
             for name, value in (per_token or {}).items():
                 inputs[name] = F.pad(value[:, piece], (0, 0, 0, bucket - count))[None]
             out = runner(inputs, key)
@@ -373,6 +390,17 @@ class SlotDecoder:
                 x = x + deepstack[i].unsqueeze(0).to(x.dtype)
         last = x[0].index_select(0, length - 1)
         return self.model.norm(last)[0], kept
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Copies the first ``length`` cache entries of slot ``source`` into slot ``target`` (a
+        reused prompt prefix; no device sync). Sets no length: the prefill that reads the rest
+        of the prompt into ``target`` ends with :meth:`set_length`."""
+        if length > self.max_len:
+            raise ValueError(f"a prefix of {length} entries exceeds the slot length {self.max_len}")
+        if source == target or length <= 0:
+            return
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :length].copy_(cache[source, :, :length])
 
     def set_length(self, slot: int, length: int) -> None:
         """After :meth:`prompt_step`: the slot holds ``length`` entries (host and device)."""

@@ -181,8 +181,9 @@ class Talker:
         """Runs the talker prompt into ``slot``'s cache entries in static-length pieces (a
         generator that yields between them, as :meth:`Thinker.forward_prompt`) and draws its
         first group-0 code with the slot's sampling row. Writes only entries no decode step
-        touches while the slot waits (it may run on another thread and CUDA stream);
-        :meth:`load` ends the prefill. ``rope``: the prompt ids [L] -> their multimodal RoPE
+        touches while the slot waits (it may run on another thread and CUDA stream); with
+        ``prompt.reused``, the slot holds that many user positions already and the pass starts
+        after them. :meth:`load` ends the prefill. ``rope``: the prompt ids [L] -> their multimodal RoPE
         index [3, 1, L]; None for prompts without audio or images (positions 0..L-1)."""
         embeds, ids = self.prefill_inputs(prompt, first_text, speaker_id)
         length = ids.shape[0]
@@ -190,7 +191,7 @@ class Talker:
             positions = rope(ids)
         else:
             positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        hidden = (yield from self.prompt.run(embeds, positions, slot))["last"]
+        hidden = (yield from self.prompt.run(embeds, positions, slot, start=prompt.reused))["last"]
         header = prompt.assistant_embeds[4 : 4 + HEADER_MAX]
         # A fresh slot has drawn no code yet: no repetition penalty on the first one.
         logits = self.talker.codec_head(hidden).float().masked_fill(self.suppress, float("-inf"))

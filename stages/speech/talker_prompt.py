@@ -31,6 +31,19 @@ class TalkerPrompt:
     user_embeds: torch.Tensor  # [U, Ht] talker-space embeddings of the user turns
     user_ids: torch.Tensor  # [U] their thinker token ids (for the multimodal RoPE index)
     assistant_embeds: torch.Tensor  # [A, Dthinker] thinker input embeddings from <|im_start|>assistant on
+    #: The first ``reused`` user positions are in the talker's slot already (a reused prefix):
+    #: their rows of ``user_embeds`` are zeros, not read.
+    reused: int = 0
+
+
+def user_positions(input_ids: torch.Tensor, im_start: int, user: int) -> torch.Tensor:
+    """Which positions of a prompt ``input_ids`` [L] lie in user turns (after
+    ``<|im_start|>user``), as a bool mask [L]: what the talker prompt keeps."""
+    length = input_ids.shape[0]
+    positions = torch.arange(length, device=input_ids.device)
+    starts = torch.where(input_ids == im_start, positions, positions.new_full((), -1))
+    previous_start = torch.cummax(starts, dim=0).values.clamp_min(0)
+    return input_ids[(previous_start + 1).clamp_max(length - 1)] == user
 
 
 def build_talker_prompt(
@@ -38,20 +51,23 @@ def build_talker_prompt(
     input_ids: torch.Tensor,
     thinker_embeds: torch.Tensor,
     thinker_hidden: torch.Tensor,
+    *,
+    start: int = 0,
+    reused: int = 0,
 ) -> TalkerPrompt:
     """The user part of the talker prompt and the assistant header, from one prompt's prefill.
 
-    ``input_ids`` [L]; ``thinker_embeds`` / ``thinker_hidden`` [L, D] (hidden states 0 and
-    ``accept_hidden_layer`` of the thinker prefill).
+    ``input_ids`` [L]; ``thinker_embeds`` [L, D] and ``thinker_hidden`` [L - start, D] (hidden
+    states 0 and ``accept_hidden_layer`` of a thinker prefill that read the prompt from position
+    ``start`` on). With ``reused``, the talker's slot holds the first ``reused`` user positions
+    already: only the later ones are built, and those of audio or images must lie at or after
+    ``start`` (their hidden states are needed).
     """
     cfg = model.config
     tcfg = cfg.thinker_config
     length = input_ids.shape[0]
-    positions = torch.arange(length, device=input_ids.device)
-    starts = torch.where(input_ids == cfg.im_start_token_id, positions, positions.new_full((), -1))
-    previous_start = torch.cummax(starts, dim=0).values.clamp_min(0)
-    roles = input_ids[(previous_start + 1).clamp_max(length - 1)]
-    user = roles == cfg.user_token_id
+    user = user_positions(input_ids, cfg.im_start_token_id, cfg.user_token_id)
+    built = user & (torch.cumsum(user.long(), 0) > reused) if reused else user
     multimodal = (
         (input_ids == tcfg.audio_token_id)
         | (input_ids == tcfg.image_token_id)
@@ -63,10 +79,15 @@ def build_talker_prompt(
         device=input_ids.device,
         dtype=thinker_embeds.dtype,
     )
-    mm = user & multimodal
-    txt = user & ~multimodal
-    if bool(mm.any()):
-        embeds[mm] = talker.hidden_projection(thinker_hidden[mm]).to(embeds.dtype)
+    mm = built & multimodal
+    txt = built & ~multimodal
+    if reused:
+        embeds[user & ~built] = 0
+    mm_at = mm.nonzero().flatten()
+    if mm_at.numel():
+        if int(mm_at[0]) < start:
+            raise ValueError("an audio or image position the talker reads lies in the reused thinker prefix")
+        embeds[mm_at] = talker.hidden_projection(thinker_hidden[mm_at - start]).to(embeds.dtype)
     if bool(txt.any()):
         embeds[txt] = talker.text_projection(thinker_embeds[txt]).to(embeds.dtype)
     header = (input_ids[:-1] == cfg.im_start_token_id) & (input_ids[1:] == cfg.assistant_token_id)
@@ -77,6 +98,7 @@ def build_talker_prompt(
         user_embeds=embeds[user],
         user_ids=input_ids[user],
         assistant_embeds=thinker_embeds[assistant_start:],
+        reused=reused,
     )
 
 

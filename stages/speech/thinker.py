@@ -22,7 +22,7 @@ from torch import nn
 from .draws import THINKER_STREAM, SlotSampling
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
-from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example
+from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs
 from .token_masks import SlotMasks
 
 
@@ -89,14 +89,16 @@ class Thinker:
         return {"active": torch.zeros(batch, dtype=torch.bool, device=self.device)}
 
     def forward_prompt(
-        self, slot: int, prompt: PromptInputs, allowed: torch.Tensor | None = None
+        self, slot: int, prompt: PromptInputs, allowed: torch.Tensor | None = None, start: int = 0
     ) -> Generator[None, None, ThinkerPrefill]:
         """Reads a prompt into ``slot``'s cache entries and draws the first reply token with the
         slot's sampling row (and the bitmask ``allowed``, [words] int32 on the host, when the
         reply is constrained): the audio and vision encoders and the embedding merge eagerly (as
         transformers does), then the layers in static-length pieces of ``prompt_chunk`` tokens
         (CUDA graphs per length bucket, :class:`~.slots.PromptPass`); a generator that yields
-        between pieces, so a long prompt is read over several ticks. Writes only the slot's own
+        between pieces, so a long prompt is read over several ticks. With ``start``, the slot
+        holds the prompt's first ``start`` entries already (a reused prefix): only the rest is
+        read, and audio parts that end before it are not encoded. Writes only the slot's own
         cache entries, which no decode step touches while the slot waits for its prompt;
         :meth:`load` then sets the slot's length and tokens."""
         ids = prompt.input_ids.to(self.device)
@@ -109,8 +111,8 @@ class Thinker:
         positions, _ = thinker_rope_index(self.thinker)(
             ids, extra.get("image_grid_thw"), None, mask, False, audio_lengths, None
         )
-        embeds, deepstack = self._prompt_embeds(ids, extra)
-        out = yield from self.prompt.run(embeds, positions, slot, {"deepstack": deepstack})
+        embeds, deepstack = self._prompt_embeds(ids, extra, start, prompt.input_ids[0])
+        out = yield from self.prompt.run(embeds, positions, slot, {"deepstack": deepstack}, start)
         logits = self.lm_head(out["last"])
         if allowed is not None:
             logits = self.masks.apply_bits(logits, allowed.to(self.device, non_blocking=True)[None])
@@ -118,18 +120,33 @@ class Thinker:
         accepted = out["accepted"] if self.accept_layer else None
         return ThinkerPrefill(ids.shape[1], positions.max() + 1, token, ids[0], embeds, accepted)
 
-    def _prompt_embeds(self, ids: torch.Tensor, extra: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prompt_embeds(
+        self, ids: torch.Tensor, extra: dict[str, Any], start: int = 0, host_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's input embeddings [L, H] with the audio and image features merged in, and
         the visual deepstack features placed at the image positions [n, L, H] (zeros elsewhere),
-        as ``Qwen3OmniMoeThinkerModel.forward`` builds them."""
+        as ``Qwen3OmniMoeThinkerModel.forward`` builds them. Audio parts that end before
+        ``start`` are not encoded (their positions keep the placeholder's embedding: the pass
+        does not read them); ``host_ids``: ``ids`` [L] on the host, where the parts are found."""
         model = self.thinker.model
         embeds = model.get_input_embeddings()(ids)
         if "input_features" in extra:
-            audio = model.get_audio_features(
-                extra["input_features"], extra["feature_attention_mask"], None, return_dict=True
-            ).last_hidden_state.to(embeds.device, embeds.dtype)
             _, _, audio_mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
-            embeds = embeds.masked_scatter(audio_mask, audio)
+            features, lengths = extra["input_features"], extra["feature_attention_mask"]
+            if start:
+                assert host_ids is not None
+                spans = token_runs(host_ids, self.thinker.config.audio_token_id)
+                needed = [k for k, (_, end) in enumerate(spans) if end > start]
+                at = torch.zeros_like(audio_mask[0, :, 0])
+                for k in needed:
+                    at[spans[k][0] : spans[k][1]] = True
+                audio_mask = at.view(1, -1, 1).expand_as(audio_mask)
+                features, lengths = features[needed], lengths[needed]
+            if features.shape[0]:
+                audio = model.get_audio_features(
+                    features, lengths, None, return_dict=True
+                ).last_hidden_state.to(embeds.device, embeds.dtype)
+                embeds = embeds.masked_scatter(audio_mask, audio)
         deepstack = embeds.new_zeros((self.deepstack, ids.shape[1], embeds.shape[-1]))
         if "pixel_values" in extra:
             image = model.get_image_features(extra["pixel_values"], extra["image_grid_thw"], return_dict=True)

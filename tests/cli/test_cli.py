@@ -116,6 +116,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert not eager.cuda_graphs
     chunked = config_from_args(build_parser().parse_args(["serve", "--prefill-chunk", "256"]), {})
     assert chunked.prefill_chunk == 256 and defaults.prefill_chunk == 512
+    whole = config_from_args(build_parser().parse_args(["serve", "--no-prefix-cache"]), {})
+    assert not whole.prefix_cache and defaults.prefix_cache
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 
@@ -156,7 +158,8 @@ def test_serve_passes_the_load_format_and_reports_a_bad_config(
 
 
 def test_serve_passes_the_prefill_chunk_to_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--prefill-chunk`` reaches the pipeline builders (here one that then refuses the model)."""
+    """``--prefill-chunk`` and ``--no-prefix-cache`` reach the pipeline builders (here one that
+    then refuses the model)."""
     import omnirt.stages.factory as factory
 
     seen: dict = {}
@@ -166,8 +169,8 @@ def test_serve_passes_the_prefill_chunk_to_the_pipelines(monkeypatch: pytest.Mon
         raise ValueError("no model here")
 
     monkeypatch.setattr(factory, "build_pipelines", refuse)
-    assert main(["serve", "--prefill-chunk", "128", "--device", "cpu"]) == 1
-    assert seen["prefill_chunk"] == 128
+    assert main(["serve", "--prefill-chunk", "128", "--no-prefix-cache", "--device", "cpu"]) == 1
+    assert seen["prefill_chunk"] == 128 and seen["prefix_cache"] is False
 
 
 def _wait_healthy(base_url: str, proc: subprocess.Popen[str], timeout: float) -> dict:

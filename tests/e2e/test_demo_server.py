@@ -165,6 +165,12 @@ def test_audio_turns_stream_speech_and_carry_history(demo: DemoServer) -> None:
             assert (
                 usage2["input_tokens"] > usage["input_tokens"] + usage["output_token_details"]["text_tokens"]
             )
+            # ... which is not read again: the first turn's prompt (its audio too) is reused.
+            cached = usage2["input_token_details"]
+            assert usage["input_token_details"]["cached_tokens"] < usage["input_tokens"]
+            assert usage["input_tokens"] <= cached["cached_tokens"] < usage2["input_tokens"]
+            audio = usage["input_token_details"]["audio_tokens"]
+            assert cached["cached_tokens_details"]["audio_tokens"] == audio
 
     asyncio.run(main())
 

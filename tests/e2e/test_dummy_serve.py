@@ -80,3 +80,6 @@ def test_a_prompt_longer_than_the_prefill_chunk_is_read_in_pieces_and_answered(s
     assert replies[0].usage.prompt_tokens > 3 * PREFILL_CHUNK
     assert replies[0].usage.completion_tokens == 4
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    # The second read only the prompt's last position: the rest was the first one's.
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
+    assert cached[0] < PREFILL_CHUNK and cached[1] == replies[1].usage.prompt_tokens - 1

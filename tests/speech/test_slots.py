@@ -186,18 +186,20 @@ def test_a_prompt_read_in_pieces_equals_the_transformers_prefill(demo_dir, hf_mo
 
 def test_prompt_passes_feed_their_graphs_the_captured_shapes_and_dtypes(pipeline) -> None:
     """A prompt's pass inputs match the example inputs its graphs are captured with (shape past
-    the batch, dtype), for audio, image and text prompts: else it would silently run eagerly
-    (transformers gives audio prompts float positions)."""
+    the batch, dtype), for audio, image and text prompts, first pieces and pieces after a reused
+    prefix: else it would silently run eagerly (transformers gives audio prompts float
+    positions)."""
     from omnirt.stages.graphs import CudaGraphRunner, _Captured
 
-    seen: list[tuple[object, int, dict]] = []
+    seen: list[tuple[object, int, int | None, dict]] = []
     for owner in (pipeline.thinker, pipeline.talker):
-        for length, runner in owner.prompt.first.runners.items():
-            def spy(self, inputs, length=length, owner=owner):
-                seen.append((owner, length, inputs))
-                return CudaGraphRunner.__call__(self, inputs)
+        for piece, bucketed in [(None, owner.prompt.first), *owner.prompt.later.items()]:
+            for length, runner in bucketed.runners.items():
+                def spy(self, inputs, length=length, owner=owner, piece=piece):
+                    seen.append((owner, length, piece, inputs))
+                    return CudaGraphRunner.__call__(self, inputs)
 
-            runner.__class__ = type("Spied", (CudaGraphRunner,), {"__call__": spy})
+                runner.__class__ = type("Spied", (CudaGraphRunner,), {"__call__": spy})
     try:
         image = ContextMessage("user", (ImagePart(png()), TextPart("what is it?")))
         for req in (
@@ -208,11 +210,14 @@ def test_prompt_passes_feed_their_graphs_the_captured_shapes_and_dtypes(pipeline
             drain(pipeline)
     finally:
         for owner in (pipeline.thinker, pipeline.talker):
-            for runner in owner.prompt.first.runners.values():
-                runner.__class__ = CudaGraphRunner
-    assert {type(o).__name__ for o, _, _ in seen} == {"Thinker", "Talker"} and len(seen) == 4
-    for owner, length, inputs in seen:
-        example = owner._prompt_example(1, length, None)
+            for bucketed in owner.prompt.runners:
+                for runner in bucketed.runners.values():
+                    runner.__class__ = CudaGraphRunner
+    assert {type(o).__name__ for o, _, _, _ in seen} == {"Thinker", "Talker"} and len(seen) == 4
+    # The second prompt starts with the first one's system turn: read after that prefix.
+    assert {p is None for _, _, p, _ in seen} == {True, False}
+    for owner, length, piece, inputs in seen:
+        example = owner._prompt_example(1, length, piece)
         assert CudaGraphRunner._matches(None, _Captured(None, example, {}), inputs), (
             {k: (tuple(v.shape), v.dtype) for k, v in inputs.items()},
             {k: (tuple(v.shape), v.dtype) for k, v in example.items()},

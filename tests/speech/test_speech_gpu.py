@@ -208,6 +208,7 @@ def _graphs_equal_eager(pipe, requests) -> None:
     sampled): the paths taken are all graph / all eager, the tokens and PCM equal bitwise."""
     tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
     pipe.use_graphs(False)
+    pipe._free.clear()  # the eager turns read what the graph turns read, prefixes reused alike
     tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
     assert paths_g == {"graph"} and paths_e == {"eager"}
     differ = []
@@ -245,13 +246,14 @@ def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_pieces_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.dtype) -> None:
     """Prompts read in pieces (``prefill_chunk`` 64: a first piece, then later pieces at several
-    attention-length buckets, for the thinker and the talker) replay their graphs to the eager
-    pieces' results: the same tokens and PCM for two long turns, greedy and sampled."""
+    piece-length and attention-length buckets, for the thinker and the talker) replay their
+    graphs to the eager pieces' results: the same tokens and PCM for two long turns, greedy and
+    sampled, the second read after the first one's prefix (it waits for it, then reuses it)."""
     pipe = load_speech_pipeline(
         demo_dir, device="cuda", dtype=dtype, max_slots=4, max_audio_frames=40, prefill_chunk=64
     )
     for owner in (pipe.thinker, pipe.talker):
-        assert owner.prompt.later is not None and owner.prompt.later.graphs > 0
+        assert all(r.graphs > 0 for r in owner.prompt.later.values())
 
     def requests(tag: str):
         return [
@@ -264,7 +266,9 @@ def test_prompt_pieces_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
         ]
 
     _graphs_equal_eager(pipe, requests)
-    print(f"\n[gpu] {dtype}: prompts of 4 to 9 pieces: tokens and PCM graph == eager bitwise")
+    assert pipe._free.held and max(len(p.keys) for p in pipe._free.held.values()) > 64
+    print(f"\n[gpu] {dtype}: prompts of 4 to 9 pieces, one after a reused prefix: tokens and PCM "
+          "graph == eager bitwise")
 
 
 def test_no_cuda_graphs_runs_every_decode_step_eagerly(demo_dir: Path) -> None:

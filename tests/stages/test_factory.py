@@ -116,7 +116,10 @@ def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
     assert recorder.calls[0] == (
         "speech",
         str(speech),
-        {"device": "cpu", "max_slots": 32, "cuda_graphs": True, "prefill_chunk": 512, "load_format": "dummy"},
+        {
+            "device": "cpu", "max_slots": 32, "cuda_graphs": True, "prefill_chunk": 512, "prefix_cache": True,
+            "load_format": "dummy",
+        },
     )
     assert recorder.calls[1:] == [
         ("diffusion", image, {"device": "cpu", "load_format": "dummy"}),

@@ -1,0 +1,162 @@
+"""Prompt prefixes reused across requests: what each slot's caches hold, and the slot pool.
+
+Every response of a conversation reads the whole conversation again, so the prompt of a turn
+starts with the prompt (and reply) of the turn before, and out-of-band responses over one
+context read the same prompt several times. A slot's thinker cache keeps, after its request
+ends, the keys/values of everything it read and fed; its talker cache keeps those of the user
+turns. :class:`SlotPool` remembers what each slot holds (a :class:`Prefix`) and finds, for a new
+prompt, the slot whose entries share the longest prefix with it; the pipeline copies those
+entries into the new request's slot and reads only the rest (``Thinker.forward_prompt(start=)``).
+
+What a prompt position *is* is its key (``PromptInputs.fingerprint``): the token id, or for an
+audio or image placeholder a negative digest of the part's content, so two prompts share a
+prefix only where their tokens and their media are the same. The keys of a prefix determine
+its keys/values exactly (causal attention; the multimodal RoPE positions of a prefix depend only
+on the prefix), so reading the rest after a copied prefix computes what reading the whole prompt
+computes, up to the floating-point order of the attention over pieces.
+
+Slots are handed out lowest first (the busy slots stay packed low, so batched steps stay
+small). A slot taken while it holds a prefix keeps it until its request starts reading its
+prompt: then the prefix moves to the highest free slot that holds none, or, with none left, over
+the least recently used prefix if that is older; else it is dropped (its request may still
+reuse it in place).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def media_key(data: bytes) -> int:
+    """A negative 56-bit digest of an audio or image part's content (token ids are >= 0)."""
+    return -1 - int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of two key arrays."""
+    n = min(a.shape[0], b.shape[0])
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+@dataclass
+class Prefix:
+    """What a slot's caches hold: the keys of its first ``len(keys)`` thinker entries, and how
+    many user-turn positions its talker cache holds (0: none)."""
+
+    keys: np.ndarray  # int64 [n]
+    talker_user: int = 0
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """A prefix to copy from ``slot``: ``thinker`` entries, ``talker`` user positions."""
+
+    slot: int
+    thinker: int
+    talker: int
+
+
+def plan_reuse(
+    keys: np.ndarray, user: np.ndarray | None, slot: int, held: Prefix
+) -> Reuse | None:
+    """How much of the prompt ``keys`` [L] the prefix ``held`` (in ``slot``) can give: its
+    common prefix, short of the prompt's last position (the pass reads at least one, which
+    gives the first reply token). ``user`` [L] bool marks the prompt's user-turn positions when
+    the reply is spoken (None: text only): then the talker reuses the user positions the held
+    prefix has, and the thinker prefix ends before any audio or image position of a user turn
+    the talker must read (its talker input is a thinker hidden state the pass must compute)."""
+    length = min(common_prefix(keys, held.keys), keys.shape[0] - 1)
+    talker = 0
+    if user is not None and length > 0:
+        at = np.flatnonzero(user)
+        talker = min(int(np.searchsorted(at, length)), held.talker_user)
+        later = at[talker:]
+        media = later[(later < length) & (keys[later] < 0)]
+        if media.size:
+            length = int(media[0])
+    return Reuse(slot, length, talker) if length > 0 else None
+
+
+class SlotPool:
+    """Slot numbers handed out lowest first, and the prefix each slot holds (busy slots once
+    their prompt is read, free slots after their request ended). ``move(source, target,
+    prefix)`` copies a held prefix's cache entries from one slot to another."""
+
+    def __init__(self, count: int, move: Callable[[int, int, Prefix], None]) -> None:
+        self._free = list(range(count))
+        self._move = move
+        self.held: dict[int, Prefix] = {}
+        self._used: dict[int, int] = {}  # slot -> tick of its prefix's last use (LRU)
+        self._clock = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        """The lowest free slot (a prefix it holds stays until :meth:`vacate`)."""
+        return heapq.heappop(self._free)
+
+    def vacate(self, slot: int) -> int | None:
+        """Before a taken slot is written: its prefix moves out of the way (see the module doc);
+        returns where to (None: nowhere, dropped)."""
+        prefix = self.held.pop(slot, None)
+        used = self._used.pop(slot, 0)
+        if prefix is None:
+            return None
+        target = self._room(used)
+        if target is not None:
+            self._move(slot, target, prefix)
+            self.held[target], self._used[target] = prefix, used
+        return target
+
+    def _room(self, used: int) -> int | None:
+        """A free slot to move a prefix last used at ``used`` into: the highest holding none,
+        else the least recently used holder if it is older; None: drop the prefix."""
+        empty = [s for s in self._free if s not in self.held]
+        if empty:
+            return max(empty)
+        oldest = min((s for s in self._free if s in self.held), key=self._used.__getitem__, default=None)
+        if oldest is not None and self._used[oldest] < used:
+            del self.held[oldest]
+            return oldest
+        return None
+
+    def clear(self) -> None:
+        """Forgets every held prefix (the caches stay as they are)."""
+        self.held.clear()
+        self._used.clear()
+
+    def hold(self, slot: int, prefix: Prefix | None) -> None:
+        """Records what ``slot`` holds now (None: nothing reusable)."""
+        if prefix is None:
+            self.held.pop(slot, None)
+            self._used.pop(slot, None)
+        else:
+            self.held[slot] = prefix
+            self._used[slot] = next(self._clock)
+
+    def give(self, slot: int, prefix: Prefix | None) -> None:
+        """Frees ``slot``, holding ``prefix`` for later requests."""
+        self.hold(slot, prefix)
+        heapq.heappush(self._free, slot)
+
+    def best(self, keys: np.ndarray, user: np.ndarray | None) -> Reuse | None:
+        """The longest prefix of the prompt ``keys`` that a slot holds (see :func:`plan_reuse`);
+        marks it used."""
+        best: Reuse | None = None
+        for slot, held in self.held.items():
+            if held.keys.shape[0] == 0 or held.keys[0] != keys[0]:
+                continue
+            reuse = plan_reuse(keys, user, slot, held)
+            if reuse is not None and (best is None or reuse.thinker > best.thinker):
+                best = reuse
+        if best is not None:
+            self._used[best.slot] = next(self._clock)
+        return best
