@@ -27,10 +27,12 @@ session has heard audio (the ramp) and lasts ``--seconds``; a level ends after
 - at the end, the largest N whose p99 frame time is under 80 ms, per mode.
 
 Modes: when the pipeline has ``use_graphs(enabled)``, each level runs with CUDA graphs and
-eagerly (``--modes graphs eager``); otherwise it runs once in the pipeline's own mode and the
-table says so. ``--profile N`` profiles ``--profile-ticks`` ticks at N sessions with
-``torch.profiler`` and prints the GPU busy share of the tick wall time (union of kernel and
-copy intervals / tick wall; the profiler's own overhead lowers it a little) and the top kernels.
+eagerly (``--modes graphs eager``), and ``whole``: graphs with the prompt prefix cache
+off (``use_prefix_cache(False)``: every prompt read whole); otherwise it runs once in the
+pipeline's own mode and the table says so. ``--profile N`` profiles ``--profile-ticks``
+ticks at N sessions with ``torch.profiler`` and prints the GPU busy share of the tick wall
+time (union of kernel and copy intervals / tick wall; the profiler's own overhead lowers it a
+little) and the top kernels.
 
 On the H200, real size (``--model`` takes the published config file itself, or a folder holding
 it as ``config.json``), bf16; ``--time-budget`` skips the levels that might not end within it
@@ -167,7 +169,6 @@ class FrameCounter:
 class Session:
     index: int
     start_tick: int
-    audio: np.ndarray
     request_id: str | None = None
     added_at: float = 0.0
     heard: bool = False  # this turn's first audio arrived
@@ -213,7 +214,10 @@ class Driver:
 
     def _request(self, session: Session) -> GenerationRequest:
         self.turn_seq += 1
-        parts = (AudioPart(session.audio), TextPart("Please answer briefly."))
+        # A new utterance each turn: a repeated prompt would be read once and then reused whole
+        # (the prefix cache), which no conversation does.
+        audio = speechlike_tone(self.args.audio_seconds, seed=session.index * 100_003 + session.turns)
+        parts = (AudioPart(audio), TextPart("Please answer briefly."))
         return GenerationRequest(
             request_id=f"s{session.index}-t{session.turns}",
             messages=[ContextMessage("user", parts)],
@@ -239,7 +243,7 @@ class Driver:
         args, pipeline = self.args, self.pipeline
         level = Level(mode, n)
         sessions = [
-            Session(i, (i * args.ramp_ticks) // n, speechlike_tone(args.audio_seconds, seed=i))
+            Session(i, (i * args.ramp_ticks) // n)
             for i in range(n)
         ]
         owner: dict[str, Session] = {}  # request id -> its session, for the whole level
@@ -438,7 +442,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="skip the levels that could end after this many seconds of levels (0: no limit)",
     )
     parser.add_argument("--ramp-ticks", type=int, default=16, help="ticks over which first turns start")
-    parser.add_argument("--modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
+    parser.add_argument(
+        "--modes", nargs="+", choices=("graphs", "eager", "whole"), default=["graphs", "eager"]
+    )
     parser.add_argument("--audio-seconds", type=float, default=1.0, help="input audio per turn")
     parser.add_argument("--max-output-tokens", type=int, default=16, help="thinker tokens per reply")
     parser.add_argument(
@@ -507,7 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"| {mode} | {n} | skipped: --time-budget {args.time_budget:g} s would be exceeded |")
                 continue
             if can_switch:
-                pipeline.use_graphs(mode == "graphs")
+                pipeline.use_graphs(mode != "eager")
+                if hasattr(pipeline, "use_prefix_cache"):
+                    pipeline.use_prefix_cache(mode != "whole")
             level, _ = driver.run(mode, n, args.seconds)
             levels.append(level)
             print(row(level), flush=True)
@@ -521,7 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         if can_switch:
-            pipeline.use_graphs(modes[0] == "graphs")
+            pipeline.use_graphs(modes[0] != "eager")
+            if hasattr(pipeline, "use_prefix_cache"):
+                pipeline.use_prefix_cache(modes[0] != "whole")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         level, prof = driver.run(
             modes[0],

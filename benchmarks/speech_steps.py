@@ -106,23 +106,30 @@ def _measure(pipe, batch: int, args: argparse.Namespace, device: torch.device) -
     return row
 
 
+def _words(pipe, tokens: int) -> str:
+    """The longest text of words ``w0 w1 ...`` whose one-message prompt fits ``tokens``."""
+    from omnirt.stages.types import ContextMessage, TextPart
+
+    def text(count: int) -> str:
+        return " ".join(f"w{i}" for i in range(count))
+
+    low, high = 1, tokens
+    while low < high:
+        mid = (low + high + 1) // 2
+        if pipe.prompts.build([ContextMessage("user", (TextPart(text(mid)),))]).length <= tokens:
+            low = mid
+        else:
+            high = mid - 1
+    return text(low)
+
+
 def _long_prompt(pipe, args: argparse.Namespace, device: torch.device) -> tuple[int, list[float]]:
     """A ``--long-prompt``-token text turn's prefill, a piece at a time (the second of two runs):
     its length in tokens and each piece's milliseconds."""
     from omnirt.stages.types import ContextMessage, GenerationRequest, TextPart
 
-    def turn(count: int) -> GenerationRequest:
-        text = " ".join(f"w{i}" for i in range(count))
-        return GenerationRequest("long", [ContextMessage("user", (TextPart(text),))], max_output_tokens=8)
-
-    low, high = 1, args.long_prompt  # the most words whose prompt fits --long-prompt tokens
-    while low < high:
-        mid = (low + high + 1) // 2
-        if pipe.prompts.build(turn(mid).messages).length <= args.long_prompt:
-            low = mid
-        else:
-            high = mid - 1
-    request = turn(low)
+    words = _words(pipe, args.long_prompt)
+    request = GenerationRequest("long", [ContextMessage("user", (TextPart(words),))], max_output_tokens=8)
     prepared = pipe.prepare(request)
     pieces: list[float] = []
     for _ in range(2):
@@ -148,8 +155,7 @@ def _next_turn(
     read whole, then after the reused prefix: {mode: (ms of all pieces, pieces, cached tokens)}."""
     from omnirt.stages.types import ContextMessage, GenerationRequest, TextDelta, TextPart
 
-    words = " ".join(f"w{i}" for i in range(args.long_prompt // 3))
-    history = [ContextMessage("user", (TextPart(words),))]
+    history = [ContextMessage("user", (TextPart(_words(pipe, args.long_prompt - 200)),))]
     pipe.add(GenerationRequest("h", history, max_output_tokens=8))
     outs = []
     while pipe.has_work():

@@ -72,6 +72,9 @@ class EngineStats:
     #: Per pipeline kind, its batched model calls: ``{(call name, rows): count}`` (the pipeline's
     #: own counter, which it updates as it calls its models).
     model_calls: dict[str, CallCounter] = field(default_factory=dict)
+    #: Per pipeline kind that reads prompts: prompt tokens ``read`` and ``cached`` (a reused
+    #: prefix, not read again).
+    prompt_tokens: dict[str, collections.Counter[str]] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -113,6 +116,9 @@ class Engine:
             steps_by_kind=dict.fromkeys(self.pipelines, 0),
             step_seconds_by_kind=dict.fromkeys(self.pipelines, 0.0),
             model_calls={kind: p.calls for kind, p in self.pipelines.items()},
+            prompt_tokens={
+                kind: p.prompt_tokens for kind, p in self.pipelines.items() if hasattr(p, "prompt_tokens")
+            },
         )
         self._cond = threading.Condition()  # guards the inbox, _preparing, _running
         self._stats_lock = threading.Lock()  # counters written from several threads

@@ -128,6 +128,15 @@ class ServerCollector(Collector):
             for (call, rows), count in sorted(dict(counter).items()):
                 calls.add_metric([kind, call, str(rows)], count)
         yield calls
+        prompt = CounterMetricFamily(
+            "omnirt_prompt_tokens",
+            "Prompt tokens by pipeline: read by the model, or cached (a prefix another request read)",
+            labels=["kind", "source"],
+        )
+        for kind, counter in s.prompt_tokens.items():
+            for source in ("read", "cached"):
+                prompt.add_metric([kind, source], counter[source])
+        yield prompt
 
         rt = self.realtime()
         if rt is None:

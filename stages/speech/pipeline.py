@@ -247,6 +247,8 @@ class SpeechPipeline:
         self._active: dict[str, _Active] = {}
         #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
         self.calls: CallCounter = collections.Counter()
+        #: Prompt tokens ``read`` and ``cached`` (a reused prefix), read by the engine's stats.
+        self.prompt_tokens: collections.Counter[str] = collections.Counter()
         # Prompts are read inline, up to ``prefills_per_step`` per tick, or with
         # ``prefill_worker`` on a thread (and CUDA stream) beside the decode steps. Off by default:
         # prefill is Python-bound (eager encoders), and on the H200 the worker thread and the
@@ -292,6 +294,13 @@ class SpeechPipeline:
         they run eagerly). The vocoder's graphs follow ``cuda_graphs`` at construction."""
         for runner in self.runners:
             runner.enabled = enabled
+
+    def use_prefix_cache(self, enabled: bool) -> None:
+        """Switches the prompt prefix cache on or off (off: every prompt read whole, and the
+        prefixes held so far forgotten)."""
+        self.prefix_cache = enabled
+        if not enabled:
+            self._free.clear()
 
     def warm_up(self) -> None:
         """Runs one tiny audio turn end to end (lazy initialisation, allocator warm-up) and
@@ -530,6 +539,8 @@ class SpeechPipeline:
                 if reuse is not None:
                     self._copy_prefix(active, reuse)
                     reused = (reuse.thinker, reuse.talker)
+                self.prompt_tokens["cached"] += reused[0]
+                self.prompt_tokens["read"] += active.prompt.length - reused[0]
                 active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask, reused)
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
         if self._prefiller.worker is None:

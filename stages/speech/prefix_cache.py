@@ -63,6 +63,10 @@ class Reuse:
     talker: int
 
 
+#: A shorter common prefix is read again: copying it would save less than the smallest piece.
+MIN_REUSE = 64
+
+
 def plan_reuse(
     keys: np.ndarray, user: np.ndarray | None, slot: int, held: Prefix
 ) -> Reuse | None:
@@ -147,15 +151,17 @@ class SlotPool:
         self.hold(slot, prefix)
         heapq.heappush(self._free, slot)
 
-    def best(self, keys: np.ndarray, user: np.ndarray | None) -> Reuse | None:
-        """The longest prefix of the prompt ``keys`` that a slot holds (see :func:`plan_reuse`);
-        marks it used."""
+    def best(self, keys: np.ndarray, user: np.ndarray | None, at_least: int = MIN_REUSE) -> Reuse | None:
+        """The longest prefix of the prompt ``keys``, of ``at_least`` positions, that a slot
+        holds (see :func:`plan_reuse`); marks it used."""
         best: Reuse | None = None
         for slot, held in self.held.items():
             if held.keys.shape[0] == 0 or held.keys[0] != keys[0]:
                 continue
             reuse = plan_reuse(keys, user, slot, held)
-            if reuse is not None and (best is None or reuse.thinker > best.thinker):
+            if reuse is None or reuse.thinker < at_least:
+                continue
+            if best is None or reuse.thinker > best.thinker:
                 best = reuse
         if best is not None:
             self._used[best.slot] = next(self._clock)

@@ -123,7 +123,9 @@ def test_audio_turns_stream_speech_and_carry_history(demo: DemoServer) -> None:
             client = SdkClient(conn)
             assert (await client.recv())["type"] == "session.created"
             # OpenAI's voice name: an alias of one of the model's voices, so the real pipeline speaks.
-            session = await _manual_turns(client, audio={"output": {"voice": "marin"}})
+            instructions = "You are a helpful voice assistant. Answer briefly and kindly. " * 6
+            voice = {"output": {"voice": "marin"}}
+            session = await _manual_turns(client, audio=voice, instructions=instructions)
             assert session["audio"]["output"]["voice"] == "marin"
             events, first_audio = await _audio_turn(client)
             kinds = [e["type"] for e in events]
@@ -165,7 +167,7 @@ def test_audio_turns_stream_speech_and_carry_history(demo: DemoServer) -> None:
             assert (
                 usage2["input_tokens"] > usage["input_tokens"] + usage["output_token_details"]["text_tokens"]
             )
-            # ... which is not read again: the first turn's prompt (its audio too) is reused.
+            # ... which is not read again: the first turn's prompt (instructions, its audio) is reused.
             cached = usage2["input_token_details"]
             assert usage["input_token_details"]["cached_tokens"] < usage["input_tokens"]
             assert usage["input_tokens"] <= cached["cached_tokens"] < usage2["input_tokens"]

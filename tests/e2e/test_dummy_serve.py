@@ -83,3 +83,7 @@ def test_a_prompt_longer_than_the_prefill_chunk_is_read_in_pieces_and_answered(s
     # The second read only the prompt's last position: the rest was the first one's.
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
     assert cached[0] < PREFILL_CHUNK and cached[1] == replies[1].usage.prompt_tokens - 1
+    metrics = httpx.get(server + "/metrics").text
+    counted = re.findall(r'^omnirt_prompt_tokens_total\{kind="speech",source="(\w+)"\} (\S+)$', metrics, re.M)
+    tokens = {source: float(n) for source, n in counted}
+    assert tokens["cached"] >= cached[1] and tokens["read"] >= replies[0].usage.prompt_tokens - cached[0]

@@ -65,13 +65,13 @@ def test_pool_hands_out_the_lowest_slot_and_moves_a_held_prefix_out_of_the_way()
     pool = SlotPool(4, lambda s, t, p: moves.append((s, t, p.keys.shape[0])))
     assert [pool.take(), pool.take()] == [0, 1]
     pool.give(0, Prefix(keys(1, 2, 3)))
-    assert pool.take() == 0 and pool.best(keys(1, 2, 3, 4), None).slot == 0  # held until vacated
+    assert pool.take() == 0 and pool.best(keys(1, 2, 3, 4), None, at_least=1).slot == 0  # held until vacated
     assert pool.vacate(0) == 3 and moves == [(0, 3, 3)]  # to the highest free slot holding nothing
-    assert pool.best(keys(1, 2, 3, 4), None).slot == 3
+    assert pool.best(keys(1, 2, 3, 4), None, at_least=1).slot == 3
     assert pool.take() == 2 and pool.vacate(2) is None  # it held nothing
     assert pool.take() == 3
     assert pool.vacate(3) is None and moves == [(0, 3, 3)]  # no room left: the prefix is dropped
-    assert pool.best(keys(1, 2, 3, 4), None) is None and len(pool) == 0
+    assert pool.best(keys(1, 2, 3, 4), None, at_least=1) is None and len(pool) == 0
 
 
 def test_pool_moves_over_the_least_recently_used_prefix() -> None:
@@ -84,9 +84,9 @@ def test_pool_moves_over_the_least_recently_used_prefix() -> None:
     pool.give(0, Prefix(keys(7, 7)))  # newest
     assert pool.take() == 0 and pool.vacate(0) == 2
     assert moves == [(0, 2)]  # over the oldest (slot 2's), not slot 1's
-    assert pool.best(keys(7, 7, 1), None).slot == 2
-    assert pool.best(keys(5, 5, 1), None) is None
-    assert pool.best(keys(6, 6, 1), None).slot == 1
+    assert pool.best(keys(7, 7, 1), None, at_least=1).slot == 2
+    assert pool.best(keys(5, 5, 1), None, at_least=1) is None
+    assert pool.best(keys(6, 6, 1), None, at_least=1).slot == 1
 
 
 # -- the pipeline --------------------------------------------------------------------------------
@@ -188,15 +188,25 @@ def test_another_audio_of_the_same_length_is_not_reused(pipes) -> None:
     """Two prompts whose tokens are the same but whose audio differs share only the text before
     the audio."""
     cached, whole = pipes
-    a = [ContextMessage("user", (AudioPart(tone(0.7, 200.0, seed=1)), TextPart("same words")))]
-    b = [ContextMessage("user", (AudioPart(tone(0.7, 410.0, seed=2)), TextPart("same words")))]
+    context = ContextMessage("user", (TextPart("the same words " * 30),))
+    a = [context, ContextMessage("user", (AudioPart(tone(0.7, 200.0, seed=1)), TextPart("same words")))]
+    b = [context, ContextMessage("user", (AudioPart(tone(0.7, 410.0, seed=2)), TextPart("same words")))]
     run(cached, [turn("a", a)])
     got, tokens, _ = run(cached, [turn("b", b)])
     want, want_tokens, _ = run(whole, [turn("b", b)])
     assert tokens == want_tokens
     same_reply(got["b"], want["b"])
     usage = got["b"][2].usage
-    assert usage.cached_audio_tokens == 0 and 0 < usage.cached_tokens < 20
+    assert usage.cached_audio_tokens == 0 and 64 <= usage.cached_tokens < usage.input_text_tokens
+
+
+def test_a_short_common_prefix_is_read_again(pipes) -> None:
+    """A prefix shorter than the smallest piece (a system prompt, a short first message) is not
+    worth a copy: the prompt is read whole."""
+    cached, _ = pipes
+    run(cached, [turn("s1", [ContextMessage("user", (TextPart("hello"),))])])
+    got, _, _ = run(cached, [turn("s2", [ContextMessage("user", (TextPart("hello again"),))])])
+    assert got["s2"][2].usage.cached_tokens == 0
 
 
 def test_a_prefix_moved_out_of_the_way_is_still_reused(demo_dir: Path) -> None:
