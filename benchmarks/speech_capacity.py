@@ -5,9 +5,11 @@ random weights, a checkpoint folder, or the embedded demo), then for each sessio
 N sessions speaking at once: each session sends an audio turn (``--audio-seconds`` of a
 speech-like tone, ``output_audio=True``, replies capped at ``--max-output-tokens`` thinker tokens
 and ``--max-audio-frames`` talker frames) and starts its next turn as soon as one finishes, so N
-turns are always in flight. First turns are staggered over ``--ramp-ticks`` ticks. Everything
-runs in this process through the ``Pipeline`` protocol (``add`` / ``step`` / ``has_work``): no
-server, no engine thread.
+turns are always in flight. Each turn is a new utterance; with ``--history K`` a session's
+turns form conversations of K + 1 turns (each prompt holds the conversation so far: the earlier
+utterances and the replies' text), else each turn is a conversation of its own. First turns
+are staggered over ``--ramp-ticks`` ticks. Everything runs in this process through the
+``Pipeline`` protocol (``add`` / ``step`` / ``has_work``): no server, no engine thread.
 
 A tick is one round of the loop: admitting new turns, then ``pipeline.step()`` (on CUDA timed
 with ``torch.cuda.synchronize()`` before reading the clock). Measuring starts once every
@@ -52,6 +54,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import re
 import sys
 import time
 from collections import Counter, defaultdict
@@ -69,6 +72,7 @@ from omnirt.stages.types import (
     ContextMessage,
     Finished,
     GenerationRequest,
+    TextDelta,
     TextPart,
 )
 
@@ -175,6 +179,9 @@ class Session:
     ever_heard: bool = False
     in_window: bool = False  # this turn was added inside the measured window
     turns: int = 0
+    history: list = field(default_factory=list)  # the conversation so far (``--history``)
+    asked: Any = None  # this turn's user message
+    reply: list = field(default_factory=list)  # this turn's reply text
     speak_wall: float = 0.0  # window: wall time of the ticks in which it got a frame
     frames: int = 0  # window: frames it got
 
@@ -217,16 +224,26 @@ class Driver:
         # A new utterance each turn: a repeated prompt would be read once and then reused whole
         # (the prefix cache), which no conversation does.
         audio = speechlike_tone(self.args.audio_seconds, seed=session.index * 100_003 + session.turns)
-        parts = (AudioPart(audio), TextPart("Please answer briefly."))
+        session.asked = ContextMessage("user", (AudioPart(audio), TextPart("Please answer briefly.")))
         return GenerationRequest(
             request_id=f"s{session.index}-t{session.turns}",
-            messages=[ContextMessage("user", parts)],
+            messages=[*session.history, session.asked],
             output_audio=True,
             max_output_tokens=self.args.max_output_tokens,
             temperature=self.args.temperature,
             top_p=self.args.top_p,
             seed=self.turn_seq,
         )
+
+    def _remember(self, session: Session, answered: bool) -> None:
+        """Ends a turn: with ``--history``, it joins the conversation (a new one once it holds
+        ``--history`` turns)."""
+        # Random weights babble special tokens, which a prompt's text may not hold.
+        reply, session.reply = re.sub(r"<[^<>\s]{1,40}>", "", "".join(session.reply)), []
+        if not self.args.history or len(session.history) >= 2 * self.args.history:
+            session.history = []
+        elif answered:
+            session.history += [session.asked, ContextMessage("assistant", (TextPart(reply),))]
 
     def run(
         self,
@@ -294,11 +311,14 @@ class Driver:
                         s.heard = s.ever_heard = True
                         if s.in_window:
                             level.first_audio.append(t1 - s.added_at)
+                elif isinstance(out, TextDelta):
+                    s.reply.append(out.text)
                 elif isinstance(out, Finished):
                     if out.reason == "error":
                         level.errors[out.error or "error"] += 1
                     elif phase == "window":
                         level.turns_done += 1
+                    self._remember(s, out.reason != "error")
                     s.request_id = None
             counted = self.counter.take()
             if self.counter.exact and audio_frames and not counted and not self.counter.ever:
@@ -448,6 +468,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--audio-seconds", type=float, default=1.0, help="input audio per turn")
     parser.add_argument("--max-output-tokens", type=int, default=16, help="thinker tokens per reply")
     parser.add_argument(
+        "--history", type=int, default=0, metavar="K",
+        help="earlier turns a prompt holds (conversations of K+1 turns)",
+    )
+    parser.add_argument(
         "--max-audio-frames", type=int, default=64, help="talker frames per reply (80 ms each)"
     )
     parser.add_argument("--temperature", type=float, default=0.7, help="0: greedy (talker too)")
@@ -492,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- each turn: {args.audio_seconds:g} s of input audio, up to {args.max_output_tokens} "
         f"thinker tokens and {args.max_audio_frames} talker frames, temperature {args.temperature:g}; "
         f"{args.seconds:g} s measured per level after the ramp (limit {args.level_timeout:g} s per level)"
+        + (f"; conversations of {args.history + 1} turns" if args.history else "")
     )
     if not can_switch:
         print(
