@@ -449,6 +449,7 @@ async def sample_rss(proc: psutil.Process, phase: Phase, every: float, t0: float
 async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes]) -> Phase:
     phase = Phase(name)
     log_path = Path(args.log_dir) / f"soak-{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with server(args, log_path) as (base, proc):
         url = f"{base}/v1/realtime"
         t0 = time.monotonic()

@@ -172,7 +172,7 @@ def _next_turn(
         t0 = time.perf_counter()
         reused = (0, 0)
         reuse = pipe._reuse(active) if mode != "whole" else None
-        moved = pipe._free.vacate(active.slot)
+        moved = pipe._slots.vacate(active.slot)
         if reuse and reuse.slot == active.slot and moved is not None:
             reuse = dataclasses.replace(reuse, slot=moved)
         if reuse:

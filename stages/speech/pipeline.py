@@ -4,7 +4,10 @@ One :meth:`SpeechPipeline.step` is one scheduler tick for every admitted request
 
 1. the prefill of each new request (:mod:`.prefill`): the thinker's prompt pass (audio and
    vision encoders, then the layers in static-length pieces, :mod:`.thinker`) that draws the
-   first reply token, then the talker's prompt pass that draws the first codec code. Inline,
+   first reply token, then the talker's prompt pass that draws the first codec code. Both read
+   only what follows the longest prefix a slot already holds (the conversation's previous
+   prompt and reply, another response's prompt over the same context), copied into the
+   request's slots first (:mod:`.prefix_cache`). Inline,
    each tick one piece (``prefill_chunk`` tokens of a pass) of each of the
    ``prefills_per_step`` prompts with the fewest pieces left, so a long prompt takes several
    ticks, never stalls the others for more than a piece, and never holds up a short turn; or
@@ -243,7 +246,7 @@ class SpeechPipeline:
         self.token_observer: Callable[[str, int], None] | None = None
         #: Slots, and the prompt prefix each one's caches hold for later requests (``prefix_cache``).
         self.prefix_cache = prefix_cache
-        self._free = SlotPool(max_slots, self._move_prefix)
+        self._slots = SlotPool(max_slots, self._move_prefix)
         self._active: dict[str, _Active] = {}
         #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
         self.calls: CallCounter = collections.Counter()
@@ -300,7 +303,7 @@ class SpeechPipeline:
         prefixes held so far forgotten)."""
         self.prefix_cache = enabled
         if not enabled:
-            self._free.clear()
+            self._slots.clear()
 
     def warm_up(self) -> None:
         """Runs one tiny audio turn end to end (lazy initialisation, allocator warm-up) and
@@ -325,10 +328,10 @@ class SpeechPipeline:
     # -- Pipeline protocol -----------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return len(self._slots)
 
     def can_add(self) -> bool:
-        return bool(self._free)
+        return bool(self._slots)
 
     def has_work(self) -> bool:
         return any(not a.held for a in self._active.values())
@@ -394,7 +397,7 @@ class SpeechPipeline:
         """Takes a slot; ``prepared`` defaults to ``self.prepare(request)``, run here."""
         if request.request_id in self._active:
             raise RequestRejected(f"request id {request.request_id!r} is already active")
-        if not self._free:
+        if not self._slots:
             raise RequestRejected("no free slot")
         if prepared is None:
             prepared = self.prepare(request)
@@ -405,7 +408,7 @@ class SpeechPipeline:
             input_audio_tokens=prompt.audio_tokens,
             input_image_tokens=prompt.image_tokens,
         )
-        slot = self._free.take()
+        slot = self._slots.take()
         seed = fresh_seed(request.seed)
         self.thinker.sampling.set(
             slot, temperature=request.temperature, top_k=0, top_p=request.top_p, seed=seed
@@ -519,18 +522,18 @@ class SpeechPipeline:
 
     # -- thinker ------------------------------------------------------------------------------------
     def _take_prefills(self, out: list[tuple[str, Output]], idle: bool) -> list[tuple[_Active, torch.Tensor]]:
-        """Starts the prefill of every new request and loads those that are done; returns their
-        first tokens (on the device). Inline (the default), the ``prefills_per_step`` prompts
-        with the fewest pieces left each read one piece here (``prefill_chunk`` tokens of a
-        pass; a short prompt's two passes in one tick); on the prefill worker they run whole
-        beside the decode steps, which never wait for them, except on a tick with nothing else
-        to do."""
+        """Starts the prefill of every new request (after the prefix it reuses, copied into its
+        slots) and loads those that are done; returns their first tokens (on the device).
+        Inline (the default), the ``prefills_per_step`` prompts with the fewest pieces left each
+        read one piece here (``prefill_chunk`` tokens of a pass; a short prompt's two passes in
+        one tick); on the prefill worker they run whole beside the decode steps, which never
+        wait for them, except on a tick with nothing else to do."""
         for active in self._active.values():
             if active.job is None:
                 reuse = self._reuse(active)
                 if reuse is False:
                     continue  # waits for a prompt being read that it shares more of
-                moved = self._free.vacate(active.slot)
+                moved = self._slots.vacate(active.slot)
                 if reuse is not None and reuse.slot == active.slot and moved is not None:
                     reuse = dataclasses.replace(reuse, slot=moved)  # reused from where it went
                 speaker = active.talker.speaker_id if active.talker is not None else None
@@ -568,7 +571,7 @@ class SpeechPipeline:
             cfg = self.model.config
             ids = active.prompt.input_ids[0]
             user = user_positions(ids, cfg.im_start_token_id, cfg.user_token_id).numpy()
-        best = self._free.best(keys, user)
+        best = self._slots.best(keys, user)
         got = best.thinker if best is not None else 0
         for other in self._active.values():
             theirs = other.prompt.fingerprint
@@ -639,7 +642,7 @@ class SpeechPipeline:
             t.prompt = done.talker_prompt
             self.talker.load(active.slot, done.talker)
             t.started = True
-        self._free.hold(active.slot, self._held(active))
+        self._slots.hold(active.slot, self._held(active))
         return done.thinker.token
 
     def _thinker_step(self, rows: list[_Active], batch: int) -> torch.Tensor:
@@ -845,10 +848,10 @@ class SpeechPipeline:
         fed = self.thinker.kv.length(active.slot) - active.prompt.length
         held = self._held(active, fed) if keep else None
         if keep and active.job is None:  # never started: what the slot held is still there
-            held = self._free.held.get(active.slot)
+            held = self._slots.held.get(active.slot)
         self.thinker.kv.reset(active.slot)
         self.thinker.masks.reset(active.slot)
         if self.has_talker:
             self.talker.kv.reset(active.slot)
             self.vocoder.close(active.request.request_id)
-        self._free.give(active.slot, held)
+        self._slots.give(active.slot, held)

@@ -217,10 +217,10 @@ def test_a_prefix_moved_out_of_the_way_is_still_reused(demo_dir: Path) -> None:
     whole = load_speech_pipeline(demo_dir, max_slots=3, max_audio_frames=20, prefix_cache=False)
     first = ContextMessage("user", (TextPart("tell me about the sea " * 10),))
     text1 = run(cached, [turn("c1", [first])])[0]["c1"][0]
-    assert set(cached._free.held) == {0}
+    assert set(cached._slots.held) == {0}
     cached.add(turn("x", [ContextMessage("user", (TextPart("something else"),))], max_output_tokens=30))
     outs = cached.step()  # x holds slot 0 now: c1's prefix moved to the highest free slot
-    assert set(cached._free.held) == {0, 2} and len(cached._free.held[2].keys) > 60
+    assert set(cached._slots.held) == {0, 2} and len(cached._slots.held[2].keys) > 60
     reply = ContextMessage("assistant", (TextPart(text1),))
     second = [first, reply, ContextMessage("user", (TextPart("more"),))]
     cached.add(turn("c2", second))  # slot 1, beside x

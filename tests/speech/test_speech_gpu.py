@@ -208,7 +208,7 @@ def _graphs_equal_eager(pipe, requests) -> None:
     sampled): the paths taken are all graph / all eager, the tokens and PCM equal bitwise."""
     tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
     pipe.use_graphs(False)
-    pipe._free.clear()  # the eager turns read what the graph turns read, prefixes reused alike
+    pipe._slots.clear()  # the eager turns read what the graph turns read, prefixes reused alike
     tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
     assert paths_g == {"graph"} and paths_e == {"eager"}
     differ = []
@@ -266,7 +266,7 @@ def test_prompt_pieces_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
         ]
 
     _graphs_equal_eager(pipe, requests)
-    assert pipe._free.held and max(len(p.keys) for p in pipe._free.held.values()) > 64
+    assert pipe._slots.held and max(len(p.keys) for p in pipe._slots.held.values()) > 64
     print(f"\n[gpu] {dtype}: prompts of 4 to 9 pieces, one after a reused prefix: tokens and PCM "
           "graph == eager bitwise")
 
