@@ -99,15 +99,14 @@ class ServerConfig:
     max_send_queue_bytes: int = 8 * 1024 * 1024
     #: Past this many queued bytes the connection's responses are held (they take no model steps)
     #: until the client has read the queue down to half of it: a client that reads slowly gets
-    #: no compute ahead of its reading. 128 KiB: about 2 s of audio deltas (a session streams
-    #: about 64 KB/s; a client that reads as it plays never comes near).
-    hold_send_queue_bytes: int = 128 * 1024
+    #: no compute ahead of its reading. 256 KiB: about 4 s of audio deltas.
+    hold_send_queue_bytes: int = 256 * 1024
     #: A client held this long without reading its queue down is closed with 1008, as one past
     #: ``max_send_queue_bytes`` is.
     max_held_seconds: float = 30.0
     #: Kernel send buffer (SO_SNDBUF) of each realtime WebSocket connection (``realtime.ws_protocol``);
     #: 0: the kernel's automatic sizing (which grows to megabytes even for a client that never reads).
-    ws_send_buffer_bytes: int = 64 * 1024
+    ws_send_buffer_bytes: int = 128 * 1024
     #: Realtime conversation caps: items held, and bytes held (text, audio, images); over
     #: either, ``conversation.item.create`` and commits get ``conversation_limit_exceeded``.
     max_conversation_items: int = 1000

@@ -4,9 +4,9 @@ Linux grows a TCP socket's send buffer on its own (up to 4 MiB by default), also
 that reads nothing, and the server cannot tell those bytes from bytes the client has taken: a
 client that stops reading would only show up as behind (``realtime.ws``: its responses held,
 then closed) after megabytes of generated audio, minutes of model time. Realtime connections
-therefore get a fixed send buffer (``ws_send_buffer_bytes``, 64 KiB: the kernel doubles it to
-128 KiB, about 2 s of audio deltas, and still ~1.3 MB/s at a 100 ms round trip, twenty times what
-a session streams); HTTP responses (images, videos) keep the kernel's automatic sizing.
+therefore get a fixed send buffer (``ws_send_buffer_bytes``, 128 KiB: the kernel doubles it to
+256 KiB, about 4 s of audio deltas, and still ~2.5 MB/s at a 100 ms round trip, far above what a
+session streams); HTTP responses (images, videos) keep the kernel's automatic sizing.
 """
 
 from __future__ import annotations
