@@ -33,7 +33,6 @@ Checked on CPU with the demo model::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -135,7 +134,8 @@ def _long_prompt(pipe, args: argparse.Namespace, device: torch.device) -> tuple[
     for _ in range(2):
         pipe.add(request, prepared)
         active = pipe._active["long"]
-        job = pipe._prefiller.start(active.slot, active.prompt, prepared.speaker_id)
+        pipe._start_prefill(active)
+        job = active.job
         pieces = []
         while not job.done():
             _sync(device)
@@ -166,26 +166,20 @@ def _next_turn(
     prepared = pipe.prepare(request)
     result = {}
     for mode in ("prefix cache", "whole"):
+        pipe.use_prefix_cache(mode != "whole")
         pipe.add(request, prepared)
         active = pipe._active["n"]
         _sync(device)
         t0 = time.perf_counter()
-        reused = (0, 0)
-        reuse = pipe._reuse(active) if mode != "whole" else None
-        moved = pipe._slots.vacate(active.slot)
-        if reuse and reuse.slot == active.slot and moved is not None:
-            reuse = dataclasses.replace(reuse, slot=moved)
-        if reuse:
-            pipe._copy_prefix(active, reuse)
-            reused = (reuse.thinker, reuse.talker)
-        job = pipe._prefiller.start(active.slot, active.prompt, prepared.speaker_id, None, reused)
+        pipe._start_prefill(active)  # the copy of a reused prefix included
+        job = active.job
         pieces = 0
         while not job.done():
             job.advance()
             pieces += 1
         job.result()
         _sync(device)
-        result[mode] = ((time.perf_counter() - t0) * 1000, pieces, reused[0])
+        result[mode] = ((time.perf_counter() - t0) * 1000, pieces, active.usage.cached_tokens)
         pipe.remove("n")
     return result
 
@@ -237,13 +231,15 @@ def main() -> None:
     def prefill() -> None:  # the prefill of one new turn (thinker, then talker), then loaded
         pipe.add(request, prepared)
         active = pipe._active["p"]
-        active.job = pipe._prefiller.start(active.slot, active.prompt, prepared.speaker_id)
+        pipe._start_prefill(active)
         active.job.run()
         pipe._load_prefill(active, [])
         pipe.remove("p")
 
+    pipe.use_prefix_cache(False)  # prompts read whole: the same prompt is timed again and again
     prefill_ms = _timed(prefill, device, max(3, args.iters // 4))
     long = _long_prompt(pipe, args, device) if args.long_prompt else None
+    pipe.use_prefix_cache(True)
     following = _next_turn(pipe, args, device, parts) if args.long_prompt else None
 
     # -- decode steps at each batch ------------------------------------------------------------------

@@ -530,21 +530,7 @@ class SpeechPipeline:
         wait for them, except on a tick with nothing else to do."""
         for active in self._active.values():
             if active.job is None:
-                reuse = self._reuse(active)
-                if reuse is False:
-                    continue  # waits for a prompt being read that it shares more of
-                moved = self._slots.vacate(active.slot)
-                if reuse is not None and reuse.slot == active.slot and moved is not None:
-                    reuse = dataclasses.replace(reuse, slot=moved)  # reused from where it went
-                speaker = active.talker.speaker_id if active.talker is not None else None
-                mask = active.constraint.first if active.constraint is not None else None
-                reused = (0, 0)
-                if reuse is not None:
-                    self._copy_prefix(active, reuse)
-                    reused = (reuse.thinker, reuse.talker)
-                self.prompt_tokens["cached"] += reused[0]
-                self.prompt_tokens["read"] += active.prompt.length - reused[0]
-                active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask, reused)
+                self._start_prefill(active)
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
         if self._prefiller.worker is None:
             self._advance_prefills([a for a in pending if not a.job.done()])  # type: ignore[union-attr]
@@ -557,6 +543,25 @@ class SpeechPipeline:
                 if token is not None:
                     first.append((active, token))
         return first
+
+    def _start_prefill(self, active: _Active) -> None:
+        """Starts the request's prefill (``active.job``) after the prefix it reuses, copied into
+        its slots; or nothing yet, while it waits for a prompt being read (:meth:`_reuse`)."""
+        reuse = self._reuse(active)
+        if reuse is False:
+            return
+        moved = self._slots.vacate(active.slot)
+        if reuse is not None and reuse.slot == active.slot and moved is not None:
+            reuse = dataclasses.replace(reuse, slot=moved)  # reused from where it went
+        speaker = active.talker.speaker_id if active.talker is not None else None
+        mask = active.constraint.first if active.constraint is not None else None
+        reused = (0, 0)
+        if reuse is not None:
+            self._copy_prefix(active, reuse)
+            reused = (reuse.thinker, reuse.talker)
+        self.prompt_tokens["cached"] += reused[0]
+        self.prompt_tokens["read"] += active.prompt.length - reused[0]
+        active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask, reused)
 
     def _reuse(self, active: _Active) -> Reuse | None | bool:
         """The longest prefix of the request's prompt that a slot holds (None: none), or False
