@@ -228,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         "request of the same conversation (or over the same context) has read",
     )
     serve.add_argument(
+        "--fused-kernels",
+        choices=("auto", "on", "off"),
+        default=ServerConfig.fused_kernels,
+        help="the fused Triton kernels (QK norm + RoPE, AdaLN) on CUDA: auto (the default) where they "
+        "are bitwise equal to eager, on wherever supported, off",
+    )
+    serve.add_argument(
         "--step-cache",
         choices=STEP_CACHES,
         default="none",
@@ -312,6 +319,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         cuda_graphs=not args.no_cuda_graphs,
         prefill_chunk=args.prefill_chunk,
         prefix_cache=not args.no_prefix_cache,
+        fused_kernels=args.fused_kernels,
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),
         metrics_host=args.metrics_host,
@@ -324,6 +332,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
 def serve(config: ServerConfig, *, device: str | None, log_level: str, load_format: str = "auto") -> int:
     # Heavy imports (torch, the model code) only once a server is really wanted.
     import uvicorn
+    from omnirt.kernels import settings as kernel_settings
     from omnirt.sessions.voices import VoiceCatalog
     from omnirt.stages.engine import Engine, EngineClient
     from omnirt.stages.factory import build_pipelines
@@ -332,6 +341,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
     from .graceful import GracefulServer
     from .ws_protocol import websocket_protocol
 
+    kernel_settings.set_fused(config.fused_kernels)  # before the models: the DiT loaders install them
     try:
         pipelines = build_pipelines(
             config.models,

@@ -21,6 +21,10 @@ class ServerConfig:
     #: turn of a conversation, out-of-band responses over one context): only the rest of their
     #: prompt is read (``--no-prefix-cache``: every prompt read whole).
     prefix_cache: bool = True
+    #: The fused Triton kernels of ``kernels/`` (QK norm + RoPE, AdaLN) on CUDA: ``auto`` where
+    #: their exact preset is bitwise equal to eager, ``on`` wherever supported, ``off``
+    #: (``--fused-kernels``).
+    fused_kernels: str = "auto"
     #: The diffusion step cache a request gets when it names none (``--step-cache``: none,
     #: teacache, magcache), its settings (``--step-cache-config``, a JSON object) and calibration
     #: files beyond the shipped ones and the model folders' (``--step-cache-calibration``).

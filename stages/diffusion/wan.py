@@ -33,6 +33,7 @@ import torch
 
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
+from . import fused
 from .denoiser import Branch, Defaults, Shape
 from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, VideoRequest
@@ -151,6 +152,8 @@ class WanDenoiser:
         self._rope_len = int(transformer.config.rope_max_seq_len)
         self._latents_mean = torch.tensor(vae_cfg.latents_mean).view(1, vae_cfg.z_dim, 1, 1, 1)
         self._latents_std = torch.tensor(vae_cfg.latents_std).view(1, vae_cfg.z_dim, 1, 1, 1)
+        if self.device.type == "cuda":  # the fused QK-norm/RoPE and AdaLN kernels, where exact
+            fused.install(transformer)
 
     # -- requests ---------------------------------------------------------------------------------
 

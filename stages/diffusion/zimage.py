@@ -35,6 +35,7 @@ import torch
 
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
+from . import fused
 from .denoiser import Branch, Defaults, Shape
 from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, ImageRequest
@@ -122,6 +123,8 @@ class ZImageDenoiser:
         #: Sides must be multiples of this (the VAE's downsampling times the 2x2 patches).
         self.multiple = self.vae_scale_factor * 2
         self.latent_channels = int(transformer.config.in_channels)
+        if self.device.type == "cuda":  # the fused QK-norm/RoPE kernel, where exact
+            fused.install(transformer)
 
     # -- requests ---------------------------------------------------------------------------
     def check(self, request: DiffusionRequest) -> Shape:

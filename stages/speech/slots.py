@@ -34,8 +34,8 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
+from ...kernels.qk_norm_rope import qk_norm_rope, table_from_halves
 from ..graphs import LengthBucketedRunner
 
 
@@ -118,6 +118,25 @@ def prompt_example(
         example["start"] = torch.full((batch,), length - chunk, dtype=torch.long, device=device)
     return example
 
+
+
+def _norm_rope(
+    attn: nn.Module, h: torch.Tensor, table: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys of ``h`` [B, T, hidden] for attention, [B, heads, T, D]: projected, each
+    head RMSNorm-ed and rotated (transformers' ``q_norm``/``k_norm`` then ``apply_rotary_pos_emb``;
+    one fused launch on CUDA, ``kernels/qk_norm_rope.py``, bitwise the same)."""
+    batch, tokens = h.shape[:2]
+    q, k = qk_norm_rope(
+        attn.q_proj(h).view(batch, tokens, -1, head_dim),
+        attn.k_proj(h).view(batch, tokens, -1, head_dim),
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        table,
+        eps=attn.q_norm.variance_epsilon,
+        interleaved=False,
+    )
+    return q.transpose(1, 2), k.transpose(1, 2)
 
 class PromptPass:
     """A prompt pass read in pieces of ``chunk`` tokens, so that a long prompt never takes a
@@ -292,7 +311,7 @@ class SlotDecoder:
             if self.multimodal_rope
             else positions.view(batch, 1)
         )
-        cos, sin = self.model.rotary_emb(x, pos)
+        table = table_from_halves(*self.model.rotary_emb(x, pos))
         lengths = self.lengths[:batch]
         write_at = torch.where(active, lengths, self.max_len)
         rows = self._rows[:batch]
@@ -302,10 +321,8 @@ class SlotDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(batch, 1, -1, self.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(batch, 1, -1, self.head_dim)).transpose(1, 2)
+            q, k = _norm_rope(attn, h, table, self.head_dim)
             v = attn.v_proj(h).view(batch, 1, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
             cache_k, cache_v = self.keys[i], self.values[i]
             cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
             cache_v[rows, :, write_at] = v[:, :, 0].to(cache_v.dtype)
@@ -352,7 +369,7 @@ class SlotDecoder:
         count = embeds.shape[0]
         x = embeds.unsqueeze(0)
         pos = positions.view(3, 1, count) if self.multimodal_rope else positions.view(1, count)
-        cos, sin = self.model.rotary_emb(x, pos)
+        table = table_from_halves(*self.model.rotary_emb(x, pos))
         kept = x[0] if keep == 0 else None
         gqa = self.num_kv_heads != self.num_heads
         if start is not None:
@@ -363,10 +380,8 @@ class SlotDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(1, count, -1, self.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(1, count, -1, self.head_dim)).transpose(1, 2)
+            q, k = _norm_rope(attn, h, table, self.head_dim)
             v = attn.v_proj(h).view(1, count, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
             cache_k, cache_v = self.keys[i], self.values[i]
             if start is None:
                 cache_k[:, :, :count].index_copy_(0, slot, k.to(cache_k.dtype))

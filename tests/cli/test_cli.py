@@ -118,6 +118,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert chunked.prefill_chunk == 256 and defaults.prefill_chunk == 512
     whole = config_from_args(build_parser().parse_args(["serve", "--no-prefix-cache"]), {})
     assert not whole.prefix_cache and defaults.prefix_cache
+    fused = config_from_args(build_parser().parse_args(["serve", "--fused-kernels", "off"]), {})
+    assert fused.fused_kernels == "off" and defaults.fused_kernels == "auto"
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 

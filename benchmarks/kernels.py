@@ -1,0 +1,343 @@
+"""Fused DiT kernels (``kernels/qk_norm_rope.py``, ``kernels/adaln.py``) against eager and
+``torch.compile`` of the same chains, at real DiT shapes, on a CUDA GPU.
+
+Three tables (markdown), each measured in this run:
+
+1. **numerics**: elements of the fused ``exact`` and ``fast`` outputs that differ from eager's
+   (bf16), per chain and shape; with ``--variants`` every FMA variant of the ``exact`` kernels
+   (how nvcc contracted ATen's code, which decides the last bits), so the constants in the kernel
+   modules can be read off it.
+2. **speed**: time per call of eager, ``torch.compile`` and the fused kernel (median of
+   ``triton.testing.do_bench``), the fused kernel's speed-up over compiled, and its bytes moved
+   (inputs read once, outputs written once) per second as a share of the HBM bandwidth a plain
+   device copy reaches in the same run.
+3. **DiT step** (``--dit-step``): one transformer forward of Z-Image (1024x1024) and Wan (1.3B,
+   480p, 81 frames) built from the published configs with random bf16 weights, with the fused
+   paths installed and without.
+
+    python benchmarks/kernels.py [--variants] [--dit-step] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch._dynamo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: (name, batch, tokens, q heads, k heads, head dim, per head, norm, rope, layout interleaved)
+QK_SHAPES = [
+    ("Z-Image 1024x1024 (4096 + 32 caption)", 1, 4128, 30, 30, 128, True, "composite", "complex", True),
+    ("Z-Image 1024x1024, CFG batch 2", 2, 4128, 30, 30, 128, True, "composite", "complex", True),
+    ("Wan 1.3B 480p 81 frames", 1, 32760, 12, 12, 128, False, "fused", "float32", True),
+    ("Wan 1.3B 720p 81 frames", 1, 75600, 12, 12, 128, False, "fused", "float32", True),
+    ("Wan 14B 480p 81 frames", 1, 32760, 40, 40, 128, False, "fused", "float32", True),
+    ("Wan 14B 720p 81 frames", 1, 75600, 40, 40, 128, False, "fused", "float32", True),
+    ("Wan 14B 720p, CFG batch 2, packed QKV", 2, 75600, 40, 40, 128, False, "fused", "float32", True),
+    ("Qwen3-Omni thinker prefill 2048", 1, 2048, 32, 4, 128, True, "composite", "io", False),
+    ("Qwen3-Omni thinker decode, 64 rows", 64, 1, 32, 4, 128, True, "composite", "io", False),
+]
+#: (name, batch, tokens, channels, modulation)
+ADALN_SHAPES = [
+    ("4096 x 3072, per-sample", 1, 4096, 3072, "sample"),
+    ("Wan 1.3B 480p (32760 x 1536)", 1, 32760, 1536, "sample"),
+    ("Wan 1.3B 720p (75600 x 1536)", 1, 75600, 1536, "sample"),
+    ("Wan 14B 480p (32760 x 5120)", 1, 32760, 5120, "sample"),
+    ("Wan 14B 720p (75600 x 5120)", 1, 75600, 5120, "sample"),
+    ("Wan 14B 720p, CFG batch 2", 2, 75600, 5120, "sample"),
+    ("Wan 2.2 TI2V per-token (4096 x 3072)", 1, 4096, 3072, "token"),
+]
+
+
+def qk_inputs(batch, tokens, hq, hk, dim, per_head, rope, packed, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch.bfloat16
+    width = (hq + 2 * hk) * dim
+    if packed:
+        from omnirt.kernels.qk_norm_rope import split_packed_qkv
+
+        qkv = torch.randn(batch, tokens, width, device="cuda", dtype=dt, generator=g)
+        q, k, _ = split_packed_qkv(qkv, hq, hk, dim)
+    else:
+        q = torch.randn(batch, tokens, hq * dim, device="cuda", dtype=dt, generator=g).unflatten(
+            -1, (hq, dim)
+        )
+        k = torch.randn(batch, tokens, hk * dim, device="cuda", dtype=dt, generator=g).unflatten(
+            -1, (hk, dim)
+        )
+    n_w_q = dim if per_head else hq * dim
+    n_w_k = dim if per_head else hk * dim
+    qw = (1 + 0.1 * torch.randn(n_w_q, device="cuda", generator=g)).to(dt)
+    kw = (1 + 0.1 * torch.randn(n_w_k, device="cuda", generator=g)).to(dt)
+    pos = torch.arange(tokens, device="cuda", dtype=torch.float64)[:, None]
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2, device="cuda", dtype=torch.float64) / dim))
+    angles = pos * freqs[None, :]
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).float()[None]
+    if rope == "io":
+        table = table.to(dt).expand(batch, tokens, dim)
+    return q, k, qw, kw, table
+
+
+def adaln_inputs(batch, tokens, channels, modulation, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(batch, tokens, channels, device="cuda", dtype=torch.bfloat16, generator=g)
+    if modulation == "token":
+        table = torch.randn(batch, tokens, 6, channels, device="cuda", generator=g)
+        shift, scale = table[:, :, 0], table[:, :, 1]
+    else:
+        table = torch.randn(batch, 6, channels, device="cuda", generator=g)
+        shift, scale = table[:, 0:1], table[:, 1:2]  # views at a 6 C stride, as Wan's chunk
+    return x, scale, shift
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Milliseconds per call, replayed from a CUDA graph (device time, without Python's launch
+    overhead: what a graphed or large-batch caller sees)."""
+    import triton.testing
+
+    fn()  # compile and autotune outside the capture
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median"))
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    return int((a.view(torch.int16) != b.view(torch.int16)).sum()), a.numel()
+
+
+def numerics(variants: bool, quick: bool) -> list[str]:
+    from omnirt.kernels.adaln import adaln_modulate_reference, adaln_modulate_triton
+    from omnirt.kernels.qk_norm_rope import _COMPOSITE_SUMS, qk_norm_rope_reference, qk_norm_rope_triton
+
+    rows = ["| chain and shape | preset / variant | q differ | k differ |", "|---|---|---|---|"]
+    shapes = QK_SHAPES[:1] + QK_SHAPES[2:3] + QK_SHAPES[7:] if quick else QK_SHAPES
+    for name, b, t, hq, hk, d, per_head, norm, rope, inter in shapes:
+        packed = "packed" in name
+        q, k, qw, kw, table = qk_inputs(b, t, hq, hk, d, per_head, rope, packed)
+        kw_args = dict(eps=1e-6, interleaved=inter, per_head=per_head, norm=norm, rope=rope)
+        ref = qk_norm_rope_reference(q, k, qw, kw, table, **kw_args)
+        runs = [("fast", {}), ("exact", {})]
+        if variants and norm == "composite":
+            runs += [("exact", {"composite_sum": a}) for a in _COMPOSITE_SUMS]
+        if variants and norm == "fused":
+            runs += [("exact", {"tree": "reduce"})]
+        for preset, extra in runs:
+            try:
+                out = qk_norm_rope_triton(q, k, qw, kw, table, preset=preset, **kw_args, **extra)
+            except Exception as e:  # a variant that does not build: reported, the rest go on
+                rows.append(f"| qk {name} | {preset} {extra} | failed: {' '.join(str(e).split())[-400:]} | |")
+                continue
+            (mq, nq), (mk, nk) = mismatches(out[0], ref[0]), mismatches(out[1], ref[1])
+            label = preset + (f" {extra}" if extra else "")
+            rows.append(f"| qk {name} ({norm}, {rope}) | {label} | {mq} / {nq} | {mk} / {nk} |")
+        del q, k, ref, out
+    for name, b, t, c, mod in ADALN_SHAPES[:3] if quick else ADALN_SHAPES:
+        x, scale, shift = adaln_inputs(b, t, c, mod)
+        ref = adaln_modulate_reference(x, scale, shift, eps=1e-6)
+        runs = [("fast", {}), ("exact", {})]
+        if variants:
+            runs += [
+                ("exact", {"tree": t, "load": ld}) for t in ("split", "reduce") for ld in ("items", "tile")
+            ]
+        for preset, extra in runs:
+            label = preset + (f" {extra}" if extra else "")
+            try:
+                out = adaln_modulate_triton(x, scale, shift, eps=1e-6, preset=preset, **extra)
+            except Exception as e:  # a variant that does not build: reported, the rest go on
+                rows.append(f"| adaln {name} | {label} | failed: {' '.join(str(e).split())[-400:]} | |")
+                continue
+            m, n = mismatches(out, ref)
+            rows.append(f"| adaln {name} | {label} | {m} / {n} | |")
+    return rows
+
+
+def _qk_row(name, b, t, hq, hk, d, per_head, norm, rope, inter, bw, compiled) -> str:
+    from omnirt.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
+
+    q, k, qw, kw, table = qk_inputs(b, t, hq, hk, d, per_head, rope, "packed" in name)
+    args = dict(eps=1e-6, interleaved=inter, per_head=per_head, norm=norm, rope=rope)
+    eager = bench(lambda: qk_norm_rope_reference(q, k, qw, kw, table, **args))
+    comp = bench(lambda: compiled(q, k, qw, kw, table, **args))
+    exact = bench(lambda: qk_norm_rope_triton(q, k, qw, kw, table, preset="exact", **args))
+    fast = bench(lambda: qk_norm_rope_triton(q, k, qw, kw, table, preset="fast", **args))
+    moved = 2 * (q.numel() + k.numel()) * 2 + table[0].numel() * table.element_size()
+    return _speed_row(f"qk-norm+rope {name}", eager, comp, exact, fast, moved, bw)
+
+
+def _adaln_row(name, b, t, c, mod, bw, compiled) -> str:
+    from omnirt.kernels.adaln import adaln_modulate_reference, adaln_modulate_triton
+
+    x, scale, shift = adaln_inputs(b, t, c, mod)
+    eager = bench(lambda: adaln_modulate_reference(x, scale, shift, eps=1e-6))
+    comp = bench(lambda: compiled(x, scale, shift, eps=1e-6))
+    exact = bench(lambda: adaln_modulate_triton(x, scale, shift, eps=1e-6, preset="exact"))
+    fast = bench(lambda: adaln_modulate_triton(x, scale, shift, eps=1e-6, preset="fast"))
+    moved = 2 * x.numel() * 2 + (2 * x.numel() * 4 if mod == "token" else 0)
+    return _speed_row(f"adaln {name}", eager, comp, exact, fast, moved, bw)
+
+
+def _speed_row(name, eager, comp, exact, fast, moved, bw) -> str:
+    rate = moved / (exact / 1e3)
+    return (
+        f"| {name} | {eager:.3f} | {comp:.3f} | {exact:.3f} | {fast:.3f} | {comp / exact:.2f}x "
+        f"| {comp / fast:.2f}x | {rate / 1e9:.0f} ({rate / bw:.0%}) |"
+    )
+
+
+def speed(quick: bool) -> list[str]:
+    from omnirt.kernels.adaln import adaln_modulate_reference
+    from omnirt.kernels.qk_norm_rope import qk_norm_rope_reference
+
+    bw = copy_bandwidth()
+    rows = [
+        f"Device copy bandwidth (read + write, 2 GiB): {bw / 1e12:.2f} TB/s",
+        "",
+        "| kernel and shape | eager ms | compiled ms | fused exact ms | fused fast ms | exact vs compiled "
+        "| fast vs compiled | exact GB/s (share of copy) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    compiled_qk = torch.compile(qk_norm_rope_reference, dynamic=False)
+    compiled_ln = torch.compile(adaln_modulate_reference, dynamic=False)
+    for shape in QK_SHAPES[:3] + QK_SHAPES[5:7] if quick else QK_SHAPES:
+        rows.append(_qk_row(*shape, bw, compiled_qk))
+        torch.cuda.empty_cache()
+    for shape in ADALN_SHAPES[:2] + ADALN_SHAPES[4:5] if quick else ADALN_SHAPES:
+        rows.append(_adaln_row(*shape, bw, compiled_ln))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def variant_speed() -> list[str]:
+    """Time per call of each way the exact kernels walk ATen's order (same bits)."""
+    from omnirt.kernels.adaln import adaln_modulate_triton
+    from omnirt.kernels.qk_norm_rope import qk_norm_rope_triton
+
+    rows = ["| exact kernel variant | ms |", "|---|---|"]
+    for name, b, t, hq, hk, d, per_head, norm, rope, inter in (QK_SHAPES[2], QK_SHAPES[5]):
+        q, k, qw, kw, table = qk_inputs(b, t, hq, hk, d, per_head, rope, False)
+        args = dict(eps=1e-6, interleaved=inter, per_head=per_head, norm=norm, rope=rope)
+        for tree in ("split", "reduce"):
+            ms = bench(functools.partial(qk_norm_rope_triton, q, k, qw, kw, table, tree=tree, **args))
+            rows.append(f"| qk {name} tree={tree} | {ms:.3f} |")
+    for name, b, t, c, mod in (ADALN_SHAPES[0], ADALN_SHAPES[1], ADALN_SHAPES[4]):
+        x, scale, shift = adaln_inputs(b, t, c, mod)
+        for tree in ("split", "reduce"):
+            for load in ("items", "tile"):
+                ms = bench(
+                    functools.partial(adaln_modulate_triton, x, scale, shift, eps=1e-6, tree=tree, load=load)
+                )
+                rows.append(f"| adaln {name} tree={tree} load={load} | {ms:.3f} |")
+    return rows
+
+
+def dit_step() -> list[str]:
+    models = ROOT / "benchmarks/models"
+    z_cfg = json.loads((models / "z-image-turbo/z-image-turbo.components.json").read_text())["transformer"]
+    w_cfg = json.loads((models / "wan2.1-t2v/wan2.1-t2v.components.json").read_text())["transformer_1.3b"]
+    rows = [
+        "| DiT step (random bf16 weights) | eager ms | fused ms | speed-up | output bitwise equal |",
+        "|---|---|---|---|---|",
+        _zimage_step(z_cfg),
+    ]
+    torch.cuda.empty_cache()
+    rows.append(_wan_step(w_cfg))
+    return rows
+
+
+def _zimage_step(cfg: dict) -> str:
+    from diffusers import ZImageTransformer2DModel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = ZImageTransformer2DModel.from_config({k: v for k, v in cfg.items() if not k.startswith("_")})
+        model = model.to(torch.bfloat16).eval()
+    latents = [torch.randn(16, 1, 128, 128, device="cuda", dtype=torch.bfloat16, generator=g)]
+    caption = [torch.randn(32, cfg["cap_feat_dim"], device="cuda", dtype=torch.bfloat16, generator=g)]
+    t = torch.tensor([0.5], device="cuda", dtype=torch.bfloat16)
+    name = "Z-Image 6.15B, 1024x1024"
+    return _step_row(name, model, lambda: model(latents, t, caption, return_dict=False)[0][0])
+
+
+def _wan_step(cfg: dict) -> str:
+    from diffusers import WanTransformer3DModel
+    from omnirt.stages.diffusion.wan_loader import _cast_keeping_fp32
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = WanTransformer3DModel.from_config({k: v for k, v in cfg.items() if not k.startswith("_")})
+        _cast_keeping_fp32(model, torch.bfloat16)
+        model = model.eval()
+    video = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.bfloat16, generator=g)
+    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    step = torch.tensor([500.0], device="cuda")
+    name = "Wan 1.3B, 480p 81 frames"
+    return _step_row(name, model, lambda: model(video, step, text, return_dict=False)[0])
+
+
+def _step_row(name, model, call) -> str:
+    from omnirt.stages.diffusion.fused import install, uninstall
+
+    with torch.no_grad():
+        uninstall(model)
+        ref = call()
+        eager = bench(call)
+        sites = install(model)
+        out = call()
+        fused = bench(call)
+        uninstall(model)
+    same = bool(torch.equal(ref, out))
+    return f"| {name} ({sites} fused sites) | {eager:.1f} | {fused:.1f} | {eager / fused:.2f}x | {same} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--variants", action="store_true", help="numerics of every FMA variant of the exact kernels"
+    )
+    p.add_argument("--dit-step", action="store_true", help="also one Z-Image and one Wan transformer step")
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--variant-speed", action="store_true", help="time each variant of the exact kernels")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from omnirt.kernels import settings
+
+    settings.set_fused("on")
+    torch._dynamo.config.recompile_limit = 64  # one compile per shape, never a fall-back to eager
+    print(f"# Fused DiT kernels on {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
+    print("## Numerics (elements differing from eager, bf16)\n")
+    print("\n".join(numerics(args.variants, args.quick)), flush=True)
+    if args.variant_speed:
+        print("\n## Exact kernel variants\n")
+        print("\n".join(variant_speed()), flush=True)
+    if not args.skip_speed:
+        print("\n## Speed\n")
+        print("\n".join(speed(args.quick)), flush=True)
+    if args.dit_step:
+        print("\n## One transformer step\n")
+        print("\n".join(dit_step()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""LayerNorm fused with adaptive scale/shift modulation: ``(LN(x) * (1 + scale) + shift)`` in one
+launch.
+
+``adaln_modulate(x, scale, shift, eps=...)`` with ``x`` [B, S, C] (any strides with a contiguous
+last dim) and ``scale``/``shift`` broadcastable to it: shared ``(C,)``, ``(1, C)``, ``(1, 1, C)``,
+per sample ``(B, 1, C)`` or per token ``(B, S, C)``, contiguous or strided views (Wan's
+``(table + temb).chunk(6, dim=1)`` pieces are views at a ``6 C`` stride). Either may be None.
+Optional LayerNorm ``weight``/``bias`` (C,). Returns ``x``'s shape and dtype, contiguous.
+
+The chain is the DiT's (Wan's ``WanTransformerBlock`` norm1/norm3, diffusers 0.42): LayerNorm in
+fp32 of ``x.float()`` (``FP32LayerNorm``), times ``1 + scale`` (an fp32 sum of its own), plus
+``shift``, each in fp32, rounded once to ``x``'s dtype. Eager it is 5 launches and 5 passes over
+the activations in fp32. ``exact`` reproduces each rounding, including the row statistics as ATen's
+fused layer-norm kernel folds them (a Welford triple per thread in 4-element vectors, then a
+halving tree, ``reduce_order``); ``fast`` computes the statistics in Triton's order and rounds
+once.
+
+:func:`adaln_modulate` dispatches through the custom op ``omnirt::adaln_modulate`` (traced by
+``torch.compile``, captured by CUDA graphs) where the kernel applies, and runs the eager chain
+(:func:`adaln_modulate_reference`) elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import settings
+from .reduce_order import LN_THREADS, LN_VEC
+from .settings import Preset, check_preset
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+
+    from .reduce_order import half_sum  # noqa: F401  (the tree the Welford combine mirrors)
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+#: Widest row the kernel holds in registers.
+MAX_WIDTH = 16384
+#: How nvcc contracted ``nA * A.mean + nB * B.mean`` in ATen's Welford combine (``"none"``,
+#: ``"a"``: ``fma(nA, A.mean, nB * B.mean)``, ``"b"``: ``fma(nB, B.mean, nA * A.mean)``), and
+#: whether the online update and the combine's ``sigma2`` are fused multiply-adds. Measured on
+#: the H200 (``benchmarks/kernels.py --numerics``).
+COMBINE_MEAN_FMA = "a"  # (the measured shapes do not tell the three apart)
+_COMBINE_MEAN_FMAS = ("none", "a", "b")
+ONLINE_FMA = True
+#: How the kernel walks ATen's order: the halving tree as explicit splits (``"split"``) or as
+#: Triton's own reduction over 4 warps (``"reduce"``); each thread's vectors as 4 loads
+#: (``"items"``) or one [128, 4] tile (``"tile"``). All give the same bits; they differ in speed.
+TREE = "reduce"
+LOAD = "items"
+#: Whether ``exact`` is bitwise equal to eager on the GPU tests' shapes (measured on the H200,
+#: without a LayerNorm weight and bias, as Wan's norm1/norm3); the dispatcher's ``auto`` setting
+#: uses the kernel only then.
+BITWISE = True
+
+
+def adaln_modulate_reference(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    *,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale_offset: float = 1.0,
+) -> torch.Tensor:
+    """The eager chain, as Wan's block writes it."""
+    out = F.layer_norm(
+        x.float(),
+        (x.shape[-1],),
+        weight.float() if weight is not None else None,
+        bias.float() if bias is not None else None,
+        eps,
+    )
+    if scale is not None:
+        out = out * (scale_offset + scale.float())
+    if shift is not None:
+        out = out + shift.float()
+    return out.to(x.dtype).contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _halves(x, R: tl.constexpr, N: tl.constexpr):
+        """``x`` [R, N] as its first and second halves of columns, each [R, N / 2]."""
+        return tl.split(tl.permute(tl.reshape(x, (R, 2, N // 2)), (0, 2, 1)))
+
+    @triton.jit
+    def _online(v, mean, m2, count, live, ONLINE_FMA: tl.constexpr):
+        """ATen's ``cuWelfordOnlineSum`` of one element per thread (where ``live``)."""
+        delta = v - mean
+        new_count = count + 1.0
+        coef = tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), new_count)
+        if ONLINE_FMA:
+            new_mean = tl.fma(delta, coef, mean)
+            new_m2 = tl.fma(delta, v - new_mean, m2)
+        else:
+            new_mean = mean + delta * coef
+            new_m2 = m2 + delta * (v - new_mean)
+        return (
+            tl.where(live, new_mean, mean),
+            tl.where(live, new_m2, m2),
+            tl.where(live, new_count, count),
+        )
+
+    @triton.jit
+    def _combine(own_mean, own_m2, own_count, mean, m2, count, MEAN_FMA: tl.constexpr):
+        """ATen's ``cuWelfordCombine(own, other)``: ``A`` the other thread's state, ``B`` this one's."""
+        delta = own_mean - mean
+        total = count + own_count
+        some = total > 0
+        coef = tl.math.div_rn(tl.full(total.shape, 1.0, tl.float32), tl.where(some, total, 1.0))
+        n_a = count * coef
+        n_b = own_count * coef
+        if MEAN_FMA == 1:
+            new_mean = tl.fma(n_a, mean, n_b * own_mean)
+        elif MEAN_FMA == 2:
+            new_mean = tl.fma(n_b, own_mean, n_a * mean)
+        else:
+            new_mean = n_a * mean + n_b * own_mean
+        new_m2 = tl.fma(delta * delta * count, n_b, m2 + own_m2)
+        return tl.where(some, new_mean, 0.0), tl.where(some, new_m2, 0.0), total
+
+    @triton.jit
+    def _halve(mean, m2, count, R: tl.constexpr, N: tl.constexpr, MEAN_FMA: tl.constexpr):
+        m_own, m_other = _halves(mean, R, N)
+        s_own, s_other = _halves(m2, R, N)
+        c_own, c_other = _halves(count, R, N)
+        return _combine(m_own, s_own, c_own, m_other, s_other, c_other, MEAN_FMA)
+
+    @triton.jit
+    def _reduce_combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b):
+        """:func:`_combine` as a ``tl.reduce`` combine function (``a`` this lane's state)."""
+        return _combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b, 1)
+
+    @triton.jit
+    def _ln_order_stats(src, n, LN_K, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr,
+                        LOAD: tl.constexpr):  # fmt: skip
+        """Mean and variance of the row ``src[0:n]`` as ATen's fused layer-norm kernel computes
+        them (``reduce_order``): per thread its 4-element vectors ``t, t + 128, ...`` folded
+        element by element, then lanes halved within each warp, then the 4 warps."""
+        thread = tl.arange(0, 128)
+        mean = tl.zeros([128], tl.float32)
+        m2 = tl.zeros([128], tl.float32)
+        count = tl.zeros([128], tl.float32)
+        for step in range(0, LN_K):
+            first = step * 512 + thread * 4  # [128] each thread's vector
+            live = first < n
+            if LOAD:
+                v = tl.load(src + first[:, None] + tl.arange(0, 4)[None, :], mask=live[:, None], other=0.0)
+                even, odd = tl.split(tl.reshape(v.to(tl.float32), (128, 2, 2)))
+                v0, v2 = tl.split(even)
+                v1, v3 = tl.split(odd)
+                mean, m2, count = _online(v0, mean, m2, count, live, ONLINE_FMA)
+                mean, m2, count = _online(v1, mean, m2, count, live, ONLINE_FMA)
+                mean, m2, count = _online(v2, mean, m2, count, live, ONLINE_FMA)
+                mean, m2, count = _online(v3, mean, m2, count, live, ONLINE_FMA)
+            else:
+                for item in tl.static_range(4):
+                    v = tl.load(src + first + item, mask=live, other=0.0).to(tl.float32)
+                    mean, m2, count = _online(v, mean, m2, count, live, ONLINE_FMA)
+        if TREE:
+            # Triton's reduction of 128 values over 4 warps of one each: a butterfly within the
+            # warp (xor 16, 8, ..., 1), then across the 4 warps; lane 0's result is the halving tree
+            mean_all, m2_all, count_all = tl.reduce((mean, m2, count), 0, _reduce_combine)
+        else:
+            mean = tl.reshape(mean, (4, 32))
+            m2 = tl.reshape(m2, (4, 32))
+            count = tl.reshape(count, (4, 32))
+            mean, m2, count = _halve(mean, m2, count, 4, 32, MEAN_FMA)
+            mean, m2, count = _halve(mean, m2, count, 4, 16, MEAN_FMA)
+            mean, m2, count = _halve(mean, m2, count, 4, 8, MEAN_FMA)
+            mean, m2, count = _halve(mean, m2, count, 4, 4, MEAN_FMA)
+            mean, m2, count = _halve(mean, m2, count, 4, 2, MEAN_FMA)  # [4, 1]: lane 0 of each warp
+            mean = tl.reshape(mean, (1, 4))
+            m2 = tl.reshape(m2, (1, 4))
+            count = tl.reshape(count, (1, 4))
+            mean, m2, count = _halve(mean, m2, count, 1, 4, MEAN_FMA)
+            mean, m2, count = _halve(mean, m2, count, 1, 2, MEAN_FMA)
+            mean_all = tl.sum(tl.reshape(mean, (1,)), axis=0)
+            m2_all = tl.sum(tl.reshape(m2, (1,)), axis=0)
+        return mean_all, tl.math.div_rn(m2_all, n.to(tl.float32))
+
+    @triton.jit
+    def _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s, ssc_c, ssh_b, ssh_s,
+                  ssh_c, scale_offset, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_W: tl.constexpr,
+                  HAS_B: tl.constexpr):  # fmt: skip
+        """``(LN(x) * (offset + scale) + shift)`` of one row chunk, each step rounded in fp32."""
+        y = rstd * (x - mean)
+        if HAS_W and HAS_B:  # gamma * y + beta, one rounding (as nvcc contracts ATen's)
+            w = tl.load(W + c, mask=live, other=0.0).to(tl.float32)
+            y = tl.fma(w, y, tl.load(BIAS + c, mask=live, other=0.0).to(tl.float32))
+        elif HAS_W:
+            y = tl.load(W + c, mask=live, other=0.0).to(tl.float32) * y
+        elif HAS_B:
+            y = y + tl.load(BIAS + c, mask=live, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            sc = tl.load(SCALE + b * ssc_b + s * ssc_s + c * ssc_c, mask=live, other=0.0).to(tl.float32)
+            y = y * (scale_offset + sc)
+        if HAS_SHIFT:
+            y = y + tl.load(SHIFT + b * ssh_b + s * ssh_s + c * ssh_c, mask=live, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _adaln_kernel(
+        X, OUT, SCALE, SHIFT, W, BIAS,
+        S, C,
+        sx_b, sx_s, so_b, so_s,
+        ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c,
+        eps, scale_offset,
+        CB: tl.constexpr, CHUNK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr, EXACT: tl.constexpr, LN_K,
+        ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr, LOAD: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        b = row // S
+        s = row % S
+        src = X + b * sx_b + s * sx_s
+        dst = OUT + b * so_b + s * so_s
+        n = C + row * 0
+        if EXACT:
+            # statistics in ATen's order, then the row again chunk by chunk (from cache)
+            mean, var = _ln_order_stats(src, n, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD)
+            rstd = tl.math.rsqrt(var + eps)
+            for start in range(0, C, CHUNK):
+                c = start + tl.arange(0, CHUNK)
+                live = c < C
+                x = tl.load(src + c, mask=live, other=0.0).to(tl.float32)
+                y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s,
+                              ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W,
+                              HAS_B)  # fmt: skip
+                tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+        else:
+            c = tl.arange(0, CB)
+            live = c < C
+            x = tl.load(src + c, mask=live, other=0.0).to(tl.float32)
+            mean = tl.sum(x, axis=0) / C
+            centred = tl.where(live, x - mean, 0.0)
+            rstd = tl.math.rsqrt(tl.sum(centred * centred, axis=0) / C + eps)
+            y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s, ssc_c,
+                          ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
+            tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+
+
+def _modulation_strides(m: torch.Tensor | None, x: torch.Tensor) -> tuple[int, int, int]:
+    if m is None:
+        return 0, 0, 0
+    strides = m.expand(x.shape).stride()
+    return strides[0], strides[1], strides[2]
+
+
+def _check(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> str | None:
+    """Why the kernel cannot take these inputs, or None."""
+    if x.dim() != 3:
+        return "x must be [B, S, C]"
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"unsupported dtype {x.dtype}"
+    width = x.shape[-1]
+    if x.stride(-1) != 1 or width > MAX_WIDTH:
+        return f"x must have a contiguous last dim of at most {MAX_WIDTH}"
+    if (
+        width % LN_VEC
+        or (x.shape[1] > 1 and x.stride(1) % LN_VEC)
+        or (x.shape[0] > 1 and x.stride(0) % LN_VEC)
+    ):
+        return "rows must be multiples of 4 elements apart (ATen's vectorised layer norm)"
+    for m in (scale, shift):
+        if m is None:
+            continue
+        if m.dim() > 3 or m.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return "scale and shift must be float tensors of at most 3 dims"
+        try:
+            m.expand(x.shape)
+        except RuntimeError:
+            return f"modulation of shape {tuple(m.shape)} does not broadcast to {tuple(x.shape)}"
+    for p in (weight, bias):
+        if p is not None and (p.shape != (width,) or not p.is_contiguous()):
+            return "weight and bias must be contiguous (C,)"
+    return None
+
+
+def _launch(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    scale_offset: float,
+    preset: str,
+    online_fma: bool | None = None,
+    combine_mean_fma: str | None = None,
+    tree: str | None = None,
+    load: str | None = None,
+) -> torch.Tensor:
+    batch, seq, width = x.shape
+    if preset == "exact" and x.data_ptr() % 16:
+        # ATen reads a misaligned row unvectorised, in an order the kernel does not model
+        return adaln_modulate_reference(
+            x, scale, shift, eps=eps, weight=weight, bias=bias, scale_offset=scale_offset
+        )
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block = triton.next_power_of_2(width)
+    ssc = _modulation_strides(scale, x)
+    ssh = _modulation_strides(shift, x)
+    _adaln_kernel[(batch * seq,)](
+        x, out,
+        scale if scale is not None else x, shift if shift is not None else x,
+        weight if weight is not None else x, bias if bias is not None else x,
+        seq, width,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        *ssc, *ssh,
+        eps, scale_offset,
+        CB=block, CHUNK=min(block, 1024), HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
+        HAS_W=weight is not None, HAS_B=bias is not None, EXACT=preset == "exact",
+        LN_K=triton.cdiv(width, LN_THREADS * LN_VEC),
+        ONLINE_FMA=ONLINE_FMA if online_fma is None else online_fma,
+        MEAN_FMA=_COMBINE_MEAN_FMAS.index(combine_mean_fma or COMBINE_MEAN_FMA),
+        TREE=("split", "reduce").index(tree or TREE), LOAD=("items", "tile").index(load or LOAD),
+        num_warps=4 if preset == "exact" or block <= 2048 else (8 if block <= 4096 else 16),
+        enable_fp_fusion=preset != "exact",
+    )  # fmt: skip
+    return out
+
+
+def adaln_modulate_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    *,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale_offset: float = 1.0,
+    preset: Preset = "exact",
+    **variant: object,
+) -> torch.Tensor:
+    """The kernel itself, on any device Triton runs on (the CPU under ``TRITON_INTERPRET=1``);
+    raises ValueError for inputs it does not support."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(x, scale, shift, weight, bias)
+    if reason:
+        raise ValueError(reason)
+    return _launch(x, scale, shift, weight, bias, eps, scale_offset, check_preset(preset), **variant)
+
+
+@torch.library.custom_op("omnirt::adaln_modulate", mutates_args=())
+def _adaln_op(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    scale_offset: float,
+    preset: str,
+) -> torch.Tensor:
+    return _launch(x, scale, shift, weight, bias, eps, scale_offset, preset)
+
+
+@_adaln_op.register_fake
+def _adaln_fake(x, scale, shift, weight, bias, eps, scale_offset, preset):
+    return x.new_empty(x.shape)
+
+
+def kernel_applies(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`adaln_modulate` would run the kernel for these inputs."""
+    if not settings.kernel_device(x, scale, shift, weight, bias):
+        return False
+    return _check(x, scale, shift, weight, bias) is None and settings.wanted(
+        BITWISE and weight is None and bias is None
+    )
+
+
+def adaln_modulate(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    *,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale_offset: float = 1.0,
+    preset: Preset = "exact",
+) -> torch.Tensor:
+    """The fused kernel where it applies (:func:`kernel_applies`), else the eager chain."""
+    if kernel_applies(x, scale, shift, weight, bias):
+        return torch.ops.omnirt.adaln_modulate(
+            x, scale, shift, weight, bias, eps, scale_offset, check_preset(preset)
+        )
+    return adaln_modulate_reference(
+        x, scale, shift, eps=eps, weight=weight, bias=bias, scale_offset=scale_offset
+    )

@@ -1,0 +1,586 @@
+"""RMSNorm of an attention site's queries and keys, then rotary embedding, in one launch.
+
+``fused_qk_norm_rope(q, k, q_weight, k_weight, table, ...)`` with ``q`` [B, T, Hq, D] and ``k``
+[B, T, Hk, D] (any strides with a contiguous last dim: separate projections, or views of one packed
+QKV tensor, :func:`split_packed_qkv`), returns both normalised and rotated as contiguous
+[B, T, H, D] tensors, the layout attention reads (``dispatch_attention_fn`` and SDPA after a
+transpose view). Eager, this chain is about 20 launches and 8 passes over each tensor.
+
+- **Norm** over each head (``per_head``: Qwen3, Z-Image) or over all heads of a token (Wan's
+  ``rms_norm_across_heads``), with an optional weight of ``D`` or ``H * D``.
+- **Rotary layouts**: ``interleaved`` pairs ``(2i, 2i + 1)`` (Wan, Z-Image), ``half`` pairs
+  ``(i, i + D / 2)`` (transformers' ``rotate_half``). The ``table`` [Bt, T, D] (``Bt`` 1 or B)
+  packs ``cos | sin`` of the ``D / 2`` frequencies per token; :func:`table_from_halves`,
+  :func:`table_from_interleaved` and :func:`table_from_complex` build it from each model's own
+  form.
+- **Chains** (what ``exact`` reproduces): ``norm="composite"`` is transformers' and diffusers'
+  ``RMSNorm`` (fp32 sum of squares in ATen's reduction order, ``x * rsqrt(mean + eps)`` rounded to
+  the input dtype, times the weight, rounded); ``norm="fused"`` is ``torch.nn.RMSNorm`` on CUDA
+  (ATen's fused kernel: its row order, ``weight * (rstd * x)`` rounded once). ``rope="io"``:
+  transformers' ``apply_rotary_pos_emb`` (cos and sin in the input dtype, each product and sum
+  rounded); ``rope="float32"``: Wan's (fp32 table, separate fp32 products and sums, one rounding);
+  ``rope="complex"``: Z-Image's complex64 multiply (the FMAs nvcc gives ``c10::complex``).
+- **Offsets** are 64-bit throughout: packed QKV at 75,600 tokens with a CFG batch of 2 passes
+  2^31 elements.
+
+The torch reference (:func:`qk_norm_rope_reference`) is the eager chain itself, written as the
+models write it; :func:`qk_norm_rope` dispatches (kernel on CUDA where supported and wanted by
+:data:`~.settings.FUSED`, the reference elsewhere) through the custom op ``omnirt::qk_norm_rope``,
+which ``torch.compile`` traces (a fake implementation gives the output shapes) and CUDA graphs
+capture (no host sync, no allocation outside the caching allocator).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from . import settings
+from .reduce_order import aten_reduce_config, mean_factor
+from .settings import Preset, check_preset
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+
+    from .reduce_order import half_sum, halving_sum, pair_sum
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+Norm = Literal["composite", "fused"]
+Rope = Literal["io", "float32", "complex"]
+NORMS: tuple[Norm, ...] = ("composite", "fused")
+ROPES: tuple[Rope, ...] = ("io", "float32", "complex")
+
+#: How nvcc compiles ``c10::complex<float>``'s product ``(a + bi)(c + di)`` (one of
+#: ``_COMPLEX_FMAS``): ``"none"`` rounds each product; ``"ac"``: ``fma(a, c, -(b * d))`` and
+#: ``fma(a, d, b * c)``; ``"bd"``: ``fma(-b, d, a * c)`` and ``fma(b, c, a * d)``. Measured on the H200
+#: (``benchmarks/kernels.py --numerics``).
+COMPLEX_FMA = "ac"
+_COMPLEX_FMAS = ("none", "ac", "bd")
+#: How ATen sums a head's squares in the composite chain: lanes of single elements or of
+#: 4-element vectors, the warp's tree by adjacent pairs or by halves (the H200 numerics).
+COMPOSITE_SUM = "vec4_halving"
+#: The layer-norm order's final tree as explicit splits or Triton's own reduction (same bits).
+TREE = "reduce"
+_COMPOSITE_SUMS = ("lanes", "vec4", "lanes_halving", "vec4_halving")
+#: Chains ``(norm, rope, per_head)`` whose ``exact`` preset is bitwise equal to eager at head dim
+#: :data:`BITWISE_DIM` (``benchmarks/kernels.py`` and the GPU tests, on the H200): the
+#: dispatcher's ``auto`` setting uses the kernel on these only.
+BITWISE: frozenset[tuple[str, str, bool]] = frozenset(
+    {("composite", "io", True), ("composite", "complex", True), ("fused", "float32", False)}
+)
+BITWISE_DIM = 128
+
+
+def split_packed_qkv(
+    qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``q`` [B, T, Hq, D], ``k`` and ``v`` [B, T, Hkv, D] of a packed ``qkv``
+    [B, T, (Hq + 2 Hkv) D] (one projection's output): no copy; the kernel reads them in place."""
+    width = (q_heads + 2 * kv_heads) * head_dim
+    if qkv.shape[-1] != width:
+        raise ValueError(f"packed qkv has {qkv.shape[-1]} features, heads make {width}")
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return (
+        q.unflatten(-1, (q_heads, head_dim)),
+        k.unflatten(-1, (kv_heads, head_dim)),
+        v.unflatten(-1, (kv_heads, head_dim)),
+    )
+
+
+def table_from_halves(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The packed table from transformers' ``cos``/``sin`` [B, T, D] (each frequency in both
+    halves)."""
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[..., :half], sin[..., :half]], dim=-1)
+
+
+def table_from_interleaved(freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """The packed table from Wan's ``freqs_cos``/``freqs_sin`` [1, T, 1, D] (each frequency
+    repeated twice, interleaved)."""
+    cos = freqs_cos[..., 0::2].flatten(-2) if freqs_cos.dim() == 4 else freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2].flatten(-2) if freqs_sin.dim() == 4 else freqs_sin[..., 1::2]
+    return torch.cat([cos, sin], dim=-1)
+
+
+def table_from_complex(freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The packed table from Z-Image's complex64 ``freqs_cis`` [B, T, D / 2]."""
+    return torch.cat([freqs_cis.real, freqs_cis.imag], dim=-1).float()
+
+
+# --- the eager chains --------------------------------------------------------------------------
+
+
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, per_head: bool, norm: Norm):
+    shape = x.shape
+    if not per_head:
+        x = x.flatten(-2)
+    if norm == "fused":
+        out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    else:  # transformers' Qwen3RMSNorm and diffusers' RMSNorm, line for line
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        out = (x * torch.rsqrt(variance + eps)).to(x.dtype)
+        if weight is not None:
+            out = out * weight
+    return out.view(shape)
+
+
+def _rope_reference(x: torch.Tensor, table: torch.Tensor, interleaved: bool, rope: Rope) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos = table[..., :half].unsqueeze(-2)  # [Bt, T, 1, D / 2]
+    sin = table[..., half:].unsqueeze(-2)
+    if rope == "complex":  # Z-Image's apply_rotary_emb (interleaved pairs)
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        rotated = torch.view_as_real(pairs * torch.complex(cos.float(), sin.float()))
+        return rotated.flatten(-2).type_as(x)
+    if interleaved:
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    else:
+        x1, x2 = x[..., :half], x[..., half:]
+    if rope == "io":  # transformers: x * cos + rotate_half(x) * sin, in the input dtype
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        first, second = x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
+    else:  # Wan: fp32 products of the input and the table, one rounding
+        cos, sin = cos.float(), sin.float()
+        first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    out = torch.empty_like(x)
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = first, second
+    else:
+        out[..., :half], out[..., half:] = first, second
+    return out
+
+
+def qk_norm_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    per_head: bool = True,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager chain the kernel replaces (module docstring), as contiguous [B, T, H, D]."""
+    out = []
+    for x, w in ((q, q_weight), (k, k_weight)):
+        y = _norm_reference(x, w, eps, per_head, norm)
+        out.append(_rope_reference(y, table, interleaved, rope).contiguous())
+    return out[0], out[1]
+
+
+# --- the kernel --------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _rnd(x, DT: tl.constexpr):
+        """``x`` rounded to ``DT`` (round to nearest even), back in fp32."""
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _head_sums(x, base, live, HC: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr,
+                   VEC: tl.constexpr, HALVING: tl.constexpr):  # fmt: skip
+        """Each head's sum of squares [HC, 1] in ATen's reduction order (``reduce_order``): lane
+        ``l`` of ``LANES`` adds its ``STEPS`` elements in order (elements ``l * STEPS ..`` of the
+        loaded heads ``x`` [HC, D] for vectorised reads, else ``s * LANES + l``, read again as
+        coalesced tiles), lanes beyond a warp are halved, then the warp's tree."""
+        if VEC:
+            lanes = tl.reshape(x * x, (HC, LANES, STEPS))
+            if STEPS == 4:
+                even, odd = tl.split(tl.reshape(lanes, (HC, LANES, 2, 2)))  # items (0, 2), (1, 3)
+                s0, s2 = tl.split(even)
+                s1, s3 = tl.split(odd)
+                acc = ((s0 + s1) + s2) + s3
+            elif STEPS == 2:
+                s0, s1 = tl.split(lanes)
+                acc = s0 + s1
+            else:
+                acc = tl.reshape(lanes, (HC, LANES))
+        else:
+            lane = tl.arange(0, LANES)[None, :]
+            v = tl.load(base + lane, mask=live, other=0.0).to(tl.float32)
+            acc = v * v
+            for step in tl.static_range(1, STEPS):
+                v = tl.load(base + step * LANES + lane, mask=live, other=0.0).to(tl.float32)
+                acc = acc + v * v
+        if LANES == 128:
+            acc = half_sum(acc, HC, 128)
+        if LANES >= 64:
+            acc = half_sum(acc, HC, 64)
+        if HALVING:
+            acc = half_sum(acc, HC, 32)
+            acc = half_sum(acc, HC, 16)
+            acc = half_sum(acc, HC, 8)
+            acc = half_sum(acc, HC, 4)
+            acc = half_sum(acc, HC, 2)
+        else:
+            acc = pair_sum(acc, HC, 32)
+            acc = pair_sum(acc, HC, 16)
+            acc = pair_sum(acc, HC, 8)
+            acc = pair_sum(acc, HC, 4)
+            acc = pair_sum(acc, HC, 2)
+        return acc  # [HC, 1]
+
+    @triton.jit
+    def _sums(base, live, x, HC: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+              HALVING: tl.constexpr):  # fmt: skip
+        """Each head's sum of squares [HC, 1]: in ATen's order where ``STEPS`` > 0, else Triton's."""
+        if STEPS > 0:
+            return _head_sums(x, base, live, HC, STEPS, LANES, VEC, HALVING)
+        else:
+            return tl.sum(x * x, axis=1)[:, None]
+
+    @triton.jit
+    def _ln_order_sum_squares(src, s_h, n, D: tl.constexpr, LN_K, TREE: tl.constexpr):
+        """The sum of squares of a token's ``n`` elements (heads ``0..`` of ``D`` at a ``s_h``
+        stride, read as one row) in ATen's fused layer-norm order (``reduce_order``): thread
+        ``t`` of 128 folds its 4-element vectors ``t, t + 128, ...`` in order, then the tree."""
+        thread = tl.arange(0, 128)
+        acc = tl.zeros([128], tl.float32)
+        for step in range(0, LN_K):
+            first = (step * 512 + thread * 4).to(tl.int64)  # each thread's vector
+            at = src + (first // D) * s_h + first % D  # a vector never straddles a head
+            live = first < n
+            for item in tl.static_range(4):
+                v = tl.load(at + item, mask=live, other=0.0).to(tl.float32)
+                acc = tl.fma(v, v, acc)
+        if TREE:  # Triton's reduction over 4 warps of one value each: the same halving tree
+            total = tl.sum(acc, axis=0)
+        else:
+            total = halving_sum(acc)
+        return total
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        Q, K, QO, KO, QW, KW, TAB,
+        T, HQ, HK,
+        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+        so_qb, so_qt, so_kb, so_kt,
+        stab_b, stab_t,
+        eps, q_factor, k_factor,
+        D: tl.constexpr, HC: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
+        INTERLEAVED: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+        Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr, K_STEPS: tl.constexpr, K_LANES: tl.constexpr,
+        CPLX: tl.constexpr, VEC: tl.constexpr, HALVING: tl.constexpr, TREE: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles.
+        row = tl.program_id(0).to(tl.int64)
+        which = tl.program_id(1)
+        b = row // T
+        t = row % T
+        DT: tl.constexpr = QO.dtype.element_ty
+        if which == 0:
+            src = Q + b * sq_b + t * sq_t
+            s_h = row * 0 + sq_h
+            dst = QO + b * so_qb + t * so_qt
+            w_ptr = QW
+            heads = row * 0 + HQ
+            factor = q_factor
+        else:
+            src = K + b * sk_b + t * sk_t
+            s_h = row * 0 + sk_h
+            dst = KO + b * so_kb + t * so_kt
+            w_ptr = KW
+            heads = row * 0 + HK
+            factor = k_factor
+        d = tl.arange(0, D)[None, :]
+        f = tl.arange(0, D // 2)[None, :]
+        tab = TAB + b * stab_b + t * stab_t
+        c = tl.load(tab + f).to(tl.float32)
+        s = tl.load(tab + D // 2 + f).to(tl.float32)
+
+        if not PER_HEAD:  # one norm over all heads: its statistic first
+            n = heads * D
+            if EXACT and NORM == 1:
+                ss = _ln_order_sum_squares(src, s_h, n, D, (n + 511) // 512, TREE)
+                rstd_all = tl.math.rsqrt(tl.math.div_rn(ss, n.to(tl.float32)) + eps)
+            else:
+                total = tl.zeros([HC, D], tl.float32)
+                for h0 in range(0, heads, HC):
+                    h = h0 + tl.arange(0, HC)[:, None]
+                    x = tl.load(src + h.to(tl.int64) * s_h + d, mask=h < heads, other=0.0).to(tl.float32)
+                    total += x * x
+                rstd_all = tl.math.rsqrt(tl.sum(tl.sum(total, axis=1), axis=0) * factor + eps)
+
+        for h0 in range(0, heads, HC):
+            h = h0 + tl.arange(0, HC)[:, None]
+            live = h < heads
+            base = src + h.to(tl.int64) * s_h
+            x = tl.load(base + d, mask=live, other=0.0).to(tl.float32)
+            # -- RMSNorm
+            if PER_HEAD:
+                if which == 0:
+                    ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
+                else:
+                    ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
+                if EXACT and NORM == 1:
+                    rstd = tl.math.rsqrt(tl.math.div_rn(ss, D * 1.0) + eps)
+                else:
+                    rstd = tl.math.rsqrt(ss * factor + eps)
+            else:
+                rstd = rstd_all
+            if HAS_W:
+                if PER_HEAD:
+                    w = tl.load(w_ptr + d).to(tl.float32)
+                else:
+                    w = tl.load(w_ptr + h * D + d, mask=live, other=0.0).to(tl.float32)
+            if EXACT and NORM == 0:
+                y = _rnd(x * rstd, DT)
+                if HAS_W:
+                    y = _rnd(y * w, DT)
+            elif EXACT:
+                y = rstd * x
+                if HAS_W:
+                    y = w * y
+                y = _rnd(y, DT)
+            else:
+                y = x * rstd
+                if HAS_W:
+                    y = y * w
+            # -- rotary embedding
+            if INTERLEAVED:
+                x1, x2 = tl.split(tl.reshape(y, (HC, D // 2, 2)))
+            else:
+                x1, x2 = tl.split(tl.permute(tl.reshape(y, (HC, 2, D // 2)), (0, 2, 1)))
+            if EXACT and ROPE == 0:
+                o1 = _rnd(_rnd(x1 * c, DT) - _rnd(x2 * s, DT), DT)
+                o2 = _rnd(_rnd(x2 * c, DT) + _rnd(x1 * s, DT), DT)
+            elif EXACT and ROPE == 2 and CPLX == 1:
+                o1 = tl.fma(x1, c, -(x2 * s))
+                o2 = tl.fma(x1, s, x2 * c)
+            elif EXACT and ROPE == 2 and CPLX == 2:
+                o1 = tl.fma(-x2, s, x1 * c)
+                o2 = tl.fma(x2, c, x1 * s)
+            else:
+                o1 = x1 * c - x2 * s
+                o2 = x1 * s + x2 * c
+            if INTERLEAVED:
+                out = tl.reshape(tl.join(o1, o2), (HC, D))
+            else:
+                out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
+            tl.store(dst + h.to(tl.int64) * D + d, out.to(DT), mask=live)
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    per_head: bool,
+) -> str | None:
+    """Why the kernel cannot take these inputs, or None."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        return "q and k must be [B, T, H, D] with the same B, T and D"
+    dim = q.shape[-1]
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        return f"head dim {dim} is not a power of two in 16..256"
+    if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"unsupported dtypes {q.dtype}, {k.dtype}"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or table.stride(-1) != 1:
+        return "the last dims must be contiguous"
+    if (q_weight is None) != (k_weight is None):
+        return "q and k must both have a weight or neither"
+    for w, heads in ((q_weight, q.shape[2]), (k_weight, k.shape[2])):
+        if w is not None and (
+            w.dtype != q.dtype or not w.is_contiguous() or w.numel() != (dim if per_head else heads * dim)
+        ):
+            return "weights must be contiguous, of the input dtype, D (per head) or H * D elements"
+    if (
+        table.dim() != 3
+        or table.shape[-1] != dim
+        or table.shape[1] != q.shape[1]
+        or table.shape[0] not in (1, q.shape[0])
+    ):
+        return f"table must be [1 or B, T, D], got {tuple(table.shape)}"
+    return None
+
+
+def _sum_config(dim: int, rows: int, vec: int) -> tuple[int, int] | None:
+    if vec:  # vectorised reads: 32 vectors of 4 elements, one per lane, whatever the rows
+        return (4, 32) if dim == 128 else None
+    return aten_reduce_config(dim, rows)
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    per_head: bool,
+    norm: str,
+    rope: str,
+    preset: str,
+    complex_fma: str | None = None,
+    composite_sum: str | None = None,
+    tree: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, tokens, hq, dim = q.shape
+    hk = k.shape[2]
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if batch * tokens == 0:
+        return qo, ko
+    exact = preset == "exact"
+    # ATen's summation order where the exact composite chain has one we model, Triton's elsewhere
+    aten_order = exact and norm == "composite" and per_head
+    order = composite_sum or COMPOSITE_SUM
+    if order not in _COMPOSITE_SUMS:
+        raise ValueError(f"composite sum order must be one of {_COMPOSITE_SUMS}")
+    vec = int(order.startswith("vec4"))
+    q_cfg = (aten_order and _sum_config(dim, batch * tokens * hq, vec)) or (0, 32)
+    k_cfg = (aten_order and _sum_config(dim, batch * tokens * hk, vec)) or (0, 32)
+    heads_chunk = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // dim))
+    cplx = _COMPLEX_FMAS.index(complex_fma or COMPLEX_FMA)
+    dummy = q
+    # (tensor of the weight or a stand-in never read: HAS_W tells the kernel)
+    _qk_norm_rope_kernel[(batch * tokens, 2)](
+        q, k, qo, ko,
+        q_weight if q_weight is not None else dummy,
+        k_weight if k_weight is not None else dummy,
+        table,
+        tokens, hq, hk,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+        table.stride(0) if table.shape[0] > 1 else 0, table.stride(1),
+        eps,
+        mean_factor(batch * tokens * hq, dim) if per_head else 1.0 / (hq * dim),
+        mean_factor(batch * tokens * hk, dim) if per_head else 1.0 / (hk * dim),
+        D=dim, HC=heads_chunk, HAS_W=q_weight is not None, PER_HEAD=per_head,
+        INTERLEAVED=interleaved, EXACT=exact, NORM=NORMS.index(norm), ROPE=ROPES.index(rope),
+        Q_STEPS=q_cfg[0], Q_LANES=q_cfg[1], K_STEPS=k_cfg[0], K_LANES=k_cfg[1],
+        CPLX=cplx, VEC=vec, HALVING=int(order.endswith("halving")),
+        TREE=("split", "reduce").index(tree or TREE),
+        num_warps=4,
+        enable_fp_fusion=not exact,
+    )  # fmt: skip
+    return qo, ko
+
+
+def qk_norm_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    per_head: bool = True,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+    preset: Preset = "exact",
+    **variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel itself, on any device Triton runs on (the CPU under ``TRITON_INTERPRET=1``);
+    raises ValueError for inputs it does not support."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(q, k, q_weight, k_weight, table, per_head)
+    if reason:
+        raise ValueError(reason)
+    if norm not in NORMS or rope not in ROPES:
+        raise ValueError(f"norm must be one of {NORMS} and rope one of {ROPES}")
+    if rope == "complex" and not interleaved:
+        raise ValueError("the complex rotary chain pairs interleaved elements")
+    return _launch(
+        q,
+        k,
+        q_weight,
+        k_weight,
+        table,
+        eps,
+        interleaved,
+        per_head,
+        norm,
+        rope,
+        check_preset(preset),
+        **variant,
+    )
+
+
+@torch.library.custom_op("omnirt::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    per_head: bool,
+    norm: str,
+    rope: str,
+    preset: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset)
+
+
+@_qk_norm_rope_op.register_fake
+def _qk_norm_rope_fake(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def kernel_applies(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    *,
+    per_head: bool = True,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+) -> bool:
+    """Whether :func:`qk_norm_rope` would run the kernel for these inputs (device, dtype, layout,
+    and the :data:`~.settings.FUSED` setting)."""
+    if not settings.kernel_device(q, k, q_weight, k_weight, table):
+        return False
+    if _check(q, k, q_weight, k_weight, table, per_head) is not None:
+        return False
+    return settings.wanted((norm, rope, per_head) in BITWISE and q.shape[-1] == BITWISE_DIM)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    per_head: bool = True,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+    preset: Preset = "exact",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel where it applies (:func:`kernel_applies`), else the eager chain; both
+    return contiguous [B, T, H, D] tensors."""
+    if kernel_applies(q, k, q_weight, k_weight, table, per_head=per_head, norm=norm, rope=rope):
+        return torch.ops.omnirt.qk_norm_rope(
+            q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, check_preset(preset)
+        )
+    return qk_norm_rope_reference(
+        q,
+        k,
+        q_weight,
+        k_weight,
+        table,
+        eps=eps,
+        interleaved=interleaved,
+        per_head=per_head,
+        norm=norm,
+        rope=rope,
+    )

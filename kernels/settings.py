@@ -1,0 +1,62 @@
+"""What the fused kernels of ``kernels/`` share: the numerics presets, the on/off setting, and where
+a Triton kernel may run.
+
+- **Presets.** ``exact`` reproduces the rounding points of the eager chain a kernel replaces (each
+  intermediate rounded where eager rounds it, sums in eager's order, fused multiply-adds only
+  where eager's machine code has them): bitwise equal to eager on the shapes its GPU tests cover.
+  ``fast`` computes in fp32 from the loaded inputs to the stored outputs and rounds once.
+- **Setting.** ``FUSED`` is ``"auto"`` (the kernels run where their ``exact`` preset is
+  bitwise, which each kernel module names; elsewhere the eager chain runs), ``"on"`` (every
+  supported call) or ``"off"``. ``omnirt serve --fused-kernels`` sets it.
+- **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only when a test
+  calls it directly under ``TRITON_INTERPRET=1`` (fp32), never from a dispatcher.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAVE_TRITON = False
+
+Preset = Literal["exact", "fast"]
+Fused = Literal["auto", "on", "off"]
+PRESETS: tuple[Preset, ...] = ("exact", "fast")
+FUSED_SETTINGS: tuple[Fused, ...] = ("auto", "on", "off")
+
+FUSED: Fused = "auto"
+
+
+def set_fused(setting: str) -> None:
+    """Sets :data:`FUSED` (``auto``, ``on`` or ``off``)."""
+    global FUSED
+    if setting not in FUSED_SETTINGS:
+        raise ValueError(f"fused kernels must be one of {', '.join(FUSED_SETTINGS)}, not {setting!r}")
+    FUSED = setting  # type: ignore[assignment]
+
+
+def check_preset(preset: str) -> Preset:
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, not {preset!r}")
+    return preset  # type: ignore[return-value]
+
+
+def kernel_device(*tensors: torch.Tensor | None) -> bool:
+    """Whether the tensors can be handed to a compiled Triton kernel: Triton importable, all on one
+    CUDA device."""
+    present = [t for t in tensors if t is not None]
+    if not HAVE_TRITON or not present or present[0].device.type != "cuda":
+        return False
+    return all(t.device == present[0].device for t in present)
+
+
+def wanted(bitwise: bool) -> bool:
+    """Whether :data:`FUSED` asks for a kernel whose ``exact`` preset is (or is not) bitwise on
+    this chain."""
+    return FUSED == "on" or (FUSED == "auto" and bitwise)

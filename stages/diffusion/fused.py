@@ -1,0 +1,193 @@
+"""The fused kernels of ``kernels/`` inside diffusers' DiT models, installed per model instance.
+
+- **Z-Image** (``ZImageTransformer2DModel``): each ``ZSingleStreamAttnProcessor`` is replaced by
+  :class:`ZImageFusedProcessor`, which normalises and rotates the queries and keys with
+  ``qk_norm_rope`` (per-head composite RMSNorm, complex64 rotary) and otherwise does what the
+  original does, line for line.
+- **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
+  :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
+  rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
+  :func:`wan_block_forward`, diffusers' block with ``norm1``/``norm3`` and their modulation as one
+  ``adaln_modulate`` each.
+
+The kernels' dispatchers decide per call: on the CPU, or where ``kernels.settings.FUSED`` does not
+ask for a chain, the eager chain runs, which computes exactly what the original modules compute.
+:func:`install` is what the loaders call; ``FUSED = "off"`` leaves the models untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+
+from ...kernels import settings
+from ...kernels.adaln import adaln_modulate
+from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
+from ...kernels.settings import Preset
+
+log = logging.getLogger(__name__)
+
+
+class _FusedProcessor:
+    """A diffusers attention processor's replacement: keeps the original (for the calls it does
+    not fuse, and for :func:`uninstall`) and its attention backend settings."""
+
+    def __init__(self, original: Any, preset: Preset = "exact") -> None:
+        self.original = original
+        self.preset = preset
+        self._attention_backend = getattr(original, "_attention_backend", None)
+        self._parallel_config = getattr(original, "_parallel_config", None)
+
+
+class ZImageFusedProcessor(_FusedProcessor):
+    """diffusers' ``ZSingleStreamAttnProcessor`` (0.42) with the QK norm and rotary fused."""
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        freqs_cis: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if freqs_cis is None or attn.norm_q is None or attn.norm_k is None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
+        key = attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
+        query, key = qk_norm_rope(
+            query, key, attn.norm_q.weight, attn.norm_k.weight, table_from_complex(freqs_cis),
+            eps=attn.norm_q.eps, interleaved=True, per_head=True, norm="composite", rope="complex",
+            preset=self.preset,
+        )  # fmt: skip
+        if attention_mask is not None and attention_mask.ndim == 2:
+            attention_mask = attention_mask[:, None, None, :]
+        out = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config,
+        )  # fmt: skip
+        out = out.flatten(2, 3).to(query.dtype)
+        out = attn.to_out[0](out)
+        if len(attn.to_out) > 1:  # dropout
+            out = attn.to_out[1](out)
+        return out
+
+
+class WanFusedProcessor(_FusedProcessor):
+    """diffusers' ``WanAttnProcessor`` (0.42) for self-attention (text to video: no image keys),
+    with the QK norm across heads and the rotary fused."""
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if rotary_emb is None or encoder_hidden_states is not None or attn.add_k_proj is not None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        heads = attn.heads
+        # fp32 rotary tables (as loaded: ``rope`` is kept in fp32) rotate in fp32 with one
+        # rounding; tables cast to the model's dtype round every product, as eager does then
+        rope = "float32" if rotary_emb[0].dtype == torch.float32 else "io"
+        query, key = qk_norm_rope(
+            query.unflatten(2, (heads, -1)), key.unflatten(2, (heads, -1)),
+            attn.norm_q.weight, attn.norm_k.weight, table_from_interleaved(*rotary_emb),
+            eps=attn.norm_q.eps, interleaved=True, per_head=False, norm="fused", rope=rope,
+            preset=self.preset,
+        )  # fmt: skip
+        value = value.unflatten(2, (heads, -1))
+        out = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config,
+        )  # fmt: skip
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+def wan_block_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+) -> torch.Tensor:
+    """diffusers' ``WanTransformerBlock.forward`` (0.42) with ``norm1``/``norm3`` and their
+    modulation as one :func:`~omnirt.kernels.adaln.adaln_modulate` each (bound to a block by
+    :func:`install`)."""
+    if temb.ndim == 4:  # per-token modulation (Wan 2.2 TI2V): [B, S, 6, C]
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
+            self.scale_shift_table.unsqueeze(0) + temb.float()
+        ).chunk(6, dim=2)
+        shift_msa, scale_msa, gate_msa = shift_msa.squeeze(2), scale_msa.squeeze(2), gate_msa.squeeze(2)
+        c_shift_msa, c_scale_msa, c_gate_msa = (
+            c_shift_msa.squeeze(2),
+            c_scale_msa.squeeze(2),
+            c_gate_msa.squeeze(2),
+        )
+    else:
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
+            self.scale_shift_table + temb.float()
+        ).chunk(6, dim=1)
+
+    norm_hidden_states = adaln_modulate(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
+    attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
+    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+
+    norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+    attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    hidden_states = hidden_states + attn_output
+
+    norm_hidden_states = adaln_modulate(hidden_states, c_scale_msa, c_shift_msa, eps=self.norm3.eps)
+    ff_output = self.ffn(norm_hidden_states)
+    return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+
+
+def install(transformer: torch.nn.Module, preset: Preset = "exact") -> int:
+    """Puts the fused paths into ``transformer`` (a diffusers Z-Image or Wan DiT) unless
+    ``kernels.settings.FUSED`` is ``off``; returns how many sites now use them (0: none
+    recognised, or off)."""
+    if settings.FUSED == "off":
+        return 0
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
+    sites = 0
+    for module in transformer.modules():
+        if isinstance(module, WanTransformerBlock) and not getattr(module, "_omnirt_fused", False):
+            if isinstance(module.norm1, torch.nn.LayerNorm) and isinstance(module.norm3, torch.nn.LayerNorm):
+                module.forward = types.MethodType(wan_block_forward, module)
+                module._omnirt_fused = True
+                sites += 1
+            processor = getattr(module.attn1, "processor", None)
+            if isinstance(processor, WanAttnProcessor) and isinstance(module.attn1.norm_q, torch.nn.RMSNorm):
+                module.attn1.set_processor(WanFusedProcessor(processor, preset))
+                sites += 1
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, ZSingleStreamAttnProcessor):
+            module.set_processor(ZImageFusedProcessor(processor, preset))
+            sites += 1
+    log.info("fused kernels in %s: %d sites (%s preset)", type(transformer).__name__, sites, preset)
+    return sites
+
+
+def uninstall(transformer: torch.nn.Module) -> None:
+    """Puts back the original processors and block forwards."""
+    for module in transformer.modules():
+        if getattr(module, "_omnirt_fused", False):
+            del module.forward
+            module._omnirt_fused = False
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, _FusedProcessor):
+            module.set_processor(processor.original)

@@ -1,0 +1,107 @@
+"""kernels/adaln.py on the CPU: the Triton kernel under Triton's interpreter (fp32) against the
+eager chain (Wan's norm1/norm3 with their modulation), every modulation shape, the dispatcher and
+the custom op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.kernels.adaln import (
+    adaln_modulate,
+    adaln_modulate_reference,
+    adaln_modulate_triton,
+    kernel_applies,
+)
+
+from .conftest import interpreted
+
+
+def _x(batch=2, seq=3, width=1536, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, seq, width, generator=g) * 3 + 1, g
+
+
+def _modulations(batch, seq, width, g):
+    table = torch.randn(batch, 6, width, generator=g)
+    per_token = torch.randn(batch, seq, 6, width, generator=g)
+    return {
+        "per-sample views at a 6C stride": (table[:, 1:2], table[:, 0:1]),
+        "per-token views": (per_token[:, :, 1], per_token[:, :, 0]),
+        "shared (C,) and (1, 1, C)": (torch.randn(width, generator=g), torch.randn(1, 1, width, generator=g)),
+        "shared (1, C)": (torch.randn(1, width, generator=g), None),
+        "shift only": (None, torch.randn(batch, 1, width, generator=g)),
+        "none": (None, None),
+    }
+
+
+@interpreted
+@pytest.mark.parametrize("preset", ["exact", "fast"])
+@pytest.mark.parametrize("width", [64, 1536, 3584])
+def test_kernel_matches_the_eager_chain(width, preset):
+    x, g = _x(width=width)
+    for name, (scale, shift) in _modulations(2, 3, width, g).items():
+        got = adaln_modulate_triton(x, scale, shift, eps=1e-6, preset=preset)
+        torch.testing.assert_close(
+            got, adaln_modulate_reference(x, scale, shift, eps=1e-6), rtol=1e-5, atol=1e-5, msg=name
+        )
+
+
+@interpreted
+def test_layer_norm_affine_offset_and_strided_rows():
+    x, g = _x(batch=3, seq=4, width=512)
+    rows = x[:, ::2]  # every other row: strided
+    weight, bias = torch.randn(512, generator=g), torch.randn(512, generator=g)
+    scale = torch.randn(3, 1, 512, generator=g)
+    for w, b in ((weight, bias), (weight, None), (None, bias)):
+        got = adaln_modulate_triton(rows, scale, None, eps=1e-5, weight=w, bias=b, scale_offset=0.0)
+        want = adaln_modulate_reference(rows, scale, None, eps=1e-5, weight=w, bias=b, scale_offset=0.0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_variants_give_the_same_statistics():
+    x, g = _x(width=1024)
+    scale, shift = torch.randn(2, 1, 1024, generator=g), torch.randn(2, 1, 1024, generator=g)
+    want = adaln_modulate_reference(x, scale, shift, eps=1e-6)
+    for variant in ({"tree": "split"}, {"load": "tile"}, {"online_fma": False}, {"combine_mean_fma": "b"}):
+        torch.testing.assert_close(
+            adaln_modulate_triton(x, scale, shift, eps=1e-6, **variant), want, rtol=1e-5, atol=1e-5
+        )
+
+
+@interpreted
+def test_unsupported_inputs_are_refused_by_the_kernel():
+    x, g = _x(width=64)
+    with pytest.raises(ValueError, match="B, S, C"):
+        adaln_modulate_triton(x[0], None, None, eps=1e-6)
+    with pytest.raises(ValueError, match="broadcast"):
+        adaln_modulate_triton(x, torch.randn(3, 1, 64), None, eps=1e-6)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        adaln_modulate_triton(torch.randn(1, 2, 66)[..., :62], None, None, eps=1e-6)
+    with pytest.raises(ValueError, match="weight and bias"):
+        adaln_modulate_triton(x, None, None, eps=1e-6, weight=torch.randn(32))
+
+
+def test_dispatcher_runs_the_eager_chain_off_cuda():
+    x, g = _x(width=256)
+    scale = torch.randn(2, 1, 256, generator=g)
+    assert not kernel_applies(x, scale, None)
+    assert torch.equal(
+        adaln_modulate(x, scale, None, eps=1e-6), adaln_modulate_reference(x, scale, None, eps=1e-6)
+    )
+
+
+@interpreted
+def test_custom_op_schema_fake_and_kernel():
+    x, g = _x(batch=1, seq=2, width=128)
+    scale, shift = torch.randn(1, 1, 128, generator=g), torch.randn(128, generator=g)
+    args = (x, scale, shift, None, None, 1e-6, 1.0, "exact")
+    torch.library.opcheck(
+        torch.ops.omnirt.adaln_modulate.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+    torch.testing.assert_close(
+        torch.ops.omnirt.adaln_modulate(*args),
+        adaln_modulate_reference(x, scale, shift, eps=1e-6),
+        rtol=1e-5,
+        atol=1e-5,
+    )

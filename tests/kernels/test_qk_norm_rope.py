@@ -1,0 +1,215 @@
+"""kernels/qk_norm_rope.py on the CPU: the Triton kernel under Triton's interpreter (fp32) against
+the eager chains it replaces, the eager chains against the libraries' own code, the packed-QKV and
+64-bit-offset paths, the dispatcher and the custom op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.kernels import settings
+from omnirt.kernels.qk_norm_rope import (
+    kernel_applies,
+    qk_norm_rope,
+    qk_norm_rope_reference,
+    qk_norm_rope_triton,
+    split_packed_qkv,
+    table_from_complex,
+    table_from_halves,
+    table_from_interleaved,
+)
+
+from .conftest import interpreted
+
+# (per_head, norm, rope, interleaved): every chain the models use, and the other combinations
+CHAINS = [
+    (True, "composite", "io", False),  # Qwen3 (transformers)
+    (True, "composite", "complex", True),  # Z-Image
+    (False, "fused", "float32", True),  # Wan
+    (False, "fused", "io", True),  # Wan with tables cast to the model dtype
+    (True, "composite", "float32", False),
+    (False, "composite", "io", False),
+    (True, "fused", "float32", True),
+]
+
+
+def _inputs(batch=2, tokens=5, hq=4, hk=2, dim=64, per_head=True, table_batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, hq, dim, generator=g) * 3
+    k = torch.randn(batch, tokens, hk, dim, generator=g)
+    qw = torch.randn(dim if per_head else hq * dim, generator=g)
+    kw = torch.randn(dim if per_head else hk * dim, generator=g)
+    angles = torch.rand(table_batch, tokens, dim // 2, generator=g) * 50
+    return q, k, qw, kw, torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _close(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.is_contiguous()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("preset", ["exact", "fast"])
+@pytest.mark.parametrize("chain", CHAINS, ids=["-".join(map(str, c)) for c in CHAINS])
+def test_kernel_matches_the_eager_chain(chain, preset):
+    per_head, norm, rope, interleaved = chain
+    kw = dict(eps=1e-6, interleaved=interleaved, per_head=per_head, norm=norm, rope=rope)
+    for shape in (dict(dim=64), dict(batch=1, tokens=9, hq=3, hk=1, dim=128)):  # GQA, odd heads, 128
+        q, k, qw, kw_, table = _inputs(per_head=per_head, **shape)
+        got = qk_norm_rope_triton(q, k, qw, kw_, table, preset=preset, **kw)
+        _close(got, qk_norm_rope_reference(q, k, qw, kw_, table, **kw))
+
+
+@interpreted
+@pytest.mark.parametrize("order", ["lanes", "vec4", "lanes_halving", "vec4_halving"])
+def test_every_summation_order_is_a_sum_of_squares(order):
+    # the orders differ in the last bits only (the GPU numerics pick one); each is the right sum
+    q, k, qw, kw, table = _inputs(batch=2, tokens=6, hq=4, hk=4, dim=128)
+    args = dict(eps=1e-6, interleaved=False)
+    got = qk_norm_rope_triton(q, k, qw, kw, table, composite_sum=order, **args)
+    _close(got, qk_norm_rope_reference(q, k, qw, kw, table, **args))
+
+
+@interpreted
+def test_per_batch_tables_and_no_weights():
+    q, k, _, _, table = _inputs(table_batch=2)
+    kw = dict(eps=1e-5, interleaved=True, rope="complex")
+    _close(
+        qk_norm_rope_triton(q, k, None, None, table, **kw),
+        qk_norm_rope_reference(q, k, None, None, table, **kw),
+    )
+
+
+@interpreted
+def test_packed_qkv_is_read_in_place():
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 7, (8 + 2 * 2) * 64, generator=g)
+    q, k, v = split_packed_qkv(qkv, 8, 2, 64)
+    assert q.data_ptr() == qkv.data_ptr() and not q.is_contiguous()
+    assert torch.equal(v, qkv[..., 640:].unflatten(-1, (2, 64)))
+    _, _, qw, kw, table = _inputs(batch=2, tokens=7, hq=8, hk=2, dim=64, per_head=False)
+    args = dict(eps=1e-6, interleaved=True, per_head=False, norm="fused", rope="float32")
+    packed = qk_norm_rope_triton(q, k, qw, kw, table, **args)
+    separate = qk_norm_rope_triton(q.contiguous(), k.contiguous(), qw, kw, table, **args)
+    for a, b in zip(packed, separate, strict=True):
+        assert torch.equal(a, b)
+    _close(packed, qk_norm_rope_reference(q, k, qw, kw, table, **args))
+    with pytest.raises(ValueError, match="features"):
+        split_packed_qkv(qkv, 8, 3, 64)
+
+
+@interpreted
+def test_offsets_past_two_to_the_31(monkeypatch):
+    """A token 2^31 elements into its storage (packed QKV of 75,600 tokens with CFG batch 2 is
+    past that): 32-bit offsets would wrap, which the interpreter reproduces."""
+    from triton.runtime import interpreter
+
+    # After a launch the interpreter copies each argument's storage back onto itself (a no-op for
+    # CPU tensors) and would touch all 8 GiB of this mostly unused one.
+    monkeypatch.setattr(interpreter.GridExecutor, "_restore_args_dev", lambda *args, **kwargs: None)
+    dim = 16
+    big = torch.empty(2**31 + 2 * dim, dtype=torch.float32)  # 8 GiB of address space, two rows used
+    q = big.as_strided((1, 2, 1, dim), (0, 2**31, dim, 1))
+    g = torch.Generator().manual_seed(5)
+    q[0, 0, 0] = torch.randn(dim, generator=g)
+    q[0, 1, 0] = torch.randn(dim, generator=g) * 5
+    k = torch.randn(1, 2, 1, dim, generator=g)
+    angles = torch.rand(1, 2, dim // 2, generator=g)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    args = dict(eps=1e-6, interleaved=False)
+    got = qk_norm_rope_triton(q, k, None, None, table, **args)
+    _close(got, qk_norm_rope_reference(q, k, None, None, table, **args))
+
+
+@interpreted
+def test_unsupported_inputs_are_refused_by_the_kernel():
+    q, k, qw, kw, table = _inputs()
+    args = dict(eps=1e-6, interleaved=True)
+    with pytest.raises(ValueError, match="head dim"):
+        qk_norm_rope_triton(q[..., :48], k[..., :48], None, None, table[..., :48], **args)
+    with pytest.raises(ValueError, match="weights"):
+        qk_norm_rope_triton(q, k, qw[:10], kw, table, **args)
+    with pytest.raises(ValueError, match="table"):
+        qk_norm_rope_triton(q, k, qw, kw, table[:, :3], **args)
+    with pytest.raises(ValueError, match="interleaved"):
+        qk_norm_rope_triton(q, k, qw, kw, table, eps=1e-6, interleaved=False, rope="complex")
+    with pytest.raises(ValueError, match="preset"):
+        qk_norm_rope_triton(q, k, qw, kw, table, preset="quick", **args)
+
+
+def test_the_eager_chains_are_the_libraries_code():
+    """The reference is what the models compute: transformers' Qwen3 norm and rotary, and (through
+    the fused processors, on the CPU) diffusers' Z-Image and Wan attention (tests/diffusion)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeThinkerTextRMSNorm,
+        apply_rotary_pos_emb,
+    )
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, _, _, _ = _inputs(batch=2, tokens=6, hq=4, hk=2, dim=64)
+        q, k = q.to(dtype), k.to(dtype)
+        norm_q, norm_k = (
+            Qwen3OmniMoeThinkerTextRMSNorm(64, eps=1e-6),
+            Qwen3OmniMoeThinkerTextRMSNorm(64, eps=1e-6),
+        )
+        with torch.no_grad():
+            norm_q.weight.normal_()
+            norm_k.weight.normal_()
+        norm_q, norm_k = norm_q.to(dtype), norm_k.to(dtype)
+        freqs = torch.rand(2, 6, 32) * 20
+        cos, sin = (
+            torch.cat([freqs, freqs], -1).cos().to(dtype),
+            torch.cat([freqs, freqs], -1).sin().to(dtype),
+        )
+        with torch.no_grad():
+            want = apply_rotary_pos_emb(norm_q(q).transpose(1, 2), norm_k(k).transpose(1, 2), cos, sin)
+            got = qk_norm_rope_reference(
+                q, k, norm_q.weight, norm_k.weight, table_from_halves(cos, sin), eps=1e-6, interleaved=False
+            )
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w.transpose(1, 2))
+
+
+def test_table_builders():
+    cos = torch.rand(1, 3, 8)
+    sin = torch.rand(1, 3, 8)
+    assert torch.equal(
+        table_from_halves(torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)), torch.cat([cos, sin], -1)
+    )
+    wan_cos = cos.repeat_interleave(2, dim=-1).unsqueeze(2)  # Wan: [1, T, 1, D], each frequency twice
+    wan_sin = sin.repeat_interleave(2, dim=-1).unsqueeze(2)
+    assert torch.equal(table_from_interleaved(wan_cos, wan_sin), torch.cat([cos, sin], -1))
+    assert torch.equal(table_from_complex(torch.complex(cos, sin)), torch.cat([cos, sin], -1))
+
+
+def test_dispatcher_runs_the_eager_chain_off_cuda():
+    q, k, qw, kw, table = _inputs()
+    args = dict(eps=1e-6, interleaved=False)
+    assert not kernel_applies(q, k, qw, kw, table)
+    got = qk_norm_rope(q, k, qw, kw, table, **args)
+    for a, b in zip(got, qk_norm_rope_reference(q, k, qw, kw, table, **args), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fused_setting():
+    before = settings.FUSED
+    try:
+        for value in ("on", "off", "auto"):
+            settings.set_fused(value)
+            assert settings.FUSED == value
+        assert settings.wanted(True) and not settings.wanted(False)
+        with pytest.raises(ValueError, match="auto, on, off"):
+            settings.set_fused("sometimes")
+    finally:
+        settings.set_fused(before)
+
+
+@interpreted
+def test_custom_op_schema_fake_and_kernel():
+    q, k, qw, kw, table = _inputs(batch=1, tokens=3, hq=2, hk=2, dim=32)
+    args = (q, k, qw, kw, table, 1e-6, True, True, "composite", "complex", "exact")
+    torch.library.opcheck(
+        torch.ops.omnirt.qk_norm_rope.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+    got = torch.ops.omnirt.qk_norm_rope(*args)
+    _close(got, qk_norm_rope_reference(q, k, qw, kw, table, eps=1e-6, interleaved=True, rope="complex"))
