@@ -34,8 +34,9 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
-from ...kernels.qk_norm_rope import qk_norm_rope, table_from_halves
+from ...kernels.qk_norm_rope import kernel_applies, qk_norm_rope, table_from_halves
 from ..graphs import LengthBucketedRunner
 
 
@@ -121,22 +122,26 @@ def prompt_example(
 
 
 def _norm_rope(
-    attn: nn.Module, h: torch.Tensor, table: torch.Tensor, head_dim: int
+    attn: nn.Module,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    table: torch.Tensor | None,
+    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys of ``h`` [B, T, hidden] for attention, [B, heads, T, D]: projected, each
-    head RMSNorm-ed and rotated (transformers' ``q_norm``/``k_norm`` then ``apply_rotary_pos_emb``;
-    one fused launch on CUDA, ``kernels/qk_norm_rope.py``, bitwise the same)."""
+    head RMSNorm-ed and rotated. On CUDA one fused launch (``kernels/qk_norm_rope.py``, bitwise
+    transformers' chain) where it applies (``table``: the packed rotary table, None off CUDA);
+    elsewhere transformers' own ``q_norm``/``k_norm`` and ``apply_rotary_pos_emb``."""
     batch, tokens = h.shape[:2]
-    q, k = qk_norm_rope(
-        attn.q_proj(h).view(batch, tokens, -1, head_dim),
-        attn.k_proj(h).view(batch, tokens, -1, head_dim),
-        attn.q_norm.weight,
-        attn.k_norm.weight,
-        table,
-        eps=attn.q_norm.variance_epsilon,
-        interleaved=False,
-    )
-    return q.transpose(1, 2), k.transpose(1, 2)
+    q = attn.q_proj(h).view(batch, tokens, -1, head_dim)
+    k = attn.k_proj(h).view(batch, tokens, -1, head_dim)
+    qw, kw = attn.q_norm.weight, attn.k_norm.weight
+    if table is not None and kernel_applies(q, k, qw, kw, table):
+        eps = attn.q_norm.variance_epsilon
+        q, k = qk_norm_rope(q, k, qw, kw, table, eps=eps, interleaved=False)
+        return q.transpose(1, 2), k.transpose(1, 2)
+    return apply_rotary_pos_emb(attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2), cos, sin)
 
 class PromptPass:
     """A prompt pass read in pieces of ``chunk`` tokens, so that a long prompt never takes a
@@ -311,7 +316,8 @@ class SlotDecoder:
             if self.multimodal_rope
             else positions.view(batch, 1)
         )
-        table = table_from_halves(*self.model.rotary_emb(x, pos))
+        cos, sin = self.model.rotary_emb(x, pos)
+        table = table_from_halves(cos, sin) if cos.is_cuda else None
         lengths = self.lengths[:batch]
         write_at = torch.where(active, lengths, self.max_len)
         rows = self._rows[:batch]
@@ -321,7 +327,7 @@ class SlotDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q, k = _norm_rope(attn, h, table, self.head_dim)
+            q, k = _norm_rope(attn, h, cos, sin, table, self.head_dim)
             v = attn.v_proj(h).view(batch, 1, -1, self.head_dim).transpose(1, 2)
             cache_k, cache_v = self.keys[i], self.values[i]
             cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
@@ -369,7 +375,8 @@ class SlotDecoder:
         count = embeds.shape[0]
         x = embeds.unsqueeze(0)
         pos = positions.view(3, 1, count) if self.multimodal_rope else positions.view(1, count)
-        table = table_from_halves(*self.model.rotary_emb(x, pos))
+        cos, sin = self.model.rotary_emb(x, pos)
+        table = table_from_halves(cos, sin) if cos.is_cuda else None
         kept = x[0] if keep == 0 else None
         gqa = self.num_kv_heads != self.num_heads
         if start is not None:
@@ -380,7 +387,7 @@ class SlotDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q, k = _norm_rope(attn, h, table, self.head_dim)
+            q, k = _norm_rope(attn, h, cos, sin, table, self.head_dim)
             v = attn.v_proj(h).view(1, count, -1, self.head_dim).transpose(1, 2)
             cache_k, cache_v = self.keys[i], self.values[i]
             if start is None:
