@@ -235,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         "are bitwise equal to eager, on wherever supported, off",
     )
     serve.add_argument(
+        "--quantization",
+        choices=("none", "int8", "fp8"),
+        default=ServerConfig.quantization,
+        help="the diffusion transformers' linear layers as W8A8: int8, fp8 (Hopper), or none (the "
+        "default); quantized at load, layer by layer; /v1/models reports it per model",
+    )
+    serve.add_argument(
         "--step-cache",
         choices=STEP_CACHES,
         default="none",
@@ -320,6 +327,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         prefill_chunk=args.prefill_chunk,
         prefix_cache=not args.no_prefix_cache,
         fused_kernels=args.fused_kernels,
+        quantization=args.quantization,
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),
         metrics_host=args.metrics_host,
@@ -351,6 +359,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             prefill_chunk=config.prefill_chunk,
             prefix_cache=config.prefix_cache,
             load_format=load_format,
+            quantization=config.quantization,
         )
         engine = Engine(pipelines)
     except ValueError as exc:

@@ -25,6 +25,9 @@ class ServerConfig:
     #: their exact preset is bitwise equal to eager, ``on`` wherever supported, ``off``
     #: (``--fused-kernels``).
     fused_kernels: str = "auto"
+    #: W8A8 linear layers for the diffusion transformers: ``none``, ``int8`` or ``fp8``
+    #: (``--quantization``; reported per model in ``/v1/models``).
+    quantization: str = "none"
     #: The diffusion step cache a request gets when it names none (``--step-cache``: none,
     #: teacache, magcache), its settings (``--step-cache-config``, a JSON object) and calibration
     #: files beyond the shipped ones and the model folders' (``--step-cache-calibration``).

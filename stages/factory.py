@@ -134,7 +134,9 @@ def model_family(model: str) -> ModelFamily:
     )
 
 
-def build_diffusion_pipeline(path: Path, *, device: str, load_format: str) -> Pipeline:
+def build_diffusion_pipeline(
+    path: Path, *, device: str, load_format: str, quantization: str = "none"
+) -> Pipeline:
     """The image or video pipeline of a diffusers folder (``omnirt.stages.diffusion.factory``)."""
     try:
         from .diffusion.factory import build_diffusion_pipeline as build
@@ -144,10 +146,10 @@ def build_diffusion_pipeline(path: Path, *, device: str, load_format: str) -> Pi
         raise ValueError(
             f"--model {str(path)!r} is a diffusers pipeline, but this build has no diffusion runtime"
         ) from None
-    return build(path, device=device, load_format=load_format)
+    return build(path, device=device, load_format=load_format, quantization=quantization)
 
 
-def build_embedded_diffusion(*, device: str) -> list[Pipeline]:
+def build_embedded_diffusion(*, device: str, quantization: str = "none") -> list[Pipeline]:
     """The embedded image and video pipelines (tiny, random weights) of the default server."""
     try:
         from .diffusion.factory import build_embedded_diffusion_pipelines as build
@@ -156,7 +158,7 @@ def build_embedded_diffusion(*, device: str) -> list[Pipeline]:
             raise
         log.warning("this build has no diffusion runtime: the embedded default serves speech only")
         return []
-    return build(device=device)
+    return build(device=device, quantization=quantization)
 
 
 @dataclass(frozen=True)
@@ -177,14 +179,17 @@ def build_pipelines(
     prefill_chunk: int = 512,
     prefix_cache: bool = True,
     load_format: str = "auto",
+    quantization: str = "none",
     builders: Builders = Builders(),
 ) -> list[Pipeline]:
     """The pipelines of ``--model`` (each given path or ``"demo"``), the speech one first.
 
     No models, or only ``"demo"``: the embedded default (demo speech, embedded image and video
     pipelines). Otherwise each path is built by its family (:func:`model_family`); ``"demo"``
-    stands for the demo speech model. At most one speech model. ``ValueError`` says what is wrong
-    (a path no pipeline serves, two speech models, a model that does not load)."""
+    stands for the demo speech model. At most one speech model. ``quantization`` applies to the
+    diffusion models (W8A8 DiT linear layers); speech models load as they are. ``ValueError``
+    says what is wrong (a path no pipeline serves, two speech models, a model that does not
+    load)."""
     device = device or _default_device()
     speech: list[str | None] = []
     diffusion: list[str] = []
@@ -211,7 +216,11 @@ def build_pipelines(
             )
         )
     if embedded:
-        pipelines += builders.embedded_diffusion(device=device)
+        pipelines += builders.embedded_diffusion(device=device, quantization=quantization)
     for model in diffusion:
-        pipelines.append(builders.diffusion(Path(model).expanduser(), device=device, load_format=load_format))
+        pipelines.append(
+            builders.diffusion(
+                Path(model).expanduser(), device=device, load_format=load_format, quantization=quantization
+            )
+        )
     return pipelines

@@ -214,3 +214,5 @@ class ModelInfo:
     source: str
     voices: tuple[str, ...] = ()
     max_context_tokens: int = 4096
+    #: ``none``, or how the model's weights are quantized (``int8``, ``fp8``: W8A8 linear layers).
+    quantization: str = "none"

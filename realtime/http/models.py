@@ -26,6 +26,7 @@ def model_card(
     ``voice_aliases`` (alias -> the model's voice) are the other names a realtime session takes.
     ``kind`` is the kind of the pipeline that serves it ("speech", "image", "video", ...).
     ``source`` is the model folder's name, never its path (which stays in the server's log).
+    ``quantization`` is ``none`` or the W8A8 format of its linear layers (``int8``, ``fp8``).
     """
     return {
         "id": info.id,
@@ -39,6 +40,7 @@ def model_card(
         "voices": list(info.voices),
         "voice_aliases": dict(voice_aliases or {}),
         "max_context_tokens": info.max_context_tokens,
+        "quantization": info.quantization,
     }
 
 

@@ -61,7 +61,13 @@ def diffusion_family(path: Path) -> Family:
 
 
 def build_diffusion_pipeline(
-    path: Path, *, device: str, load_format: str = "auto", max_rows: int = 8, warm_up: bool = True
+    path: Path,
+    *,
+    device: str,
+    load_format: str = "auto",
+    max_rows: int = 8,
+    warm_up: bool = True,
+    quantization: str = "none",
 ) -> DiffusionPipeline:
     """The image (Z-Image) or video (Wan) pipeline of ``path``: a diffusers folder, or with
     ``load_format="dummy"`` its configs alone or a components JSON file. ``warm_up``: run one
@@ -69,11 +75,11 @@ def build_diffusion_pipeline(
     if diffusion_family(path) == "z-image":
         from .zimage_loader import load_zimage
 
-        denoiser: Any = load_zimage(path, device=device, load_format=load_format)
+        denoiser: Any = load_zimage(path, device=device, load_format=load_format, quantization=quantization)
     else:
         from .wan_loader import load_wan
 
-        denoiser = load_wan(path, device=device, load_format=load_format)
+        denoiser = load_wan(path, device=device, load_format=load_format, quantization=quantization)
     return _served(DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS), warm_up)
 
 
@@ -106,25 +112,27 @@ def build_image_pipeline(
     return pipeline
 
 
-def _embedded_image(device: str, max_rows: int) -> DiffusionPipeline:
+def _embedded_image(device: str, max_rows: int, quantization: str = "none") -> DiffusionPipeline:
     from .zimage_demo import DEMO_ID, ensure_zimage_demo
     from .zimage_loader import load_zimage
 
     path = ensure_zimage_demo()
-    denoiser = load_zimage(path, device=device, model_id=DEMO_ID, random_weights=True)
+    denoiser = load_zimage(
+        path, device=device, model_id=DEMO_ID, random_weights=True, quantization=quantization
+    )
     return DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS)
 
 
 def build_embedded_diffusion_pipelines(
-    *, device: str, max_rows: int = 4, warm_up: bool = True
+    *, device: str, max_rows: int = 4, warm_up: bool = True, quantization: str = "none"
 ) -> list[DiffusionPipeline]:
     """The embedded default's image and video pipelines: tiny Z-Image and Wan, random weights."""
     from .wan_demo import ensure_wan_demo
     from .wan_loader import load_wan
 
-    image = _embedded_image(device, max_rows)
+    image = _embedded_image(device, max_rows, quantization)
     video = DiffusionPipeline(
-        load_wan(ensure_wan_demo(), device=device, model_id=WAN_DEMO_ID),
+        load_wan(ensure_wan_demo(), device=device, model_id=WAN_DEMO_ID, quantization=quantization),
         max_rows=max_rows,
         media_workers=MEDIA_WORKERS,
     )

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from ..types import ModelInfo
+from .compressed import cast_keeping_fp32, load_transformer
 from .denoiser import Defaults
+from .quant import QUANTIZATIONS, quantize_model
 from .wan import WanDenoiser, WanLimits
 from .wan_demo import MARKER, WAN21_SCHEDULER_CONFIG, save_demo_tokenizer
 
@@ -58,13 +60,18 @@ def load_wan(
     limits: WanLimits | None = None,
     max_sequence_length: int = 512,
     flow_shift: float | None = None,
+    quantization: str = "none",
 ) -> WanDenoiser:
     """A :class:`WanDenoiser` for ``path`` (see the module doc for the two load formats).
 
     ``dtype`` (text encoder and transformer) defaults to float32 on CPU and bfloat16 elsewhere;
     the VAE runs in ``vae_dtype`` (float32, as diffusers recommends for Wan). ``flow_shift``
     overrides the scheduler's (3.0 suits 480p, 5.0 720p). ``limits`` default to the folder's demo
-    marker's, else :class:`WanLimits`'s."""
+    marker's, else :class:`WanLimits`'s. ``quantization`` (``int8``, ``fp8``): the transformer's
+    linear layers become W8A8 at load (``quant.py``), layer by layer on the device."""
+    if quantization not in QUANTIZATIONS:
+        known = ", ".join(QUANTIZATIONS)
+        raise WanLoadError(f"unknown quantization {quantization!r}; expected one of: {known}")
     if load_format not in LOAD_FORMATS:
         raise WanLoadError(f"unknown load format {load_format!r}; expected one of: {', '.join(LOAD_FORMATS)}")
     path = Path(path).expanduser()
@@ -75,9 +82,12 @@ def load_wan(
     start = time.perf_counter()
     if load_format == "dummy":
         parts, defaults = _build_dummy(path, device, dtype, vae_dtype, seed, variant)
+        if quantization != "none":
+            quantize_model(parts["transformer"], quantization, device=device)
         random_weights = True
     else:
-        parts = _load_folder(path, device, dtype, vae_dtype)
+        parts = _load_folder(path, device, dtype, vae_dtype, quantization)
+        quantization = parts.pop("quantization")
         defaults = WAN21_DEFAULTS
         random_weights = bool(marker.get("random_weights"))
     if "defaults" in marker:
@@ -92,6 +102,7 @@ def load_wan(
         architecture=ARCHITECTURE,
         random_weights=random_weights,
         source=str(path),
+        quantization=quantization,
     )
     denoiser = WanDenoiser(
         **parts,
@@ -157,7 +168,7 @@ def _scheduler_config(path: Path, index: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_folder(
-    path: Path, device: torch.device, dtype: torch.dtype, vae_dtype: torch.dtype
+    path: Path, device: torch.device, dtype: torch.dtype, vae_dtype: torch.dtype, quantization: str = "none"
 ) -> dict[str, Any]:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -169,9 +180,15 @@ def _load_folder(
         raise WanLoadError("loading a Wan transformer needs the accelerate package (pip install accelerate)")
     tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
     text_encoder = UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), dtype=dtype)
-    transformer = WanTransformer3DModel.from_pretrained(str(path / "transformer"), torch_dtype=dtype)
+    transformer, stored = load_transformer(WanTransformer3DModel, path / "transformer", dtype=dtype)
     vae = AutoencoderKLWan.from_pretrained(str(path / "vae"), torch_dtype=vae_dtype)
+    if stored != "none":  # a W8A8 checkpoint: served as it is
+        if quantization not in ("none", stored):
+            raise WanLoadError(f"{path}: the transformer is stored {stored}, not servable as {quantization}")
+    elif quantization != "none":  # on the CPU still: each layer quantized on the device in turn
+        quantize_model(transformer, quantization, device=device)
     return {
+        "quantization": stored if stored != "none" else quantization,
         "tokenizer": tokenizer,
         "text_encoder": text_encoder.to(device).eval(),
         "transformer": transformer.to(device).eval(),
@@ -288,7 +305,7 @@ def build_random_components(
         torch.manual_seed(seed)
         out["text_encoder"] = UMT5EncoderModel._from_config(UMT5Config(**te_cfg), dtype=dtype).eval()
         transformer = WanTransformer3DModel.from_config(configs["transformer"])
-        _cast_keeping_fp32(transformer, dtype)
+        cast_keeping_fp32(transformer, dtype)
         out["transformer"] = transformer.eval()
         out["vae"] = AutoencoderKLWan.from_config(configs["vae"]).to(vae_dtype).eval()
     if device.type == "cuda":
@@ -299,15 +316,7 @@ def build_random_components(
     return out
 
 
-def _cast_keeping_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not torch.is_floating_point(param):
-                continue
-            target = torch.float32 if any(k in name.split(".") for k in keep) else dtype
-            if param.dtype != target:
-                param.data = param.data.to(target)
+_cast_keeping_fp32 = cast_keeping_fp32  # (the name benchmarks and tests import)
 
 
 def limits_from(values: dict[str, Any]) -> WanLimits:

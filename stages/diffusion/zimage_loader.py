@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from ..types import ModelInfo
+from .compressed import load_transformer
 from .denoiser import Defaults
+from .quant import QUANTIZATIONS, quantize_model
 from .zimage import TURBO_DEFAULTS, Limits, ZImageDenoiser
 
 log = logging.getLogger(__name__)
@@ -153,10 +155,16 @@ def load_zimage(
     random_weights: bool = False,
     defaults: Defaults | None = None,
     limits: Limits = Limits(),
+    quantization: str = "none",
 ) -> ZImageDenoiser:
     """A :class:`ZImageDenoiser` for a diffusers folder (or, with ``load_format="dummy"``, a
-    components JSON file). ``dtype``: float32 on CPU, bfloat16 on CUDA unless given. Raises
-    ``ValueError`` for a folder that is not a Z-Image pipeline or cannot be read."""
+    components JSON file). ``dtype``: float32 on CPU, bfloat16 on CUDA unless given.
+    ``quantization`` (``int8``, ``fp8``): the transformer's linear layers become W8A8 at load
+    (``quant.py``), layer by layer on the device. Raises ``ValueError`` for a folder that is not a
+    Z-Image pipeline or cannot be read, or an unknown quantization."""
+    if quantization not in QUANTIZATIONS:
+        known = ", ".join(QUANTIZATIONS)
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of: {known}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; expected one of: {', '.join(LOAD_FORMATS)}")
     path = Path(path).expanduser()
@@ -168,18 +176,24 @@ def load_zimage(
     start = time.perf_counter()
     if load_format == "dummy":
         transformer, text_encoder, vae = _build_random(configs, device, dtype, seed)
+        if quantization != "none":
+            quantize_model(transformer, quantization, device=device)
         tok_dir = path / "tokenizer"
         tokenizer = _load_tokenizer(tok_dir) if tok_dir.is_dir() else offline_tokenizer()
         random_weights = True
     else:
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
 
-        transformer = ZImageTransformer2DModel.from_pretrained(
-            path, subfolder="transformer", torch_dtype=dtype
-        )
+        transformer, stored = load_transformer(ZImageTransformer2DModel, path / "transformer", dtype=dtype)
         vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
         text_encoder = _text_encoder_class(path).from_pretrained(str(path / "text_encoder"), dtype=dtype)
         tokenizer = _load_tokenizer(path / "tokenizer")
+        if stored != "none":  # a W8A8 checkpoint: served as it is
+            if quantization not in ("none", stored):
+                raise ValueError(f"{path}: the transformer is stored {stored}, not as {quantization}")
+            quantization = stored
+        elif quantization != "none":  # on the CPU still: each layer quantized on the device in turn
+            quantize_model(transformer, quantization, device=device)
         transformer, vae, text_encoder = transformer.to(device), vae.to(device), text_encoder.to(device)
     for name, module in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae)):
         module.requires_grad_(False)
@@ -190,6 +204,7 @@ def load_zimage(
         architecture=PIPELINE_CLASS,
         random_weights=random_weights,
         source=str(path),
+        quantization=quantization,
     )
     denoiser = ZImageDenoiser(
         transformer=transformer,

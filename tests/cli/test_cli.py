@@ -120,6 +120,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert not whole.prefix_cache and defaults.prefix_cache
     fused = config_from_args(build_parser().parse_args(["serve", "--fused-kernels", "off"]), {})
     assert fused.fused_kernels == "off" and defaults.fused_kernels == "auto"
+    quantized = config_from_args(build_parser().parse_args(["serve", "--quantization", "fp8"]), {})
+    assert quantized.quantization == "fp8" and defaults.quantization == "none"
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 

@@ -96,7 +96,7 @@ def test_no_model_is_the_embedded_default() -> None:
         assert [p.kind for p in pipelines] == ["speech", "image", "video"]
         assert [c[0] for c in recorder.calls] == ["speech", "embedded"]
         assert recorder.calls[0][1] in (None, "demo") and recorder.calls[0][2]["max_slots"] == 3
-        assert recorder.calls[1][2] == {"device": "cpu"}
+        assert recorder.calls[1][2] == {"device": "cpu", "quantization": "none"}
 
 
 def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
@@ -122,8 +122,8 @@ def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
         },
     )
     assert recorder.calls[1:] == [
-        ("diffusion", image, {"device": "cpu", "load_format": "dummy"}),
-        ("diffusion", video, {"device": "cpu", "load_format": "dummy"}),
+        ("diffusion", image, {"device": "cpu", "load_format": "dummy", "quantization": "none"}),
+        ("diffusion", video, {"device": "cpu", "load_format": "dummy", "quantization": "none"}),
     ]
     # Diffusion alone: no speech model, no embedded pipelines.
     only = Recorder()

@@ -1,0 +1,124 @@
+"""W8A8 DiTs: a diffusers transformer's linear layers swapped for :class:`W8A8Linear` (8-bit
+weights with one scale per output channel, activations quantized per token on every call:
+``kernels/w8a8.py``), one layer at a time.
+
+Which layers stay in the model's dtype is per model (:data:`KEEP`): embeddings and projections in
+and out of the transformer, the timestep and caption paths, the modulation; the attention and
+feed-forward layers of the blocks (nearly all the parameters and FLOPs) are quantized. ``keep``
+adds name patterns (``fnmatch``: ``"layers.0.*"`` keeps the first block, if quality asks).
+
+Quantizing online, each layer's weight goes to ``device``, is quantized there and the full-width
+copy is dropped before the next layer: on a model loaded on the CPU, peak device memory stays near
+the quantized model's size.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...kernels.w8a8 import STORAGE, Kind, check_kind, quantize_rows, w8a8_linear
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "int8", "fp8")
+
+#: Layers kept in the model's dtype, per transformer class (``fnmatch`` patterns of module names).
+KEEP: dict[str, tuple[str, ...]] = {
+    "ZImageTransformer2DModel": (
+        "all_x_embedder*", "cap_embedder*", "t_embedder*", "all_final_layer*", "siglip_embedder*",
+        "*adaLN_modulation*",
+    ),
+    "WanTransformer3DModel": ("condition_embedder*", "proj_out", "patch_embedding"),
+}  # fmt: skip
+
+
+class W8A8Linear(nn.Module):
+    """``nn.Linear`` with an 8-bit weight (``qweight`` [out, in], ``weight_scale`` [out, 1] fp32)
+    and per-token activation quantization; returns the input's dtype."""
+
+    def __init__(
+        self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, kind: Kind
+    ) -> None:
+        super().__init__()
+        self.kind = check_kind(kind)
+        self.in_features = qweight.shape[1]
+        self.out_features = qweight.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: Kind, device: torch.device | None = None) -> W8A8Linear:
+        weight = linear.weight.detach()
+        if device is not None:
+            weight = weight.to(device)
+        qweight, scale = quantize_rows(weight, kind)
+        bias = None if linear.bias is None else linear.bias.detach().to(qweight.device)
+        return cls(qweight, scale, bias, kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_linear(x, self.qweight, self.weight_scale, self.bias, self.kind)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+@dataclass(frozen=True)
+class QuantizedModel:
+    """What :func:`quantize_model` did."""
+
+    kind: str
+    layers: int
+    kept: int
+    bytes_before: int
+    bytes_after: int
+
+
+def _kept(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def quantize_model(
+    model: nn.Module, kind: str, *, device: torch.device | str | None = None, keep: Iterable[str] = ()
+) -> QuantizedModel:
+    """Swaps ``model``'s linear layers for :class:`W8A8Linear` in place, except those of
+    :data:`KEEP` for its class and ``keep``; each layer quantized on ``device`` (default: where
+    its weight is). Refuses an unknown ``kind`` with ValueError."""
+    kind = check_kind(kind)
+    patterns = KEEP.get(type(model).__name__, ()) + tuple(keep)
+    target = torch.device(device) if device is not None else None
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    swapped = kept = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if _kept(name, patterns):
+            kept += 1
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, W8A8Linear.from_linear(module, kind, target))
+        del module
+        swapped += 1
+    if target is not None:
+        model.to(target)
+    after = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+    result = QuantizedModel(kind, swapped, kept, before, after)
+    log.info(
+        "%s: %d linear layers in %s (%d kept), %.2f -> %.2f GiB of weights",
+        type(model).__name__, swapped, kind, kept, before / 2**30, after / 2**30,
+    )  # fmt: skip
+    return result
+
+
+def weight_dtype(kind: str) -> torch.dtype:
+    """The storage dtype of a kind's weights."""
+    return STORAGE[check_kind(kind)]
