@@ -111,6 +111,13 @@ class ServerConfig:
     #: A client held this long without reading its queue down is closed with 1008, as one past
     #: ``max_send_queue_bytes`` is.
     max_held_seconds: float = 30.0
+    #: Past this many bytes in the connection's kernel send queue not yet taken by the client
+    #: (``SIOCOUTQ``; Linux) its responses are held too. On a working connection the client's
+    #: TCP stack takes bytes as they come (its receive window stays open); bytes piling up in
+    #: the send queue mean its application stopped reading and its receive buffer filled. This
+    #: sees such a client after its receive buffer plus 64 KiB (about 2 s of audio deltas),
+    #: instead of after every buffer on the way and ``hold_send_queue_bytes``. 0: off.
+    hold_socket_bytes: int = 64 * 1024
     #: Kernel send buffer (SO_SNDBUF) of each realtime WebSocket connection (``realtime.ws_protocol``);
     #: 0: the kernel's automatic sizing (which grows to megabytes even for a client that never reads).
     ws_send_buffer_bytes: int = 128 * 1024

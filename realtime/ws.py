@@ -47,8 +47,11 @@ from .protocol.dispatch import CloseRequested, Limits, apply, decode_payload
 from .protocol.errors import ProtocolError
 from .protocol.models import ClientEvent
 from .protocol.server_events import MAX_SERVER_FRAME, Serializer, dumps, error_event
+from .ws_protocol import SOCKET_EXTENSION, unsent_bytes
 
 log = logging.getLogger(__name__)
+#: Seconds between looks at a held client's socket (its kernel queue drains unseen by the writer).
+_POLL = 0.25
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # session lifetime over
@@ -223,6 +226,13 @@ class Connection:
         #: that closes a client held too long runs while they are.
         self._hold_mark = min(service.config.hold_send_queue_bytes, self._max_queued)
         self._held_timer: asyncio.TimerHandle | None = None
+        #: The connection's socket (``omnirt serve``'s protocol puts it in the scope) and the
+        #: bytes of its kernel send queue the client may leave untaken before it is held too
+        #: (0: not watched); while held, :meth:`_poll_release` looks again every ``_POLL`` s.
+        extension = (websocket.scope.get("extensions") or {}).get(SOCKET_EXTENSION) or {}
+        self._socket = extension.get("socket")
+        self._socket_mark = service.config.hold_socket_bytes if self._socket is not None else 0
+        self._poll: asyncio.TimerHandle | None = None
         #: The close reason of a client closed for being behind.
         self._behind = ""
         #: Why the reader was stopped from outside: "writer", "idle", "behind" or "shutdown".
@@ -296,8 +306,22 @@ class Connection:
             self._fell_behind()
             return
         self.outbox.put_nowait((frame, event["type"] == "error"))
-        if self.queued_bytes > self._hold_mark and self._held_timer is None:
+        if self._held_timer is None and self._behind_reading():
             self._hold()
+
+    def _unsent(self) -> int:
+        """Bytes of the socket's send queue the client has not taken (0 when not watched)."""
+        return (unsent_bytes(self._socket) or 0) if self._socket_mark else 0
+
+    def _behind_reading(self) -> bool:
+        """Past the hold mark in our queue, or in the socket's (the client's window closed)."""
+        if self.queued_bytes > self._hold_mark:
+            return True
+        return self._socket_mark > 0 and self._unsent() > self._socket_mark
+
+    def _caught_up(self) -> bool:
+        """Both queues read down to half their marks."""
+        return self.queued_bytes <= self._hold_mark // 2 and self._unsent() <= self._socket_mark // 2
 
     def _hold(self) -> None:
         """The client is behind: hold its responses; closed if it stays behind ``max_held_seconds``."""
@@ -305,24 +329,44 @@ class Connection:
         self.service.clients_held += 1
         loop = asyncio.get_running_loop()
         self._held_timer = loop.call_later(self.service.config.max_held_seconds, self._held_too_long)
+        if self._socket_mark:  # the socket drains without our writer noticing: look again
+            self._poll = loop.call_later(_POLL, self._poll_release)
+
+    def _poll_release(self) -> None:
+        self._poll = None
+        if self._held_timer is None:
+            return
+        if self._caught_up():
+            self._release()
+        else:
+            self._poll = asyncio.get_running_loop().call_later(_POLL, self._poll_release)
+
+    def _stop_hold(self) -> None:
+        for timer in (self._held_timer, self._poll):
+            if timer is not None:
+                timer.cancel()
+        self._held_timer = self._poll = None
 
     def _release(self) -> None:
-        """The client has read its queue down to half the hold mark: its responses go on."""
+        """The client has read both queues down to half their marks: its responses go on."""
         if self._held_timer is not None:
-            self._held_timer.cancel()
-            self._held_timer = None
+            self._stop_hold()
             self.session.hold(False)
 
     def _held_too_long(self) -> None:
         self._held_timer = None
         held = self.service.config.max_held_seconds
         log.warning(
-            "session %s: client held %g s without reading its %d queued bytes; closing it",
+            "session %s: client held %g s without reading its %d queued bytes (%d in its socket); closing it",
             self.session.id,
             held,
             self.queued_bytes,
+            self._unsent(),
         )
-        self._close_behind(f"client stayed over {self._hold_mark} bytes behind for {held:g} s")
+        self._close_behind(
+            f"client stayed behind for {held:g} s (over {self._hold_mark} bytes queued "
+            f"or {self._socket_mark} unread in its socket)"
+        )
 
     def _fell_behind(self) -> None:
         """The client is ``max_send_queue_bytes`` behind: drop what is queued and stop the reader;
@@ -338,9 +382,7 @@ class Connection:
     def _close_behind(self, reason: str) -> None:
         """Close the client for being behind (1008 with ``reason``), its queue dropped."""
         self._behind = reason
-        if self._held_timer is not None:
-            self._held_timer.cancel()
-            self._held_timer = None
+        self._stop_hold()
         self.service.slow_clients_closed += 1
         while not self.outbox.empty():
             self.outbox.get_nowait()
@@ -390,7 +432,7 @@ class Connection:
             frame, is_error = item
             await self.ws.send_text(frame)
             self.queued_bytes -= len(frame)
-            if self._held_timer is not None and self.queued_bytes <= self._hold_mark // 2:
+            if self._held_timer is not None and self._caught_up():
                 self._release()
             service.events_sent += 1
             service.errors_sent += is_error
@@ -427,9 +469,7 @@ class Connection:
                 await self._drain(writer)
                 await self._close(close_code)
         finally:
-            if self._held_timer is not None:
-                self._held_timer.cancel()
-                self._held_timer = None
+            self._stop_hold()
             if not self.session.closed:
                 await self.session.close(notify=False)
             writer.cancel()

@@ -43,7 +43,8 @@ BOUND = 128 * 1024
 
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[Server]:
-    with running(ServerConfig(max_send_queue_bytes=BOUND, max_sessions=4)) as s:
+    # the socket's hold off: these tests are about the bound of our own queue
+    with running(ServerConfig(max_send_queue_bytes=BOUND, hold_socket_bytes=0, max_sessions=4)) as s:
         yield s
 
 
@@ -199,6 +200,46 @@ def test_a_client_behind_gets_no_compute_until_it_reads(holding: Server) -> None
     made, made_later, finished, done = run(main())
     assert made > 0 and made_later == made
     assert done["status"] == "completed"
+    assert {r["status"] for r in finished} == {"completed"}
+    assert service.slow_clients_closed == 0
+
+
+@pytest.fixture(scope="module")
+def socket_holding() -> Iterator[Server]:
+    # a hold mark in our own queue that this test never reaches: only the socket's can hold
+    config = ServerConfig(
+        hold_send_queue_bytes=4 << 20, hold_socket_bytes=32 * 1024, max_held_seconds=10, max_sessions=4
+    )
+    with running(config) as s:
+        yield s
+
+
+def test_a_client_whose_window_closed_is_held_before_our_queue_grows(socket_holding: Server) -> None:
+    """A client that stops reading fills its receive buffer and the server's kernel send queue
+    (``SIOCOUTQ``): held once 32 KiB sit there untaken, long before the server's own queue
+    reaches its mark, so the engine makes a small part of the replies ahead of the client. Reading
+    again releases it (the held connection's socket is polled) and everything completes."""
+    service = socket_holding.service
+    held_before = service.clients_held
+    total = 4 * len(LONG.split())
+
+    async def main() -> tuple[int, int, list[dict]]:
+        async with slow_client(socket_holding) as slow:
+            response_ids = await start_long_responses(slow)
+            await wait_for(lambda: service.clients_held > held_before, 10)
+            await asyncio.sleep(0.5)  # the hold reaches the engine thread
+            made = words_made(socket_holding, response_ids)
+            await asyncio.sleep(1.0)
+            made_later = words_made(socket_holding, response_ids)
+            finished = []
+            while len(finished) < len(response_ids):
+                event = await slow.recv(timeout=10)
+                if event["type"] == "response.done":
+                    finished.append(event["response"])
+            return made, made_later, finished
+
+    made, made_later, finished = run(main())
+    assert 0 < made == made_later < total // 5, (made, total)
     assert {r["status"] for r in finished} == {"completed"}
     assert service.slow_clients_closed == 0
 

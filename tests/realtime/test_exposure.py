@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -47,6 +48,9 @@ def test_a_foreign_page_cannot_open_a_session_but_its_own_page_and_sdks_can(serv
         assert _refused_status(server, origin) == 403
     _session_opens(server, server.base_url)  # the served UI's own origin: http://127.0.0.1:PORT
     _session_opens(server, None)  # SDKs and servers send no Origin
+    deadline = time.monotonic() + 5  # the server ends a closed session on its own loop: wait for it
+    while server.service.active_sessions and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert server.service.active_sessions == 0
 
 
