@@ -74,9 +74,17 @@ class OutputAudio:
     def duration_ms(self) -> int:
         return self.samples * 1000 // SAMPLE_RATE
 
+    @property
+    def end_ms(self) -> int:
+        """The duration rounded up: the largest ``audio_end_ms`` a truncation may give. A client
+        that measures what it received in fractional milliseconds and bounds its truncation by
+        their ceiling (openai-agents does) names the end of the audio that way."""
+        return -(-self.samples * 1000 // SAMPLE_RATE)
+
     def truncate(self, audio_end_ms: int) -> None:
-        """Keep the first ``audio_end_ms`` of audio and the transcript spoken by then."""
-        end = audio_end_ms * SAMPLE_RATE // 1000
+        """Keep the first ``audio_end_ms`` of audio (all of it up to :attr:`end_ms`) and the
+        transcript spoken by then."""
+        end = min(audio_end_ms * SAMPLE_RATE // 1000, self.samples)
         chars = 0
         for mark_end, mark_chars in self.marks:
             if mark_end <= end:

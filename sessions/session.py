@@ -362,10 +362,10 @@ class RealtimeSession:
             )
         part = item.content[content_index]
         assert isinstance(part, OutputAudio)
-        if audio_end_ms > part.duration_ms:
+        if audio_end_ms > part.end_ms:
             raise SessionError(
                 ErrorCode.INVALID_VALUE,
-                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({part.duration_ms} ms).",
+                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({part.end_ms} ms).",
                 "audio_end_ms",
             )
         part.truncate(audio_end_ms)

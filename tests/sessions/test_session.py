@@ -215,6 +215,26 @@ def test_output_audio_truncation_keeps_what_was_heard() -> None:
     assert part.samples == 6000
 
 
+def test_truncation_at_the_rounded_up_end_keeps_all_the_audio() -> None:
+    """7,120 samples are 296.67 ms: a truncation at 297 (the received length rounded up, as
+    openai-agents bounds it) keeps everything; 298 is past the end."""
+
+    async def main() -> OutputAudio:
+        async with Harness() as h:
+            part = OutputAudio(transcript="hello")
+            part.append(np.ones(7120, np.int16), 5)
+            h.session.conversation.insert(MessageItem("item_1", "assistant", [part]))
+            assert (part.duration_ms, part.end_ms) == (296, 297)
+            with pytest.raises(SessionError) as info:
+                h.session.truncate_item("item_1", 0, 298)
+            assert info.value.code == ErrorCode.INVALID_VALUE and "297 ms" in info.value.message
+            h.session.truncate_item("item_1", 0, 297)
+            return part
+
+    part = asyncio.run(main())
+    assert part.samples == 7120 and part.transcript == "hello"
+
+
 def test_conversation_placement() -> None:
     conv = Conversation("conv_1")
     a, b, c = (MessageItem(x, "user", []) for x in "abc")
