@@ -32,8 +32,6 @@ from .settings import Preset, check_preset
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
-
-    from .reduce_order import half_sum  # noqa: F401  (the tree the Welford combine mirrors)
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None

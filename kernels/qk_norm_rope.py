@@ -552,6 +552,26 @@ def kernel_applies(
     return settings.wanted((norm, rope, per_head) in BITWISE and q.shape[-1] == BITWISE_DIM)
 
 
+def fused_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    per_head: bool = True,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+    preset: Preset = "exact",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op, for a caller that has checked :func:`kernel_applies` itself."""
+    return torch.ops.omnirt.qk_norm_rope(
+        q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, check_preset(preset)
+    )
+
+
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -568,19 +588,7 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernel where it applies (:func:`kernel_applies`), else the eager chain; both
     return contiguous [B, T, H, D] tensors."""
+    args = dict(eps=eps, interleaved=interleaved, per_head=per_head, norm=norm, rope=rope)
     if kernel_applies(q, k, q_weight, k_weight, table, per_head=per_head, norm=norm, rope=rope):
-        return torch.ops.omnirt.qk_norm_rope(
-            q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, check_preset(preset)
-        )
-    return qk_norm_rope_reference(
-        q,
-        k,
-        q_weight,
-        k_weight,
-        table,
-        eps=eps,
-        interleaved=interleaved,
-        per_head=per_head,
-        norm=norm,
-        rope=rope,
-    )
+        return fused_qk_norm_rope(q, k, q_weight, k_weight, table, preset=preset, **args)
+    return qk_norm_rope_reference(q, k, q_weight, k_weight, table, **args)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...kernels.w8a8 import STORAGE, Kind, check_kind, quantize_rows, w8a8_linear
+from ...kernels.w8a8 import Kind, check_kind, quantize_rows, w8a8_linear
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,3 @@ def quantize_model(
     )  # fmt: skip
     return result
 
-
-def weight_dtype(kind: str) -> torch.dtype:
-    """The storage dtype of a kind's weights."""
-    return STORAGE[check_kind(kind)]

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
-from ...kernels.qk_norm_rope import kernel_applies, qk_norm_rope, table_from_halves
+from ...kernels.qk_norm_rope import fused_qk_norm_rope, kernel_applies, table_from_halves
 from ..graphs import LengthBucketedRunner
 
 
@@ -139,7 +139,7 @@ def _norm_rope(
     qw, kw = attn.q_norm.weight, attn.k_norm.weight
     if table is not None and kernel_applies(q, k, qw, kw, table):
         eps = attn.q_norm.variance_epsilon
-        q, k = qk_norm_rope(q, k, qw, kw, table, eps=eps, interleaved=False)
+        q, k = fused_qk_norm_rope(q, k, qw, kw, table, eps=eps, interleaved=False)
         return q.transpose(1, 2), k.transpose(1, 2)
     return apply_rotary_pos_emb(attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2), cos, sin)
 
