@@ -1,19 +1,30 @@
-"""W8A8 DiTs (``--quantization``): one transformer step in bf16, int8 and fp8 at real size, with
-the weights' memory and the step output's SNR against bf16 on the same weights and inputs.
+"""W8A8 DiTs (``--quantization``) and the Wan VAE decoder's fast path (``--vae-fast``) at real size.
 
-Z-Image (6.15 B, 1024x1024) and optionally Wan (1.3 B or 14 B, 480p or 720p, 81 frames) from the
-published configs with random bf16 weights, on a CUDA GPU; each row is measured in the same run
-(a copy of the bf16 model is quantized, so both stay loaded). Milliseconds are the median of
-``triton.testing.do_bench``. The VAE decoder fast path of issue 15 is not built yet, so this
-script has no VAE rows.
+- **Transformer steps**: one step of Z-Image (6.15 B, 1024x1024) and optionally Wan (1.3 B or
+  14 B, 480p or 720p, 81 frames) in bf16, int8 and fp8, from the published configs with random bf16
+  weights; the weights' memory and the step output's SNR against bf16 on the same weights and
+  inputs (a copy of the bf16 model is quantized, so both stay loaded), with the fused kernels of
+  ``stages/diffusion/fused.py`` installed as the server installs them. Milliseconds are the median
+  of ``triton.testing.do_bench``.
+- **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
+  shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
+  from the same noise: the PSNR of the decoded pixels against bf16's.
+- **Conv inputs** (``--conv-input``): the kernel of ``kernels/conv_input.py`` alone at the Wan
+  decoder's top level, against the eager chain, with the bandwidth of the bytes it moves.
+- **VAE decodes** (``--vae 480p,720p``): the Wan 2.1 VAE decoding 81 frames (21 latent frames) in
+  ``--vae-dtype``, with diffusers' decoder (``off``) and the ``exact`` and ``fast`` levels on the
+  same latents: time per decode (the median of ``--repeats``), peak memory, and whether the pixels
+  are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level.
 
-    python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p]
+    python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
+        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--conv-input] [--skip-zimage]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import sys
 from pathlib import Path
@@ -36,7 +47,10 @@ def snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
+    from omnirt.stages.diffusion import fused
     from omnirt.stages.diffusion.quant import quantize_model
+
+    fused.install(model)  # as the server runs it on CUDA (issue 13's kernels), in every row
 
     with torch.no_grad():
         ref = call(model)
@@ -93,23 +107,196 @@ def wan_rows(variant: str, size: str) -> list[str]:
     return rows_for(name, model, lambda m: m(video, step, text, return_dict=False)[0])
 
 
+def psnr_db(got: torch.Tensor, want: torch.Tensor, peak: float = 2.0) -> float:
+    """PSNR of pixels in [-1, 1] (peak-to-peak 2)."""
+    mse = (got.float() - want.float()).pow(2).mean()
+    return float("inf") if mse == 0 else float(10 * torch.log10(peak**2 / mse))
+
+
+def zimage_final_rows(steps: int = 8) -> list[str]:
+    """Z-Image's sampling loop (as ``ZImagePipeline``, no guidance) and its VAE, per weight format."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from omnirt.stages.diffusion.quant import quantize_model
+
+    comps = json.loads((ROOT / "benchmarks/models/z-image-turbo/z-image-turbo.components.json").read_text())
+    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("_")}  # noqa: E731
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = ZImageTransformer2DModel.from_config(strip(comps["transformer"])).to(torch.bfloat16).eval()
+        vae_cfg = strip(comps["vae"])  # the published config, with the block lists its 4 levels imply
+        vae_cfg.update(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4)
+        vae_cfg.update(use_quant_conv=False, use_post_quant_conv=False)
+        vae = AutoencoderKL.from_config(vae_cfg).to(torch.bfloat16).eval()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    noise = torch.randn(1, 16, 128, 128, device="cuda", generator=g)
+    caption = [torch.randn(32, model.config.cap_feat_dim, device="cuda", dtype=torch.bfloat16, generator=g)]
+
+    def sample(m: torch.nn.Module) -> torch.Tensor:
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(strip(comps["scheduler"]))
+        scheduler.set_timesteps(steps, device="cuda")
+        latents = noise.clone()
+        for t in scheduler.timesteps:
+            timestep = (1000 - t.expand(1)) / 1000
+            out = m(
+                list(latents.to(torch.bfloat16).unsqueeze(2).unbind(0)), timestep, caption, return_dict=False
+            )[0]
+            latents = scheduler.step(-out[0].squeeze(1).float().unsqueeze(0), t, latents, return_dict=False)[
+                0
+            ]
+        z = latents.to(torch.bfloat16) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(z, return_dict=False)[0].clamp(-1, 1)
+
+    rows = []
+    with torch.no_grad():
+        ref = sample(model)
+        for kind in ("int8", "fp8"):
+            quantized = copy.deepcopy(model)
+            quantize_model(quantized, kind)
+            rows.append(
+                f"| Z-Image 1024x1024, {steps} steps + VAE | {kind} | {psnr_db(sample(quantized), ref):.1f} |"
+            )
+            del quantized
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _time_decode(vae: torch.nn.Module, z: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
+    vae.decode(z[:, :, :3], return_dict=False)  # warm: Triton compiles, cuDNN picks (chunks 0, 1, steady)
+    times = []
+    out = None
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = vae.decode(z, return_dict=False)[0]
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], out
+
+
+def _profile(vae: torch.nn.Module, z: torch.Tensor, label: str, top: int = 14) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        vae.decode(z[:, :, :5], return_dict=False)
+        torch.cuda.synchronize()
+    totals = {
+        e.key: (e.self_device_time_total, e.count) for e in prof.key_averages() if e.self_device_time_total
+    }
+    whole = sum(t for t, _ in totals.values())
+    print(f"\n{label}: CUDA kernels of a 5-latent-frame decode, {whole / 1000:.1f} ms")
+    for key, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% x{n:<5d} {key[:100]}")
+
+
+def vae_rows(size: str, dtype: torch.dtype, repeats: int, profile_levels: bool) -> list[str]:
+    from diffusers import AutoencoderKLWan
+    from omnirt.stages.diffusion import wan_vae_fast
+
+    cfg = json.loads((ROOT / "benchmarks/models/wan2.1-t2v/wan2.1-t2v.components.json").read_text())["vae"]
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan.from_config({k: v for k, v in cfg.items() if not k.startswith("_")})
+    vae = vae.to(dtype).eval()
+    h, w = SIZES[size]
+    z = torch.randn(1, 16, 21, h, w, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    z = z.to(dtype)
+    name = f"Wan VAE decode {size} 81 frames {str(dtype).removeprefix('torch.')}"
+    rows = []
+    with torch.no_grad():
+        base = ref = None
+        for level in ("off", "exact", "fast"):
+            wan_vae_fast.install(vae, level)
+            torch.cuda.reset_peak_memory_stats()
+            ms, out = _time_decode(vae, z, repeats)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            if level == "off":
+                base, ref = ms, out
+                same = "-"
+            else:
+                same = "bitwise" if torch.equal(out, ref) else f"PSNR {psnr_db(out, ref):.1f} dB"
+            rows.append(f"| {name} | {level} | {ms:.0f} | {base / ms:.2f}x | {peak:.1f} | {same} |")
+            print(rows[-1], flush=True)
+            if profile_levels:
+                _profile(vae, z, f"{name}, {level}")
+            del out
+        wan_vae_fast.uninstall(vae)
+    return rows
+
+
+def conv_input_rows() -> list[str]:
+    """The conv-input kernel alone at the decoder's top level (480p, 96 channels, 4 new frames, 2
+    cached): time against the eager chain, and the bandwidth of the bytes it must move."""
+    from omnirt.kernels.conv_input import causal_conv_input, causal_conv_input_reference
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for layout in ("contiguous", "channels_last"):
+        cl = layout == "channels_last"
+        x = torch.randn(1, 96, 4, 480, 832, device="cuda", generator=g).to(torch.bfloat16)
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+        cache = torch.randn(1, 96, 2, 480, 832, device="cuda", generator=g).to(torch.bfloat16)
+        gamma = torch.rand(96, 1, 1, 1, device="cuda", generator=g).to(torch.bfloat16) + 0.5
+        moved = (x.numel() + cache.numel() + 96 * 6 * 482 * 834) * 2 + 2 * 96 * 480 * 832 * 2
+        for norm in (None, (gamma, 96**0.5)):
+            args = (x, cache)
+            kw = {"time_pad": 2, "spatial_pad": 1, "norm": norm}
+            eager = functools.partial(causal_conv_input_reference, *args, **kw)
+            kernel = functools.partial(causal_conv_input, *args, **kw, channels_last=cl)
+            base, ms = bench(eager), bench(kernel)
+            chain = "norm + SiLU" if norm else "copy"
+            rows.append(
+                f"| {layout} | {chain} | {base:.2f} | {ms:.2f} | {base / ms:.1f}x | {moved / ms / 1e6:.0f} |"
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wan", choices=("1.3b", "14b"), default=None, help="also a Wan transformer step")
     p.add_argument("--wan-size", choices=tuple(SIZES), default="480p")
-    p.add_argument("--skip-zimage", action="store_true")
+    p.add_argument("--skip-zimage", action="store_true", help="no Z-Image transformer step")
+    p.add_argument("--final", action="store_true", help="also Z-Image's final images per weight format")
+    p.add_argument("--vae", default="", help="Wan VAE decodes at these sizes (comma-separated: 480p,720p)")
+    p.add_argument("--vae-dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--repeats", type=int, default=3, help="timed decodes per VAE level (the median)")
+    p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
+    p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     args = p.parse_args(argv)
+    sizes = [s for s in args.vae.split(",") if s]
+    if any(s not in SIZES for s in sizes):
+        p.error(f"--vae sizes are {', '.join(SIZES)}")
     if not torch.cuda.is_available():
         print("benchmarks/quant_vae.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    print(f"# W8A8 DiT steps on {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
-    print("| transformer step | weights | ms | speed-up | weight GiB | output SNR vs bf16 (dB) |")
-    print("|---|---|---|---|---|---|")
+    print(f"# W8A8 DiTs, Wan VAE fast path: {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
+    if not args.skip_zimage or args.wan:
+        print("| transformer step | weights | ms | speed-up | weight GiB | output SNR vs bf16 (dB) |")
+        print("|---|---|---|---|---|---|")
     if not args.skip_zimage:
         print("\n".join(zimage_rows()), flush=True)
         torch.cuda.empty_cache()
     if args.wan:
         print("\n".join(wan_rows(args.wan, args.wan_size)), flush=True)
+        torch.cuda.empty_cache()
+    if args.final:
+        print("\n| final output | weights | PSNR vs bf16 (dB) |\n|---|---|---|")
+        print("\n".join(zimage_final_rows()), flush=True)
+        torch.cuda.empty_cache()
+    if args.conv_input:
+        print(
+            "\n| frames | chain | eager ms | kernel ms | speed-up | kernel GB/s |\n|---|---|---|---|---|---|"
+        )
+        print("\n".join(conv_input_rows()), flush=True)
+    if sizes:
+        print(
+            "\n| decode | level | ms | speed-up | peak GiB | pixels vs diffusers |\n|---|---|---|---|---|---|"
+        )
+        dtype = torch.bfloat16 if args.vae_dtype == "bf16" else torch.float32
+        for size in sizes:
+            vae_rows(size, dtype, args.repeats, args.vae_profile)
+            torch.cuda.empty_cache()
     return 0
 
 

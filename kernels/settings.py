@@ -8,6 +8,9 @@ a Triton kernel may run.
 - **Setting.** ``FUSED`` is ``"auto"`` (the kernels run where their ``exact`` preset is
   bitwise, which each kernel module names; elsewhere the eager chain runs), ``"on"`` (every
   supported call) or ``"off"``. ``omnirt serve --fused-kernels`` sets it.
+- **The Wan VAE decoder's fast path** (``stages/diffusion/wan_vae_fast.py``): ``VAE_FAST`` is
+  ``"exact"`` (bitwise equal to diffusers' decoder; the default), ``"fast"`` (channels-last
+  convolutions, within a stated PSNR) or ``"off"``. ``omnirt serve --vae-fast`` sets it.
 - **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only when a test
   calls it directly under ``TRITON_INTERPRET=1`` (fp32), never from a dispatcher.
 """
@@ -32,6 +35,10 @@ FUSED_SETTINGS: tuple[Fused, ...] = ("auto", "on", "off")
 
 FUSED: Fused = "auto"
 
+VaeLevel = Literal["exact", "fast", "off"]
+VAE_LEVELS: tuple[VaeLevel, ...] = ("exact", "fast", "off")
+VAE_FAST: VaeLevel = "exact"
+
 
 def set_fused(setting: str) -> None:
     """Sets :data:`FUSED` (``auto``, ``on`` or ``off``)."""
@@ -39,6 +46,18 @@ def set_fused(setting: str) -> None:
     if setting not in FUSED_SETTINGS:
         raise ValueError(f"fused kernels must be one of {', '.join(FUSED_SETTINGS)}, not {setting!r}")
     FUSED = setting  # type: ignore[assignment]
+
+
+def check_vae_level(level: str) -> VaeLevel:
+    if level not in VAE_LEVELS:
+        raise ValueError(f"the VAE fast path must be one of {', '.join(VAE_LEVELS)}, not {level!r}")
+    return level  # type: ignore[return-value]
+
+
+def set_vae_fast(level: str) -> None:
+    """Sets :data:`VAE_FAST` (``exact``, ``fast`` or ``off``)."""
+    global VAE_FAST
+    VAE_FAST = check_vae_level(level)
 
 
 def check_preset(preset: str) -> Preset:

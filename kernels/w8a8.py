@@ -6,6 +6,13 @@
 - ``fp8``: e4m3 both sides, ``torch._scaled_mm`` with row-wise scales (Hopper's FP8 tensor cores;
   the CPU has a reference implementation), the scales and bias applied inside.
 
+On CUDA two Triton kernels do the memory-bound work around the product, each one pass where eager
+takes five or six: :func:`quantize_rows_triton` (a row's peak, its scale and its 8-bit values) and,
+for int8, :func:`int8_epilogue_triton` (int32 accumulators times both scales, plus the bias, to the
+output dtype). Both are bitwise equal to the eager chains they replace (:func:`quantize_rows` and
+the epilogue of :func:`w8a8_linear_reference`): the same operations in the same order, without
+contraction into fused multiply-adds.
+
 :func:`w8a8_linear_reference` is the dequantized product (the quantized operands times their
 scales, multiplied in fp32): what the fast paths must equal up to fp32 rounding. Weights are
 quantized once (:func:`quantize_rows` of ``[out, in]``), activations on every call.
@@ -17,6 +24,14 @@ from typing import Literal
 
 import torch
 
+from .settings import kernel_device
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
 Kind = Literal["int8", "fp8"]
 KINDS: tuple[Kind, ...] = ("int8", "fp8")
 #: The largest magnitude of each format (int8 is kept symmetric: -127..127).
@@ -24,6 +39,11 @@ QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 STORAGE: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 #: ``torch._int_mm`` on CUDA wants more than 16 rows; fewer are padded with zero rows.
 _INT_MM_MIN_ROWS = 17
+#: The smallest row peak a scale is taken from (an all-zero row gets a tiny positive scale).
+_MIN_PEAK = 1e-12
+#: 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude below 2**22 to an integer,
+#: ties to even (``torch.round``), in two correctly rounded additions.
+_ROUNDER = 12582912.0
 
 
 def check_kind(kind: str) -> Kind:
@@ -32,16 +52,29 @@ def check_kind(kind: str) -> Kind:
     return kind  # type: ignore[return-value]
 
 
+def _inverse_qmax(kind: str) -> float:
+    """``1 / QMAX`` rounded to fp32, the factor a row's peak is scaled by (ATen divides a CUDA
+    tensor by a Python number as a product with its fp32 reciprocal; this is that, everywhere)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(QMAX[kind], dtype=torch.float32))
+
+
 def quantize_rows(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [rows, cols] as 8-bit values and one fp32 scale per row [rows, 1], symmetric:
     ``x ~ q * scale`` with the row's largest magnitude mapped to the format's largest value."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-    scale = amax / QMAX[kind]
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_MIN_PEAK)
+    scale = amax * _inverse_qmax(kind)
     scaled = xf / scale
     if kind == "int8":
         return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
     return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def _int8_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias, dtype):
+    out = acc.float() * x_scale * weight_scale.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(dtype)
 
 
 def w8a8_linear_reference(
@@ -56,22 +89,106 @@ def w8a8_linear_reference(
     return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, S, cols, stride_x, stride_q, INV_QMAX, QMAX: tl.constexpr,
+                              MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, INT8: tl.constexpr,
+                              BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        src = X + row * stride_x
+        dst = Q + row * stride_q
+        peak = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            v = tl.load(src + offs, mask=offs < cols, other=0.0).to(tl.float32)
+            peak = tl.maximum(peak, tl.abs(v))
+        scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
+        tl.store(S + row, scale)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            live = offs < cols
+            v = tl.math.div_rn(tl.load(src + offs, mask=live, other=0.0).to(tl.float32), scale)
+            if INT8:
+                v = (v + ROUNDER) - ROUNDER  # to the nearest integer, ties to even (|v| <= 127)
+                q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.int8)
+            else:
+                q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.float8e4nv)
+            tl.store(dst + offs, q, mask=live)
+
+    @triton.jit
+    def _int8_epilogue_kernel(ACC, XS, WS, BIAS, OUT, rows, cols, stride_acc, stride_out,
+                              HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        c = tl.program_id(1) * BN + tl.arange(0, BN)
+        live = (r[:, None] < rows) & (c[None, :] < cols)
+        acc = tl.load(ACC + r[:, None] * stride_acc + c[None, :], mask=live, other=0).to(tl.float32)
+        out = acc * tl.load(XS + r, mask=r < rows, other=0.0)[:, None]
+        out = out * tl.load(WS + c, mask=c < cols, other=0.0)[None, :]
+        if HAS_BIAS:
+            out = out + tl.load(BIAS + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + r[:, None] * stride_out + c[None, :], out.to(OUT.dtype.element_ty), mask=live)
+
+
+def quantize_rows_triton(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` in one Triton kernel (``x`` [rows, cols] with unit column stride),
+    bitwise equal to it; on the CPU under ``TRITON_INTERPRET=1`` for int8."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("quantize_rows_triton wants a [rows, cols] tensor with unit column stride")
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=STORAGE[kind], device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
+        _quantize_rows_kernel[(rows,)](
+            x, q, scale, cols, x.stride(0), q.stride(0), _inverse_qmax(kind), QMAX=QMAX[kind],
+            MIN_PEAK=_MIN_PEAK, ROUNDER=_ROUNDER, INT8=kind == "int8", BLOCK=block,
+            num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
+        )  # fmt: skip
+    return q, scale
+
+
+def int8_epilogue_triton(
+    acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """``(acc * x_scale * weight_scale.T + bias)`` in fp32, rounded once to ``dtype``, in one
+    pass: ``acc`` [rows, cols] int32, ``x_scale`` [rows, 1], ``weight_scale`` [cols, 1] fp32."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    rows, cols = acc.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=acc.device)
+    if rows and cols:
+        bm, bn = 32, 128
+        grid = (triton.cdiv(rows, bm), triton.cdiv(cols, bn))
+        _int8_epilogue_kernel[grid](
+            acc, x_scale, weight_scale, bias if bias is not None else weight_scale, out, rows, cols,
+            acc.stride(0), out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return out
+
+
 def w8a8_linear(
     x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, kind: Kind
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W ~ qweight * weight_scale`` (``qweight`` [out, in] 8-bit,
-    ``weight_scale`` [out, 1] fp32) and ``x`` [..., in] quantized per token; returns ``x``'s dtype."""
+    ``weight_scale`` [out, 1] fp32) and ``x`` [..., in] quantized per token; returns ``x``'s dtype.
+    On CUDA the quantization and the int8 epilogue run as Triton kernels (same bits as eager)."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    xq, x_scale = quantize_rows(rows, kind)
+    kernels = kernel_device(rows, qweight) and rows.stride(-1) == 1
+    xq, x_scale = quantize_rows_triton(rows, kind) if kernels else quantize_rows(rows, kind)
     if kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:
             xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - count, xq.shape[1])])
         acc = torch._int_mm(xq, qweight.t())[:count]
-        out = acc.float() * x_scale * weight_scale.t()
-        if bias is not None:
-            out = out + bias.float()
-        out = out.to(x.dtype)
+        if kernels:
+            out = int8_epilogue_triton(acc, x_scale, weight_scale, bias, x.dtype)
+        else:
+            out = _int8_epilogue(acc, x_scale, weight_scale, bias, x.dtype)
     else:
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         out = torch._scaled_mm(

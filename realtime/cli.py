@@ -235,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         "are bitwise equal to eager, on wherever supported, off",
     )
     serve.add_argument(
+        "--vae-fast",
+        choices=("exact", "fast", "off"),
+        default=ServerConfig.vae_fast,
+        help="the Wan VAE decoder's fused Triton kernels on CUDA: exact (the default, bitwise equal "
+        "to diffusers), fast (also channels-last convolutions; not bitwise, see docs/kernels.md), off",
+    )
+    serve.add_argument(
         "--quantization",
         choices=("none", "int8", "fp8"),
         default=ServerConfig.quantization,
@@ -327,6 +334,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         prefill_chunk=args.prefill_chunk,
         prefix_cache=not args.no_prefix_cache,
         fused_kernels=args.fused_kernels,
+        vae_fast=args.vae_fast,
         quantization=args.quantization,
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),
@@ -350,6 +358,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
     from .ws_protocol import websocket_protocol
 
     kernel_settings.set_fused(config.fused_kernels)  # before the models: the DiT loaders install them
+    kernel_settings.set_vae_fast(config.vae_fast)
     try:
         pipelines = build_pipelines(
             config.models,

@@ -33,7 +33,7 @@ import torch
 
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
-from . import fused
+from . import fused, wan_vae_fast
 from .denoiser import Branch, Defaults, Shape
 from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, VideoRequest
@@ -154,6 +154,8 @@ class WanDenoiser:
         self._latents_std = torch.tensor(vae_cfg.latents_std).view(1, vae_cfg.z_dim, 1, 1, 1)
         if self.device.type == "cuda":  # the fused QK-norm/RoPE and AdaLN kernels, where exact
             fused.install(transformer)
+        if next(vae.parameters()).is_cuda:  # the VAE decoder's fast path (kernels.settings.VAE_FAST)
+            wan_vae_fast.install(vae)
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -122,6 +122,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert fused.fused_kernels == "off" and defaults.fused_kernels == "auto"
     quantized = config_from_args(build_parser().parse_args(["serve", "--quantization", "fp8"]), {})
     assert quantized.quantization == "fp8" and defaults.quantization == "none"
+    vae = config_from_args(build_parser().parse_args(["serve", "--vae-fast", "fast"]), {})
+    assert vae.vae_fast == "fast" and defaults.vae_fast == "exact"
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 from omnirt.kernels.w8a8 import QMAX, quantize_rows, w8a8_linear, w8a8_linear_reference
 
+from .conftest import interpreted
+
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_rows_are_quantized_symmetrically(kind):
@@ -38,3 +40,34 @@ def test_products_equal_the_dequantized_reference(kind, dtype):
         exact = (x.float() @ weight.t() + (0 if bias is None else bias)).to(dtype)
         error = (got.float() - exact.float()).norm() / exact.float().norm()
         assert error < (0.02 if kind == "int8" else 0.08)  # close to the unquantized product
+
+
+@interpreted
+def test_quantize_kernel_is_bitwise_the_eager_chain():
+    from omnirt.kernels.w8a8 import quantize_rows_triton
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 300, generator=g) * torch.logspace(-3, 3, 7).unsqueeze(1)
+    x[3] = 0.0  # an all-zero row
+    x[5, 17] = 1e4  # one outlier sets its row's scale
+    wide = torch.randn(3, 5000, generator=g)  # more columns than one block
+    strided = torch.randn(4, 96, generator=g)[:, :64]  # rows of a wider tensor
+    for rows in (x, wide, strided):
+        got_q, got_scale = quantize_rows_triton(rows, "int8")
+        want_q, want_scale = quantize_rows(rows, "int8")
+        assert torch.equal(got_q, want_q) and torch.equal(got_scale, want_scale)
+    with pytest.raises(ValueError, match="unit column stride"):
+        quantize_rows_triton(x.t(), "int8")
+
+
+@interpreted
+def test_int8_epilogue_kernel_is_bitwise_the_eager_chain():
+    from omnirt.kernels.w8a8 import _int8_epilogue, int8_epilogue_triton
+
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randint(-(2**20), 2**20, (45, 200), generator=g, dtype=torch.int32)
+    x_scale = torch.rand(45, 1, generator=g) * 1e-2
+    weight_scale = torch.rand(200, 1, generator=g) * 1e-3
+    for bias in (torch.randn(200, generator=g), None):
+        got = int8_epilogue_triton(acc, x_scale, weight_scale, bias, torch.float32)
+        assert torch.equal(got, _int8_epilogue(acc, x_scale, weight_scale, bias, torch.float32))

@@ -1,0 +1,294 @@
+"""Convolution inputs of the Wan VAE decoder, assembled in one pass where eager takes many.
+
+- :func:`causal_conv_input`: the padded input of one of diffusers' ``WanCausalConv3d``: the
+  cached last frames of the previous chunk, the new frames (in a residual block or the head, first
+  through ``WanRMS_norm`` and SiLU) and the zero padding, written once into the tensor the
+  convolution reads, with the cache for the next chunk. Eager materialises the frames in fp32, the
+  quotient, three products, the SiLU, the concatenation with the cache and the padding: some
+  twenty passes over the frames at bf16's width, against about three here.
+- :func:`add_frames`: a residual block's ``x + shortcut`` when the shortcut is a frames-first view
+  (after an upsampler), where eager's add takes its slow strided path.
+- :func:`upsample_frames`: ``WanResample``'s nearest 2x upsampling of each frame, with the
+  temporal interleave of its time convolution's two halves and the frames-first permutation, as
+  one gather (eager: a stack, a permuted copy, a copy to fp32, the upsampling and a copy back).
+
+Numerics: ``exact`` at every dtype. The channel norms come from ATen itself
+(``torch.linalg.vector_norm`` of the frames, as ``F.normalize`` computes them: the H200 measured
+the two bitwise equal, for bf16 frames against their fp32 copy too); the elementwise chain then
+rounds where eager rounds (the quotient, the scale, the gain, the ``+ 0.0`` and the SiLU each
+rounded to the frames' dtype), with IEEE division, CUDA's ``expf`` (libdevice) and no contraction
+into fused multiply-adds. Copies are copies. So the convolution sees the same bits as in diffusers.
+Under ``TRITON_INTERPRET=1`` (the CPU tests) the exponential is NumPy's, so the SiLU there is
+close, not bitwise.
+
+Layouts: the output is contiguous or channels-last (``channels_last_3d`` / ``channels_last``, for
+the ``fast`` level of ``stages/diffusion/wan_vae_fast.py``); inputs may have any strides.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+#: ``F.normalize``'s floor for a norm.
+NORM_EPS = 1e-12
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def channel_norms(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 L2 norm over the channels (dim 1, kept), as ``F.normalize(x.float(), dim=1)``
+    computes it (bitwise, without the fp32 copy)."""
+    return torch.linalg.vector_norm(x, 2, dim=1, keepdim=True, dtype=torch.float32)
+
+
+def rms_norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor, scale: float) -> torch.Tensor:
+    """``SiLU(WanRMS_norm(x))`` as diffusers computes it (no bias: ``+ 0.0``)."""
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    normalized = F.normalize(x.float() if low else x, dim=1).to(x.dtype)
+    return F.silu(normalized * scale * gamma + 0.0)
+
+
+def causal_conv_input_reference(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    *,
+    time_pad: int,
+    spatial_pad: int,
+    norm: tuple[torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager's padded input and next cache (what :func:`causal_conv_input` must equal)."""
+    if norm is not None:
+        x = rms_norm_silu_reference(x, *norm)
+    new_cache = x[:, :, -2:].clone()
+    if new_cache.shape[2] < 2 and cache is not None:
+        new_cache = torch.cat([cache[:, :, -1:], new_cache], dim=2)
+    pads = [spatial_pad, spatial_pad, spatial_pad, spatial_pad, time_pad, 0]
+    if cache is not None and time_pad > 0:
+        x = torch.cat([cache, x], dim=2)
+        pads[4] -= cache.shape[2]
+    return F.pad(x, pads), new_cache
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_input_kernel(
+        X, CACHE, NORM, GAMMA, OUT,
+        C, H, W, L, TP, HP, WP, PT, PH, PW,
+        sxb, sxc, sxt, sxh, sxw,
+        scb, scc, sct, sch, scw,
+        snb, snt, snh, snw,
+        sob, soc, sot, soh, sow,
+        scale, eps,
+        HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
+    ):  # fmt: skip
+        """One output row (b, tp, hp) of [BC channels, BW columns]: zero padding, a cached frame
+        or a new frame (normalised and SiLU'd with ``HAS_NORM``)."""
+        pid = tl.program_id(0)
+        hp = (pid % HP).to(tl.int64)
+        rest = pid // HP
+        tp = (rest % TP).to(tl.int64)
+        b = (rest // TP).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        wp = tl.program_id(2) * BW + tl.arange(0, BW)
+        h = hp - PH
+        w = wp - PW
+        hv = h + w * 0  # the row's scalars as vectors over the columns (masks must be tensors)
+        columns = (w >= 0) & (w < W) & (hv >= 0) & (hv < H)  # this row's columns inside the frame
+        inside = (c[:, None] < C) & columns[None, :]
+        live = (c[:, None] < C) & (wp < WP)[None, :]
+        dst = OUT + b * sob + tp * sot + hp * soh + c[:, None] * soc + wp[None, :] * sow
+        dtype = OUT.dtype.element_ty
+        if tp < PT:  # a cached frame, or zeros before the cached ones
+            tv = tp + w * 0
+            from_cache = inside & ((tv >= PT - L) & (tv < PT))[None, :]
+            src = CACHE + b * scb + (tp - (PT - L)) * sct + h * sch + c[:, None] * scc + w[None, :] * scw
+            tl.store(dst, tl.load(src, mask=from_cache, other=0.0).to(dtype), mask=live)
+        else:  # a new frame
+            t = tp - PT
+            v = tl.load(
+                X + b * sxb + t * sxt + h * sxh + c[:, None] * sxc + w[None, :] * sxw, mask=inside, other=0.0
+            )
+            if HAS_NORM:
+                v = v.to(tl.float32)
+                n = tl.load(NORM + b * snb + t * snt + h * snh + w * snw, mask=columns, other=1.0)
+                n = tl.where(n < eps, eps, n)
+                y = tl.math.div_rn(v, n[None, :]).to(dtype).to(tl.float32)
+                y = (y * scale).to(dtype).to(tl.float32)
+                g = tl.load(GAMMA + c, mask=c < C, other=0.0).to(tl.float32)
+                y = (y * g[:, None]).to(dtype).to(tl.float32)
+                y = tl.where(y == 0.0, 0.0, y)  # eager's ``+ 0.0``: -0 becomes +0
+                if LIBDEVICE:
+                    e = libdevice.exp(-y)
+                else:
+                    e = tl.exp(-y)
+                v = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
+            tl.store(dst, v.to(dtype), mask=live)
+
+    @triton.jit
+    def _add_kernel(
+        X, Y, OUT, C, T, H, W,
+        sxb, sxc, sxt, sxh, sxw,
+        syb, syc, syt, syh, syw,
+        BC: tl.constexpr, BW: tl.constexpr,
+    ):  # fmt: skip
+        """``x + y`` into a contiguous tensor, one row (b, t, h) of [BC channels, BW columns]."""
+        pid = tl.program_id(0)
+        h = (pid % H).to(tl.int64)
+        rest = pid // H
+        t = (rest % T).to(tl.int64)
+        b = (rest // T).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        w = tl.program_id(2) * BW + tl.arange(0, BW)
+        live = (c[:, None] < C) & (w < W)[None, :]
+        a = tl.load(X + b * sxb + t * sxt + h * sxh + c[:, None] * sxc + w[None, :] * sxw, mask=live)
+        d = tl.load(Y + b * syb + t * syt + h * syh + c[:, None] * syc + w[None, :] * syw, mask=live)
+        out = a.to(tl.float32) + d.to(tl.float32)
+        dst = OUT + (((b * C + c[:, None]) * T + t) * H + h) * W + w[None, :]
+        tl.store(dst, out.to(OUT.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _upsample_kernel(
+        X, OUT, C, T2, H, W,
+        sxb, sxc, sxt, sxh, sxw,
+        son, soc, soh, sow,
+        INTERLEAVE: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
+    ):  # fmt: skip
+        """One output row (frame n = b * T2 + t2, row oh) of [BC channels, BW columns]."""
+        pid = tl.program_id(0)
+        oh = (pid % (2 * H)).to(tl.int64)
+        n = (pid // (2 * H)).to(tl.int64)
+        b = n // T2
+        t2 = n % T2
+        if INTERLEAVE:  # the time convolution's output: frame 2t + s is half s of its channels at t
+            src_t = t2 // 2
+            c0 = (t2 % 2) * C
+        else:
+            src_t = t2
+            c0 = t2 * 0
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        ow = tl.program_id(2) * BW + tl.arange(0, BW)
+        live = (c[:, None] < C) & (ow < 2 * W)[None, :]
+        src = X + b * sxb + src_t * sxt + (oh // 2) * sxh + (c0 + c[:, None]) * sxc + (ow[None, :] // 2) * sxw
+        v = tl.load(src, mask=live, other=0.0)
+        tl.store(OUT + n * son + oh * soh + c[:, None] * soc + ow[None, :] * sow, v, mask=live)
+
+
+def _tile(channels: int, width: int, channels_last: bool) -> tuple[int, int]:
+    """Channels and columns per program: the contiguous axis of the output gets the wider side
+    (under the interpreter, whole rows: it pays per program, not per element)."""
+    if _interpreted():
+        return triton.next_power_of_2(max(channels, 1)), triton.next_power_of_2(max(width, 1))
+    if channels_last:  # the largest power of two up to 64 that divides the channels: no idle lanes
+        bc = min(channels & -channels, 64) if channels else 1
+        return bc, max(2048 // bc, 8)
+    bw = min(triton.next_power_of_2(max(width, 1)), 1024)  # whole rows: best measured (H200, 480p)
+    return max(2048 // bw, 1), bw
+
+
+def causal_conv_input(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    *,
+    time_pad: int,
+    spatial_pad: int,
+    norm: tuple[torch.Tensor, float] | None = None,
+    channels_last: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(padded input, next cache)`` of a causal 3D convolution over ``x`` [B, C, T, H, W]:
+    ``time_pad`` frames before (the cached ones, ``cache`` [B, C, L, H, W], last; zeros first),
+    ``spatial_pad`` zeros around each frame. With ``norm = (gamma, scale)`` the new frames go
+    through ``WanRMS_norm`` (no bias) and SiLU first. The next cache is the last
+    ``min(2, L + T)`` frames of ``[cache, frames]`` (eager's rule). Bitwise equal to
+    :func:`causal_conv_input_reference` on CUDA; the output contiguous, or channels-last."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    b, c, t, h, w = x.shape
+    length = 0 if cache is None else cache.shape[2]
+    if cache is not None and (cache.shape[:2] != (b, c) or cache.shape[3:] != (h, w) or length > time_pad):
+        raise ValueError(f"cache {tuple(cache.shape)} does not fit frames {tuple(x.shape)}")
+    tp, hp, wp = time_pad + t, h + 2 * spatial_pad, w + 2 * spatial_pad
+    fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
+    out = torch.empty((b, c, tp, hp, wp), dtype=x.dtype, device=x.device, memory_format=fmt)
+    norms = gamma = None
+    scale = 1.0
+    if norm is not None:
+        gamma, scale = norm
+        gamma = gamma.reshape(-1)
+        norms = channel_norms(x)
+    src_cache = cache if length else x
+    bc, bw = _tile(c, wp, channels_last)
+    grid = (b * tp * hp, triton.cdiv(c, bc), triton.cdiv(wp, bw))
+    n_strides = norms.stride() if norms is not None else x.stride()
+    _conv_input_kernel[grid](
+        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, out,
+        c, h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad,
+        *x.stride(), *src_cache.stride(),
+        n_strides[0], *n_strides[2:],
+        *out.stride(),
+        float(torch.tensor(scale, dtype=torch.float32)), NORM_EPS,
+        HAS_NORM=norm is not None, LIBDEVICE=not _interpreted(), BC=bc, BW=bw, num_warps=4,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    # The next cache: the last frames of [cache, frames], copied out of the padded input.
+    keep = min(2, length + t)
+    return out, out[:, :, tp - keep :, spatial_pad : spatial_pad + h, spatial_pad : spatial_pad + w].clone()
+
+
+def add_frames(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + y`` of two [B, C, T, H, W] tensors of one dtype, contiguous (bitwise eager's add, which
+    falls back to a slow strided kernel when an operand is a frames-first view, as a residual
+    block's shortcut after an upsampler is)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if x.shape != y.shape or x.dtype != y.dtype:
+        raise ValueError(f"cannot add {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
+    b, c, t, h, w = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    bc, bw = _tile(c, w, False)
+    grid = (b * t * h, triton.cdiv(c, bc), triton.cdiv(w, bw))
+    _add_kernel[grid](x, y, out, c, t, h, w, *x.stride(), *y.stride(), BC=bc, BW=bw, num_warps=4)
+    return out
+
+
+def upsample_frames_reference(x: torch.Tensor, *, interleave: bool) -> torch.Tensor:
+    """Eager's frames-first nearest 2x upsampling (``WanResample``, after its time convolution
+    when ``interleave``): [B, C', T, H, W] -> [B * T2, C, 2H, 2W]."""
+    if interleave:
+        b, c2, t, h, w = x.shape
+        x = x.reshape(b, 2, c2 // 2, t, h, w)
+        x = torch.stack((x[:, 0], x[:, 1]), 3).reshape(b, c2 // 2, t * 2, h, w)
+    b, c, t, h, w = x.shape
+    frames = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+    return F.interpolate(frames.float(), scale_factor=(2.0, 2.0), mode="nearest-exact").type_as(frames)
+
+
+def upsample_frames(x: torch.Tensor, *, interleave: bool, channels_last: bool = False) -> torch.Tensor:
+    """:func:`upsample_frames_reference` as one gather (a copy: bitwise by construction)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    b, c, t, h, w = x.shape
+    if interleave:
+        if c % 2:
+            raise ValueError("an interleaved upsampling needs an even channel count")
+        c, t = c // 2, t * 2
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.empty((b * t, c, 2 * h, 2 * w), dtype=x.dtype, device=x.device, memory_format=fmt)
+    bc, bw = _tile(c, 2 * w, channels_last)
+    grid = (b * t * 2 * h, triton.cdiv(c, bc), triton.cdiv(2 * w, bw))
+    _upsample_kernel[grid](
+        x, out, c, t, h, w, *x.stride(), *out.stride(), INTERLEAVE=interleave, BC=bc, BW=bw, num_warps=4
+    )
+    return out

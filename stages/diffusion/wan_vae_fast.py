@@ -1,0 +1,214 @@
+"""The Wan VAE decoder's fast path: diffusers' ``AutoencoderKLWan`` decoder with the memory-bound
+work around its convolutions done by the kernels of ``kernels/conv_input.py``, installed per model
+instance (the modules, their parameters and their feature-cache protocol stay diffusers').
+
+Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
+
+- ``exact`` (the default on CUDA): each causal convolution of the decoder (``conv_in``, the two of
+  every residual block, the head's, the time convolutions of the 3D upsamplers) reads an input
+  that one kernel assembled (normalisation, SiLU, cached frames and zero padding, with the next
+  chunk's cache), and each upsampler's nearest 2x upsampling, time interleave and frames-first
+  permutation is one gather. The convolutions, the shortcuts, the residual adds and the attention
+  are diffusers' own calls on the same bits: the decode is bitwise equal to diffusers'.
+- ``fast``: the same, with every convolution of the decoder in channels-last layout (cuDNN's
+  NDHWC kernels: no layout transposes around each convolution). Not bitwise: the convolutions sum
+  in another order; ``benchmarks/quant_vae.py`` states the PSNR.
+- ``off``: diffusers' decoder untouched.
+
+The hooks apply to decodes that pass a feature cache (``AutoencoderKLWan._decode`` and
+``WanDenoiser``'s decode in pieces) on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for the
+tests); any other call, a module in training mode, or a norm with a learnt bias runs diffusers'
+own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...kernels import conv_input, settings
+from ...kernels.settings import HAVE_TRITON, check_vae_level
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_omnirt_vae_level"
+
+
+def _applies(x: torch.Tensor) -> bool:
+    """Whether the kernels can run on ``x``: Triton on CUDA, or the interpreter on the CPU."""
+    if not HAVE_TRITON or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return x.is_cuda or conv_input._interpreted()
+
+
+def _norm_applies(norm: nn.Module, x: torch.Tensor) -> bool:
+    """A ``WanRMS_norm`` the kernel reproduces: channels first, no learnt bias, gain in ``x``'s dtype."""
+    return (
+        getattr(norm, "channel_first", False)
+        and not isinstance(norm.bias, torch.Tensor)
+        and float(norm.bias) == 0.0
+        and norm.gamma.dtype == x.dtype
+    )
+
+
+def _channels_last(module: nn.Module) -> bool:
+    return getattr(module, _ATTR, "exact") == "fast"
+
+
+def _conv(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``conv``'s own forward (``nn.Conv2d`` / ``nn.Conv3d``; the causal padding is in ``x``)."""
+    return (nn.Conv3d.forward if isinstance(conv, nn.Conv3d) else nn.Conv2d.forward)(conv, x)
+
+
+def _causal_conv(
+    conv: nn.Conv3d, x: torch.Tensor, norm: nn.Module | None, feat_cache: list, feat_idx: list, fast: bool
+) -> torch.Tensor:
+    """``conv(x)`` (a ``WanCausalConv3d``, after ``norm`` and SiLU when given) with its cache slot,
+    as diffusers' modules do it around the call."""
+    idx = feat_idx[0]
+    pads = conv._padding  # (w, w, h, h, 2 * t, 0)
+    buf, feat_cache[idx] = conv_input.causal_conv_input(
+        x,
+        feat_cache[idx],
+        time_pad=pads[4],
+        spatial_pad=pads[0],
+        norm=None if norm is None else (norm.gamma, norm.scale),
+        channels_last=fast,
+    )
+    feat_idx[0] += 1
+    return _conv(conv, buf)
+
+
+def _residual_forward(
+    self: Any, x: torch.Tensor, feat_cache: Any = None, feat_idx: list | None = None
+) -> torch.Tensor:
+    """diffusers' ``WanResidualBlock.forward`` (0.42) with both norm + SiLU + padding steps fused."""
+    feat_idx = [0] if feat_idx is None else feat_idx
+    if feat_cache is None or self.training or not _applies(x) or not _norm_applies(self.norm1, x):
+        return type(self).forward(self, x, feat_cache, feat_idx)
+    fast = _channels_last(self)
+    h = self.conv_shortcut(x)
+    x = _causal_conv(self.conv1, x, self.norm1, feat_cache, feat_idx, fast)
+    x = _causal_conv(self.conv2, x, self.norm2, feat_cache, feat_idx, fast)
+    if not fast and x.is_contiguous() and not h.is_contiguous() and x.dtype == h.dtype:
+        return conv_input.add_frames(x, h)  # same bits, without eager's strided path
+    return x + h
+
+
+def _resample_forward(
+    self: Any, x: torch.Tensor, feat_cache: Any = None, feat_idx: list | None = None
+) -> torch.Tensor:
+    """diffusers' ``WanResample.forward`` (0.42) for the upsampling modes: the time convolution's
+    input assembled by the kernel, the upsampling as one gather."""
+    feat_idx = [0] if feat_idx is None else feat_idx
+    if feat_cache is None or self.mode not in ("upsample2d", "upsample3d") or not _applies(x):
+        return type(self).forward(self, x, feat_cache, feat_idx)
+    fast = _channels_last(self)
+    b, _, t, _, _ = x.shape
+    interleave = False
+    if self.mode == "upsample3d":
+        idx = feat_idx[0]
+        previous = feat_cache[idx]
+        if previous is None:  # the first chunk: no time convolution, the slot marked for the next
+            feat_cache[idx] = "Rep"
+        else:
+            repeat = isinstance(previous, str)
+            buf, cache = conv_input.causal_conv_input(
+                x, None if repeat else previous, time_pad=2, spatial_pad=0, channels_last=fast
+            )
+            if repeat and t < 2:  # diffusers caches a zero frame before the first one
+                cache = buf[:, :, -2:].clone()
+            x = _conv(self.time_conv, buf)
+            feat_cache[idx] = cache
+            interleave = True
+        feat_idx[0] += 1
+    frames = conv_input.upsample_frames(x, interleave=interleave, channels_last=fast)
+    out = _conv(self.resample[1], frames)
+    return out.view(b, frames.shape[0] // b, out.size(1), out.size(2), out.size(3)).permute(0, 2, 1, 3, 4)
+
+
+def _decoder_forward(
+    self: Any,
+    x: torch.Tensor,
+    feat_cache: Any = None,
+    feat_idx: list | None = None,
+    first_chunk: bool = False,
+) -> torch.Tensor:
+    """diffusers' ``WanDecoder3d.forward`` (0.42) with ``conv_in``'s padding and the head's norm +
+    SiLU + padding fused."""
+    feat_idx = [0] if feat_idx is None else feat_idx
+    if feat_cache is None or not _applies(x) or not _norm_applies(self.norm_out, x):
+        return type(self).forward(self, x, feat_cache, feat_idx, first_chunk)
+    fast = _channels_last(self)
+    x = _causal_conv(self.conv_in, x, None, feat_cache, feat_idx, fast)
+    x = self.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    for up_block in self.up_blocks:
+        x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+    return _causal_conv(self.conv_out, x, self.norm_out, feat_cache, feat_idx, fast)
+
+
+def _set_conv_layout(decoder: nn.Module, fmt: torch.memory_format) -> None:
+    for module in decoder.modules():
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+            layout = fmt
+            if fmt is not torch.contiguous_format:
+                layout = torch.channels_last_3d if isinstance(module, nn.Conv3d) else torch.channels_last
+            module.weight.data = module.weight.data.contiguous(memory_format=layout)
+
+
+def install(vae: nn.Module, level: str | None = None) -> int:
+    """Puts the fast path into ``vae`` (a diffusers ``AutoencoderKLWan``) at ``level`` (default:
+    ``kernels.settings.VAE_FAST``); returns how many modules now use it (0: ``off``, or no Wan
+    decoder). Installing again changes the level."""
+    level = check_vae_level(settings.VAE_FAST if level is None else level)
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanDecoder3d, WanResample, WanResidualBlock
+
+    decoder = getattr(vae, "decoder", None)
+    if not isinstance(decoder, WanDecoder3d):
+        return 0
+    uninstall(vae)
+    if level == "off":
+        return 0
+    sites = 0
+    for module in decoder.modules():
+        forward = None
+        if isinstance(module, WanResidualBlock):
+            forward = _residual_forward
+        elif isinstance(module, WanResample) and module.mode in ("upsample2d", "upsample3d"):
+            forward = _resample_forward
+        elif module is decoder:
+            forward = _decoder_forward
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+            setattr(module, _ATTR, level)
+            sites += 1
+    if level == "fast":
+        _set_conv_layout(decoder, torch.channels_last_3d)
+    log.info("Wan VAE decoder fast path: %s level in %d modules", level, sites)
+    return sites
+
+
+def uninstall(vae: nn.Module) -> None:
+    """Puts back diffusers' forwards (and contiguous convolution weights)."""
+    decoder = getattr(vae, "decoder", None)
+    if decoder is None:
+        return
+    fast = False
+    for module in decoder.modules():
+        level = getattr(module, _ATTR, None)
+        if level is not None:
+            fast = fast or level == "fast"
+            del module.forward
+            delattr(module, _ATTR)
+    if fast:
+        _set_conv_layout(decoder, torch.contiguous_format)
+
+
+def installed_level(vae: nn.Module) -> str:
+    """The level in ``vae`` (``off`` when none)."""
+    decoder = getattr(vae, "decoder", None)
+    return getattr(decoder, _ATTR, "off") if decoder is not None else "off"

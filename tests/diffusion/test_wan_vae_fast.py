@@ -1,0 +1,159 @@
+"""The Wan VAE decoder's fast path (``stages/diffusion/wan_vae_fast.py``) on the CPU under
+``TRITON_INTERPRET=1``: its kernels against the eager chains they replace (copies bitwise; the
+norm + SiLU within an ulp, NumPy's exponential standing in for CUDA's), whole decodes of a tiny
+``AutoencoderKLWan`` at each level against diffusers', the feature cache protocol kept, and
+install / uninstall. tests/gpu/test_wan_vae_gpu.py holds the bitwise claims on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan
+from omnirt.kernels.conv_input import (
+    add_frames,
+    causal_conv_input,
+    causal_conv_input_reference,
+    upsample_frames,
+    upsample_frames_reference,
+)
+from omnirt.stages.diffusion import wan_vae_fast
+
+from ..kernels.conftest import interpreted
+
+pytestmark = interpreted
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("cached", [0, 1, 2])
+@pytest.mark.parametrize("frames", [1, 3])
+def test_causal_conv_input_matches_eager(frames, cached, channels_last):
+    g = torch.Generator().manual_seed(frames * 10 + cached)
+    x = torch.randn(2, 6, frames, 5, 7, generator=g)
+    cache = torch.randn(2, 6, cached, 5, 7, generator=g) if cached else None
+    gamma = torch.rand(6, 1, 1, 1, generator=g) + 0.5
+    for spatial_pad in (0, 1):
+        got, got_cache = causal_conv_input(
+            x, cache, time_pad=2, spatial_pad=spatial_pad, channels_last=channels_last
+        )
+        want, want_cache = causal_conv_input_reference(x, cache, time_pad=2, spatial_pad=spatial_pad)
+        assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
+        assert got.is_contiguous(
+            memory_format=torch.channels_last_3d if channels_last else torch.contiguous_format
+        )
+    norm = (gamma, 6**0.5)
+    got, got_cache = causal_conv_input(
+        x, cache, time_pad=2, spatial_pad=1, norm=norm, channels_last=channels_last
+    )
+    want, want_cache = causal_conv_input_reference(x, cache, time_pad=2, spatial_pad=1, norm=norm)
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=3e-7)
+    torch.testing.assert_close(got_cache, want_cache, rtol=3e-7, atol=3e-7)
+    assert torch.equal(got == 0, want == 0)  # the padding, and nothing else, is zero
+
+
+def test_causal_conv_input_reads_strided_frames_and_refuses_a_misfit_cache():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 3, 6, 4, 5, generator=g).permute(0, 2, 1, 3, 4)  # [1, 6, 3, 4, 5], frames-first memory
+    got, _ = causal_conv_input(x, None, time_pad=2, spatial_pad=1)
+    assert torch.equal(got, causal_conv_input_reference(x, None, time_pad=2, spatial_pad=1)[0])
+    with pytest.raises(ValueError, match="does not fit"):
+        causal_conv_input(x, torch.zeros(1, 6, 1, 4, 4), time_pad=2, spatial_pad=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        causal_conv_input(x, torch.zeros(1, 6, 3, 4, 5), time_pad=2, spatial_pad=1)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_upsample_frames_is_eager_bitwise(interleave, channels_last):
+    g = torch.Generator().manual_seed(7)
+    for x in (
+        torch.randn(2, 8, 3, 3, 5, generator=g),
+        torch.randn(1, 3, 8, 2, 4, generator=g).permute(0, 2, 1, 3, 4),
+    ):
+        got = upsample_frames(x, interleave=interleave, channels_last=channels_last)
+        assert torch.equal(got, upsample_frames_reference(x, interleave=interleave))
+    with pytest.raises(ValueError, match="even channel count"):
+        upsample_frames(torch.zeros(1, 3, 1, 2, 2), interleave=True)
+
+
+def test_add_frames_is_eager_bitwise():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, 3, 4, 6, generator=g)
+    shortcut = torch.randn(2, 3, 5, 4, 6, generator=g).permute(0, 2, 1, 3, 4)  # an upsampler's view
+    got = add_frames(x, shortcut)
+    assert got.is_contiguous() and torch.equal(got, x + shortcut)
+    with pytest.raises(ValueError, match="cannot add"):
+        add_frames(x, shortcut.double())
+
+
+def _tiny_vae(seed: int = 0) -> AutoencoderKLWan:
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1).eval()
+    with torch.no_grad():
+        for name, p in vae.named_parameters():  # gains away from 1, so the norms' scaling shows
+            p.copy_(torch.randn_like(p) * (0.3 if "gamma" not in name else 0.5) + ("gamma" in name))
+    return vae
+
+
+def test_decodes_match_diffusers_at_each_level():
+    vae = _tiny_vae()
+    z = torch.randn(
+        1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1)
+    )  # small: the interpreter is slow
+    with torch.no_grad():
+        want = vae.decode(z, return_dict=False)[0]
+        # the decoder, its 10 residual blocks (2 in the middle, 2 per up block) and 3 upsamplers
+        assert wan_vae_fast.install(vae, "exact") == 1 + 10 + 3
+        assert wan_vae_fast.installed_level(vae) == "exact"
+        exact = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.install(vae, "fast")
+        assert wan_vae_fast.installed_level(vae) == "fast"
+        assert vae.decoder.conv_out.weight.is_contiguous(memory_format=torch.channels_last_3d)
+        fast = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.uninstall(vae)
+        assert wan_vae_fast.installed_level(vae) == "off" and vae.decoder.conv_out.weight.is_contiguous()
+        again = vae.decode(z, return_dict=False)[0]
+    assert want.shape == (1, 3, 5, 16, 24)
+    assert torch.equal(again, want)  # uninstalled: diffusers' own decode
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_feature_cache_protocol_is_kept():
+    """Chunk by chunk with caller-owned caches (as WanDenoiser's decode in pieces calls it): the
+    cache entries have diffusers' shapes and the frames match."""
+    vae = _tiny_vae(2)
+    z = vae.post_quant_conv(torch.randn(1, 4, 3, 2, 2, generator=torch.Generator().manual_seed(3)))
+    count = int(vae._cached_conv_counts["decoder"])
+
+    def run() -> tuple[list, list]:
+        cache: list = [None] * count
+        frames = []
+        for i in range(z.shape[2]):
+            frames.append(vae.decoder(z[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0))
+        return cache, frames
+
+    with torch.no_grad():
+        want_cache, want = run()
+        wan_vae_fast.install(vae, "exact")
+        got_cache, got = run()
+    for a, b in zip(got_cache, want_cache, strict=True):
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # ulps of the SiLU, carried through
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_other_calls_run_diffusers_forward():
+    vae = _tiny_vae(4)
+    wan_vae_fast.install(vae, "exact")
+    x = torch.randn(1, 4, 1, 4, 6)
+    with torch.no_grad():
+        whole = vae.decoder(vae.post_quant_conv(x))  # no feature cache: diffusers' path
+        wan_vae_fast.uninstall(vae)
+        assert torch.equal(whole, vae.decoder(vae.post_quant_conv(x)))
+    assert wan_vae_fast.install(vae, "off") == 0 and wan_vae_fast.installed_level(vae) == "off"
+    assert wan_vae_fast.install(torch.nn.Linear(2, 2), "exact") == 0
+    with pytest.raises(ValueError, match="exact, fast, off"):
+        wan_vae_fast.install(vae, "fastest")
