@@ -52,10 +52,12 @@ def check_kind(kind: str) -> Kind:
     return kind  # type: ignore[return-value]
 
 
-def _inverse_qmax(kind: str) -> float:
-    """``1 / QMAX`` rounded to fp32, the factor a row's peak is scaled by (ATen divides a CUDA
-    tensor by a Python number as a product with its fp32 reciprocal; this is that, everywhere)."""
-    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(QMAX[kind], dtype=torch.float32))
+#: ``1 / QMAX`` rounded to fp32, the factor a row's peak is scaled by (ATen divides a CUDA tensor by
+#: a Python number as a product with its fp32 reciprocal; this is that, everywhere).
+_INVERSE_QMAX: dict[str, float] = {
+    kind: float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(q, dtype=torch.float32))
+    for kind, q in QMAX.items()
+}
 
 
 def quantize_rows(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,7 @@ def quantize_rows(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tens
     ``x ~ q * scale`` with the row's largest magnitude mapped to the format's largest value."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_MIN_PEAK)
-    scale = amax * _inverse_qmax(kind)
+    scale = amax * _INVERSE_QMAX[kind]
     scaled = xf / scale
     if kind == "int8":
         return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
@@ -143,7 +145,7 @@ def quantize_rows_triton(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, tor
     if rows:
         block = min(triton.next_power_of_2(max(cols, 16)), 4096)
         _quantize_rows_kernel[(rows,)](
-            x, q, scale, cols, x.stride(0), q.stride(0), _inverse_qmax(kind), QMAX=QMAX[kind],
+            x, q, scale, cols, x.stride(0), q.stride(0), _INVERSE_QMAX[kind], QMAX=QMAX[kind],
             MIN_PEAK=_MIN_PEAK, ROUNDER=_ROUNDER, INT8=kind == "int8", BLOCK=block,
             num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
         )  # fmt: skip

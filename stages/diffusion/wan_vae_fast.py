@@ -88,7 +88,9 @@ def _residual_forward(
 ) -> torch.Tensor:
     """diffusers' ``WanResidualBlock.forward`` (0.42) with both norm + SiLU + padding steps fused."""
     feat_idx = [0] if feat_idx is None else feat_idx
-    if feat_cache is None or self.training or not _applies(x) or not _norm_applies(self.norm1, x):
+    if feat_cache is None or self.training or not _applies(x):
+        return type(self).forward(self, x, feat_cache, feat_idx)
+    if not (_norm_applies(self.norm1, x) and _norm_applies(self.norm2, x)):
         return type(self).forward(self, x, feat_cache, feat_idx)
     fast = _channels_last(self)
     h = self.conv_shortcut(x)
