@@ -6,8 +6,9 @@
   convolution reads, with the cache for the next chunk. Eager materialises the frames in fp32, the
   quotient, three products, the SiLU, the concatenation with the cache and the padding: some
   twenty passes over the frames at bf16's width, against about three here.
-- :func:`add_frames`: a residual block's ``x + shortcut`` when the shortcut is a frames-first view
-  (after an upsampler), where eager's add takes its slow strided path.
+- :func:`add_bias_residual_`: a convolution's bias (which ATen adds after cuDNN's convolution, in a
+  slow broadcast kernel) and a residual block's ``x + shortcut`` (slow and strided when the
+  shortcut is an upsampler's frames-first view) as one in-place pass.
 - :func:`upsample_frames`: ``WanResample``'s nearest 2x upsampling of each frame, with the
   temporal interleave of its time convolution's two halves and the frames-first permutation, as
   one gather (eager: a stack, a permuted copy, a copy to fp32, the upsampling and a copy back).
@@ -85,17 +86,19 @@ if triton is not None:
 
     @triton.jit
     def _conv_input_kernel(
-        X, CACHE, NORM, GAMMA, OUT,
-        C, H, W, L, TP, HP, WP, PT, PH, PW,
+        X, CACHE, NORM, GAMMA, OUT, NEXT,
+        C, H, W, L, TP, HP, WP, PT, PH, PW, KEEP,
         sxb, sxc, sxt, sxh, sxw,
         scb, scc, sct, sch, scw,
         snb, snt, snh, snw,
         sob, soc, sot, soh, sow,
+        skb, skc, skt, skh, skw,
         scale, eps,
         HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
     ):  # fmt: skip
         """One output row (b, tp, hp) of [BC channels, BW columns]: zero padding, a cached frame
-        or a new frame (normalised and SiLU'd with ``HAS_NORM``)."""
+        or a new frame (normalised and SiLU'd with ``HAS_NORM``); the last ``KEEP`` frames also
+        into ``NEXT``, the next chunk's cache."""
         pid = tl.program_id(0)
         hp = (pid % HP).to(tl.int64)
         rest = pid // HP
@@ -115,7 +118,8 @@ if triton is not None:
             tv = tp + w * 0
             from_cache = inside & ((tv >= PT - L) & (tv < PT))[None, :]
             src = CACHE + b * scb + (tp - (PT - L)) * sct + h * sch + c[:, None] * scc + w[None, :] * scw
-            tl.store(dst, tl.load(src, mask=from_cache, other=0.0).to(dtype), mask=live)
+            v = tl.load(src, mask=from_cache, other=0.0).to(dtype)
+            tl.store(dst, v, mask=live)
         else:  # a new frame
             t = tp - PT
             v = tl.load(
@@ -135,16 +139,21 @@ if triton is not None:
                 else:
                     e = tl.exp(-y)
                 v = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
-            tl.store(dst, v.to(dtype), mask=live)
+            v = v.to(dtype)
+            tl.store(dst, v, mask=live)
+        if tp >= TP - KEEP:
+            nxt = NEXT + b * skb + (tp - (TP - KEEP)) * skt + h * skh + c[:, None] * skc + w[None, :] * skw
+            tl.store(nxt, v, mask=inside)
 
     @triton.jit
-    def _add_kernel(
-        X, Y, OUT, C, T, H, W,
-        sxb, sxc, sxt, sxh, sxw,
+    def _bias_residual_kernel(
+        Y, BIAS, R, C, T, H, W,
         syb, syc, syt, syh, syw,
-        BC: tl.constexpr, BW: tl.constexpr,
+        srb, src, srt, srh, srw,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
     ):  # fmt: skip
-        """``x + y`` into a contiguous tensor, one row (b, t, h) of [BC channels, BW columns]."""
+        """``y += bias`` then ``y += r``, each rounded to ``y``'s dtype, in place; one row (b, t, h)
+        of [BC channels, BW columns]."""
         pid = tl.program_id(0)
         h = (pid % H).to(tl.int64)
         rest = pid // H
@@ -153,11 +162,19 @@ if triton is not None:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         w = tl.program_id(2) * BW + tl.arange(0, BW)
         live = (c[:, None] < C) & (w < W)[None, :]
-        a = tl.load(X + b * sxb + t * sxt + h * sxh + c[:, None] * sxc + w[None, :] * sxw, mask=live)
-        d = tl.load(Y + b * syb + t * syt + h * syh + c[:, None] * syc + w[None, :] * syw, mask=live)
-        out = a.to(tl.float32) + d.to(tl.float32)
-        dst = OUT + (((b * C + c[:, None]) * T + t) * H + h) * W + w[None, :]
-        tl.store(dst, out.to(OUT.dtype.element_ty), mask=live)
+        dst = Y + b * syb + t * syt + h * syh + c[:, None] * syc + w[None, :] * syw
+        dtype = Y.dtype.element_ty
+        v = tl.load(dst, mask=live, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v = (
+                (v + tl.load(BIAS + c, mask=c < C, other=0.0).to(tl.float32)[:, None])
+                .to(dtype)
+                .to(tl.float32)
+            )
+        if HAS_RES:
+            r = tl.load(R + b * srb + t * srt + h * srh + c[:, None] * src + w[None, :] * srw, mask=live)
+            v = v + r.to(tl.float32)
+        tl.store(dst, v.to(dtype), mask=live)
 
     @triton.jit
     def _upsample_kernel(
@@ -229,38 +246,50 @@ def causal_conv_input(
         gamma = gamma.reshape(-1)
         norms = channel_norms(x)
     src_cache = cache if length else x
+    keep = min(2, length + t)  # the next cache: the last frames of [cache, frames] (eager's rule)
+    next_cache = torch.empty((b, c, keep, h, w), dtype=x.dtype, device=x.device, memory_format=fmt)
     bc, bw = _tile(c, wp, channels_last)
     grid = (b * tp * hp, triton.cdiv(c, bc), triton.cdiv(wp, bw))
     n_strides = norms.stride() if norms is not None else x.stride()
     _conv_input_kernel[grid](
-        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, out,
-        c, h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad,
+        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, out, next_cache,
+        c, h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad, keep,
         *x.stride(), *src_cache.stride(),
         n_strides[0], *n_strides[2:],
-        *out.stride(),
+        *out.stride(), *next_cache.stride(),
         float(torch.tensor(scale, dtype=torch.float32)), NORM_EPS,
         HAS_NORM=norm is not None, LIBDEVICE=not _interpreted(), BC=bc, BW=bw, num_warps=4,
         enable_fp_fusion=False,
     )  # fmt: skip
-    # The next cache: the last frames of [cache, frames], copied out of the padded input.
-    keep = min(2, length + t)
-    return out, out[:, :, tp - keep :, spatial_pad : spatial_pad + h, spatial_pad : spatial_pad + w].clone()
+    return out, next_cache
 
 
-def add_frames(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + y`` of two [B, C, T, H, W] tensors of one dtype, contiguous (bitwise eager's add, which
-    falls back to a slow strided kernel when an operand is a frames-first view, as a residual
-    block's shortcut after an upsampler is)."""
+def add_bias_residual_(
+    y: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``y`` [B, C, T, H, W] plus ``bias`` [C] (per channel), then plus ``residual`` (any strides),
+    in place, each sum rounded to ``y``'s dtype: what ATen does after a cuDNN convolution (the
+    bias added to the output, ``output.add_(bias)``) and a residual block's ``x + shortcut``, in
+    one pass where eager takes two (the first a slow broadcast, the second a slow strided add when
+    the shortcut is an upsampler's frames-first view). Returns ``y``."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    if x.shape != y.shape or x.dtype != y.dtype:
-        raise ValueError(f"cannot add {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
-    b, c, t, h, w = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    b, c, t, h, w = y.shape
+    if residual is not None and (residual.shape != y.shape or residual.dtype != y.dtype):
+        raise ValueError(f"cannot add {tuple(residual.shape)} {residual.dtype} to {tuple(y.shape)} {y.dtype}")
+    if bias is not None and bias.shape != (c,):
+        raise ValueError(f"a bias of {tuple(bias.shape)} does not fit {c} channels")
+    if bias is None and residual is None:
+        return y
     bc, bw = _tile(c, w, False)
     grid = (b * t * h, triton.cdiv(c, bc), triton.cdiv(w, bw))
-    _add_kernel[grid](x, y, out, c, t, h, w, *x.stride(), *y.stride(), BC=bc, BW=bw, num_warps=4)
-    return out
+    r = residual if residual is not None else y
+    _bias_residual_kernel[grid](
+        y, bias if bias is not None else y, r, c, t, h, w, *y.stride(), *r.stride(),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, BC=bc, BW=bw, num_warps=4,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return y
 
 
 def upsample_frames_reference(x: torch.Tensor, *, interleave: bool) -> torch.Tensor:

@@ -8,8 +8,10 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   every residual block, the head's, the time convolutions of the 3D upsamplers) reads an input
   that one kernel assembled (normalisation, SiLU, cached frames and zero padding, with the next
   chunk's cache), and each upsampler's nearest 2x upsampling, time interleave and frames-first
-  permutation is one gather. The convolutions, the shortcuts, the residual adds and the attention
-  are diffusers' own calls on the same bits: the decode is bitwise equal to diffusers'.
+  permutation is one gather; each convolution's bias and the residual add after it are one pass
+  (ATen adds a bias after cuDNN's convolution, so the sums and their roundings are the same). The
+  convolutions themselves, the shortcuts and the attention are diffusers' own calls on the same
+  bits: the decode is bitwise equal to diffusers'.
 - ``fast``: the same, with every convolution of the decoder in channels-last layout (cuDNN's
   NDHWC kernels: no layout transposes around each convolution). Not bitwise: the convolutions sum
   in another order; ``benchmarks/quant_vae.py`` states the PSNR.
@@ -59,16 +61,30 @@ def _channels_last(module: nn.Module) -> bool:
     return getattr(module, _ATTR, "exact") == "fast"
 
 
-def _conv(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``conv``'s own forward (``nn.Conv2d`` / ``nn.Conv3d``; the causal padding is in ``x``)."""
-    return (nn.Conv3d.forward if isinstance(conv, nn.Conv3d) else nn.Conv2d.forward)(conv, x)
+def _conv(conv: nn.Module, x: torch.Tensor, fast: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``conv(x)`` (``nn.Conv2d`` / ``nn.Conv3d``; the causal padding is in ``x``), plus
+    ``residual`` if given. At ``exact`` the convolution runs without its bias and the bias (and
+    the residual) are added by one kernel, as ATen adds them after cuDNN's convolution: same bits."""
+    if fast or conv.bias is None:
+        out = (nn.Conv3d.forward if isinstance(conv, nn.Conv3d) else nn.Conv2d.forward)(conv, x)
+        return out if residual is None else out + residual
+    out = conv._conv_forward(x, conv.weight, None)
+    frames = out if out.dim() == 5 else out.unsqueeze(2)  # [N, C, H, W] as N one-frame videos
+    conv_input.add_bias_residual_(frames, conv.bias, residual)
+    return out
 
 
 def _causal_conv(
-    conv: nn.Conv3d, x: torch.Tensor, norm: nn.Module | None, feat_cache: list, feat_idx: list, fast: bool
+    conv: nn.Conv3d,
+    x: torch.Tensor,
+    norm: nn.Module | None,
+    feat_cache: list,
+    feat_idx: list,
+    fast: bool,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``conv(x)`` (a ``WanCausalConv3d``, after ``norm`` and SiLU when given) with its cache slot,
-    as diffusers' modules do it around the call."""
+    as diffusers' modules do it around the call; plus ``residual`` if given."""
     idx = feat_idx[0]
     pads = conv._padding  # (w, w, h, h, 2 * t, 0)
     buf, feat_cache[idx] = conv_input.causal_conv_input(
@@ -80,7 +96,7 @@ def _causal_conv(
         channels_last=fast,
     )
     feat_idx[0] += 1
-    return _conv(conv, buf)
+    return _conv(conv, buf, fast, residual)
 
 
 def _residual_forward(
@@ -95,10 +111,7 @@ def _residual_forward(
     fast = _channels_last(self)
     h = self.conv_shortcut(x)
     x = _causal_conv(self.conv1, x, self.norm1, feat_cache, feat_idx, fast)
-    x = _causal_conv(self.conv2, x, self.norm2, feat_cache, feat_idx, fast)
-    if not fast and x.is_contiguous() and not h.is_contiguous() and x.dtype == h.dtype:
-        return conv_input.add_frames(x, h)  # same bits, without eager's strided path
-    return x + h
+    return _causal_conv(self.conv2, x, self.norm2, feat_cache, feat_idx, fast, residual=h)
 
 
 def _resample_forward(
@@ -124,12 +137,12 @@ def _resample_forward(
             )
             if repeat and t < 2:  # diffusers caches a zero frame before the first one
                 cache = buf[:, :, -2:].clone()
-            x = _conv(self.time_conv, buf)
+            x = _conv(self.time_conv, buf, fast)
             feat_cache[idx] = cache
             interleave = True
         feat_idx[0] += 1
     frames = conv_input.upsample_frames(x, interleave=interleave, channels_last=fast)
-    out = _conv(self.resample[1], frames)
+    out = _conv(self.resample[1], frames, fast)
     return out.view(b, frames.shape[0] // b, out.size(1), out.size(2), out.size(3)).permute(0, 2, 1, 3, 4)
 
 

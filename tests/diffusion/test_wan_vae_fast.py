@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 from omnirt.kernels.conv_input import (
-    add_frames,
+    add_bias_residual_,
     causal_conv_input,
     causal_conv_input_reference,
     upsample_frames,
@@ -75,14 +75,22 @@ def test_upsample_frames_is_eager_bitwise(interleave, channels_last):
         upsample_frames(torch.zeros(1, 3, 1, 2, 2), interleave=True)
 
 
-def test_add_frames_is_eager_bitwise():
+def test_bias_and_residual_adds_are_eager_bitwise():
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(2, 5, 3, 4, 6, generator=g)
+    y = torch.randn(2, 5, 3, 4, 6, generator=g)
+    bias = torch.randn(5, generator=g)
     shortcut = torch.randn(2, 3, 5, 4, 6, generator=g).permute(0, 2, 1, 3, 4)  # an upsampler's view
-    got = add_frames(x, shortcut)
-    assert got.is_contiguous() and torch.equal(got, x + shortcut)
+    want = (y + bias.view(1, 5, 1, 1, 1)) + shortcut
+    got = add_bias_residual_(y.clone(), bias, shortcut)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert torch.equal(add_bias_residual_(y.clone(), bias), y + bias.view(1, 5, 1, 1, 1))
+    assert torch.equal(add_bias_residual_(y.clone(), None, shortcut), y + shortcut)
+    before = y.clone()
     with pytest.raises(ValueError, match="cannot add"):
-        add_frames(x, shortcut.double())
+        add_bias_residual_(y, bias, shortcut.double())
+    with pytest.raises(ValueError, match="does not fit"):
+        add_bias_residual_(y, torch.zeros(4))
+    assert torch.equal(y, before)  # refused before touching it
 
 
 def _tiny_vae(seed: int = 0) -> AutoencoderKLWan:

@@ -1,5 +1,6 @@
 """The Wan VAE decoder's fast path on CUDA (marker ``gpu``): the conv-input kernels bitwise equal
-to the eager chains in bf16 and fp32 (contiguous, frames-first and channels-last frames), and
+to the eager chains in bf16 and fp32 (contiguous, frames-first and channels-last frames; a
+convolution's bias and a residual added as ATen adds them), and
 whole decodes of the published Wan 2.1 VAE config (random weights): ``exact`` bitwise equal to
 diffusers', ``fast`` within its stated PSNR (docs/kernels.md)."""
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from omnirt.kernels.conv_input import (
-    add_frames,
+    add_bias_residual_,
     causal_conv_input,
     causal_conv_input_reference,
     upsample_frames,
@@ -52,9 +53,12 @@ def test_conv_inputs_are_bitwise_eager(dtype, layout):
                     continue
                 assert torch.equal(got, want), (shape, cached, norm is not None)
                 assert torch.equal(got_cache, want_cache)
-        if layout == "frames_first":
-            residual = torch.randn(shape, device="cuda", generator=g).to(dtype)
-            assert torch.equal(add_frames(residual, x), residual + x)
+        if layout == "frames_first":  # a convolution's output, its bias as ATen adds it, then a shortcut
+            conv = torch.nn.Conv3d(shape[1], shape[1], 3, device="cuda", dtype=dtype)
+            padded = torch.nn.functional.pad(x, (1, 1, 1, 1, 2, 0))
+            want = conv(padded) + x
+            got = add_bias_residual_(conv._conv_forward(padded, conv.weight, None), conv.bias, x)
+            assert torch.equal(got, want)
         for interleave in (False, True):
             assert torch.equal(
                 upsample_frames(x, interleave=interleave), upsample_frames_reference(x, interleave=interleave)
