@@ -11,13 +11,15 @@
   from the same noise: the PSNR of the decoded pixels against bf16's.
 - **Conv inputs** (``--conv-input``): the kernel of ``kernels/conv_input.py`` alone at the Wan
   decoder's top level, against the eager chain, with the bandwidth of the bytes it moves.
+- **Conv layouts** (``--conv-layouts``): whether cuDNN's convolutions at the decoder's shapes give
+  the same bits for NCDHW and channels-last tensors.
 - **VAE decodes** (``--vae 480p,720p``): the Wan 2.1 VAE decoding 81 frames (21 latent frames) in
   ``--vae-dtype``, with diffusers' decoder (``off``) and the ``exact`` and ``fast`` levels on the
   same latents: time per decode (the median of ``--repeats``), peak memory, and whether the pixels
   are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level.
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
-        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--conv-input] [--skip-zimage]
+        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--conv-input] [--conv-layouts] [--skip-zimage]
 """
 
 from __future__ import annotations
@@ -252,6 +254,29 @@ def conv_input_rows() -> list[str]:
     return rows
 
 
+#: The Wan decoder's 3x3x3 convolutions at 480p (channels in and out; padded frames, rows, columns).
+DECODER_CONVS = ((96, 96, 6, 482, 834), (192, 192, 6, 242, 418), (384, 384, 3, 62, 106), (96, 3, 6, 482, 834))
+
+
+def conv_layout_rows() -> list[str]:
+    """Whether cuDNN's 3D convolutions at the Wan decoder's shapes give the same bits for NCDHW and
+    NDHWC (channels-last) inputs and weights."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for c_in, c_out, t, h, w in DECODER_CONVS:
+            x = torch.randn(1, c_in, t, h, w, device="cuda").to(dtype)
+            weight = (torch.randn(c_out, c_in, 3, 3, 3, device="cuda") * 0.05).to(dtype)
+            ncdhw = F.conv3d(x, weight)
+            cl = torch.channels_last_3d
+            ndhwc = F.conv3d(x.contiguous(memory_format=cl), weight.contiguous(memory_format=cl))
+            same = torch.equal(ncdhw, ndhwc.contiguous())
+            rows.append(f"| {str(dtype).removeprefix('torch.')} | {c_in} -> {c_out}, {t}x{h}x{w} | {same} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wan", choices=("1.3b", "14b"), default=None, help="also a Wan transformer step")
@@ -263,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed decodes per VAE level (the median)")
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
+    p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
     args = p.parse_args(argv)
     sizes = [s for s in args.vae.split(",") if s]
     if any(s not in SIZES for s in sizes):
@@ -284,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n| final output | weights | PSNR vs bf16 (dB) |\n|---|---|---|")
         print("\n".join(zimage_final_rows()), flush=True)
         torch.cuda.empty_cache()
+    if args.conv_layouts:
+        print("\n| dtype | convolution | NDHWC bitwise NCDHW |\n|---|---|---|")
+        print("\n".join(conv_layout_rows()), flush=True)
     if args.conv_input:
         print(
             "\n| frames | chain | eager ms | kernel ms | speed-up | kernel GB/s |\n|---|---|---|---|---|---|"

@@ -28,10 +28,10 @@ the ``fast`` level of ``stages/diffusion/wan_vae_fast.py``); inputs may have any
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from .settings import interpreted
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -42,10 +42,6 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: ``F.normalize``'s floor for a norm.
 NORM_EPS = 1e-12
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def channel_norms(x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +202,7 @@ if triton is not None:
 def _tile(channels: int, width: int, channels_last: bool) -> tuple[int, int]:
     """Channels and columns per program: the contiguous axis of the output gets the wider side
     (under the interpreter, whole rows: it pays per program, not per element)."""
-    if _interpreted():
+    if interpreted():
         return triton.next_power_of_2(max(channels, 1)), triton.next_power_of_2(max(width, 1))
     if channels_last:  # the largest power of two up to 64 that divides the channels: no idle lanes
         bc = min(channels & -channels, 64) if channels else 1
@@ -258,7 +254,7 @@ def causal_conv_input(
         n_strides[0], *n_strides[2:],
         *out.stride(), *next_cache.stride(),
         float(torch.tensor(scale, dtype=torch.float32)), NORM_EPS,
-        HAS_NORM=norm is not None, LIBDEVICE=not _interpreted(), BC=bc, BW=bw, num_warps=4,
+        HAS_NORM=norm is not None, LIBDEVICE=not interpreted(), BC=bc, BW=bw, num_warps=4,
         enable_fp_fusion=False,
     )  # fmt: skip
     return out, next_cache

@@ -11,12 +11,14 @@ a Triton kernel may run.
 - **The Wan VAE decoder's fast path** (``stages/diffusion/wan_vae_fast.py``): ``VAE_FAST`` is
   ``"exact"`` (bitwise equal to diffusers' decoder; the default), ``"fast"`` (channels-last
   convolutions, within a stated PSNR) or ``"off"``. ``omnirt serve --vae-fast`` sets it.
-- **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only when a test
-  calls it directly under ``TRITON_INTERPRET=1`` (fp32), never from a dispatcher.
+- **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only under
+  ``TRITON_INTERPRET=1`` (:func:`interpreted`, fp32), when a test calls it directly or installs the
+  VAE hooks on a CPU model itself, never from a dispatcher.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
@@ -73,6 +75,11 @@ def kernel_device(*tensors: torch.Tensor | None) -> bool:
     if not HAVE_TRITON or not present or present[0].device.type != "cuda":
         return False
     return all(t.device == present[0].device for t in present)
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def wanted(bitwise: bool) -> bool:

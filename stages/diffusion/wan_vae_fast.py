@@ -13,8 +13,9 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   convolutions themselves, the shortcuts and the attention are diffusers' own calls on the same
   bits: the decode is bitwise equal to diffusers'.
 - ``fast``: the same, with every convolution of the decoder in channels-last layout (cuDNN's
-  NDHWC kernels: no layout transposes around each convolution). Not bitwise: the convolutions sum
-  in another order; ``benchmarks/quant_vae.py`` states the PSNR.
+  NDHWC kernels: no layout transposes around each convolution). Not bitwise: the convolutions give
+  the same bits in either layout (measured on the H200), but ATen sums the channel norms of
+  channels-last frames in another order; ``benchmarks/quant_vae.py`` states the PSNR.
 - ``off``: diffusers' decoder untouched.
 
 The hooks apply to decodes that pass a feature cache (``AutoencoderKLWan._decode`` and
@@ -42,9 +43,9 @@ _ATTR = "_omnirt_vae_level"
 
 def _applies(x: torch.Tensor) -> bool:
     """Whether the kernels can run on ``x``: Triton on CUDA, or the interpreter on the CPU."""
-    if not HAVE_TRITON or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return x.is_cuda or conv_input._interpreted()
+    return settings.kernel_device(x) or (HAVE_TRITON and settings.interpreted())
 
 
 def _norm_applies(norm: nn.Module, x: torch.Tensor) -> bool:

@@ -165,3 +165,33 @@ def test_other_calls_run_diffusers_forward():
     assert wan_vae_fast.install(torch.nn.Linear(2, 2), "exact") == 0
     with pytest.raises(ValueError, match="exact, fast, off"):
         wan_vae_fast.install(vae, "fastest")
+
+
+def test_the_wan_denoiser_decodes_in_pieces_through_the_hooks(tmp_path_factory, monkeypatch):
+    """The path the server takes: ``WanDenoiser``'s decode in pieces (start, frames, finish) on
+    the embedded demo's VAE with the hooks installed (on CUDA its constructor installs them)."""
+    import copy
+
+    from omnirt.stages.diffusion.denoiser import Shape
+    from omnirt.stages.diffusion.wan_demo import ensure_wan_demo
+    from omnirt.stages.diffusion.wan_loader import load_wan
+
+    from .test_wan import gens
+
+    den = load_wan(ensure_wan_demo(tmp_path_factory.mktemp("omnirt-cache")), device="cpu")
+    latents = den.init_latents(Shape(width=32, height=32, frames=5), gens([1]))
+    want = den.decode(latents)
+    hooked = copy.copy(den)
+    hooked.vae = copy.deepcopy(den.vae)
+    assert wan_vae_fast.install(hooked.vae, "exact") > 0
+    calls = []
+    kernel = wan_vae_fast.conv_input.causal_conv_input
+    monkeypatch.setattr(
+        wan_vae_fast.conv_input, "causal_conv_input", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    state = hooked.start_decode(latents)
+    for _ in range(2):
+        state = hooked.decode_frames(state, 1)
+    got = hooked.finish_decode(state)
+    assert got.shape == want.shape == (1, 5, 32, 32, 3) and calls  # the kernels ran
+    assert (got.int() - want.int()).abs().max() <= 1  # pixels; on the CPU the SiLU is within an ulp
