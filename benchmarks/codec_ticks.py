@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from omnirt.codecs.mimi import MimiCodecConfig, MimiSlotPool, build_mimi
 from omnirt.codecs.mimi.reference import TINY_MIMI, random_reference_model
+from omnirt.stages.codec_graphs import capture_mimi
 
 FULL_SESSIONS = (1, 8, 32, 128, 256, 512)
 TINY_SESSIONS = (1, 4, 16)
@@ -125,8 +126,8 @@ def run(args: argparse.Namespace) -> dict:
         for name in dtypes:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
             model = build_mimi(config, state, device=device, dtype=dtype)
-            pool = MimiSlotPool(model, n, graphs=True, buckets=[n], check_codes=False)
-            pool.capture()
+            pool = MimiSlotPool(model, n, buckets=[n], check_codes=False)
+            capture_mimi(pool)
             tick = OursTick(pool, n)
             ms = _timer(device, tick, args.warmup, args.iters)
             if device.type == "cuda" and pool.encode_runner.last_path != "graph":

@@ -1,25 +1,31 @@
-"""A fixed pool of Mimi streams: checked encode/decode steps, in-place reset, CUDA graphs.
+"""A fixed pool of Mimi streams: checked encode/decode steps, in-place reset.
 
 Slot ``i`` is row ``i`` of every state buffer. ``encode``/``decode`` take a batch of the first
 ``rows`` slots (``rows <= max_slots``) and an exec mask; keep active sessions in the lowest
-slots so the batch stays small. A one-frame step runs through the CUDA graph of the smallest
-captured bucket that holds ``rows`` (padded rows are idle); other shapes run eagerly. The
-buckets are those of ``buckets`` (default ``DEFAULT_BUCKETS``) up to ``max_slots``, plus
-``max_slots`` itself.
+slots so the batch stays small.
+
+The pool runs its one-frame steps through ``encode_runner`` / ``decode_runner``: the eager steps
+``encode_io`` / ``decode_io`` by default. A codec does not know about CUDA graphs: ``stages``
+replaces the runners with graph runners of the same signature, captured per batch bucket from
+``encode_io`` / ``encode_inputs`` (and the decode pair) at the pool's ``buckets``
+(``stages/codec_graphs.py``); padded rows are idle. The buckets are those of ``buckets``
+(default ``DEFAULT_BUCKETS``) up to ``max_slots``, plus ``max_slots`` itself.
 Bad input raises ``ValueError`` before any state changes. The pool allocates its state inside
 the model's modules (``StreamingMimi.alloc_state``): one model backs one pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-from omnirt.stages.graphs import CudaGraphRunner
 
 from .model import StreamingMimi
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+#: A one-frame step over named tensors (what a graph runner replays).
+Runner = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 class MimiSlotPool:
@@ -28,7 +34,6 @@ class MimiSlotPool:
         model: StreamingMimi,
         max_slots: int,
         *,
-        graphs: bool = False,
         buckets: Sequence[int] | None = None,
         check_codes: bool = True,
     ) -> None:
@@ -39,38 +44,36 @@ class MimiSlotPool:
         weight = model.encoder.layers[0].conv.weight
         self.device = weight.device
         # max_slots is always a bucket, so that every batch the pool accepts has a graph
-        chosen = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_slots} | {max_slots})
-        frame, k = model.frame_size, model.num_quantizers
-
-        def encode_inputs(rows: int) -> dict[str, torch.Tensor]:
-            return {
-                "audio": torch.zeros(rows, frame, device=self.device),
-                "exec": torch.zeros(rows, dtype=torch.bool, device=self.device),
-            }
-
-        def decode_inputs(rows: int) -> dict[str, torch.Tensor]:
-            return {
-                "codes": torch.zeros(rows, k, 1, dtype=torch.int64, device=self.device),
-                "exec": torch.zeros(rows, dtype=torch.bool, device=self.device),
-            }
-
-        enabled = graphs and self.device.type == "cuda"
-        self.encode_runner = CudaGraphRunner(self._encode, encode_inputs, chosen, enabled=enabled)
-        self.decode_runner = CudaGraphRunner(self._decode, decode_inputs, chosen, enabled=enabled)
+        self.buckets = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_slots} | {max_slots})
+        self.encode_runner: Runner = self.encode_io
+        self.decode_runner: Runner = self.decode_io
 
     # Steps (graph-capturable) ---------------------------------------------------------------
-    def _encode(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @torch.no_grad()
+    def encode_io(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"audio": [rows, frame_size], "exec": [rows]}`` -> ``{"codes": [rows, K, 1]}``."""
         return {"codes": self.model.encode_step(inputs["audio"], inputs["exec"])}
 
-    def _decode(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @torch.no_grad()
+    def decode_io(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"codes": [rows, K, 1], "exec": [rows]}`` -> ``{"audio": [rows, frame_size]}``."""
         return {"audio": self.model.decode_step(inputs["codes"], inputs["exec"])}
 
-    # Public API -------------------------------------------------------------------------------
-    def capture(self) -> None:
-        """Captures the one-frame encode and decode graphs of every bucket (CUDA only)."""
-        self.encode_runner.capture()
-        self.decode_runner.capture()
+    def encode_inputs(self, rows: int) -> dict[str, torch.Tensor]:
+        """Example inputs of :meth:`encode_io` (zeros, nothing executes)."""
+        return {
+            "audio": torch.zeros(rows, self.model.frame_size, device=self.device),
+            "exec": torch.zeros(rows, dtype=torch.bool, device=self.device),
+        }
 
+    def decode_inputs(self, rows: int) -> dict[str, torch.Tensor]:
+        """Example inputs of :meth:`decode_io` (zeros, nothing executes)."""
+        return {
+            "codes": torch.zeros(rows, self.model.num_quantizers, 1, dtype=torch.int64, device=self.device),
+            "exec": torch.zeros(rows, dtype=torch.bool, device=self.device),
+        }
+
+    # Public API -------------------------------------------------------------------------------
     def reset(self, slot: int, *, encoder: bool = True, decoder: bool = True) -> None:
         """Starts a new stream in ``slot`` (in place; other slots untouched)."""
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:

@@ -147,7 +147,7 @@ def test_bad_input_raises_without_changing_state(weights, call, message):
 def test_max_slots_is_always_a_graph_bucket(weights, max_slots, buckets, expected):
     config, state = weights
     pool = MimiSlotPool(build_mimi(config, state), max_slots, buckets=buckets)
-    assert pool.encode_runner.buckets == pool.decode_runner.buckets == expected
+    assert pool.buckets == expected
 
 
 def test_dtype_follows_the_weights(weights):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from omnirt.codecs.mimi import MimiCodecConfig, MimiSlotPool, build_mimi
 from omnirt.codecs.mimi.reference import random_reference_model
+from omnirt.stages.codec_graphs import capture_mimi
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -44,8 +45,8 @@ def _restore(pool, snapshot):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_graph_replay_equals_eager_bitwise_per_bucket(reference, dtype):
     _, config, state = reference
-    pool = MimiSlotPool(build_mimi(config, state, device="cuda", dtype=dtype), 8, graphs=True, buckets=[1, 8])
-    pool.capture()
+    pool = MimiSlotPool(build_mimi(config, state, device="cuda", dtype=dtype), 8, buckets=[1, 8])
+    capture_mimi(pool)
     assert pool.encode_runner.captured_buckets == [1, 8]
     generator = torch.Generator().manual_seed(1)
     for bucket in (1, 8):
@@ -73,8 +74,8 @@ def test_graph_replay_equals_eager_bitwise_per_bucket(reference, dtype):
 
 def test_full_size_streaming_equals_transformers_offline(reference, strict_fp32):
     model, config, state = reference
-    pool = MimiSlotPool(build_mimi(config, state, device="cuda"), 2, graphs=True, buckets=[2])
-    pool.capture()
+    pool = MimiSlotPool(build_mimi(config, state, device="cuda"), 2, buckets=[2])
+    capture_mimi(pool)
     audio = (0.1 * torch.randn(2, LONG * FRAME, generator=torch.Generator().manual_seed(2))).cuda()
     with torch.no_grad():
         expected_codes = model.encode(audio[:, None], num_quantizers=8, return_dict=True).audio_codes
@@ -98,9 +99,9 @@ def test_bf16_streaming_decode_tracks_fp32(reference):
     outputs = {}
     for dtype in (torch.float32, torch.bfloat16):
         pool = MimiSlotPool(
-            build_mimi(config, state, device="cuda", dtype=dtype), 2, graphs=True, buckets=[2]
+            build_mimi(config, state, device="cuda", dtype=dtype), 2, buckets=[2]
         )
-        pool.capture()
+        capture_mimi(pool)
         outputs[dtype] = torch.cat([pool.decode(codes[:, :, i : i + 1]) for i in range(20)], -1)
     fp32, bf16 = outputs[torch.float32], outputs[torch.bfloat16]
     assert torch.isfinite(bf16).all()
