@@ -10,11 +10,16 @@ Every step takes an exec mask (bool, one per row). State moves forward only wher
 True (``commit``): a row without a new frame keeps its state bit for bit, whatever the other
 rows do, and the batch keeps one shape.
 
-Also the RoPE inverse frequencies both codecs' transformers use (:func:`rope_inv_freq`).
+Also the RoPE inverse frequencies both codecs' transformers use (:func:`rope_inv_freq`), and
+:class:`SlotAllocator`, the one slot allocator of every slot pool (the codecs' pools, the speech
+decoders, the duplex LM): lowest free slot first, so that busy slots stay low and a batch of the
+first ``rows()`` slots covers them all.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +33,48 @@ class StateSpec:
     shape: tuple[int, ...]
     fill: float | int | bool = 0
     dtype: torch.dtype | None = None
+
+
+class SlotAllocator:
+    """Slot numbers ``0..count-1`` handed out lowest first."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {count}")
+        self.count = count
+        self._free = list(range(count))  # a heap
+        self._busy: set[int] = set()
+
+    def __len__(self) -> int:
+        """Free slots."""
+        return len(self._free)
+
+    def __contains__(self, slot: object) -> bool:
+        """Whether ``slot`` is taken."""
+        return slot in self._busy
+
+    def free_slots(self) -> Iterator[int]:
+        """The free slots, in no particular order."""
+        return iter(self._free)
+
+    def take(self) -> int:
+        """The lowest free slot; ``ValueError`` when none is free."""
+        if not self._free:
+            raise ValueError(f"no free slot: all {self.count} are in use")
+        slot = heapq.heappop(self._free)
+        self._busy.add(slot)
+        return slot
+
+    def give(self, slot: int) -> None:
+        """Frees a taken slot; ``ValueError`` for a slot that is not taken."""
+        if slot not in self._busy:
+            raise ValueError(f"slot {slot!r} is not in use")
+        self._busy.remove(slot)
+        heapq.heappush(self._free, slot)
+
+    def rows(self) -> int:
+        """The batch that covers every busy slot: the highest busy slot + 1 (0 when none is)."""
+        return max(self._busy) + 1 if self._busy else 0
 
 
 def rope_inv_freq(base: float, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..streaming import SlotAllocator
 from .model import Code2WavModel
 from .pool import Code2WavPool
 
@@ -45,20 +46,19 @@ class Code2WavStreamer:
         self.pool = Code2WavPool(model, max_slots, device, dtype)
         self.model = self.pool.model
         self.runner: Callable[[dict[str, Tensor]], dict[str, Tensor]] = self.pool.step_io
-        self._free = list(range(max_slots))
+        self._slots = SlotAllocator(max_slots)
         self._frames: dict[int, int] = {}  # active slot -> frames decoded (host mirror of state["frame"])
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return len(self._slots)
 
     def acquire(self) -> int:
         """A fresh stream: a free slot, reset in place."""
-        if not self._free:
+        if not len(self._slots):
             raise ValueError(f"no free code2wav slot: all {self.pool.max_slots} are in use")
-        slot = min(self._free)
+        slot = self._slots.take()
         self.pool.reset(slot)
-        self._free.remove(slot)
         self._frames[slot] = 0
         return slot
 
@@ -66,7 +66,7 @@ class Code2WavStreamer:
         """Ends a stream without flushing (a cancelled request); the slot becomes free."""
         self._check_slot(slot)
         del self._frames[slot]
-        self._free.append(slot)
+        self._slots.give(slot)
 
     def finish(self, slot: int) -> np.ndarray:
         """Ends a stream and frees its slot; returns the samples left to flush (always none).

@@ -25,12 +25,13 @@ reuse it in place).
 from __future__ import annotations
 
 import hashlib
-import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from ...codecs.streaming import SlotAllocator
 
 
 def media_key(data: bytes) -> int:
@@ -94,18 +95,18 @@ class SlotPool:
     prefix)`` copies a held prefix's cache entries from one slot to another."""
 
     def __init__(self, count: int, move: Callable[[int, int, Prefix], None]) -> None:
-        self._free = list(range(count))
+        self._slots = SlotAllocator(count)
         self._move = move
         self.held: dict[int, Prefix] = {}
         self._used: dict[int, int] = {}  # slot -> tick of its prefix's last use (LRU)
         self._clock = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._free)
+        return len(self._slots)
 
     def take(self) -> int:
         """The lowest free slot (a prefix it holds stays until :meth:`vacate`)."""
-        return heapq.heappop(self._free)
+        return self._slots.take()
 
     def vacate(self, slot: int) -> int | None:
         """Before a taken slot is written: its prefix moves out of the way (see the module doc);
@@ -123,10 +124,11 @@ class SlotPool:
     def _room(self, used: int) -> int | None:
         """A free slot to move a prefix last used at ``used`` into: the highest holding none,
         else the least recently used holder if it is older; None: drop the prefix."""
-        empty = [s for s in self._free if s not in self.held]
+        free = list(self._slots.free_slots())
+        empty = [s for s in free if s not in self.held]
         if empty:
             return max(empty)
-        oldest = min((s for s in self._free if s in self.held), key=self._used.__getitem__, default=None)
+        oldest = min((s for s in free if s in self.held), key=self._used.__getitem__, default=None)
         if oldest is not None and self._used[oldest] < used:
             del self.held[oldest]
             return oldest
@@ -149,7 +151,7 @@ class SlotPool:
     def give(self, slot: int, prefix: Prefix | None) -> None:
         """Frees ``slot``, holding ``prefix`` for later requests."""
         self.hold(slot, prefix)
-        heapq.heappush(self._free, slot)
+        self._slots.give(slot)
 
     def best(self, keys: np.ndarray, user: np.ndarray | None, at_least: int = MIN_REUSE) -> Reuse | None:
         """The longest prefix of the prompt ``keys``, of ``at_least`` positions, that a slot

@@ -25,13 +25,13 @@ def _frames(seed: int) -> torch.Tensor:
 
 def _snapshot(streamer: Code2WavStreamer) -> tuple[dict[str, torch.Tensor], dict[int, int], list[int]]:
     state = {k: v.clone() for k, v in streamer.pool.state.items()}
-    return state, dict(streamer._frames), list(streamer._free)
+    return state, dict(streamer._frames), sorted(streamer._slots.free_slots())
 
 
 def _unchanged(streamer: Code2WavStreamer, snapshot: tuple) -> bool:
     state, frames, free = snapshot
     return (all(torch.equal(v, state[k]) for k, v in streamer.pool.state.items())
-            and streamer._frames == frames and streamer._free == free)
+            and streamer._frames == frames and sorted(streamer._slots.free_slots()) == free)
 
 
 def _continue(streamer: Code2WavStreamer, slots: list[int]) -> dict[int, np.ndarray]:
