@@ -5,9 +5,10 @@ The session is driven by method calls (one per client event) and reports through
 the session unchanged. Only one response that writes to the conversation runs at a time;
 out-of-band responses (``conversation: "none"``) may run beside it.
 
-With server VAD the turn policy calls back (``_on_signal``) when speech starts (barge-in: the
-in-band response is cancelled with ``turn_detected``), stops (the speech is committed as a user
-item, and a response created) or the idle timeout fires. Playback acknowledgements
+The turn policy (:mod:`~omnirt.sessions.turns`) sees the input audio and the in-band responses
+through its hooks; server VAD acts through the session's :class:`TurnHost` when speech starts
+(barge-in: the in-band response is cancelled with ``turn_detected``), stops (the speech is
+committed as a user item, and a response created) or the idle timeout fires. Playback acknowledgements
 (``ack_playback``) and truncation keep the history to what the user heard.
 """
 
@@ -18,6 +19,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 from omnirt.stages.prompt_size import max_prompt_chars, prompt_chars, too_long_message
 from omnirt.stages.types import GenerationRequest
 from omnirt.vad.worker import VadWorker
@@ -40,9 +42,6 @@ from .events import (
     SessionCreated,
     SessionEvent,
     SessionUpdated,
-    SpeechStarted,
-    SpeechStopped,
-    TimeoutTriggered,
 )
 from .input_buffer import InputAudioBuffer
 from .items import (
@@ -61,7 +60,7 @@ from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
 from .tools import realtime_tools
 from .transcription import TranscriptionRun, TranscriptionSettings, transcription_request
-from .turns import TURN_PARAM, ManualTurns, TurnPolicy, TurnSignal, effective_turn_detection, vad_settings
+from .turns import TURN_PARAM, ManualTurns, TurnHost, TurnPolicy, effective_turn_detection, vad_settings
 from .voices import DEFAULT_VOICE
 
 #: Responses remembered for ``playback.ack`` (the most recent ones).
@@ -109,8 +108,6 @@ class RealtimeSession:
         self.transcriptions: dict[str, TranscriptionRun] = {}
         #: Played audio (ms) acknowledged per assistant item of a still-streaming response.
         self._played: dict[str, int] = {}
-        #: The user item server VAD will commit, and its first sample, while speech goes on.
-        self._speech: tuple[str, int] | None = None
         self.audio_produced = False
         #: Responses held while the client is behind (:meth:`hold`).
         self.held = False
@@ -151,9 +148,6 @@ class RealtimeSession:
         if turns is not None:
             self.turns.close()
             self.turns = turns
-            self._speech = None
-            if isinstance(turns, ServerVadTurns):
-                turns.arm_idle(self.input.end_ms)
         self.input.set_format(config.input_format)
         self._emit(SessionUpdated(self.id, self.config))
 
@@ -166,8 +160,16 @@ class RealtimeSession:
                 "This is a push-to-talk session (?turn=push_to_talk): turn_detection must stay null.",
                 TURN_PARAM,
             )
+        host = TurnHost(
+            input=self.input,
+            new_id=self.new_id,
+            emit=self._emit,
+            responding=self._responding,
+            interrupt=self._interrupt,
+            add_turn=self._add_turn,
+        )
         return ServerVadTurns(
-            vad_settings(turn_detection), self.vad, base_sample=self.input.end, on_signal=self._on_signal
+            vad_settings(turn_detection), self.vad, host=host, max_backlog_ms=self.limits.max_vad_backlog_ms
         )
 
     async def close(self, *, notify: bool, reason: StatusReason | None = "client_cancelled") -> None:
@@ -192,27 +194,19 @@ class RealtimeSession:
             # Between turns (a reply is in progress): the talk button is up, this is not the user's.
             return
         turns = self.turns
-        if isinstance(turns, ServerVadTurns) and turns.backlog_ms > self.limits.max_vad_backlog_ms:
-            raise SessionError(
-                ErrorCode.INPUT_BACKPRESSURE,
-                f"Server VAD is {turns.backlog_ms} ms behind the input (limit "
-                f"{self.limits.max_vad_backlog_ms} ms); send audio no faster than real time.",
-                "audio",
-            )
+        turns.check_append()
         pcm = self.input.append(data)
         turns.on_audio(pcm)
-        if isinstance(turns, ServerVadTurns) and self._speech is None:
-            # Silence is not kept: only what prefix padding may still need.
-            keep_ms = turns.decided_ms - turns.settings.prefix_padding_ms - 64
+        keep_ms = turns.keep_from_ms()
+        if keep_ms is not None:
             self.input.drop_before(self.input.ms_to_sample(keep_ms))
 
     def commit_audio(self) -> MessageItem:
         # float32 as stored: twice the buffer's PCM16 bytes.
         self._check_room(1, 2 * self.input.held_bytes, None)
         audio = self.input.commit()
+        item_id = self.turns.speech_item_id() or self.new_id("item")
         self.turns.reset()
-        item_id = self._speech[0] if self._speech is not None else self.new_id("item")
-        self._speech = None
         item = self._add_user_audio(item_id, audio)
         self._transcribe(item)
         return item
@@ -250,56 +244,28 @@ class RealtimeSession:
     def clear_audio(self) -> None:
         self.input.clear()
         self.turns.reset()
-        self._speech = None
         self._emit(InputAudioCleared())
 
-    # -- server VAD --------------------------------------------------------------------------
-    def _on_signal(self, signal: TurnSignal) -> None:
-        turns = self.turns
-        if self.closed or not isinstance(turns, ServerVadTurns):
-            return
-        settings = turns.settings
-        if signal.kind == "speech_started":
-            start_ms = max(signal.audio_ms - settings.prefix_padding_ms, self.input.start_ms)
-            item_id = self.new_id("item")
-            self._speech = (item_id, self.input.ms_to_sample(start_ms))
-            self._emit(SpeechStarted(start_ms, item_id))
-            if settings.interrupt_response and self.active is not None:
-                self.active.cancel("turn_detected")
-        elif signal.kind == "speech_stopped":
-            if self._speech is None:  # committed or cleared by the client meanwhile
-                return
-            item_id, start = self._speech
-            self._speech = None
-            self._emit(SpeechStopped(signal.audio_ms, item_id))
-            audio = self.input.take(start, self.input.ms_to_sample(signal.audio_ms))
-            if not self._room_for_turn(audio):
-                return
-            item = self._add_user_audio(item_id, audio)
-            try:
-                if settings.create_response and self.active is None:
-                    self._respond_to_turn()
-                else:
-                    turns.arm_idle(signal.audio_ms)
-            finally:
-                self._transcribe(item)
-        elif signal.kind == "timeout":
-            if self.active is not None:
-                return
-            item_id = self.new_id("item")
-            start_ms = min(signal.start_ms, signal.audio_ms)
-            self._emit(TimeoutTriggered(start_ms, signal.audio_ms, item_id))
-            # What is still held of the silent segment (silence is trimmed to the prefix padding).
-            audio = self.input.take(
-                self.input.ms_to_sample(start_ms), self.input.ms_to_sample(signal.audio_ms)
-            )
-            if not self._room_for_turn(audio):
-                return
-            item = self._add_user_audio(item_id, audio)
-            try:
+    # -- what a turn policy may do (TurnHost) --------------------------------------------------
+    def _responding(self) -> bool:
+        return self.active is not None
+
+    def _interrupt(self) -> None:
+        if self.active is not None:
+            self.active.cancel("turn_detected")
+
+    def _add_turn(self, item_id: str, audio: np.ndarray, respond: bool) -> bool:
+        """The user's turn a policy detected: added as an audio item (and transcribed), with a
+        response first when ``respond``; False when it had no room (the client was told)."""
+        if not self._room_for_turn(audio):
+            return False
+        item = self._add_user_audio(item_id, audio)
+        try:
+            if respond:
                 self._respond_to_turn()
-            finally:
-                self._transcribe(item)
+        finally:
+            self._transcribe(item)
+        return True
 
     def _room_for_turn(self, audio: Any) -> bool:
         """Whether server VAD's turn fits the conversation caps; if not, the turn's audio is
@@ -563,8 +529,7 @@ class RealtimeSession:
             self.responses[response.id] = response
             while len(self.responses) > ACK_RESPONSES:
                 self.responses.popitem(last=False)
-            if isinstance(self.turns, ServerVadTurns):
-                self.turns.disarm_idle()
+            self.turns.on_response_started()
         run.start()
         if self.held:
             run.hold(True)
@@ -629,16 +594,15 @@ class RealtimeSession:
                 part.truncate(played)  # interrupted: history keeps what the last ack said was heard
         if self.active is run:
             self.active = None
-            if isinstance(self.turns, ServerVadTurns):
-                audio_ms = sum(
+            self.turns.on_response_done(
+                sum(
                     c.duration_ms
                     for i in response.output
                     if isinstance(i, MessageItem)
                     for c in i.content
                     if isinstance(c, OutputAudio)
                 )
-                # Idle time counts from when the reply's audio has finished playing.
-                self.turns.arm_idle(self.input.end_ms + audio_ms)
+            )
 
 
 def _discard(event: SessionEvent) -> None:
