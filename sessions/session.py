@@ -8,13 +8,13 @@ out-of-band responses (``conversation: "none"``) may run beside it.
 The turn policy (:mod:`~omnirt.sessions.turns`) sees the input audio and the in-band responses
 through its hooks; server VAD acts through the session's :class:`TurnHost` when speech starts
 (barge-in: the in-band response is cancelled with ``turn_detected``), stops (the speech is
-committed as a user item, and a response created) or the idle timeout fires. Playback acknowledgements
-(``ack_playback``) and truncation keep the history to what the user heard.
+committed as a user item, and a response created) or the idle timeout fires. Playback
+acknowledgements (``ack_playback``) and truncation keep the history to what the user heard
+(:class:`~omnirt.sessions.playback.Playback`).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,8 +36,6 @@ from .events import (
     ItemDeleted,
     ItemDone,
     ItemRetrieved,
-    ItemTruncated,
-    PlaybackAcknowledged,
     SessionClosed,
     SessionCreated,
     SessionEvent,
@@ -55,6 +53,7 @@ from .items import (
     item_bytes,
     item_text_chars,
 )
+from .playback import Playback
 from .response import Response, ResponseOptions, StatusReason
 from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
@@ -62,9 +61,6 @@ from .tools import realtime_tools
 from .transcription import TranscriptionRun, TranscriptionSettings, transcription_request
 from .turns import TURN_PARAM, ManualTurns, TurnHost, TurnPolicy, effective_turn_detection, vad_settings
 from .voices import DEFAULT_VOICE
-
-#: Responses remembered for ``playback.ack`` (the most recent ones).
-ACK_RESPONSES = 32
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +98,10 @@ class RealtimeSession:
         #: The response writing to the conversation, if any.
         self.active: ResponseRun | None = None
         self.runs: dict[str, ResponseRun] = {}
-        #: In-conversation responses by id, for playback acks (bounded, most recent last).
-        self.responses: collections.OrderedDict[str, Response] = collections.OrderedDict()
+        #: What the user heard of the in-conversation responses (acks and truncation).
+        self.playback = Playback(self.conversation)
         #: Input audio transcriptions in flight, by user item id.
         self.transcriptions: dict[str, TranscriptionRun] = {}
-        #: Played audio (ms) acknowledged per assistant item of a still-streaming response.
-        self._played: dict[str, int] = {}
         self.audio_produced = False
         #: Responses held while the client is behind (:meth:`hold`).
         self.held = False
@@ -313,30 +307,8 @@ class RealtimeSession:
         self._emit(ItemDeleted(item_id))
 
     def truncate_item(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
-        """Cut an assistant audio part to what the user heard: the audio after ``audio_end_ms``
-        and the transcript not yet spoken by then. Allowed while the response still streams."""
-        item = self.conversation.get(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "truncating")
-        _check_truncatable(item)
-        assert isinstance(item, MessageItem)
-        if not 0 <= content_index < len(item.content) or not isinstance(
-            item.content[content_index], OutputAudio
-        ):
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"Item '{item_id}' has no audio content at content_index {content_index}.",
-                "content_index",
-            )
-        part = item.content[content_index]
-        assert isinstance(part, OutputAudio)
-        if audio_end_ms > part.end_ms:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({part.end_ms} ms).",
-                "audio_end_ms",
-            )
-        part.truncate(audio_end_ms)
-        self._played.pop(item_id, None)
-        self._emit(ItemTruncated(item_id, content_index, audio_end_ms))
+        """Cut an assistant audio part to what the user heard (see :class:`Playback`)."""
+        self._emit(self.playback.truncate(item_id, content_index, audio_end_ms))
 
     def ack_playback(self, response_id: str, item_id: str, played_ms: int) -> None:
         """Extension ``playback.ack``: the user heard ``played_ms`` of the item's audio.
@@ -344,40 +316,7 @@ class RealtimeSession:
         After the response ended this cuts the item exactly as ``conversation.item.truncate`` at
         ``played_ms`` does. While it still streams the position is recorded, and the item is cut
         there if the response is then interrupted (barge-in or cancel)."""
-        response = self.responses.get(response_id)
-        if response is None:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"No recent response with response_id '{response_id}' in this conversation.",
-                "response_id",
-            )
-        # The same checks and codes as conversation.item.truncate (which an ack stands for).
-        if not any(i.id == item_id for i in response.output):
-            raise SessionError(
-                ErrorCode.ITEM_TRUNCATE_INVALID_ID,
-                f"Response '{response_id}' has no output item '{item_id}'.",
-                "item_id",
-            )
-        item = self.conversation.get(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "acknowledging")
-        _check_truncatable(item)
-        assert isinstance(item, MessageItem)
-        part = item.content[0] if item.content else None
-        if not isinstance(part, OutputAudio):
-            raise SessionError(
-                ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio at content_index 0.", "item_id"
-            )
-        if played_ms < 0 or played_ms > part.duration_ms:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"played_ms {played_ms} is outside the item's audio (0 to {part.duration_ms} ms).",
-                "played_ms",
-            )
-        if response_id in self.runs and not part.frozen:
-            self._played[item_id] = played_ms
-        elif played_ms < part.duration_ms:
-            part.truncate(played_ms)
-            self._played.pop(item_id, None)
-        self._emit(PlaybackAcknowledged(response_id, item_id, played_ms, part.duration_ms))
+        self._emit(self.playback.ack(response_id, item_id, played_ms, streaming=response_id in self.runs))
 
     def _check_call_outputs(self, items: list[tuple[str, Item]], context: Iterable[Item] = ()) -> None:
         """A ``function_call_output`` must answer a ``function_call`` of the conversation (or of the
@@ -526,9 +465,7 @@ class RealtimeSession:
         self.runs[run.id] = run
         if in_conversation:
             self.active = run
-            self.responses[response.id] = response
-            while len(self.responses) > ACK_RESPONSES:
-                self.responses.popitem(last=False)
+            self.playback.track(response)
             self.turns.on_response_started()
         run.start()
         if self.held:
@@ -585,13 +522,7 @@ class RealtimeSession:
     def _on_done(self, run: ResponseRun) -> None:
         self.runs.pop(run.id, None)
         response = run.response
-        for item in response.output:
-            played = self._played.pop(item.id, None)
-            if played is None or response.status != "cancelled" or not isinstance(item, MessageItem):
-                continue
-            part = item.content[0] if item.content else None
-            if isinstance(part, OutputAudio) and not part.frozen and played < part.duration_ms:
-                part.truncate(played)  # interrupted: history keeps what the last ack said was heard
+        self.playback.settle(response)  # interrupted: history keeps what the last ack said was heard
         if self.active is run:
             self.active = None
             self.turns.on_response_done(
@@ -607,15 +538,3 @@ class RealtimeSession:
 
 def _discard(event: SessionEvent) -> None:
     """Where a closed session's events go."""
-
-
-def _check_truncatable(item: Item) -> None:
-    """Only assistant messages holding audio can be truncated (OpenAI's code and wording)."""
-    if not (
-        isinstance(item, MessageItem)
-        and item.role == "assistant"
-        and any(isinstance(c, OutputAudio) for c in item.content)
-    ):
-        raise SessionError(
-            ErrorCode.UNSUPPORTED_CONTENT_TYPE, "Only model output audio messages can be truncated", "item_id"
-        )
