@@ -5,19 +5,21 @@ The session is driven by method calls (one per client event) and reports through
 the session unchanged. Only one response that writes to the conversation runs at a time;
 out-of-band responses (``conversation: "none"``) may run beside it.
 
-With server VAD the turn policy calls back (``_on_signal``) when speech starts (barge-in: the
-in-band response is cancelled with ``turn_detected``), stops (the speech is committed as a user
-item, and a response created) or the idle timeout fires. Playback acknowledgements
-(``ack_playback``) and truncation keep the history to what the user heard.
+The turn policy (:mod:`~omnirt.sessions.turns`) sees the input audio and the in-band responses
+through its hooks; server VAD acts through the session's :class:`TurnHost` when speech starts
+(barge-in: the in-band response is cancelled with ``turn_detected``), stops (the speech is
+committed as a user item, and a response created) or the idle timeout fires. Playback
+acknowledgements (``ack_playback``) and truncation keep the history to what the user heard
+(:class:`~omnirt.sessions.playback.Playback`).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 from omnirt.stages.prompt_size import max_prompt_chars, prompt_chars, too_long_message
 from omnirt.stages.types import GenerationRequest
 from omnirt.vad.worker import VadWorker
@@ -34,15 +36,10 @@ from .events import (
     ItemDeleted,
     ItemDone,
     ItemRetrieved,
-    ItemTruncated,
-    PlaybackAcknowledged,
     SessionClosed,
     SessionCreated,
     SessionEvent,
     SessionUpdated,
-    SpeechStarted,
-    SpeechStopped,
-    TimeoutTriggered,
 )
 from .input_buffer import InputAudioBuffer
 from .items import (
@@ -56,16 +53,14 @@ from .items import (
     item_bytes,
     item_text_chars,
 )
+from .playback import Playback
 from .response import Response, ResponseOptions, StatusReason
 from .server_vad import ServerVadTurns
 from .streaming import ResponseRun, Submitter
 from .tools import realtime_tools
 from .transcription import TranscriptionRun, TranscriptionSettings, transcription_request
-from .turns import TURN_PARAM, ManualTurns, TurnPolicy, TurnSignal, effective_turn_detection, vad_settings
+from .turns import TURN_PARAM, ManualTurns, TurnHost, TurnPolicy, effective_turn_detection, vad_settings
 from .voices import DEFAULT_VOICE
-
-#: Responses remembered for ``playback.ack`` (the most recent ones).
-ACK_RESPONSES = 32
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +98,10 @@ class RealtimeSession:
         #: The response writing to the conversation, if any.
         self.active: ResponseRun | None = None
         self.runs: dict[str, ResponseRun] = {}
-        #: In-conversation responses by id, for playback acks (bounded, most recent last).
-        self.responses: collections.OrderedDict[str, Response] = collections.OrderedDict()
+        #: What the user heard of the in-conversation responses (acks and truncation).
+        self.playback = Playback(self.conversation)
         #: Input audio transcriptions in flight, by user item id.
         self.transcriptions: dict[str, TranscriptionRun] = {}
-        #: Played audio (ms) acknowledged per assistant item of a still-streaming response.
-        self._played: dict[str, int] = {}
-        #: The user item server VAD will commit, and its first sample, while speech goes on.
-        self._speech: tuple[str, int] | None = None
         self.audio_produced = False
         #: Responses held while the client is behind (:meth:`hold`).
         self.held = False
@@ -151,9 +142,6 @@ class RealtimeSession:
         if turns is not None:
             self.turns.close()
             self.turns = turns
-            self._speech = None
-            if isinstance(turns, ServerVadTurns):
-                turns.arm_idle(self.input.end_ms)
         self.input.set_format(config.input_format)
         self._emit(SessionUpdated(self.id, self.config))
 
@@ -166,8 +154,16 @@ class RealtimeSession:
                 "This is a push-to-talk session (?turn=push_to_talk): turn_detection must stay null.",
                 TURN_PARAM,
             )
+        host = TurnHost(
+            input=self.input,
+            new_id=self.new_id,
+            emit=self._emit,
+            responding=self._responding,
+            interrupt=self._interrupt,
+            add_turn=self._add_turn,
+        )
         return ServerVadTurns(
-            vad_settings(turn_detection), self.vad, base_sample=self.input.end, on_signal=self._on_signal
+            vad_settings(turn_detection), self.vad, host=host, max_backlog_ms=self.limits.max_vad_backlog_ms
         )
 
     async def close(self, *, notify: bool, reason: StatusReason | None = "client_cancelled") -> None:
@@ -192,27 +188,19 @@ class RealtimeSession:
             # Between turns (a reply is in progress): the talk button is up, this is not the user's.
             return
         turns = self.turns
-        if isinstance(turns, ServerVadTurns) and turns.backlog_ms > self.limits.max_vad_backlog_ms:
-            raise SessionError(
-                ErrorCode.INPUT_BACKPRESSURE,
-                f"Server VAD is {turns.backlog_ms} ms behind the input (limit "
-                f"{self.limits.max_vad_backlog_ms} ms); send audio no faster than real time.",
-                "audio",
-            )
+        turns.check_append()
         pcm = self.input.append(data)
         turns.on_audio(pcm)
-        if isinstance(turns, ServerVadTurns) and self._speech is None:
-            # Silence is not kept: only what prefix padding may still need.
-            keep_ms = turns.decided_ms - turns.settings.prefix_padding_ms - 64
+        keep_ms = turns.keep_from_ms()
+        if keep_ms is not None:
             self.input.drop_before(self.input.ms_to_sample(keep_ms))
 
     def commit_audio(self) -> MessageItem:
         # float32 as stored: twice the buffer's PCM16 bytes.
         self._check_room(1, 2 * self.input.held_bytes, None)
         audio = self.input.commit()
+        item_id = self.turns.speech_item_id() or self.new_id("item")
         self.turns.reset()
-        item_id = self._speech[0] if self._speech is not None else self.new_id("item")
-        self._speech = None
         item = self._add_user_audio(item_id, audio)
         self._transcribe(item)
         return item
@@ -250,56 +238,28 @@ class RealtimeSession:
     def clear_audio(self) -> None:
         self.input.clear()
         self.turns.reset()
-        self._speech = None
         self._emit(InputAudioCleared())
 
-    # -- server VAD --------------------------------------------------------------------------
-    def _on_signal(self, signal: TurnSignal) -> None:
-        turns = self.turns
-        if self.closed or not isinstance(turns, ServerVadTurns):
-            return
-        settings = turns.settings
-        if signal.kind == "speech_started":
-            start_ms = max(signal.audio_ms - settings.prefix_padding_ms, self.input.start_ms)
-            item_id = self.new_id("item")
-            self._speech = (item_id, self.input.ms_to_sample(start_ms))
-            self._emit(SpeechStarted(start_ms, item_id))
-            if settings.interrupt_response and self.active is not None:
-                self.active.cancel("turn_detected")
-        elif signal.kind == "speech_stopped":
-            if self._speech is None:  # committed or cleared by the client meanwhile
-                return
-            item_id, start = self._speech
-            self._speech = None
-            self._emit(SpeechStopped(signal.audio_ms, item_id))
-            audio = self.input.take(start, self.input.ms_to_sample(signal.audio_ms))
-            if not self._room_for_turn(audio):
-                return
-            item = self._add_user_audio(item_id, audio)
-            try:
-                if settings.create_response and self.active is None:
-                    self._respond_to_turn()
-                else:
-                    turns.arm_idle(signal.audio_ms)
-            finally:
-                self._transcribe(item)
-        elif signal.kind == "timeout":
-            if self.active is not None:
-                return
-            item_id = self.new_id("item")
-            start_ms = min(signal.start_ms, signal.audio_ms)
-            self._emit(TimeoutTriggered(start_ms, signal.audio_ms, item_id))
-            # What is still held of the silent segment (silence is trimmed to the prefix padding).
-            audio = self.input.take(
-                self.input.ms_to_sample(start_ms), self.input.ms_to_sample(signal.audio_ms)
-            )
-            if not self._room_for_turn(audio):
-                return
-            item = self._add_user_audio(item_id, audio)
-            try:
+    # -- what a turn policy may do (TurnHost) --------------------------------------------------
+    def _responding(self) -> bool:
+        return self.active is not None
+
+    def _interrupt(self) -> None:
+        if self.active is not None:
+            self.active.cancel("turn_detected")
+
+    def _add_turn(self, item_id: str, audio: np.ndarray, respond: bool) -> bool:
+        """The user's turn a policy detected: added as an audio item (and transcribed), with a
+        response first when ``respond``; False when it had no room (the client was told)."""
+        if not self._room_for_turn(audio):
+            return False
+        item = self._add_user_audio(item_id, audio)
+        try:
+            if respond:
                 self._respond_to_turn()
-            finally:
-                self._transcribe(item)
+        finally:
+            self._transcribe(item)
+        return True
 
     def _room_for_turn(self, audio: Any) -> bool:
         """Whether server VAD's turn fits the conversation caps; if not, the turn's audio is
@@ -347,30 +307,8 @@ class RealtimeSession:
         self._emit(ItemDeleted(item_id))
 
     def truncate_item(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
-        """Cut an assistant audio part to what the user heard: the audio after ``audio_end_ms``
-        and the transcript not yet spoken by then. Allowed while the response still streams."""
-        item = self.conversation.get(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "truncating")
-        _check_truncatable(item)
-        assert isinstance(item, MessageItem)
-        if not 0 <= content_index < len(item.content) or not isinstance(
-            item.content[content_index], OutputAudio
-        ):
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"Item '{item_id}' has no audio content at content_index {content_index}.",
-                "content_index",
-            )
-        part = item.content[content_index]
-        assert isinstance(part, OutputAudio)
-        if audio_end_ms > part.end_ms:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({part.end_ms} ms).",
-                "audio_end_ms",
-            )
-        part.truncate(audio_end_ms)
-        self._played.pop(item_id, None)
-        self._emit(ItemTruncated(item_id, content_index, audio_end_ms))
+        """Cut an assistant audio part to what the user heard (see :class:`Playback`)."""
+        self._emit(self.playback.truncate(item_id, content_index, audio_end_ms))
 
     def ack_playback(self, response_id: str, item_id: str, played_ms: int) -> None:
         """Extension ``playback.ack``: the user heard ``played_ms`` of the item's audio.
@@ -378,40 +316,7 @@ class RealtimeSession:
         After the response ended this cuts the item exactly as ``conversation.item.truncate`` at
         ``played_ms`` does. While it still streams the position is recorded, and the item is cut
         there if the response is then interrupted (barge-in or cancel)."""
-        response = self.responses.get(response_id)
-        if response is None:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"No recent response with response_id '{response_id}' in this conversation.",
-                "response_id",
-            )
-        # The same checks and codes as conversation.item.truncate (which an ack stands for).
-        if not any(i.id == item_id for i in response.output):
-            raise SessionError(
-                ErrorCode.ITEM_TRUNCATE_INVALID_ID,
-                f"Response '{response_id}' has no output item '{item_id}'.",
-                "item_id",
-            )
-        item = self.conversation.get(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "acknowledging")
-        _check_truncatable(item)
-        assert isinstance(item, MessageItem)
-        part = item.content[0] if item.content else None
-        if not isinstance(part, OutputAudio):
-            raise SessionError(
-                ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio at content_index 0.", "item_id"
-            )
-        if played_ms < 0 or played_ms > part.duration_ms:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"played_ms {played_ms} is outside the item's audio (0 to {part.duration_ms} ms).",
-                "played_ms",
-            )
-        if response_id in self.runs and not part.frozen:
-            self._played[item_id] = played_ms
-        elif played_ms < part.duration_ms:
-            part.truncate(played_ms)
-            self._played.pop(item_id, None)
-        self._emit(PlaybackAcknowledged(response_id, item_id, played_ms, part.duration_ms))
+        self._emit(self.playback.ack(response_id, item_id, played_ms, streaming=response_id in self.runs))
 
     def _check_call_outputs(self, items: list[tuple[str, Item]], context: Iterable[Item] = ()) -> None:
         """A ``function_call_output`` must answer a ``function_call`` of the conversation (or of the
@@ -560,11 +465,8 @@ class RealtimeSession:
         self.runs[run.id] = run
         if in_conversation:
             self.active = run
-            self.responses[response.id] = response
-            while len(self.responses) > ACK_RESPONSES:
-                self.responses.popitem(last=False)
-            if isinstance(self.turns, ServerVadTurns):
-                self.turns.disarm_idle()
+            self.playback.track(response)
+            self.turns.on_response_started()
         run.start()
         if self.held:
             run.hold(True)
@@ -620,38 +522,19 @@ class RealtimeSession:
     def _on_done(self, run: ResponseRun) -> None:
         self.runs.pop(run.id, None)
         response = run.response
-        for item in response.output:
-            played = self._played.pop(item.id, None)
-            if played is None or response.status != "cancelled" or not isinstance(item, MessageItem):
-                continue
-            part = item.content[0] if item.content else None
-            if isinstance(part, OutputAudio) and not part.frozen and played < part.duration_ms:
-                part.truncate(played)  # interrupted: history keeps what the last ack said was heard
+        self.playback.settle(response)  # interrupted: history keeps what the last ack said was heard
         if self.active is run:
             self.active = None
-            if isinstance(self.turns, ServerVadTurns):
-                audio_ms = sum(
+            self.turns.on_response_done(
+                sum(
                     c.duration_ms
                     for i in response.output
                     if isinstance(i, MessageItem)
                     for c in i.content
                     if isinstance(c, OutputAudio)
                 )
-                # Idle time counts from when the reply's audio has finished playing.
-                self.turns.arm_idle(self.input.end_ms + audio_ms)
+            )
 
 
 def _discard(event: SessionEvent) -> None:
     """Where a closed session's events go."""
-
-
-def _check_truncatable(item: Item) -> None:
-    """Only assistant messages holding audio can be truncated (OpenAI's code and wording)."""
-    if not (
-        isinstance(item, MessageItem)
-        and item.role == "assistant"
-        and any(isinstance(c, OutputAudio) for c in item.content)
-    ):
-        raise SessionError(
-            ErrorCode.UNSUPPORTED_CONTENT_TYPE, "Only model output audio messages can be truncated", "item_id"
-        )

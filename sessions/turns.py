@@ -7,16 +7,23 @@
 - Push-to-talk is manual turns plus a connection flag (``?turn=push_to_talk``) that makes the
   session drop audio appended while a reply is in progress (``RealtimeSession.push_to_talk``).
 
-A policy sees every appended chunk (``on_audio``); its decisions arrive as :class:`TurnSignal`
-through the callback it was built with.
+A policy sees every appended chunk (``on_audio``) and is told when an in-conversation response
+starts and ends; the session asks it what input audio it must keep and whether it takes more. The
+session never looks inside a policy: what a policy decides on its own (server VAD's speech and idle
+signals) it carries out through the :class:`TurnHost` it was built with.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .events import SessionEvent
+    from .input_buffer import InputAudioBuffer
 
 TURN_PARAM = "session.audio.input.turn_detection"
 
@@ -49,20 +56,77 @@ class VadSettings:
 SERVER_VAD_DEFAULTS: dict[str, Any] = asdict(VadSettings())
 
 
+@dataclass(frozen=True)
+class TurnHost:
+    """What a policy that decides turns itself may do to its session (callbacks into it)."""
+
+    #: The session's input audio buffer (session audio time is its sample count).
+    input: InputAudioBuffer
+    new_id: Callable[[str], str]
+    emit: Callable[[SessionEvent], None]
+    #: Whether an in-conversation response is in progress.
+    responding: Callable[[], bool]
+    #: Barge-in: cancel the in-conversation response (reason ``turn_detected``).
+    interrupt: Callable[[], None]
+    #: ``(item_id, audio, respond)``: add the user's turn as an audio item (and create a response
+    #: when ``respond``); False when the conversation had no room (the client was told).
+    add_turn: Callable[[str, np.ndarray, bool], bool]
+
+
 class TurnPolicy(Protocol):
+    def check_append(self) -> None:
+        """Before a chunk is appended: raises :class:`SessionError` when the policy cannot take
+        more audio now (nothing has changed)."""
+        ...
+
     def on_audio(self, pcm: np.ndarray) -> None:
         """Called with each appended chunk (float32, 24 kHz)."""
         ...
 
-    def reset(self) -> None: ...
+    def keep_from_ms(self) -> int | None:
+        """After a chunk: the session audio time before which the input buffer may be dropped
+        (None: keep everything)."""
+        ...
+
+    def speech_item_id(self) -> str | None:
+        """The id already announced (``speech_started``) for the speech in progress, which a
+        commit of the buffer takes; None when there is none."""
+        ...
+
+    def on_response_started(self) -> None:
+        """An in-conversation response was created."""
+        ...
+
+    def on_response_done(self, audio_ms: int) -> None:
+        """The in-conversation response ended, having produced ``audio_ms`` of audio."""
+        ...
+
+    def reset(self) -> None:
+        """The buffer was committed or cleared: forget the speech in progress."""
+        ...
 
     def close(self) -> None: ...
 
 
 class ManualTurns:
-    """The client commits and asks for responses itself."""
+    """The client commits and asks for responses itself: every hook is a no-op."""
+
+    def check_append(self) -> None:
+        pass
 
     def on_audio(self, pcm: np.ndarray) -> None:
+        pass
+
+    def keep_from_ms(self) -> int | None:
+        return None
+
+    def speech_item_id(self) -> str | None:
+        return None
+
+    def on_response_started(self) -> None:
+        pass
+
+    def on_response_done(self, audio_ms: int) -> None:
         pass
 
     def reset(self) -> None:
