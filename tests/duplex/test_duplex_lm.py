@@ -272,3 +272,23 @@ def test_bad_arguments_raise_and_leave_state_intact(checkpoint):
     lm.stop(0)
     with pytest.raises(ValueError, match="start"):
         lm.step(_user(12, 1), torch.tensor([True]))
+
+
+def test_dummy_weights_are_seeded_and_keep_activations_finite():
+    from omnirt.stages.duplex.loader import dummy_duplex_lm
+
+    from .reference import tiny_config
+
+    config = tiny_config(num_hidden_layers=6)
+
+    def stream(seed: int) -> list[int]:
+        lm = dummy_duplex_lm(config, max_slots=2, device="cpu", dtype=torch.float32, seed=seed, graphs=False)
+        spy = _LogitSpy(lm)
+        lm.start(0, GREEDY)
+        steps = run_stream(lm, 0, _user(13, 6))
+        assert all(bool(torch.isfinite(t).all()) for t in (*spy.text, *spy.audio))
+        assert 0.1 < float(torch.stack(spy.text).std()) < 100
+        return [int(s.text) for s in steps] + [int(c) for s in steps for c in s.delayed]
+
+    assert stream(0) == stream(0)
+    assert stream(0) != stream(1)
