@@ -96,13 +96,27 @@ def delayed_layout(model, user: torch.Tensor, steps: list[DuplexStep]) -> dict[s
     return {"input_ids": text[None], "moshi_audio_codes": moshi[None], "user_audio_codes": users[None]}
 
 
+def sliding_mask(n: int, window: int) -> torch.Tensor:
+    """A 4D float mask [1, 1, n, n]: position q sees ``q - window < k <= q`` (transformers takes
+    a prepared 4D mask as is)."""
+    q = torch.arange(n)[:, None]
+    k = torch.arange(n)[None, :]
+    visible = (k <= q) & (k > q - window)
+    return torch.where(visible, 0.0, float("-inf"))[None, None]
+
+
 @torch.no_grad()
-def teacher_forced(model, user: torch.Tensor, steps: list[DuplexStep]) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_forced(
+    model, user: torch.Tensor, steps: list[DuplexStep], window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' own modules on the whole stream, teacher-forced with our tokens: the text
-    logits [N, V] at every position and the depth decoder's logits [N, K, AV] given our codes."""
+    logits [N, V] at every position and the depth decoder's logits [N, K, AV] given our codes.
+    With ``window``, the temporal attention sees only the last ``window`` positions."""
     inputs = delayed_layout(model, user, steps)
-    out = model(**inputs, use_cache=False)
     n = len(steps)
+    if window is not None:
+        inputs["attention_mask"] = sliding_mask(n, window)
+    out = model(**inputs, use_cache=False)
     hidden = out.last_hidden_state[0].view(n, 1, -1)
     text_next = torch.stack([s.text for s in steps]).view(n, 1)
     codes = torch.stack([s.delayed for s in steps])
