@@ -42,6 +42,23 @@ import torch
 
 Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
+#: Batch sizes captured as CUDA graphs (those up to ``max_slots``, and ``max_slots`` itself).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+def batch_buckets(max_slots: int) -> list[int]:
+    return sorted({b for b in BATCH_BUCKETS if b < max_slots} | {max_slots})
+
+
+def length_buckets(max_len: int, smallest: int = 256) -> list[int]:
+    """Attention lengths to capture: powers of two from ``smallest`` below ``max_len``, then
+    ``max_len`` itself (every length up to ``max_len`` falls in one)."""
+    out, n = [], smallest
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return [*out, max_len]
+
 
 @dataclass
 class _Captured:

@@ -29,19 +29,25 @@ TINY_MIMI: dict[str, Any] = {
 }
 
 
-def random_reference_model(seed: int = 0, **config_kwargs: Any):
-    """A ``transformers.MimiModel`` (eval mode) with seeded random weights and codebooks."""
-    from transformers import MimiConfig, MimiModel
-
+def randomize_codebooks(model: torch.nn.Module, seed: int = 0) -> None:
+    """Seeded Gaussian codebooks for every quantizer of a transformers ``MimiModel`` (also one
+    inside ``MoshiForConditionalGeneration.audio_encoder``)."""
     generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = MimiModel(MimiConfig(**config_kwargs)).eval()
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "embed_sum") and hasattr(module, "cluster_usage"):
                 module.embed_sum.copy_(torch.randn(module.embed_sum.shape, generator=generator))
                 module.cluster_usage.fill_(1.0)
                 module._embed = None
+
+
+def random_reference_model(seed: int = 0, **config_kwargs: Any):
+    """A ``transformers.MimiModel`` (eval mode) with seeded random weights and codebooks."""
+    from transformers import MimiConfig, MimiModel
+
+    torch.manual_seed(seed)
+    model = MimiModel(MimiConfig(**config_kwargs)).eval()
+    randomize_codebooks(model, seed)
     return model
 
 

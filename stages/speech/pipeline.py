@@ -71,6 +71,8 @@ import numpy as np
 import torch
 from omnirt.codecs.audio import float_to_int16
 
+from ..draws import fresh_seed
+from ..graphs import batch_buckets
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..prompt_size import prompt_chars, too_long_message
 from ..types import (
@@ -86,7 +88,6 @@ from ..types import (
 )
 from .code2wav import Vocoder, make_vocoder
 from .constrain import Constrainer, GrammarConstraint, ReplyConstraint
-from .draws import fresh_seed
 from .prefill import Prefilled, Prefiller, PrefillJob
 from .prefix_cache import Prefix, Reuse, SlotPool, common_prefix
 from .prompt import PromptBuilder, PromptInputs
@@ -104,14 +105,6 @@ from .thinker import Thinker
 from .tool_calls import CallSplitter, Piece
 
 log = logging.getLogger(__name__)
-
-#: Batch sizes captured as CUDA graphs (those up to ``max_slots``, and ``max_slots`` itself).
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-
-
-def batch_buckets(max_slots: int) -> list[int]:
-    return sorted({b for b in BATCH_BUCKETS if b < max_slots} | {max_slots})
-
 
 @dataclass(frozen=True)
 class SpeechPrompt:

@@ -37,17 +37,7 @@ from torch import nn
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from ...kernels.qk_norm_rope import fused_qk_norm_rope, kernel_applies, table_from_halves
-from ..graphs import LengthBucketedRunner
-
-
-def length_buckets(max_len: int, smallest: int = 256) -> list[int]:
-    """Attention lengths to capture: powers of two from ``smallest`` below ``max_len``, then
-    ``max_len`` itself (every length up to ``max_len`` falls in one)."""
-    out, n = [], smallest
-    while n < max_len:
-        out.append(n)
-        n *= 2
-    return [*out, max_len]
+from ..graphs import LengthBucketedRunner, length_buckets
 
 
 def decode_runner(

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
-from .sampling import apply_repetition_penalty
+from ..draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
+from ..sampling import apply_repetition_penalty
 from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example
 from .talker_prompt import TalkerPrompt
 

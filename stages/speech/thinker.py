@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .draws import THINKER_STREAM, SlotSampling
+from ..draws import THINKER_STREAM, SlotSampling
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
 from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs

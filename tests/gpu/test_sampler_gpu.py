@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnirt.stages.speech.sampling import philox4x32, philox_uniform, sample_rows
+from omnirt.stages.sampling import philox4x32, philox_uniform, sample_rows
 
 from tests.speech.test_sampler import PHILOX_KAT, float64_draw_agrees, mixed_params, philox_python
 

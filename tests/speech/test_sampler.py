@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnirt.stages.speech.sampling import (
+from omnirt.stages.sampling import (
     SamplerInputError,
     _filtered_cdf,
     _scale_by_uniform,

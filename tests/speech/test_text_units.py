@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from omnirt.stages.sampling import apply_repetition_penalty
 from omnirt.stages.speech.demo_tokenizer import build_tokenizer
 from omnirt.stages.speech.detok import IncrementalDetokenizer
-from omnirt.stages.speech.sampling import apply_repetition_penalty
 from transformers import PreTrainedTokenizerFast
 
 

@@ -5,7 +5,8 @@ at admission; a decode step reads rows ``0..B-1`` and :func:`~.sampling.sample_r
 token per row from counter-based randomness keyed by (seed, counter, stream). A row's counter
 counts its draws, so the same seed draws the same tokens whatever the batch or the slot. The
 thinker, the talker and the code predictor draw on streams of their own (the predictor's groups
-of one frame on consecutive counters of its stream).
+of one frame on consecutive counters of its stream); so do the duplex LM's text token and its
+depth decoder's audio codes. Shared by the speech and duplex pipelines.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .sampling import draw_rows, philox_uniform, sample_rows
 
 #: The Philox stream of each model's draws.
 THINKER_STREAM, TALKER_STREAM, PREDICTOR_STREAM = 0, 1, 2
+DUPLEX_TEXT_STREAM, DUPLEX_AUDIO_STREAM = 3, 4
 
 
 def fresh_seed(seed: int | None) -> int:
