@@ -1,0 +1,36 @@
+"""Building a duplex pipeline over the fake LM and a real tiny Mimi, and driving it by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from omnirt.stages.duplex.pipeline import DuplexPipeline
+from omnirt.stages.duplex.types import DuplexRequest
+from omnirt.stages.live import LiveInput
+from omnirt.stages.types import ModelInfo
+
+from tests.duplex.fake_lm import GREEDY, FakeDuplexLM, LetterTokenizer, always
+
+FRAME = 1920
+INFO = ModelInfo("fake-duplex", "moshi", random_weights=True, source="tests")
+
+
+def pipeline(
+    make_mimi, *, slots: int = 4, talking: Callable[[int], bool] = always, **kwargs
+) -> DuplexPipeline:
+    lm = FakeDuplexLM(max_slots=slots, talking=talking, **kwargs)
+    return DuplexPipeline(lm, make_mimi(), LetterTokenizer(), info=INFO, sampling=GREEDY, frame_seconds=0.08)
+
+
+def speech(frames: int, seed: int) -> np.ndarray:
+    """``frames`` frames of noisy float32 audio (a different stream per seed)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(frames * FRAME) / 24_000
+    return (0.3 * np.sin(2 * np.pi * (200 + 40 * seed) * t) + 0.05 * rng.standard_normal(len(t))).astype(
+        np.float32
+    )
+
+
+def request(rid: str, max_samples: int = 100 * FRAME) -> DuplexRequest:
+    return DuplexRequest(rid, LiveInput(max_samples))
