@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
+from omnirt.codecs.mimi import StreamingMimi, build_mimi
+from omnirt.codecs.mimi.config import MimiCodecConfig
+from omnirt.codecs.mimi.reference import TINY_MIMI, random_reference_model
 from omnirt.stages.duplex.pipeline import DuplexPipeline
 from omnirt.stages.duplex.types import DuplexRequest
 from omnirt.stages.live import LiveInput
@@ -16,11 +20,25 @@ FRAME = 1920
 INFO = ModelInfo("fake-duplex", "moshi", random_weights=True, source="tests")
 
 
+@functools.cache
+def _mimi_weights():
+    model = random_reference_model(seed=5, **TINY_MIMI)
+    return MimiCodecConfig.from_dict(model.config.to_dict()), model.state_dict()
+
+
+def tiny_mimi() -> StreamingMimi:
+    """A fresh tiny Mimi (random weights, the real codec's frame geometry), 8 quantizers."""
+    config, state = _mimi_weights()
+    return build_mimi(config, state, num_quantizers=8)
+
+
 def pipeline(
-    make_mimi, *, slots: int = 4, talking: Callable[[int], bool] = always, **kwargs
+    make_mimi, *, slots: int = 4, talking: Callable[[int], bool] = always, period: float = 0.08, **kwargs
 ) -> DuplexPipeline:
     lm = FakeDuplexLM(max_slots=slots, talking=talking, **kwargs)
-    return DuplexPipeline(lm, make_mimi(), LetterTokenizer(), info=INFO, sampling=GREEDY, frame_seconds=0.08)
+    return DuplexPipeline(
+        lm, make_mimi(), LetterTokenizer(), info=INFO, sampling=GREEDY, frame_seconds=period
+    )
 
 
 def speech(frames: int, seed: int) -> np.ndarray:
