@@ -354,3 +354,14 @@ def test_a_stalled_reader_is_dropped_without_delaying_the_others() -> None:
         stretches = responses(events)
         assert [len(audio_bytes(r)) for r in stretches] == [STRETCH_FRAMES * FRAME * 2] * 3
         assert all(r[-1]["response"]["status"] == "completed" for r in stretches)
+
+
+def test_models_and_metrics_show_the_duplex_model(dserver: DuplexServer) -> None:
+    import httpx
+
+    base = dserver.server.base_url
+    models = httpx.get(base + "/v1/models").json()
+    assert "fake-duplex" in [m["id"] for m in models["data"]]
+    metrics = httpx.get(base + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith('omnirt_pipeline_steps_total{kind="duplex"}'))
+    assert float(line.split()[-1]) == dserver.server.engine.stats.steps_by_kind["duplex"]
