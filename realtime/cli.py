@@ -154,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         "speech model. None given: the embedded default (speech, image and video, RANDOM weights)",
     )
     serve.add_argument(
+        "--duplex-model",
+        default=None,
+        metavar="PATH",
+        help="a local Moshi-architecture checkpoint served to full-duplex sessions (/v1/realtime?duplex=1); "
+        "'demo': the embedded tiny one (RANDOM weights), which the embedded default serves too; 'none': "
+        "no duplex model (duplex=1 is refused with 'unsupported')",
+    )
+    serve.add_argument(
         "--load-format",
         choices=LOAD_FORMATS,
         default="auto",
@@ -328,6 +336,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         host=args.host,
         port=args.port,
         models=list(args.model),
+        duplex_model=args.duplex_model,
         api_keys=list(dict.fromkeys(keys)),
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
@@ -369,6 +378,7 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             prefix_cache=config.prefix_cache,
             load_format=load_format,
             quantization=config.quantization,
+            duplex_model=config.duplex_model,
         )
         engine = Engine(pipelines)
     except ValueError as exc:

@@ -12,6 +12,18 @@ class ServerConfig:
     #: ``--model``, each a local folder (a speech checkpoint or a diffusers pipeline) or
     #: ``"demo"`` (the embedded speech model). Empty: the embedded default models.
     models: list[str] = field(default_factory=list)
+    #: ``--duplex-model``: a local Moshi-architecture checkpoint served to ``?duplex=1`` sessions;
+    #: ``"demo"``: the embedded tiny one (random weights), which the embedded default serves too;
+    #: ``"none"``: no duplex model (``duplex=1`` is refused). ``None``: the embedded one when no
+    #: ``--model`` is given, else none.
+    duplex_model: str | None = None
+    #: Duplex sessions: input the client may send ahead of what the model has consumed (beyond:
+    #: ``input_backpressure``), and the stretch rule (``sessions/stretches.py``): frames at or
+    #: below ``duplex_quiet_dbfs`` with padding text are quiet, ``duplex_quiet_frames`` of them
+    #: in a row end a stretch of model speech (one response).
+    duplex_max_ahead_ms: int = 2_000
+    duplex_quiet_dbfs: float = -40.0
+    duplex_quiet_frames: int = 6
     #: Replay the model's steps from captured CUDA graphs on CUDA (``--no-cuda-graphs``: eager).
     cuda_graphs: bool = True
     #: Prompt tokens a speech prompt pass reads per engine tick; a longer prompt is read over

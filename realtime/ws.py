@@ -1,4 +1,4 @@
-"""The ``/v1/realtime`` WebSocket endpoint (turn-based sessions; PROTOCOL.md).
+"""The ``/v1/realtime`` WebSocket endpoint (turn-based and native full-duplex sessions; PROTOCOL.md).
 
 Per connection one task reads client frames and applies them to the session while a writer task
 sends what the session emits, in order, so responses stream while the client keeps talking.
@@ -10,6 +10,10 @@ server VAD, OpenAI's default). ``?turn=push_to_talk`` opens a push-to-talk sessi
 client asking for the beta protocol (``OpenAI-Beta: realtime=v1``; :mod:`.protocol.beta`) gets it
 by translation here, at the edge: its events are made GA before they are parsed, the session's GA
 events beta before they are sent.
+
+``?duplex=1`` opens a :class:`~omnirt.sessions.duplex.DuplexSession` when the engine has a duplex
+pipeline (else it is refused: ``unsupported``, close 1008); the connection drives it exactly as a
+turn session.
 
 Backpressure: the frames waiting for the socket are counted in bytes. Past
 ``hold_send_queue_bytes`` the session's responses are held (the engine gives them no steps) until
@@ -29,11 +33,13 @@ import logging
 from typing import Any
 
 from omnirt.sessions.config import SessionLimits
+from omnirt.sessions.duplex import DuplexSession, DuplexSettings
 from omnirt.sessions.errors import ErrorCode, SessionError
 from omnirt.sessions.events import SessionEvent
 from omnirt.sessions.manager import SessionManager
 from omnirt.sessions.session import RealtimeSession
 from omnirt.sessions.streaming import Submitter
+from omnirt.sessions.stretches import StretchRule
 from omnirt.sessions.voices import VoiceCatalog
 from omnirt.vad.worker import VadStats, VadWorker
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -102,6 +108,16 @@ class RealtimeService:
         self.slow_clients_closed = 0
         self.connections: set[Connection] = set()
         self.shutting_down = False
+        serves = getattr(client, "serves", None)
+        #: Whether ``?duplex=1`` is served (the engine has a duplex pipeline).
+        self.duplex = bool(serves is not None and serves("duplex"))
+        self.duplex_settings = DuplexSettings(
+            max_ahead_ms=config.duplex_max_ahead_ms,
+            stretch=StretchRule(quiet_dbfs=config.duplex_quiet_dbfs, quiet_frames=config.duplex_quiet_frames),
+        )
+        duplex_pipeline = getattr(getattr(client, "engine", None), "pipelines", {}).get("duplex")
+        #: The model duplex sessions name.
+        self.duplex_model = duplex_pipeline.info.id if duplex_pipeline is not None else self.model
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """End every connection: its streaming responses get ``response.done`` (``cancelled``),
@@ -135,7 +151,8 @@ class RealtimeService:
         if not authorized(websocket.headers, self.config.api_keys):
             await self._refuse(websocket, ErrorCode.INVALID_API_KEY, "Invalid API key.", CLOSE_UNAUTHORIZED)
             return
-        if websocket.query_params.get("duplex") == "1":
+        duplex = websocket.query_params.get("duplex") == "1"
+        if duplex and not self.duplex:
             await self._refuse(
                 websocket,
                 ErrorCode.UNSUPPORTED,
@@ -171,10 +188,13 @@ class RealtimeService:
             return
         beta = beta_requested(websocket.headers, websocket.query_params, subprotocols(websocket.headers))
         with lease:
-            connection = Connection(self, websocket, push_to_talk=turn == "push_to_talk", beta=beta)
+            connection = Connection(
+                self, websocket, push_to_talk=turn == "push_to_talk", beta=beta, duplex=duplex
+            )
             log.info(
-                "realtime session %s opened%s (%d active)",
+                "realtime session %s opened%s%s (%d active)",
                 connection.session.id,
+                " (full duplex)" if duplex else "",
                 " (beta protocol)" if beta else "",
                 self.active_sessions,
             )
@@ -210,6 +230,7 @@ class Connection:
         *,
         push_to_talk: bool = False,
         beta: bool = False,
+        duplex: bool = False,
     ) -> None:
         self.service = service
         self.ws = websocket
@@ -242,16 +263,28 @@ class Connection:
         self._last_read = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._run_task: asyncio.Task[Any] | None = None
-        self.session = RealtimeSession(
-            service.client,
-            model=service.model,
-            limits=service.limits,
-            emit=self._emit,
-            new_id=new_id,
-            vad=service.vad,
-            push_to_talk=push_to_talk,
-            check_sendable=self._check_sendable,
-        )
+        self.session: RealtimeSession | DuplexSession
+        if duplex:
+            self.session = DuplexSession(
+                service.client,  # type: ignore[arg-type]  # an EngineClient: it can open live requests
+                model=service.duplex_model,
+                limits=service.limits,
+                emit=self._emit,
+                new_id=new_id,
+                settings=service.duplex_settings,
+                check_sendable=self._check_sendable,
+            )
+        else:
+            self.session = RealtimeSession(
+                service.client,
+                model=service.model,
+                limits=service.limits,
+                emit=self._emit,
+                new_id=new_id,
+                vad=service.vad,
+                push_to_talk=push_to_talk,
+                check_sendable=self._check_sendable,
+            )
         session = self.session  # not ``self``: the closure must not hold the connection (a cycle)
         self._serialize = Serializer(new_id, lambda: session.config)
         self._limits = Limits(max_append_bytes=service.config.max_append_bytes)

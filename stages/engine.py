@@ -16,6 +16,16 @@ A request's way through:
    :class:`~omnirt.stages.scheduler.Scheduler` admits and steps it, tick by tick, in the order it
    decides (realtime work by deadline, then batch work in the time left).
 
+Live requests (duplex sessions) keep getting input while they run. Such a request carries a
+:class:`~omnirt.stages.live.LiveInput` in its ``input`` attribute, and is started with
+:meth:`EngineClient.open`, which returns a :class:`LiveStream`: a :class:`RequestStream` with
+``push(pcm)`` and ``end_input()``. The event loop pushes into the input (bounded: past the bound
+a push raises :class:`~omnirt.stages.live.InputBackpressure` and keeps nothing), the pipeline
+takes frames out of it on the engine thread as it steps, and each push wakes the engine thread
+(``LiveInput.on_data`` is the engine's wake-up), so a pipeline whose ``has_work`` waits for input
+is stepped as soon as there is some. The input object is the only state the two threads share;
+no inbox message is needed per push.
+
 Cancellation is immediate on the client side: once :meth:`RequestStream.cancel` is called the
 stream yields its :class:`Finished` (``cancelled``) and nothing after it, whatever the engine
 thread still had in flight. A request still being prepared is dropped when its prompt work ends;
@@ -35,6 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from .live import LiveInput
 from .pipeline import CallCounter, Pipeline, Request, RequestRejected
 from .scheduler import Scheduler
 from .types import (
@@ -410,6 +423,26 @@ class RequestStream:
             yield output
 
 
+class LiveStream(RequestStream):
+    """The async side of a live request: its outputs, and its input (``push``, ``end_input``)."""
+
+    def __init__(self, engine: Engine, request: Request, live: LiveInput) -> None:
+        super().__init__(engine, request)
+        self.input = live
+
+    def push(self, pcm: np.ndarray) -> None:
+        """Feed mono float32 PCM at :data:`~omnirt.stages.types.SAMPLE_RATE` (any length). Raises
+        :class:`~omnirt.stages.live.InputBackpressure` when the bound would be passed (nothing
+        kept), ``ValueError`` for a bad array. After the request ended, input is dropped."""
+        if self._done or self.input.ended:
+            return
+        self.input.push(pcm)
+
+    def end_input(self) -> None:
+        """No more input: the request ends once it has consumed what it holds."""
+        self.input.end()
+
+
 class EngineClient:
     """What sessions and HTTP handlers hold: submit requests, get async output streams."""
 
@@ -436,3 +469,18 @@ class EngineClient:
         stream = RequestStream(self.engine, request)
         self.engine.submit(request, stream._sink)
         return stream
+
+    def open(self, request: Request) -> LiveStream:
+        """Start a live request (one with a :class:`~omnirt.stages.live.LiveInput` in its
+        ``input``); feed it through the returned stream. Must be called from the event loop."""
+        live = getattr(request, "input", None)
+        if not isinstance(live, LiveInput):
+            raise TypeError(f"{type(request).__name__} has no LiveInput in 'input': use submit()")
+        live.on_data = self.engine._wake
+        stream = LiveStream(self.engine, request, live)
+        self.engine.submit(request, stream._sink)
+        return stream
+
+    def serves(self, kind: str) -> bool:
+        """Whether a pipeline of ``kind`` (``"duplex"``, ...) is loaded."""
+        return kind in self.engine.pipelines

@@ -5,7 +5,9 @@ with ``model_index.json`` is a diffusers pipeline (image or video), a folder wit
 ``config.json`` of Qwen3-Omni is the speech model; with ``--load-format dummy`` a config file
 alone stands for either. Speech is built by :func:`build_pipeline`, diffusion by
 ``omnirt.stages.diffusion.factory``. No ``--model`` (or only ``demo``) serves the embedded
-default: the demo speech model and the embedded image and video pipelines.
+default: the demo speech model and the embedded image and video pipelines. The duplex model
+(``--duplex-model``) is built by :func:`build_duplex_pipeline`: the embedded tiny one with the
+embedded default (or ``"demo"``), a local Moshi checkpoint for a path, none for ``"none"``.
 """
 
 from __future__ import annotations
@@ -161,6 +163,41 @@ def build_embedded_diffusion(*, device: str, quantization: str = "none") -> list
     return build(device=device, quantization=quantization)
 
 
+def build_duplex_pipeline(
+    model: str, *, device: str, max_slots: int = 32, cuda_graphs: bool = True
+) -> Pipeline | None:
+    """The duplex pipeline of ``model``: ``"demo"`` for the embedded tiny Moshi-architecture model
+    (random weights; None, with a warning, in a build without it), else a local Moshi checkpoint
+    folder (``ValueError`` when it does not load)."""
+    from .duplex.pipeline import DuplexPipeline
+    from .types import ModelInfo
+
+    if model in DEMO_NAMES:
+        try:
+            from .duplex.demo import demo_duplex
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.duplex.demo":
+                raise
+            log.warning("this build has no embedded duplex model: duplex=1 sessions are refused")
+            return None
+        lm, mimi, tokenizer = demo_duplex(max_slots, device)
+        info = ModelInfo("demo-moshi", "moshi", random_weights=True, source="embedded")
+        log.warning("serving the embedded demo duplex model (Moshi architecture) with RANDOM WEIGHTS")
+    else:
+        from .duplex.loader import load_duplex
+
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"--duplex-model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
+            )
+        lm, mimi, tokenizer = load_duplex(path, max_slots=max_slots, device=device)
+        info = ModelInfo(path.name, "moshi", random_weights=False, source=str(path))
+    from .duplex.lm import DuplexSampling
+
+    return DuplexPipeline(lm, mimi, tokenizer, info=info, sampling=DuplexSampling(), cuda_graphs=cuda_graphs)
+
+
 @dataclass(frozen=True)
 class Builders:
     """What :func:`build_pipelines` calls for each family (tests give fakes)."""
@@ -168,6 +205,7 @@ class Builders:
     speech: Callable[..., Pipeline] = build_pipeline
     diffusion: Callable[..., Pipeline] = build_diffusion_pipeline
     embedded_diffusion: Callable[..., list[Pipeline]] = build_embedded_diffusion
+    duplex: Callable[..., Pipeline | None] = build_duplex_pipeline
 
 
 def build_pipelines(
@@ -180,6 +218,7 @@ def build_pipelines(
     prefix_cache: bool = True,
     load_format: str = "auto",
     quantization: str = "none",
+    duplex_model: str | None = None,
     builders: Builders = Builders(),
 ) -> list[Pipeline]:
     """The pipelines of ``--model`` (each given path or ``"demo"``), the speech one first.
@@ -189,7 +228,8 @@ def build_pipelines(
     stands for the demo speech model. At most one speech model. ``quantization`` applies to the
     diffusion models (W8A8 DiT linear layers); speech models load as they are. ``ValueError``
     says what is wrong (a path no pipeline serves, two speech models, a model that does not
-    load)."""
+    load). ``duplex_model``: see :func:`build_duplex_pipeline`; None serves the embedded duplex
+    model with the embedded default and none otherwise; ``"none"``: none."""
     device = device or _default_device()
     speech: list[str | None] = []
     diffusion: list[str] = []
@@ -223,4 +263,9 @@ def build_pipelines(
                 Path(model).expanduser(), device=device, load_format=load_format, quantization=quantization
             )
         )
+    duplex = duplex_model if duplex_model is not None else ("demo" if embedded else "none")
+    if duplex != "none":
+        built = builders.duplex(duplex, device=device, max_slots=max_slots, cuda_graphs=cuda_graphs)
+        if built is not None:
+            pipelines.append(built)
     return pipelines

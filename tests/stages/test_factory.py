@@ -54,9 +54,19 @@ class Recorder:
         self.calls.append(("embedded", None, options))
         return [FakeImagePipeline("embedded-image"), FakeVideoPipeline("embedded-video")]
 
+    def duplex(self, model: str, **options: Any) -> Any:
+        self.calls.append(("duplex", model, options))
+        return FakeDuplex()
+
     @property
     def builders(self) -> Builders:
-        return Builders(speech=self.speech, diffusion=self.diffusion, embedded_diffusion=self.embedded)
+        return Builders(
+            speech=self.speech, diffusion=self.diffusion, embedded_diffusion=self.embedded, duplex=self.duplex
+        )
+
+
+class FakeDuplex:
+    kind = "duplex"
 
 
 def test_layouts_decide_the_family(tmp_path: Path) -> None:
@@ -93,10 +103,24 @@ def test_no_model_is_the_embedded_default() -> None:
     for models in ([], ["demo"]):
         recorder = Recorder()
         pipelines = build_pipelines(models, device="cpu", max_slots=3, builders=recorder.builders)
-        assert [p.kind for p in pipelines] == ["speech", "image", "video"]
-        assert [c[0] for c in recorder.calls] == ["speech", "embedded"]
+        assert [p.kind for p in pipelines] == ["speech", "image", "video", "duplex"]
+        assert [c[0] for c in recorder.calls] == ["speech", "embedded", "duplex"]
         assert recorder.calls[0][1] in (None, "demo") and recorder.calls[0][2]["max_slots"] == 3
         assert recorder.calls[1][2] == {"device": "cpu", "quantization": "none"}
+        assert recorder.calls[2][1] == "demo" and recorder.calls[2][2]["max_slots"] == 3
+
+
+def test_the_duplex_model_is_chosen_by_duplex_model(tmp_path: Path) -> None:
+    speech = str(speech_folder(tmp_path))
+    cases = [([speech], None, None), ([speech], "demo", "demo"), ([], "none", None), ([speech], "/m", "/m")]
+    for models, duplex_model, built in cases:
+        recorder = Recorder()
+        pipelines = build_pipelines(
+            models, device="cpu", duplex_model=duplex_model, builders=recorder.builders
+        )
+        duplex = [c[1] for c in recorder.calls if c[0] == "duplex"]
+        assert duplex == ([] if built is None else [built])
+        assert ("duplex" in [p.kind for p in pipelines]) == (built is not None)
 
 
 def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
@@ -158,7 +182,8 @@ def test_without_a_diffusion_runtime_the_default_is_speech_only_and_folders_are_
     monkeypatch.setitem(sys.modules, "omnirt.stages.diffusion.factory", None)  # import fails
     recorder = Recorder()
     builders = Builders(speech=recorder.speech)
-    assert [p.kind for p in build_pipelines([], device="cpu", builders=builders)] == ["speech"]
+    kinds = [p.kind for p in build_pipelines([], device="cpu", duplex_model="none", builders=builders)]
+    assert kinds == ["speech"]
     image = diffusers_folder(tmp_path, "zimage", "ZImagePipeline")
     with pytest.raises(ValueError, match="this build has no diffusion runtime"):
         build_pipelines([str(image)], device="cpu", builders=builders)

@@ -1,0 +1,290 @@
+"""The native full-duplex pipeline: Moshi-style conversations in 80 ms lockstep.
+
+Each admitted :class:`~.types.DuplexRequest` holds one slot (the lowest free one, from the
+speech pipeline's :class:`~omnirt.stages.speech.prefix_cache.SlotPool`) in the LM and in a
+:class:`~omnirt.codecs.mimi.MimiSlotPool`; rows of every batched call are slots ``0..B-1``, ``B``
+one past the highest busy slot, with an exec mask ``active [B]``.
+
+The clock: a step is due one frame period (80 ms; configurable) after the last one was due, so
+the cadence does not drift with scheduling delays; after an idle pause (no session had input) or
+a step late by a whole period, the cadence restarts at the step. Each step advances every
+admitted session that has a whole frame (1920 samples) of input waiting, one frame each, in one
+batched call per model (rows: all ``max_slots`` on CPU, so outputs do not depend on the batch;
+else the smallest batch bucket holding the highest busy slot):
+
+1. Mimi encode of the input frames -> the LM's ``K`` codebooks of user audio;
+2. ``lm.step`` (temporal + depth transformers): one text token and one frame of model codes per row;
+3. Mimi decode of the rows whose codes are ready (a slot's first step has none: acoustic delay).
+
+Sessions whose input is late (less than a frame waiting) and held sessions (a client behind
+reading, see ``hold``) are masked off: their state does not move, the others' tick is not
+delayed. Per stepped session the step yields a :class:`TextDelta` when its text token is not
+padding and completed some text (incremental detokenisation), then an :class:`AudioDelta` of one
+80 ms frame (int16; silence for the delay frame, so output frames match input frames one to one)
+whose ``text_chars`` counts the session's text so far. :class:`Started` comes at admission. Once a
+session's input has ended (``LiveInput.end``) and been consumed (the last partial frame padded
+with zeros) it ends with ``Finished("stop")``; at the LM's ``max_frames`` with ``"length"``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from omnirt.codecs.audio import float_to_int16
+from omnirt.codecs.mimi import MimiSlotPool, StreamingMimi
+
+from ..live import LiveInput
+from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
+from ..speech.detok import IncrementalDetokenizer
+from ..speech.pipeline import batch_buckets
+from ..speech.prefix_cache import Prefix, SlotPool
+from ..types import AudioDelta, Finished, ModelInfo, Output, Started, TextDelta, Usage
+from .types import DuplexRequest
+
+if TYPE_CHECKING:
+    from .lm import DuplexLM, DuplexSampling
+
+log = logging.getLogger(__name__)
+
+#: Seconds of audio per frame of the Moshi architecture (12.5 Hz).
+FRAME_SECONDS = 0.08
+
+
+@dataclass(eq=False)
+class _Session:
+    request: DuplexRequest
+    slot: int
+    detok: IncrementalDetokenizer
+    usage: Usage = field(default_factory=Usage)
+    text_chars: int = 0
+    started: bool = False
+    held: bool = False
+
+    @property
+    def input(self) -> LiveInput:
+        return self.request.input
+
+
+def _no_move(source: int, target: int, prefix: Prefix) -> None:
+    """Duplex slots never hold reusable prefixes (:class:`SlotPool`'s move is never called)."""
+
+
+class DuplexPipeline:
+    kind = "duplex"
+    priority = Priority.REALTIME
+
+    def __init__(
+        self,
+        lm: DuplexLM,
+        mimi: StreamingMimi,
+        tokenizer: Any,
+        *,
+        info: ModelInfo,
+        sampling: DuplexSampling,
+        frame_seconds: float = FRAME_SECONDS,
+        cuda_graphs: bool = True,
+        full_batches: bool | None = None,
+    ) -> None:
+        """``lm``: the duplex LM (its ``max_slots`` sizes every pool); ``mimi``: a streaming Mimi
+        with the LM's ``num_codebooks`` quantizers; ``tokenizer``: the LM's text tokenizer;
+        ``sampling``: what requests without their own get; ``frame_seconds``: the tick period
+        (tests run faster than real time); ``cuda_graphs``: capture the LM's and Mimi's steps at
+        start when on CUDA; ``full_batches``: every step runs all ``max_slots`` rows, so a
+        session's output is bitwise the same whoever else is in the batch (default: on CPU,
+        where kernels' last bits depend on the row count); else the smallest of the speech
+        pipeline's batch buckets that holds the highest busy slot (the same bits at the same
+        bucket)."""
+        if mimi.num_quantizers != lm.num_codebooks:
+            raise ValueError(
+                f"Mimi has {mimi.num_quantizers} quantizers, the LM {lm.num_codebooks} codebooks: "
+                "build Mimi with num_quantizers=lm.num_codebooks"
+            )
+        if frame_seconds <= 0:
+            raise ValueError(f"frame_seconds must be positive, got {frame_seconds}")
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.info = info
+        self.sampling = sampling
+        self.period = frame_seconds
+        self.max_slots = lm.max_slots
+        self.frame = mimi.frame_size
+        self.pool = MimiSlotPool(mimi, lm.max_slots, graphs=cuda_graphs, check_codes=False)
+        self.device = self.pool.device
+        if full_batches is None:
+            full_batches = self.device.type == "cpu"
+        self.buckets = [lm.max_slots] if full_batches else batch_buckets(lm.max_slots)
+        self.calls: CallCounter = collections.Counter()
+        self.timer = StepTimer()
+        self.clock = time.monotonic
+        self._slots = SlotPool(lm.max_slots, _no_move)
+        self._sessions: dict[str, _Session] = {}
+        #: When the next step is due (None: at once).
+        self._due: float | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.capture()
+
+    def capture(self) -> None:
+        """Captures the LM's and Mimi's one-frame steps as CUDA graphs (idle pipeline only)."""
+        if self._sessions:
+            raise RuntimeError("capture needs an idle pipeline")
+        self.lm.capture()
+        self.pool.capture()
+
+    # -- admission ---------------------------------------------------------------------------
+    def accepts(self, request: object) -> bool:
+        return isinstance(request, DuplexRequest)
+
+    def prepare(self, request: DuplexRequest) -> None:
+        if not isinstance(request.input, LiveInput):
+            raise RequestRejected("a duplex request needs a LiveInput (open it with EngineClient.open)")
+        return None
+
+    def can_add(self) -> bool:
+        return len(self._slots) > 0
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._slots)
+
+    def add(self, request: DuplexRequest, prepared: Any = None) -> None:
+        rid = request.request_id
+        if rid in self._sessions:
+            raise RequestRejected(f"request id {rid!r} is already in flight")
+        if not self._slots:
+            raise RequestRejected("no free duplex slot")
+        slot = self._slots.take()
+        try:
+            self.lm.start(slot, request.sampling or self.sampling)
+        except ValueError as exc:
+            self._slots.give(slot, None)
+            raise RequestRejected(str(exc)) from None
+        self.pool.reset(slot)
+        self._sessions[rid] = _Session(request, slot, IncrementalDetokenizer(self.tokenizer))
+        log.debug("duplex %s: slot %d", rid, slot)
+
+    def hold(self, request_id: str, held: bool) -> None:
+        session = self._sessions.get(request_id)
+        if session is not None:
+            session.held = held
+
+    def remove(self, request_id: str) -> Usage | None:
+        session = self._sessions.pop(request_id, None)
+        if session is None:
+            return None
+        self._slots.give(session.slot, None)
+        return session.usage
+
+    # -- scheduling --------------------------------------------------------------------------
+    def _due_now(self, s: _Session) -> bool:
+        """Whether ``s`` has something for the next step: its start, a frame, or its end."""
+        if not s.started:
+            return True
+        if s.held:
+            return False
+        return s.input.ready(self.frame) or s.input.drained() or self._at_length(s)
+
+    def _at_length(self, s: _Session) -> bool:
+        return self.lm.frames(s.slot) >= self.lm.max_frames
+
+    def has_work(self) -> bool:
+        return any(self._due_now(s) for s in self._sessions.values())
+
+    def next_deadline(self) -> float | None:
+        return self._due
+
+    def step_cost(self) -> float:
+        return self.timer.seconds
+
+    def _advance_clock(self) -> None:
+        now = self.clock()
+        due = self._due
+        base = due if due is not None and now - due < self.period else now
+        self._due = base + self.period
+
+    # -- the tick ----------------------------------------------------------------------------
+    def step(self) -> list[tuple[str, Output]]:
+        t0 = time.perf_counter()
+        out: list[tuple[str, Output]] = []
+        stepping: list[_Session] = []
+        for rid, s in list(self._sessions.items()):
+            if not s.started:
+                s.started = True
+                out.append((rid, Started(Usage())))
+            if s.held:
+                continue
+            if self._at_length(s):
+                out.append((rid, self._end(rid, "length")))
+            elif s.input.ready(self.frame):
+                stepping.append(s)
+            elif s.input.drained():
+                out.append((rid, self._end(rid, "stop")))
+        if stepping:
+            self._advance_clock()
+            out += self._frames(stepping)
+            self.timer.record(time.perf_counter() - t0)
+        return out
+
+    def _end(self, request_id: str, reason: str) -> Finished:
+        session = self._sessions.pop(request_id)
+        self._slots.give(session.slot, None)
+        if reason == "stop":
+            text = session.detok.flush()  # nothing follows: the held-back bytes go as they are
+            session.text_chars += len(text)
+        return Finished(reason, session.usage)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def _frames(self, stepping: list[_Session]) -> list[tuple[str, Output]]:
+        busy = max(s.slot for s in self._sessions.values()) + 1
+        rows = next(b for b in self.buckets if b >= busy)
+        audio = np.zeros((rows, self.frame), dtype=np.float32)
+        active = torch.zeros(rows, dtype=torch.bool)
+        for s in stepping:
+            pcm = s.input.take(self.frame)
+            assert pcm is not None  # ready() said so, and only this thread takes
+            audio[s.slot] = pcm
+            active[s.slot] = True
+        n = len(stepping)
+        active_dev = active.to(self.device)
+        codes = self.pool.encode(torch.from_numpy(audio).to(self.device), active_dev)  # [rows, K, 1]
+        self.calls["mimi_encode", n] += 1
+        result = self.lm.step(codes[:, :, 0], active_dev)
+        self.calls["lm", n] += 1
+        ready = active_dev & result.audio_ready.to(self.device, torch.bool)
+        model_codes = torch.where(ready[:, None], result.audio.to(self.device, torch.int64), 0)
+        ready_host = ready.cpu()
+        decoded = None
+        speaking = int(ready_host.sum())
+        if speaking:
+            decoded = self.pool.decode(model_codes[:, :, None], ready).cpu().numpy()
+            self.calls["mimi_decode", speaking] += 1
+        text = result.text.cpu().tolist()
+        pads = self.lm.text_pad_ids
+        out: list[tuple[str, Output]] = []
+        for s in stepping:
+            rid = s.request.request_id
+            s.usage.input_audio_tokens += 1
+            token = int(text[s.slot])
+            if token not in pads:
+                s.usage.output_text_tokens += 1
+                piece = s.detok.push(token)
+                if piece:
+                    s.text_chars += len(piece)
+                    out.append((rid, TextDelta(piece)))
+            if decoded is not None and bool(ready_host[s.slot]):
+                pcm = float_to_int16(decoded[s.slot])
+                s.usage.output_audio_tokens += 1
+            else:
+                pcm = np.zeros(self.frame, dtype=np.int16)
+            out.append((rid, AudioDelta(pcm, s.text_chars)))
+        return out
+
+    # -- introspection (tests, metrics) ------------------------------------------------------
+    def slot_of(self, request_id: str) -> int | None:
+        session = self._sessions.get(request_id)
+        return None if session is None else session.slot
