@@ -120,11 +120,13 @@ class CudaGraphRunner:
     def captured_buckets(self) -> list[int]:
         return sorted(self._graphs)
 
-    def capture(self) -> None:
-        """Warm up and capture every bucket, largest first. No-op when disabled or off CUDA."""
+    def capture(self, buckets: Sequence[int] | None = None) -> None:
+        """Warm up and capture every bucket (or those of ``buckets``), largest first. No-op when
+        disabled or off CUDA."""
         if not self.enabled or not torch.cuda.is_available():
             return
-        for bucket in reversed(self.buckets):
+        wanted = self.buckets if buckets is None else [b for b in self.buckets if b in set(buckets)]
+        for bucket in reversed(wanted):
             if bucket in self._graphs:
                 continue
             inputs = self.make_inputs(bucket)
@@ -243,9 +245,12 @@ class LengthBucketedRunner:
     def graphs(self) -> int:
         return sum(len(r.captured_buckets) for r in self.runners.values())
 
-    def capture(self) -> None:
-        for runner in self.runners.values():
-            runner.capture()
+    def capture(self, batches: Sequence[int] | None = None, lengths: Sequence[int] | None = None) -> None:
+        """Captures every (batch, length) bucket, or the given batch buckets at the length buckets
+        holding ``lengths``."""
+        wanted = self.lengths if lengths is None else sorted({self.length_for(n) for n in lengths})
+        for n in wanted:
+            self.runners[n].capture(batches)
 
     def length_for(self, length: int) -> int:
         for n in self.lengths:

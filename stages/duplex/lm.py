@@ -44,11 +44,22 @@ does), the delay buffers (``text[p]``, the model's delayed codes at ``p``, the u
 codes of frame ``p - 1``), the position and the sampling rows. ``start`` resets them in place.
 
 **Static shapes.** The step (temporal transformer, text sampling, the whole depth loop with its
-sampling, the state updates) has no host sync and no dynamic shape. Attention reads the first
-``attend`` columns of the ring for an attention-length bucket covering every active row, with a
-mask built on the device (``kernels/ring_attention.py``: Triton on CUDA). With graphs on CUDA
-it is one CUDA graph per (batch bucket, attention bucket) (:class:`~..graphs.LengthBucketedRunner`).
-Eager steps run at the same padded buckets, so graph and eager compute the same thing.
+sampling, the state updates) has no host sync and no dynamic shape. Attention
+(``kernels/decode_attention.py``) takes an attention-length bucket ``attend`` covering every
+active row and each row's valid length ``min(p + 1, max_frames)`` as a device tensor: on CUDA a
+split-window Triton kernel that reads only a row's valid entries, elsewhere (or with
+``attention_kernel=False``) the masked torch reference over the first ``attend`` columns. With
+graphs on CUDA it is one CUDA graph per (batch bucket, attention bucket)
+(:class:`~..graphs.LengthBucketedRunner`). Eager steps run at the same padded buckets, so graph
+and eager compute the same thing.
+
+**KV storage** (``kv_dtype``). ``auto``: the model's dtype, exact (what transformers computes).
+``fp8``: e4m3 values with one fp32 scale per stored vector (slot, layer, head, position: the
+vector's peak maps to 448), written once when the position is written and never revisited, as a
+ring that appends one position per step needs; 0.52x the bytes of bf16 (132 B per 128-dim
+vector instead of 256 B). The kernel widens fp8 to the query's dtype in registers and applies
+the scales to the scores and the probabilities. The error it adds is measured in
+``tests/kernels/test_decode_attention.py`` and ``tests/duplex/test_duplex_lm.py`` (docs/duplex.md).
 
 **Sampling.** Per row: text temperature/top-k and audio temperature/top-k (0: greedy, exactly
 ``argmax``), counter-based Philox draws keyed by the slot's seed (:mod:`~..sampling`,
@@ -68,6 +79,7 @@ present, else these defaults, and exposed as ``text_pad_ids``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +87,7 @@ import torch.nn.functional as F
 from transformers import MoshiConfig
 from transformers.activations import ACT2FN
 
-from ...kernels.ring_attention import ring_attention
+from ...kernels.decode_attention import FP8, decode_attention, quantize_kv
 from ..draws import DUPLEX_AUDIO_STREAM, DUPLEX_TEXT_STREAM, SlotSampling, fresh_seed
 from ..graphs import LengthBucketedRunner, batch_buckets, length_buckets
 from .weights import MoshiWeights, check_config
@@ -84,7 +96,9 @@ from .weights import MoshiWeights, check_config
 TEXT_PAD_ID, TEXT_END_PAD_ID = 3, 0
 #: Fewest rows a CPU step runs (see the module doc: batch invariance on CPU).
 CPU_MIN_ROWS = 16
-_MASKED = -1e9  # finite: a row with nothing visible (idle rows) gives no NaN
+#: Temporal KV storage: ``auto`` the model's dtype (exact), ``fp8`` e4m3 with one fp32 scale per
+#: stored vector (half the memory; see the module doc).
+KV_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -140,10 +154,14 @@ class DuplexLM:
         dtype: torch.dtype,
         graphs: bool = True,
         max_frames: int | None = None,
+        kv_dtype: str = "auto",
+        attention_kernel: bool = True,
     ) -> None:
         check_config(config)
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         window = max_frames or config.sliding_window or config.max_position_embeddings
         if window < 1:
             raise ValueError(f"max_frames must be at least 1, got {window}")
@@ -158,19 +176,29 @@ class DuplexLM:
         self.vocab_size = config.vocab_size
         self.audio_vocab_size = config.audio_vocab_size
         self._prepare_weights(config)
+        self.kv_dtype = kv_dtype
+        #: Attention through ``kernels/decode_attention.py``'s kernel where it applies (CUDA),
+        #: else its torch reference (False: the reference everywhere, for comparisons).
+        self.attention_kernel = attention_kernel
 
         k, slots = self.num_codebooks, max_slots
         shape = (slots, config.num_key_value_heads, self.max_frames + 1, config.head_dim)
         layers = config.num_hidden_layers
-        self.keys = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(layers)]
+        store = FP8 if kv_dtype == "fp8" else dtype
+        self.keys = [torch.zeros(shape, device=self.device, dtype=store) for _ in range(layers)]
+        self.values = [torch.zeros(shape, device=self.device, dtype=store) for _ in range(layers)]
+        #: fp8: one fp32 scale per stored vector, [slots, kv_heads, window + 1] per layer.
+        self.key_scales: list[torch.Tensor] | None = None
+        self.value_scales: list[torch.Tensor] | None = None
+        if kv_dtype == "fp8":
+            self.key_scales = [torch.ones(shape[:3], device=self.device) for _ in range(layers)]
+            self.value_scales = [torch.ones(shape[:3], device=self.device) for _ in range(layers)]
         self.position = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.text_prev = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.model_prev = torch.zeros((slots, k), dtype=torch.long, device=self.device)
         self.user_prev = torch.zeros((slots, k - 1), dtype=torch.long, device=self.device)
         self.text_sampling = SlotSampling(slots, self.device)
         self.audio_sampling = SlotSampling(slots, self.device)
-        self._columns = torch.arange(self.max_frames, device=self.device)
         self._rows = torch.arange(slots, device=self.device)
         self._frames = [0] * slots
         self._started = [False] * slots
@@ -215,8 +243,16 @@ class DuplexLM:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the temporal KV cache of all slots."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes of the temporal KV cache of all slots (fp8: with the scales)."""
+        tensors = [*self.keys, *self.values, *(self.key_scales or ()), *(self.value_scales or ())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def kv_bytes_per_frame(config: MoshiConfig, kv_dtype: str, dtype: torch.dtype) -> int:
+        """Temporal KV bytes one slot holds per frame of its window (keys and values of every
+        layer; fp8: with the fp32 scales)."""
+        per_vector = config.head_dim + 4 if kv_dtype == "fp8" else config.head_dim * dtype.itemsize
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * per_vector
 
     # -- slots -----------------------------------------------------------------------------------
     def _check_slot(self, slot: int) -> int:
@@ -249,6 +285,18 @@ class DuplexLM:
     def frames(self, slot: int) -> int:
         """Steps the slot has taken since its start."""
         return self._frames[self._check_slot(slot)]
+
+    def fast_forward(self, slot: int, frames: int) -> None:
+        """Benchmarks: puts a started slot at ``frames`` steps into its conversation (position and
+        step count) without running them; its KV cache keeps whatever it holds, so what follows
+        costs what a conversation of that length costs, with meaningless outputs."""
+        self._check_slot(slot)
+        if not self._started[slot]:
+            raise ValueError(f"slot {slot} has no conversation (call start first)")
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 0:
+            raise ValueError(f"frames must be an int >= 0, got {frames!r}")
+        self.position[slot] = frames
+        self._frames[slot] = frames
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, user_codes: torch.Tensor, active: torch.Tensor) -> DuplexStep:
@@ -306,10 +354,15 @@ class DuplexLM:
                 raise ValueError(f"user codes must be in [0, {self.audio_vocab_size})")
         return rows
 
-    def capture(self) -> None:
-        """CUDA: captures the step per (batch bucket, attention bucket); no-op on CPU or with
-        graphs off. Captured on all-idle inputs: no slot's state changes."""
-        self._runner.capture()
+    def capture(self, batches: Sequence[int] | None = None, lengths: Sequence[int] | None = None) -> None:
+        """CUDA: captures the step per (batch bucket, attention bucket), or only the given batch
+        buckets and the attention buckets holding ``lengths``; no-op on CPU or with graphs off.
+        Captured on all-idle inputs: no slot's state changes."""
+        self._runner.capture(batches=batches, lengths=lengths)
+
+    def use_graphs(self, enabled: bool) -> None:
+        """Replay captured graphs (True) or run every step eagerly (False)."""
+        self._runner.enabled = enabled
 
     @property
     def graphs(self) -> int:
@@ -372,10 +425,7 @@ class DuplexLM:
         sin = emb.sin().to(x.dtype).view(batch, 1, 1, dim)
         window = self.max_frames
         write_at = torch.where(active, position % window, window)
-        visible = self._columns[:attend].view(1, attend) < (position + 1).clamp(max=window).view(batch, 1)
-        bias = (
-            torch.where(visible, 0.0, _MASKED).to(x.dtype).view(batch, 1, 1, attend).expand(-1, heads, -1, -1)
-        )
+        lengths = (position + 1).clamp(max=window)  # the ring's valid entries: columns 0..n-1
         rows = self._rows[:batch]
         scale = 1.0 / math.sqrt(dim)
         for i, layer in enumerate(self.weights.decoder.model.layers):
@@ -386,11 +436,28 @@ class DuplexLM:
             v = F.linear(h, attn.v_proj.linear.weight).view(batch, kv_heads, dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache_k, cache_v = self.keys[i], self.values[i]
-            cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
-            cache_v[rows, :, write_at] = v.to(cache_v.dtype)
-            out = ring_attention(q, cache_k[:batch, :, :attend], cache_v[:batch, :, :attend], bias, scale)
-            x = x + F.linear(out.view(batch, heads * dim), attn.o_proj.linear.weight)
+            k_scale = v_scale = None
+            if self.key_scales is None:
+                self.keys[i][rows, :, write_at] = k[:, :, 0]
+                self.values[i][rows, :, write_at] = v
+            else:  # fp8 bytes written through a uint8 view (index_put has no fp8 kernels)
+                k_scale, v_scale = self.key_scales[i], self.value_scales[i]
+                for cache, scales, new in ((self.keys[i], k_scale, k[:, :, 0]), (self.values[i], v_scale, v)):
+                    quantized, factor = quantize_kv(new)
+                    cache.view(torch.uint8)[rows, :, write_at] = quantized.view(torch.uint8)
+                    scales[rows, :, write_at] = factor
+            out = decode_attention(
+                q.view(batch, heads, dim),
+                self.keys[i],
+                self.values[i],
+                lengths,
+                attend,
+                scale,
+                k_scale,
+                v_scale,
+                use_kernel=self.attention_kernel,
+            )
+            x = x + F.linear(out, attn.o_proj.linear.weight)
             h = rms_norm(x, layer.post_attention_layernorm.weight, self._eps)
             gate = F.linear(h, layer.mlp.fc1.weight).view(batch, 2, -1)
             x = x + F.linear(self._act(gate[:, 0]) * gate[:, 1], layer.mlp.fc2.weight)

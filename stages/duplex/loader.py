@@ -78,9 +78,11 @@ def load_duplex_lm(
     graphs: bool,
     max_frames: int | None = None,
     mimi_dtype: torch.dtype = torch.float32,
+    kv_dtype: str = "auto",
 ) -> tuple[DuplexLM, StreamingMimi]:
     """The LM and its codec from a ``MoshiForConditionalGeneration`` folder (module doc).
-    ``max_frames`` shortens the attention window (default: the config's)."""
+    ``max_frames`` shortens the attention window (default: the config's); ``kv_dtype``: the
+    temporal KV storage (:data:`~.lm.KV_DTYPES`)."""
     path = Path(path)
     config = read_config(path)
     if not safetensors_files(path):
@@ -97,10 +99,55 @@ def load_duplex_lm(
         mimi_config, codec, num_quantizers=config.num_codebooks, device=device, dtype=mimi_dtype
     )
     lm = DuplexLM(
-        weights, config, max_slots=max_slots, device=device, dtype=dtype, graphs=graphs, max_frames=max_frames
+        weights,
+        config,
+        max_slots=max_slots,
+        device=device,
+        dtype=dtype,
+        graphs=graphs,
+        max_frames=max_frames,
+        kv_dtype=kv_dtype,
     )
-    log.info("duplex LM loaded from %s: %d slots, %d-frame window", path, max_slots, lm.max_frames)
+    log.info(
+        "duplex LM loaded from %s: %d slots, %d-frame window, %s KV (%.2f GiB)",
+        path,
+        max_slots,
+        lm.max_frames,
+        "fp8" if kv_dtype == "fp8" else str(dtype).removeprefix("torch."),
+        lm.kv_bytes / 2**30,
+    )
     return lm, mimi
+
+
+def load_duplex(
+    path: str | Path,
+    *,
+    max_slots: int,
+    device: torch.device | str,
+    graphs: bool = True,
+    kv_dtype: str = "auto",
+    max_frames: int | None = None,
+) -> tuple[DuplexLM, StreamingMimi, object]:
+    """What the server serves from a Moshi checkpoint folder: the LM (bf16 on CUDA, fp32
+    elsewhere), its Mimi (fp32) and the folder's text tokenizer (``AutoTokenizer``: a
+    ``decode(ids)``); ValueError when the folder has no tokenizer."""
+    from transformers import AutoTokenizer
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    lm, mimi = load_duplex_lm(
+        path,
+        max_slots=max_slots,
+        device=device,
+        dtype=dtype,
+        graphs=graphs,
+        max_frames=max_frames,
+        kv_dtype=kv_dtype,
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"no text tokenizer in {path} (tokenizer.json or tokenizer.model): {exc}") from None
+    return lm, mimi, tokenizer
 
 
 #: Parameters that are scales (RMSNorm weights), initialised to one.
@@ -119,11 +166,32 @@ def dummy_duplex_lm(
     seed: int,
     graphs: bool = True,
     max_frames: int | None = None,
+    kv_dtype: str = "auto",
+    attention_kernel: bool = True,
 ) -> DuplexLM:
-    """A real-size LM with seeded random weights made on ``device`` (nothing materialised on the
-    CPU): embeddings with ``std 1/sqrt(2K + 1)`` (their sum has unit variance), every matrix
-    ``std 1/sqrt(fan_in)``, the residual outputs (``o_proj``, ``fc2``) further by
-    ``1/sqrt(2 * layers)``, norms one, so activations stay finite through every layer."""
+    """A real-size LM with seeded random weights made on ``device`` (:func:`dummy_weights`)."""
+    weights = dummy_weights(config, device=device, dtype=dtype, seed=seed)
+    return DuplexLM(
+        weights,
+        config,
+        max_slots=max_slots,
+        device=device,
+        dtype=dtype,
+        graphs=graphs,
+        max_frames=max_frames,
+        kv_dtype=kv_dtype,
+        attention_kernel=attention_kernel,
+    )
+
+
+@torch.no_grad()
+def dummy_weights(
+    config: MoshiConfig, *, device: torch.device | str, dtype: torch.dtype, seed: int
+) -> MoshiWeights:
+    """Seeded random LM weights made on ``device`` (nothing materialised on the CPU; several
+    :class:`DuplexLM` may share them): embeddings with ``std 1/sqrt(2K + 1)`` (their sum has unit
+    variance), every matrix ``std 1/sqrt(fan_in)``, the residual outputs (``o_proj``, ``fc2``)
+    further by ``1/sqrt(2 * layers)``, norms one, so activations stay finite through every layer."""
     check_config(config)
     device = torch.device(device)
     with torch.device("meta"):
@@ -147,6 +215,4 @@ def dummy_duplex_lm(
                 )
                 std /= math.sqrt(2 * layers)
         param.normal_(0.0, std, generator=generator)
-    return DuplexLM(
-        weights, config, max_slots=max_slots, device=device, dtype=dtype, graphs=graphs, max_frames=max_frames
-    )
+    return weights
