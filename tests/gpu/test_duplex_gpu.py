@@ -40,6 +40,7 @@ def _config():
         max_position_embeddings=3000,
         sliding_window=3000,
         num_codebooks=K,
+        audio_vocab_size=2048,  # no audio_encoder_config here to take it from
         depth_decoder_config={
             "hidden_size": 512,
             "num_hidden_layers": 2,
