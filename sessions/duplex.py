@@ -54,8 +54,8 @@ from .events import (
     SessionUpdated,
 )
 from .items import Item, MessageItem, OutputAudio
+from .playback import ACK_RESPONSES, _check_truncatable
 from .response import Response, ResponseOptions, StatusReason
-from .session import ACK_RESPONSES, _check_truncatable
 from .streaming import ResponseRun
 from .stretches import Stretches, StretchRule
 from .turns import TURN_PARAM

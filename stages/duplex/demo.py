@@ -86,9 +86,17 @@ def _shape_text(model, pad_id: int, words: list[int], seed: int) -> None:
 
 
 def demo_duplex(
-    max_slots: int, device: torch.device | str, *, graphs: bool = True, seed: int = DEMO_SEED
+    max_slots: int,
+    device: torch.device | str,
+    *,
+    graphs: bool = True,
+    seed: int = DEMO_SEED,
+    kv_dtype: str = "auto",
+    max_frames: int | None = None,
 ) -> tuple[DuplexLM, StreamingMimi, object]:
-    """The demo LM, its Mimi and its tokenizer (a ``tokenizers.Tokenizer``: ``decode(ids)``)."""
+    """The demo LM, its Mimi and its tokenizer (a transformers ``PreTrainedTokenizerFast``, what
+    the pipeline's incremental detokenizer reads, as a checkpoint's would be);
+    ``kv_dtype`` and ``max_frames`` as for :class:`DuplexLM`."""
     from transformers import MoshiForConditionalGeneration
 
     tokenizer = build_tokenizer()
@@ -110,5 +118,16 @@ def demo_duplex(
     codec = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     mimi_config = MimiCodecConfig.from_dict(config.audio_encoder_config.to_dict())
     mimi = build_mimi(mimi_config, codec, num_quantizers=K, device=device)
-    lm = DuplexLM(weights, config, max_slots=max_slots, device=device, dtype=torch.float32, graphs=graphs)
-    return lm, mimi, tokenizer
+    lm = DuplexLM(
+        weights,
+        config,
+        max_slots=max_slots,
+        device=device,
+        dtype=torch.float32,
+        graphs=graphs,
+        kv_dtype=kv_dtype,
+        max_frames=max_frames,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    return lm, mimi, PreTrainedTokenizerFast(tokenizer_object=tokenizer)

@@ -39,6 +39,7 @@ import torch
 from omnirt.codecs.audio import float_to_int16
 from omnirt.codecs.mimi import MimiSlotPool, StreamingMimi
 
+from ..codec_graphs import capture_mimi
 from ..live import LiveInput
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..speech.detok import IncrementalDetokenizer
@@ -114,7 +115,7 @@ class DuplexPipeline:
         self.period = frame_seconds
         self.max_slots = lm.max_slots
         self.frame = mimi.frame_size
-        self.pool = MimiSlotPool(mimi, lm.max_slots, graphs=cuda_graphs, check_codes=False)
+        self.pool = MimiSlotPool(mimi, lm.max_slots, check_codes=False)
         self.device = self.pool.device
         if full_batches is None:
             full_batches = self.device.type == "cpu"
@@ -134,7 +135,7 @@ class DuplexPipeline:
         if self._sessions:
             raise RuntimeError("capture needs an idle pipeline")
         self.lm.capture()
-        self.pool.capture()
+        capture_mimi(self.pool)
 
     # -- admission ---------------------------------------------------------------------------
     def accepts(self, request: object) -> bool:
