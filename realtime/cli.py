@@ -43,6 +43,8 @@ STEP_CACHES = ("none", "teacache", "magcache")
 #: ``--load-format`` choices (``stages.speech.dummy.LOAD_FORMATS``, repeated here so that parsing
 #: arguments imports no torch; a test checks that the two agree).
 LOAD_FORMATS = ("auto", "dummy")
+#: ``--duplex-kv-dtype`` choices (``stages.duplex.lm.KV_DTYPES``; a test checks they agree).
+DUPLEX_KV_DTYPES = ("auto", "fp8")
 
 
 def ws_max_size(config: ServerConfig) -> int:
@@ -160,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="a local Moshi-architecture checkpoint served to full-duplex sessions (/v1/realtime?duplex=1); "
         "'demo': the embedded tiny one (RANDOM weights), which the embedded default serves too; 'none': "
         "no duplex model (duplex=1 is refused with 'unsupported')",
+    )
+    serve.add_argument(
+        "--duplex-kv-dtype",
+        choices=DUPLEX_KV_DTYPES,
+        default=ServerConfig.duplex_kv_dtype,
+        help="the duplex LM's attention cache: auto (the model's dtype, bf16 on CUDA: exact) or fp8 "
+        "(e4m3 with a scale per stored vector: half the memory, so twice the sessions at a given "
+        "conversation length; see docs/duplex.md)",
+    )
+    serve.add_argument(
+        "--duplex-max-frames",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="the duplex LM's attention window and longest conversation, in 80 ms frames (default: the "
+        "model's, 3000 = 4 minutes for Moshi 7B); the cache of every slot holds this many frames",
     )
     serve.add_argument(
         "--load-format",
@@ -337,6 +355,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         port=args.port,
         models=list(args.model),
         duplex_model=args.duplex_model,
+        duplex_kv_dtype=args.duplex_kv_dtype,
+        duplex_max_frames=args.duplex_max_frames,
         api_keys=list(dict.fromkeys(keys)),
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
@@ -379,6 +399,8 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             load_format=load_format,
             quantization=config.quantization,
             duplex_model=config.duplex_model,
+            duplex_kv_dtype=config.duplex_kv_dtype,
+            duplex_max_frames=config.duplex_max_frames,
         )
         engine = Engine(pipelines)
     except ValueError as exc:

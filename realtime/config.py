@@ -17,6 +17,11 @@ class ServerConfig:
     #: ``"none"``: no duplex model (``duplex=1`` is refused). ``None``: the embedded one when no
     #: ``--model`` is given, else none.
     duplex_model: str | None = None
+    #: ``--duplex-kv-dtype``: the duplex LM's attention cache, ``auto`` (the model's dtype) or
+    #: ``fp8`` (half the memory); ``--duplex-max-frames``: its window and longest conversation in
+    #: 80 ms frames (None: the model's). Sessions that fit: docs/duplex.md.
+    duplex_kv_dtype: str = "auto"
+    duplex_max_frames: int | None = None
     #: Duplex sessions: input the client may send ahead of what the model has consumed (beyond:
     #: ``input_backpressure``), and the stretch rule (``sessions/stretches.py``): frames at or
     #: below ``duplex_quiet_dbfs`` with padding text are quiet, ``duplex_quiet_frames`` of them

@@ -164,11 +164,18 @@ def build_embedded_diffusion(*, device: str, quantization: str = "none") -> list
 
 
 def build_duplex_pipeline(
-    model: str, *, device: str, max_slots: int = 32, cuda_graphs: bool = True
+    model: str,
+    *,
+    device: str,
+    max_slots: int = 32,
+    cuda_graphs: bool = True,
+    kv_dtype: str = "auto",
+    max_frames: int | None = None,
 ) -> Pipeline | None:
     """The duplex pipeline of ``model``: ``"demo"`` for the embedded tiny Moshi-architecture model
     (random weights; None, with a warning, in a build without it), else a local Moshi checkpoint
-    folder (``ValueError`` when it does not load)."""
+    folder (``ValueError`` when it does not load). ``kv_dtype`` (``auto`` or ``fp8``) and
+    ``max_frames`` (the window; None: the model's) shape the LM's KV cache."""
     from .duplex.pipeline import DuplexPipeline
     from .types import ModelInfo
 
@@ -180,7 +187,9 @@ def build_duplex_pipeline(
                 raise
             log.warning("this build has no embedded duplex model: duplex=1 sessions are refused")
             return None
-        lm, mimi, tokenizer = demo_duplex(max_slots, device)
+        lm, mimi, tokenizer = demo_duplex(
+            max_slots, device, graphs=cuda_graphs, kv_dtype=kv_dtype, max_frames=max_frames
+        )
         info = ModelInfo("demo-moshi", "moshi", random_weights=True, source="embedded")
         log.warning("serving the embedded demo duplex model (Moshi architecture) with RANDOM WEIGHTS")
     else:
@@ -191,7 +200,14 @@ def build_duplex_pipeline(
             raise ValueError(
                 f"--duplex-model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
             )
-        lm, mimi, tokenizer = load_duplex(path, max_slots=max_slots, device=device)
+        lm, mimi, tokenizer = load_duplex(
+            path,
+            max_slots=max_slots,
+            device=device,
+            graphs=cuda_graphs,
+            kv_dtype=kv_dtype,
+            max_frames=max_frames,
+        )
         info = ModelInfo(path.name, "moshi", random_weights=False, source=str(path))
     from .duplex.lm import DuplexSampling
 
@@ -219,6 +235,8 @@ def build_pipelines(
     load_format: str = "auto",
     quantization: str = "none",
     duplex_model: str | None = None,
+    duplex_kv_dtype: str = "auto",
+    duplex_max_frames: int | None = None,
     builders: Builders = Builders(),
 ) -> list[Pipeline]:
     """The pipelines of ``--model`` (each given path or ``"demo"``), the speech one first.
@@ -229,7 +247,8 @@ def build_pipelines(
     diffusion models (W8A8 DiT linear layers); speech models load as they are. ``ValueError``
     says what is wrong (a path no pipeline serves, two speech models, a model that does not
     load). ``duplex_model``: see :func:`build_duplex_pipeline`; None serves the embedded duplex
-    model with the embedded default and none otherwise; ``"none"``: none."""
+    model with the embedded default and none otherwise; ``"none"``: none. ``duplex_kv_dtype`` and
+    ``duplex_max_frames``: its KV cache (:func:`build_duplex_pipeline`)."""
     device = device or _default_device()
     speech: list[str | None] = []
     diffusion: list[str] = []
@@ -265,7 +284,14 @@ def build_pipelines(
         )
     duplex = duplex_model if duplex_model is not None else ("demo" if embedded else "none")
     if duplex != "none":
-        built = builders.duplex(duplex, device=device, max_slots=max_slots, cuda_graphs=cuda_graphs)
+        built = builders.duplex(
+            duplex,
+            device=device,
+            max_slots=max_slots,
+            cuda_graphs=cuda_graphs,
+            kv_dtype=duplex_kv_dtype,
+            max_frames=duplex_max_frames,
+        )
         if built is not None:
             pipelines.append(built)
     return pipelines

@@ -185,6 +185,7 @@ class DuplexLM:
         shape = (slots, config.num_key_value_heads, self.max_frames + 1, config.head_dim)
         layers = config.num_hidden_layers
         store = FP8 if kv_dtype == "fp8" else dtype
+        self._check_memory(config, shape)
         self.keys = [torch.zeros(shape, device=self.device, dtype=store) for _ in range(layers)]
         self.values = [torch.zeros(shape, device=self.device, dtype=store) for _ in range(layers)]
         #: fp8: one fp32 scale per stored vector, [slots, kv_heads, window + 1] per layer.
@@ -246,6 +247,19 @@ class DuplexLM:
         """Bytes of the temporal KV cache of all slots (fp8: with the scales)."""
         tensors = [*self.keys, *self.values, *(self.key_scales or ()), *(self.value_scales or ())]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _check_memory(self, config: MoshiConfig, shape: tuple[int, ...]) -> None:
+        """CUDA: ValueError before allocating a KV cache that cannot fit in free memory."""
+        if self.device.type != "cuda":
+            return
+        need = shape[0] * shape[2] * self.kv_bytes_per_frame(config, self.kv_dtype, self.dtype)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > free:
+            raise ValueError(
+                f"the duplex KV cache of {shape[0]} slots x {shape[2] - 1} frames ({self.kv_dtype}) needs "
+                f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free: fewer sessions, a shorter "
+                "window (--duplex-max-frames) or fp8 (--duplex-kv-dtype fp8)"
+            )
 
     @staticmethod
     def kv_bytes_per_frame(config: MoshiConfig, kv_dtype: str, dtype: torch.dtype) -> int:

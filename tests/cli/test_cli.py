@@ -136,6 +136,18 @@ def test_exposure_options_reach_the_config() -> None:
     assert defaults.allowed_origins == [] and defaults.metrics_host is None
 
 
+def test_duplex_kv_options_reach_the_config_and_match_the_lm() -> None:
+    from omnirt.realtime.cli import DUPLEX_KV_DTYPES
+    from omnirt.stages.duplex.lm import KV_DTYPES
+
+    assert DUPLEX_KV_DTYPES == KV_DTYPES
+    args = build_parser().parse_args(["serve", "--duplex-kv-dtype", "fp8", "--duplex-max-frames", "1500"])
+    config = config_from_args(args, {})
+    assert (config.duplex_kv_dtype, config.duplex_max_frames) == ("fp8", 1500)
+    defaults = config_from_args(build_parser().parse_args(["serve"]), {})
+    assert (defaults.duplex_kv_dtype, defaults.duplex_max_frames) == ("auto", None)
+
+
 def test_load_format_parses_and_matches_the_loader(tmp_path: Path) -> None:
     from omnirt.realtime.cli import LOAD_FORMATS
     from omnirt.stages.speech.dummy import LOAD_FORMATS as LOADER_FORMATS

@@ -91,3 +91,25 @@ def test_fp8_halves_the_kv_memory_and_its_scales_follow_the_slots(checkpoint):
     assert bool((scales[1, :, :16] == 1).all())  # the idle slot's window untouched (16: its scratch)
     with pytest.raises(ValueError, match="kv_dtype"):
         _lm(checkpoint, "int4")
+
+
+def test_the_served_demo_pipeline_runs_on_an_fp8_cache():
+    from omnirt.stages.duplex.pipeline import DuplexPipeline
+    from omnirt.stages.factory import build_duplex_pipeline
+    from omnirt.stages.types import AudioDelta, Finished
+
+    from .helpers import request, speech
+
+    pipeline = build_duplex_pipeline("demo", device="cpu", max_slots=2, kv_dtype="fp8", max_frames=6)
+    assert isinstance(pipeline, DuplexPipeline)
+    assert pipeline.lm.kv_dtype == "fp8" and pipeline.lm.keys[0].dtype == torch.float8_e4m3fn
+    assert pipeline.lm.max_frames == 6
+    r = request("a")
+    pipeline.add(r)
+    r.input.push(speech(8, seed=2))
+    outputs = []
+    while pipeline.has_work():
+        outputs += [o for _, o in pipeline.step()]
+    assert sum(isinstance(o, AudioDelta) for o in outputs) == 6  # one frame per frame, up to the window
+    assert isinstance(outputs[-1], Finished) and outputs[-1].reason == "length"
+    assert bool((pipeline.lm.key_scales[0][0, :, :6] != 1).all())  # every position went through fp8

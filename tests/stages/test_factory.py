@@ -123,6 +123,20 @@ def test_the_duplex_model_is_chosen_by_duplex_model(tmp_path: Path) -> None:
         assert ("duplex" in [p.kind for p in pipelines]) == (built is not None)
 
 
+def test_the_duplex_kv_options_reach_the_duplex_builder() -> None:
+    recorder = Recorder()
+    build_pipelines(
+        [],
+        device="cpu",
+        duplex_model="demo",
+        duplex_kv_dtype="fp8",
+        duplex_max_frames=750,
+        builders=recorder.builders,
+    )
+    options = next(c[2] for c in recorder.calls if c[0] == "duplex")
+    assert (options["kv_dtype"], options["max_frames"]) == ("fp8", 750)
+
+
 def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
     speech = speech_folder(tmp_path)
     image = diffusers_folder(tmp_path, "zimage", "ZImagePipeline")
