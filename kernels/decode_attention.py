@@ -57,8 +57,11 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: The fp8 format of a quantized cache.
 FP8 = torch.float8_e4m3fn
-#: Cache entries per block of the kernel's loop.
+#: Cache entries per block of the kernel's loop, and the launch's warps and pipeline stages
+#: (``benchmarks/duplex_capacity.py --attention-probe`` times the alternatives).
 BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
 #: Programs (row x kv head x chunk) :func:`plan` aims at per streaming multiprocessor.
 PROGRAMS_PER_SM = 4
 _MASKED = -1e9  # finite: a row with nothing visible gives no NaN in the reference
@@ -169,14 +172,16 @@ def _multiprocessors(device: torch.device) -> int:
     return 4  # the interpreter: a few chunks, so the tests exercise the combine
 
 
-def plan(batch: int, kv_heads: int, attend: int, multiprocessors: int) -> tuple[int, int]:
+def plan(
+    batch: int, kv_heads: int, attend: int, multiprocessors: int, block_n: int = BLOCK_N
+) -> tuple[int, int]:
     """``(splits, chunk)``: the window cut into ``splits`` chunks of ``chunk`` entries (a multiple
-    of ``BLOCK_N``), enough chunks that ``batch * kv_heads * splits`` programs fill the GPU. It
+    of ``block_n``), enough chunks that ``batch * kv_heads * splits`` programs fill the GPU. It
     depends only on static sizes, so a graph and an eager call at one bucket split alike."""
-    blocks = triton.cdiv(attend, BLOCK_N) if triton is not None else -(-attend // BLOCK_N)
+    blocks = -(-attend // block_n)
     wanted = -(-PROGRAMS_PER_SM * multiprocessors // (batch * kv_heads))
     splits = max(1, min(blocks, wanted))
-    chunk = -(-blocks // splits) * BLOCK_N
+    chunk = -(-blocks // splits) * block_n
     return -(-attend // chunk), chunk
 
 
@@ -272,12 +277,14 @@ def _launch(
     v_scale: torch.Tensor | None,
     attend: int,
     scale: float,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
+    block_n, warps, stages = launch or (BLOCK_N, NUM_WARPS, NUM_STAGES)
     out = torch.empty((batch, heads * dim), dtype=q.dtype, device=q.device)
-    splits, chunk = plan(batch, kv_heads, attend, _multiprocessors(q.device))
+    splits, chunk = plan(batch, kv_heads, attend, _multiprocessors(q.device), block_n)
     partial = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
     best = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
     total = torch.empty_like(best)
@@ -294,8 +301,8 @@ def _launch(
         ks.stride(0) if scaled else 0, ks.stride(1) if scaled else 0,
         vs.stride(0) if scaled else 0, vs.stride(1) if scaled else 0,
         kv_heads, groups, attend, chunk, splits,
-        BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=BLOCK_N, DIM=dim, SCALED=scaled,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=3,
+        BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=block_n, DIM=dim, SCALED=scaled,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _combine_kernel[(batch * heads,)](
         partial, best, total, out, splits, out.stride(0), heads,
@@ -313,9 +320,12 @@ def decode_attention_triton(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The kernel itself, on any device Triton runs on (the CPU under ``TRITON_INTERPRET=1``);
-    ValueError for inputs it does not take."""
+    ValueError for inputs it does not take. ``launch``: ``(block_n, num_warps, num_stages)``
+    instead of the module's (:data:`BLOCK_N`, ...), for probes."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     reason = _check(q, keys, values, lengths, attend, k_scale, v_scale) or _kernel_reason(
@@ -323,7 +333,9 @@ def decode_attention_triton(
     )
     if reason:
         raise ValueError(reason)
-    return _launch(q, keys, values, lengths, k_scale, v_scale, attend, scale)
+    if launch is not None and (launch[0] < 16 or launch[0] & (launch[0] - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {launch[0]}")
+    return _launch(q, keys, values, lengths, k_scale, v_scale, attend, scale, launch)
 
 
 @torch.library.custom_op("omnirt::decode_attention", mutates_args=())

@@ -206,7 +206,10 @@ class DuplexLM:
 
         minimum = 1 if self.device.type == "cuda" else min(CPU_MIN_ROWS, slots)
         self.buckets = [b for b in batch_buckets(slots) if b >= minimum]
-        self._runner = LengthBucketedRunner(
+        self._runner = self._make_runner(graphs)
+
+    def _make_runner(self, graphs: bool) -> LengthBucketedRunner:
+        return LengthBucketedRunner(
             self._step,
             self._example,
             batch_buckets=self.buckets,
@@ -301,9 +304,11 @@ class DuplexLM:
         return self._frames[self._check_slot(slot)]
 
     def fast_forward(self, slot: int, frames: int) -> None:
-        """Benchmarks: puts a started slot at ``frames`` steps into its conversation (position and
-        step count) without running them; its KV cache keeps whatever it holds, so what follows
-        costs what a conversation of that length costs, with meaningless outputs."""
+        """Benchmarks: puts a started slot at ``frames`` steps into its conversation without
+        running them: position and step count, and (for ``frames > 0``) delay buffers as in mid
+        conversation (the text padding token, code 0 in every codebook of both streams). Its KV
+        cache keeps whatever it holds, so what follows costs what a conversation of that length
+        costs, with meaningless outputs."""
         self._check_slot(slot)
         if not self._started[slot]:
             raise ValueError(f"slot {slot} has no conversation (call start first)")
@@ -311,6 +316,10 @@ class DuplexLM:
             raise ValueError(f"frames must be an int >= 0, got {frames!r}")
         self.position[slot] = frames
         self._frames[slot] = frames
+        if frames:
+            self.text_prev[slot] = min(self.text_pad_ids)
+            self.model_prev[slot] = 0
+            self.user_prev[slot] = 0
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, user_codes: torch.Tensor, active: torch.Tensor) -> DuplexStep:
@@ -377,6 +386,13 @@ class DuplexLM:
     def use_graphs(self, enabled: bool) -> None:
         """Replay captured graphs (True) or run every step eagerly (False)."""
         self._runner.enabled = enabled
+
+    def set_attention_kernel(self, enabled: bool) -> None:
+        """The decode-attention kernel (True, where it applies) or the torch reference (False).
+        Captured graphs hold the previous choice: they are dropped (capture again)."""
+        if enabled != self.attention_kernel:
+            self.attention_kernel = enabled
+            self._runner = self._make_runner(self._runner.enabled)
 
     @property
     def graphs(self) -> int:
