@@ -36,7 +36,9 @@ def test_cpu_smoke_measures_every_level_and_prints_the_tables(bench, capsys):
         assert frames == window and len(cells) == 7, (kv, frames, n, mode, rest)
         assert all(float(c) > 0 for c in cells)  # six times and the ratio against eager
     assert "Memory per session" in out and out.count("| 3000 | 4.0 |") == 1
-    assert re.search(r"- fp8 KV, 40 frames, graphs: 3", out)  # tiny: every level under 80 ms
+    # the summary: the largest level under 80 ms (timing on a shared CPU: any level, or none)
+    assert re.search(r"^- fp8 KV, 40 frames, graphs: (1|3|none)$", out, re.M)
+    assert re.search(r"^- 32 sessions, p99 < 35 ms: not measured$", out, re.M)
 
 
 def test_levels_that_do_not_fit_are_marked(bench, capsys):
