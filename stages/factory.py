@@ -168,7 +168,8 @@ def build_duplex_pipeline(
 ) -> Pipeline | None:
     """The duplex pipeline of ``model``: ``"demo"`` for the embedded tiny Moshi-architecture model
     (random weights; None, with a warning, in a build without it), else a local Moshi checkpoint
-    folder (``ValueError`` when it does not load)."""
+    folder with its tokenizer (``ValueError`` when it does not load; the LM in bfloat16 on CUDA,
+    float32 on CPU: :func:`.duplex.loader.load_duplex`)."""
     from .duplex.pipeline import DuplexPipeline
     from .types import ModelInfo
 
@@ -180,7 +181,7 @@ def build_duplex_pipeline(
                 raise
             log.warning("this build has no embedded duplex model: duplex=1 sessions are refused")
             return None
-        lm, mimi, tokenizer = demo_duplex(max_slots, device)
+        lm, mimi, tokenizer = demo_duplex(max_slots, device, graphs=cuda_graphs)
         info = ModelInfo("demo-moshi", "moshi", random_weights=True, source="embedded")
         log.warning("serving the embedded demo duplex model (Moshi architecture) with RANDOM WEIGHTS")
     else:
@@ -191,7 +192,7 @@ def build_duplex_pipeline(
             raise ValueError(
                 f"--duplex-model {model!r}: no such file or folder (nothing is downloaded; give a local path)"
             )
-        lm, mimi, tokenizer = load_duplex(path, max_slots=max_slots, device=device)
+        lm, mimi, tokenizer = load_duplex(path, max_slots=max_slots, device=device, graphs=cuda_graphs)
         info = ModelInfo(path.name, "moshi", random_weights=False, source=str(path))
     from .duplex.lm import DuplexSampling
 

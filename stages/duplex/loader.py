@@ -14,6 +14,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import MoshiConfig
@@ -101,6 +102,47 @@ def load_duplex_lm(
     )
     log.info("duplex LM loaded from %s: %d slots, %d-frame window", path, max_slots, lm.max_frames)
     return lm, mimi
+
+
+#: Files that hold a tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The text tokenizer of a checkpoint folder (transformers' ``AutoTokenizer``, local files
+    only); ValueError when the folder has none or it does not load."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {path} (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the tokenizer in {path} does not load: {exc}") from None
+
+
+def load_duplex(
+    path: str | Path,
+    *,
+    max_slots: int,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    graphs: bool = True,
+    max_frames: int | None = None,
+) -> tuple[DuplexLM, StreamingMimi, Any]:
+    """The LM, its codec and its text tokenizer from a checkpoint folder (:func:`load_duplex_lm`,
+    :func:`load_tokenizer`; the config and the tokenizer are checked before the weights are read).
+    ``dtype``: the LM's, by default float32 on CPU and bfloat16 elsewhere (Mimi runs in float32)."""
+    device = torch.device(device)
+    read_config(path)
+    tokenizer = load_tokenizer(path)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    lm, mimi = load_duplex_lm(
+        path, max_slots=max_slots, device=device, dtype=dtype, graphs=graphs, max_frames=max_frames
+    )
+    return lm, mimi, tokenizer
 
 
 #: Parameters that are scales (RMSNorm weights), initialised to one.
