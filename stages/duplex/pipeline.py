@@ -251,9 +251,11 @@ class DuplexPipeline:
         self.calls["lm", n] += 1
         decoded = None
         if speaking:
+            ready_dev = ready.to(self.device)
             model_codes = codes.new_zeros((rows, self.lm.num_codebooks, 1))
-            model_codes[:busy, :, 0] = result.audio
-            decoded = self.pool.decode(model_codes, ready.to(self.device)).cpu().numpy()
+            # rows without a frame hold whatever (BOS codes, an idle row's garbage): zeros instead
+            model_codes[:busy, :, 0] = torch.where(ready_dev[:busy, None], result.audio, 0)
+            decoded = self.pool.decode(model_codes, ready_dev).cpu().numpy()
             self.calls["mimi_decode", speaking] += 1
         text = result.text.cpu().tolist()
         pads = self.lm.text_pad_ids
