@@ -217,19 +217,19 @@ class DuplexPipeline:
             if s.input.ready(self.frame):
                 stepping.append(s)
             elif s.input.drained():
-                out.append((rid, self._end(rid, "stop")))
+                out.append((rid, self._end(rid)))
         if stepping:
             self._advance_clock()
             out += self._frames(stepping)
             self.timer.record(time.perf_counter() - t0)
         return out
 
-    def _end(self, request_id: str, reason: str) -> Finished:
+    def _end(self, request_id: str) -> Finished:
+        """The session's input ended and was all consumed (text bytes the detokenizer still holds
+        back, an unfinished character, are dropped: no frame follows to carry them)."""
         session = self._sessions.pop(request_id)
         self._free(session)
-        text = session.detok.flush()  # nothing follows: the held-back bytes go as they are
-        session.text_chars += len(text)
-        return Finished(reason, session.usage)  # type: ignore[arg-type]
+        return Finished("stop", session.usage)
 
     @torch.no_grad()
     def _frames(self, stepping: list[_Session]) -> list[tuple[str, Output]]:
