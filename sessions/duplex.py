@@ -15,9 +15,9 @@ item (``response.output_item.added``, ``conversation.item.added``,
 outside stretches are not sent. ``response.cancel`` during a stretch ends it (``cancelled``);
 the model keeps listening, and what it still says of that stretch is not sent (until the stretch
 would have ended). ``playback.ack`` and ``conversation.item.truncate`` cut the stored audio and
-transcript to what was heard, as in turn sessions. The conversation holds the model's stretches
-only (the user's audio is not stored); past the conversation caps the oldest items are dropped
-(``conversation.item.deleted``).
+transcript to what was heard, as in turn sessions (:class:`~.playback.Playback`). The
+conversation holds the model's stretches only (the user's audio is not stored); past the
+conversation caps the oldest items are dropped (``conversation.item.deleted``).
 
 Input more than ``max_ahead_ms`` ahead of what the model has consumed is refused with
 ``input_backpressure`` and dropped. A held session (its client is behind reading) takes no steps,
@@ -27,7 +27,6 @@ so its input backs up to that bound too.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,16 +44,14 @@ from .events import (
     ErrorReported,
     ItemDeleted,
     ItemRetrieved,
-    ItemTruncated,
-    PlaybackAcknowledged,
     ResponseCreated,
     SessionClosed,
     SessionCreated,
     SessionEvent,
     SessionUpdated,
 )
-from .items import Item, MessageItem, OutputAudio
-from .playback import ACK_RESPONSES, _check_truncatable
+from .items import Item
+from .playback import Playback
 from .response import Response, ResponseOptions, StatusReason
 from .streaming import ResponseRun
 from .stretches import Stretches, StretchRule
@@ -130,10 +127,8 @@ class DuplexSession:
         self._frame_text = ""
         self._base_chars = 0
         self._usage = Usage()
-        #: In-conversation responses by id, for playback acks (bounded, most recent last).
-        self.responses: collections.OrderedDict[str, Response] = collections.OrderedDict()
-        #: Played audio (ms) acknowledged per item of the stretch still streaming.
-        self._played: dict[str, int] = {}
+        #: What the user heard of the stretches (acks and truncation).
+        self.playback = Playback(self.conversation)
         self.ended: Finished | None = None
         self.held = False
         self.closed = False
@@ -151,7 +146,7 @@ class DuplexSession:
         self._pump = asyncio.get_running_loop().create_task(self._read(), name=f"duplex {self.id}")
 
     def update(self, patch: dict[str, Any]) -> None:
-        config = self.config.merged(patch, limits=self.limits, voice_locked=bool(self.responses))
+        config = self.config.merged(patch, limits=self.limits, voice_locked=bool(self.playback.responses))
         if config.turn_detection is not None:
             raise SessionError(
                 ErrorCode.INVALID_VALUE,
@@ -252,64 +247,15 @@ class DuplexSession:
         self.conversation.delete(item_id)
         self._emit(ItemDeleted(item_id))
 
-    def _audio_part(self, item_id: str, code: ErrorCode, action: str) -> tuple[MessageItem, OutputAudio]:
-        item = self.conversation.get(item_id, code, action)
-        _check_truncatable(item)
-        assert isinstance(item, MessageItem)
-        part = item.content[0] if item.content else None
-        if not isinstance(part, OutputAudio):
-            raise SessionError(ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio at content_index 0.")
-        return item, part
-
     def truncate_item(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
         """Cut a stretch's item to what the user heard (allowed while it still streams)."""
-        _, part = self._audio_part(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "truncating")
-        if content_index != 0:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"Item '{item_id}' has no audio content at content_index {content_index}.",
-                "content_index",
-            )
-        if audio_end_ms > part.end_ms:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({part.end_ms} ms).",
-                "audio_end_ms",
-            )
-        part.truncate(audio_end_ms)
-        self._played.pop(item_id, None)
-        self._emit(ItemTruncated(item_id, content_index, audio_end_ms))
+        self._emit(self.playback.truncate(item_id, content_index, audio_end_ms))
 
     def ack_playback(self, response_id: str, item_id: str, played_ms: int) -> None:
         """``playback.ack``: as in a turn session, a finished stretch is cut at ``played_ms`` at
         once; one still streaming is cut there if it is then cancelled."""
-        response = self.responses.get(response_id)
-        if response is None:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"No recent response with response_id '{response_id}' in this conversation.",
-                "response_id",
-            )
-        if not any(i.id == item_id for i in response.output):
-            raise SessionError(
-                ErrorCode.ITEM_TRUNCATE_INVALID_ID,
-                f"Response '{response_id}' has no output item '{item_id}'.",
-                "item_id",
-            )
-        _, part = self._audio_part(item_id, ErrorCode.ITEM_TRUNCATE_INVALID_ID, "acknowledging")
-        if played_ms < 0 or played_ms > part.duration_ms:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"played_ms {played_ms} is outside the item's audio (0 to {part.duration_ms} ms).",
-                "played_ms",
-            )
         streaming = self.active is not None and self.active.id == response_id
-        if streaming and not part.frozen:
-            self._played[item_id] = played_ms
-        elif played_ms < part.duration_ms:
-            part.truncate(played_ms)
-            self._played.pop(item_id, None)
-        self._emit(PlaybackAcknowledged(response_id, item_id, played_ms, part.duration_ms))
+        self._emit(self.playback.ack(response_id, item_id, played_ms, streaming=streaming))
 
     # -- responses ---------------------------------------------------------------------------
     def cancel_response(self, response_id: str | None = None) -> None:
@@ -387,9 +333,7 @@ class DuplexSession:
         self.active = run
         self._base_chars = base_chars
         self._usage = Usage()
-        self.responses[response.id] = response
-        while len(self.responses) > ACK_RESPONSES:
-            self.responses.popitem(last=False)
+        self.playback.track(response)
         run.start()
 
     def _make_room(self) -> None:
@@ -404,32 +348,16 @@ class DuplexSession:
             self._emit(ItemDeleted(oldest.id))
 
     def _on_done(self, run: ResponseRun) -> None:
-        response = run.response
-        for item in response.output:
-            played = self._played.pop(item.id, None)
-            if played is None or response.status != "cancelled" or not isinstance(item, MessageItem):
-                continue
-            part = item.content[0] if item.content else None
-            if isinstance(part, OutputAudio) and not part.frozen and played < part.duration_ms:
-                part.truncate(played)  # cancelled: history keeps what the last ack said was heard
+        self.playback.settle(run.response)  # cancelled: history keeps what the last ack said was heard
         if self.active is run:
             self.active = None
 
     def _end(self, finished: Finished) -> None:
-        """The engine request ended (input ended, a length or server limit, an error)."""
+        """The engine request ended (its input ended, a server limit, an error)."""
         self.ended = finished
         if self.active is not None:
             self.active.feed(Finished(finished.reason, self._usage, finished.error, finished.code))
-        if finished.reason == "length":
-            self._emit(
-                ErrorReported(
-                    ErrorCode.SESSION_EXPIRED,
-                    "The duplex conversation reached the model's context length; open a new session.",
-                    None,
-                    "invalid_request_error",
-                )
-            )
-        elif finished.reason == "error":
+        if finished.reason == "error":
             overloaded = finished.code == "overloaded"
             self._emit(
                 ErrorReported(

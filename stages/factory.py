@@ -174,7 +174,8 @@ def build_duplex_pipeline(
 ) -> Pipeline | None:
     """The duplex pipeline of ``model``: ``"demo"`` for the embedded tiny Moshi-architecture model
     (random weights; None, with a warning, in a build without it), else a local Moshi checkpoint
-    folder (``ValueError`` when it does not load). ``kv_dtype`` (``auto`` or ``fp8``) and
+    folder with its tokenizer (``ValueError`` when it does not load; the LM in bfloat16 on CUDA,
+    float32 on CPU: :func:`.duplex.loader.load_duplex`). ``kv_dtype`` (``auto`` or ``fp8``) and
     ``max_frames`` (the window; None: the model's) shape the LM's KV cache."""
     from .duplex.pipeline import DuplexPipeline
     from .types import ModelInfo

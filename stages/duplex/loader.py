@@ -14,6 +14,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import MoshiConfig
@@ -119,21 +120,43 @@ def load_duplex_lm(
     return lm, mimi
 
 
+#: Files that hold a tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The text tokenizer of a checkpoint folder (transformers' ``AutoTokenizer``, local files
+    only); ValueError when the folder has none or it does not load."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {path} (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the tokenizer in {path} does not load: {exc}") from None
+
+
 def load_duplex(
     path: str | Path,
     *,
     max_slots: int,
     device: torch.device | str,
+    dtype: torch.dtype | None = None,
     graphs: bool = True,
     kv_dtype: str = "auto",
     max_frames: int | None = None,
-) -> tuple[DuplexLM, StreamingMimi, object]:
-    """What the server serves from a Moshi checkpoint folder: the LM (bf16 on CUDA, fp32
-    elsewhere), its Mimi (fp32) and the folder's text tokenizer (``AutoTokenizer``: a
-    ``decode(ids)``); ValueError when the folder has no tokenizer."""
-    from transformers import AutoTokenizer
-
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+) -> tuple[DuplexLM, StreamingMimi, Any]:
+    """The LM, its codec and its text tokenizer from a checkpoint folder (:func:`load_duplex_lm`,
+    :func:`load_tokenizer`; the config and the tokenizer are checked before the weights are read).
+    ``dtype``: the LM's, by default float32 on CPU and bfloat16 elsewhere (Mimi runs in float32);
+    ``kv_dtype`` and ``max_frames`` as for :class:`~.lm.DuplexLM`."""
+    device = torch.device(device)
+    read_config(path)
+    tokenizer = load_tokenizer(path)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     lm, mimi = load_duplex_lm(
         path,
         max_slots=max_slots,
@@ -143,10 +166,6 @@ def load_duplex(
         max_frames=max_frames,
         kv_dtype=kv_dtype,
     )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"no text tokenizer in {path} (tokenizer.json or tokenizer.model): {exc}") from None
     return lm, mimi, tokenizer
 
 

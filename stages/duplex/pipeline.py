@@ -1,16 +1,19 @@
 """The native full-duplex pipeline: Moshi-style conversations in 80 ms lockstep.
 
-Each admitted :class:`~.types.DuplexRequest` holds one slot (the lowest free one, from the
-speech pipeline's :class:`~omnirt.stages.speech.prefix_cache.SlotPool`) in the LM and in a
+Each admitted :class:`~.types.DuplexRequest` holds one slot (the lowest free one, from the one
+slot allocator, :class:`~omnirt.codecs.streaming.SlotAllocator`) in the LM and in a
 :class:`~omnirt.codecs.mimi.MimiSlotPool`; rows of every batched call are slots ``0..B-1``, ``B``
-one past the highest busy slot, with an exec mask ``active [B]``.
+one past the highest busy slot, with an exec mask ``active [B]``. The LM and the Mimi pool pad
+``B`` to their own batch buckets (their CUDA graphs); on CPU the pipeline gives Mimi at least
+``CPU_MIN_ROWS`` rows, as the LM does for itself, since MKL's small-batch kernels would move
+a row's last bits with the batch size (so a session's output is bitwise the same alone and in
+a batch on CPU, and at the same bucket on CUDA).
 
 The clock: a step is due one frame period (80 ms; configurable) after the last one was due, so
 the cadence does not drift with scheduling delays; after an idle pause (no session had input) or
 a step late by a whole period, the cadence restarts at the step. Each step advances every
 admitted session that has a whole frame (1920 samples) of input waiting, one frame each, in one
-batched call per model (rows: all ``max_slots`` on CPU, so outputs do not depend on the batch;
-else the smallest batch bucket holding the highest busy slot):
+batched call per model, with no host sync between them:
 
 1. Mimi encode of the input frames -> the LM's ``K`` codebooks of user audio;
 2. ``lm.step`` (temporal + depth transformers): one text token and one frame of model codes per row;
@@ -23,7 +26,8 @@ padding and completed some text (incremental detokenisation), then an :class:`Au
 80 ms frame (int16; silence for the delay frame, so output frames match input frames one to one)
 whose ``text_chars`` counts the session's text so far. :class:`Started` comes at admission. Once a
 session's input has ended (``LiveInput.end``) and been consumed (the last partial frame padded
-with zeros) it ends with ``Finished("stop")``; at the LM's ``max_frames`` with ``"length"``.
+with zeros) it ends with ``Finished("stop")``. A conversation has no length limit: the LM
+attends to a window of its last ``max_frames`` frames (see ``lm.py``).
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ import numpy as np
 import torch
 from omnirt.codecs.audio import float_to_int16
 from omnirt.codecs.mimi import MimiSlotPool, StreamingMimi
+from omnirt.codecs.streaming import SlotAllocator
 
 from ..codec_graphs import capture_mimi
 from ..live import LiveInput
 from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
 from ..speech.detok import IncrementalDetokenizer
-from ..speech.pipeline import batch_buckets
-from ..speech.prefix_cache import Prefix, SlotPool
 from ..types import AudioDelta, Finished, ModelInfo, Output, Started, TextDelta, Usage
+from .lm import CPU_MIN_ROWS
 from .types import DuplexRequest
 
 if TYPE_CHECKING:
@@ -72,10 +76,6 @@ class _Session:
         return self.request.input
 
 
-def _no_move(source: int, target: int, prefix: Prefix) -> None:
-    """Duplex slots never hold reusable prefixes (:class:`SlotPool`'s move is never called)."""
-
-
 class DuplexPipeline:
     kind = "duplex"
     priority = Priority.REALTIME
@@ -90,17 +90,12 @@ class DuplexPipeline:
         sampling: DuplexSampling,
         frame_seconds: float = FRAME_SECONDS,
         cuda_graphs: bool = True,
-        full_batches: bool | None = None,
     ) -> None:
         """``lm``: the duplex LM (its ``max_slots`` sizes every pool); ``mimi``: a streaming Mimi
         with the LM's ``num_codebooks`` quantizers; ``tokenizer``: the LM's text tokenizer;
         ``sampling``: what requests without their own get; ``frame_seconds``: the tick period
         (tests run faster than real time); ``cuda_graphs``: capture the LM's and Mimi's steps at
-        start when on CUDA; ``full_batches``: every step runs all ``max_slots`` rows, so a
-        session's output is bitwise the same whoever else is in the batch (default: on CPU,
-        where kernels' last bits depend on the row count); else the smallest of the speech
-        pipeline's batch buckets that holds the highest busy slot (the same bits at the same
-        bucket)."""
+        start when on CUDA."""
         if mimi.num_quantizers != lm.num_codebooks:
             raise ValueError(
                 f"Mimi has {mimi.num_quantizers} quantizers, the LM {lm.num_codebooks} codebooks: "
@@ -117,13 +112,12 @@ class DuplexPipeline:
         self.frame = mimi.frame_size
         self.pool = MimiSlotPool(mimi, lm.max_slots, check_codes=False)
         self.device = self.pool.device
-        if full_batches is None:
-            full_batches = self.device.type == "cpu"
-        self.buckets = [lm.max_slots] if full_batches else batch_buckets(lm.max_slots)
+        #: Fewest rows of a Mimi call (see the module doc).
+        self.min_rows = 1 if self.device.type == "cuda" else min(CPU_MIN_ROWS, lm.max_slots)
         self.calls: CallCounter = collections.Counter()
         self.timer = StepTimer()
         self.clock = time.monotonic
-        self._slots = SlotPool(lm.max_slots, _no_move)
+        self._slots = SlotAllocator(lm.max_slots)
         self._sessions: dict[str, _Session] = {}
         #: When the next step is due (None: at once).
         self._due: float | None = None
@@ -163,7 +157,7 @@ class DuplexPipeline:
         try:
             self.lm.start(slot, request.sampling or self.sampling)
         except ValueError as exc:
-            self._slots.give(slot, None)
+            self._slots.give(slot)
             raise RequestRejected(str(exc)) from None
         self.pool.reset(slot)
         self._sessions[rid] = _Session(request, slot, IncrementalDetokenizer(self.tokenizer))
@@ -178,8 +172,12 @@ class DuplexPipeline:
         session = self._sessions.pop(request_id, None)
         if session is None:
             return None
-        self._slots.give(session.slot, None)
+        self._free(session)
         return session.usage
+
+    def _free(self, session: _Session) -> None:
+        self.lm.stop(session.slot)
+        self._slots.give(session.slot)
 
     # -- scheduling --------------------------------------------------------------------------
     def _due_now(self, s: _Session) -> bool:
@@ -188,10 +186,7 @@ class DuplexPipeline:
             return True
         if s.held:
             return False
-        return s.input.ready(self.frame) or s.input.drained() or self._at_length(s)
-
-    def _at_length(self, s: _Session) -> bool:
-        return self.lm.frames(s.slot) >= self.lm.max_frames
+        return s.input.ready(self.frame) or s.input.drained()
 
     def has_work(self) -> bool:
         return any(self._due_now(s) for s in self._sessions.values())
@@ -219,50 +214,48 @@ class DuplexPipeline:
                 out.append((rid, Started(Usage())))
             if s.held:
                 continue
-            if self._at_length(s):
-                out.append((rid, self._end(rid, "length")))
-            elif s.input.ready(self.frame):
+            if s.input.ready(self.frame):
                 stepping.append(s)
             elif s.input.drained():
-                out.append((rid, self._end(rid, "stop")))
+                out.append((rid, self._end(rid)))
         if stepping:
             self._advance_clock()
             out += self._frames(stepping)
             self.timer.record(time.perf_counter() - t0)
         return out
 
-    def _end(self, request_id: str, reason: str) -> Finished:
+    def _end(self, request_id: str) -> Finished:
+        """The session's input ended and was all consumed (text bytes the detokenizer still holds
+        back, an unfinished character, are dropped: no frame follows to carry them)."""
         session = self._sessions.pop(request_id)
-        self._slots.give(session.slot, None)
-        if reason == "stop":
-            text = session.detok.flush()  # nothing follows: the held-back bytes go as they are
-            session.text_chars += len(text)
-        return Finished(reason, session.usage)  # type: ignore[arg-type]
+        self._free(session)
+        return Finished("stop", session.usage)
 
     @torch.no_grad()
     def _frames(self, stepping: list[_Session]) -> list[tuple[str, Output]]:
-        busy = max(s.slot for s in self._sessions.values()) + 1
-        rows = next(b for b in self.buckets if b >= busy)
+        rows = max(self._slots.rows(), self.min_rows)
         audio = np.zeros((rows, self.frame), dtype=np.float32)
         active = torch.zeros(rows, dtype=torch.bool)
+        ready = torch.zeros(rows, dtype=torch.bool)  # the LM gives a whole frame (not a first step)
         for s in stepping:
             pcm = s.input.take(self.frame)
             assert pcm is not None  # ready() said so, and only this thread takes
             audio[s.slot] = pcm
             active[s.slot] = True
-        n = len(stepping)
-        active_dev = active.to(self.device)
-        codes = self.pool.encode(torch.from_numpy(audio).to(self.device), active_dev)  # [rows, K, 1]
+            ready[s.slot] = self.lm.frames(s.slot) > 0
+        n, speaking = len(stepping), int(ready.sum())
+        busy = self._slots.rows()  # the LM pads to its own buckets
+        codes = self.pool.encode(torch.from_numpy(audio).to(self.device), active.to(self.device))
         self.calls["mimi_encode", n] += 1
-        result = self.lm.step(codes[:, :, 0], active_dev)
+        result = self.lm.step(codes[:busy, :, 0], active[:busy])
         self.calls["lm", n] += 1
-        ready = active_dev & result.audio_ready.to(self.device, torch.bool)
-        model_codes = torch.where(ready[:, None], result.audio.to(self.device, torch.int64), 0)
-        ready_host = ready.cpu()
         decoded = None
-        speaking = int(ready_host.sum())
         if speaking:
-            decoded = self.pool.decode(model_codes[:, :, None], ready).cpu().numpy()
+            ready_dev = ready.to(self.device)
+            model_codes = codes.new_zeros((rows, self.lm.num_codebooks, 1))
+            # rows without a frame hold whatever (BOS codes, an idle row's garbage): zeros instead
+            model_codes[:busy, :, 0] = torch.where(ready_dev[:busy, None], result.audio, 0)
+            decoded = self.pool.decode(model_codes, ready_dev).cpu().numpy()
             self.calls["mimi_decode", speaking] += 1
         text = result.text.cpu().tolist()
         pads = self.lm.text_pad_ids
@@ -277,7 +270,7 @@ class DuplexPipeline:
                 if piece:
                     s.text_chars += len(piece)
                     out.append((rid, TextDelta(piece)))
-            if decoded is not None and bool(ready_host[s.slot]):
+            if decoded is not None and bool(ready[s.slot]):
                 pcm = float_to_int16(decoded[s.slot])
                 s.usage.output_audio_tokens += 1
             else:

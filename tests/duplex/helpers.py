@@ -1,43 +1,28 @@
-"""Building a duplex pipeline over the fake LM and a real tiny Mimi, and driving it by hand."""
+"""Building a duplex pipeline over the embedded demo LM (tiny Moshi, its Mimi and tokenizer)."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import numpy as np
-from omnirt.codecs.mimi import StreamingMimi, build_mimi
-from omnirt.codecs.mimi.config import MimiCodecConfig
-from omnirt.codecs.mimi.reference import TINY_MIMI, random_reference_model
+from omnirt.stages.duplex.demo import demo_duplex
+from omnirt.stages.duplex.lm import DuplexSampling
 from omnirt.stages.duplex.pipeline import DuplexPipeline
 from omnirt.stages.duplex.types import DuplexRequest
 from omnirt.stages.live import LiveInput
 from omnirt.stages.types import ModelInfo
 
-from tests.duplex.fake_lm import GREEDY, FakeDuplexLM, LetterTokenizer, always
-
 FRAME = 1920
-INFO = ModelInfo("fake-duplex", "moshi", random_weights=True, source="tests")
-
-
-@functools.cache
-def _mimi_weights():
-    model = random_reference_model(seed=5, **TINY_MIMI)
-    return MimiCodecConfig.from_dict(model.config.to_dict()), model.state_dict()
-
-
-def tiny_mimi() -> StreamingMimi:
-    """A fresh tiny Mimi (random weights, the real codec's frame geometry), 8 quantizers."""
-    config, state = _mimi_weights()
-    return build_mimi(config, state, num_quantizers=8)
+INFO = ModelInfo("demo-moshi", "moshi", random_weights=True, source="embedded")
+#: The demo's default sampling with a fixed seed: sampled (so the demo talks in stretches) and
+#: deterministic (a session's stream depends on its input alone).
+SEEDED = DuplexSampling(seed=7)
 
 
 def pipeline(
-    make_mimi, *, slots: int = 4, talking: Callable[[int], bool] = always, period: float = 0.08, **kwargs
+    *, slots: int = 4, period: float = 0.08, sampling: DuplexSampling = SEEDED, device: str = "cpu"
 ) -> DuplexPipeline:
-    lm = FakeDuplexLM(max_slots=slots, talking=talking, **kwargs)
+    lm, mimi, tokenizer = demo_duplex(slots, device, graphs=device != "cpu")
     return DuplexPipeline(
-        lm, make_mimi(), LetterTokenizer(), info=INFO, sampling=GREEDY, frame_seconds=period
+        lm, mimi, tokenizer, info=INFO, sampling=sampling, frame_seconds=period, cuda_graphs=device != "cpu"
     )
 
 
@@ -50,5 +35,7 @@ def speech(frames: int, seed: int) -> np.ndarray:
     )
 
 
-def request(rid: str, max_samples: int = 100 * FRAME) -> DuplexRequest:
-    return DuplexRequest(rid, LiveInput(max_samples))
+def request(
+    rid: str, max_samples: int = 100 * FRAME, sampling: DuplexSampling | None = None
+) -> DuplexRequest:
+    return DuplexRequest(rid, LiveInput(max_samples), sampling)

@@ -50,3 +50,18 @@ def test_demo_is_deterministic_and_speaks_in_stretches():
     pool = MimiSlotPool(mimi, max_slots=1)
     audio = pool.decode(torch.stack(frames[:5]).T[None])
     assert audio.shape == (1, 5 * 1920) and bool(torch.isfinite(audio).all()) and float(audio.abs().max()) > 0
+
+
+def test_demo_audio_is_silent_when_its_text_is():
+    """Silence codes after padding text, decoded to exact zeros: the audio level agrees with the
+    text on where the demo talks (see demo.py)."""
+    lm, mimi, _ = demo_duplex(1, "cpu", graphs=False)
+    text, frames = _stream(lm, seed=1)
+    pool = MimiSlotPool(mimi, max_slots=1)
+    audio = [pool.decode(f[None, :, None])[0] for f in frames]  # frame n + 1 follows text[n]
+    pads = [t in lm.text_pad_ids for t in text]
+    silent = [n for n in range(8, len(audio)) if all(pads[n - 8 : n + 2])]
+    talking = [n for n in range(1, len(audio)) if not any(pads[n - 1 : n + 2])]
+    assert len(silent) > 20 and len(talking) > 10
+    assert all(not audio[n].any() for n in silent)  # exact silence
+    assert all(float(audio[n].pow(2).mean().sqrt()) > 0.05 for n in talking)  # loud (above -26 dBFS)

@@ -2,7 +2,7 @@
 // `window.omnirt` exposes the current session (its played counters and logs) for tests.
 
 import { Camera } from "./camera.js";
-import { fetchModel } from "./model-info.js";
+import { fetchModels, modelForProfile } from "./model-info.js";
 import { samplesToMs } from "./pcm.js";
 import { PROFILES } from "./profiles.js";
 import { TranscriptView } from "./transcript-view.js";
@@ -28,12 +28,14 @@ const ui = {
   messages: $("messages"),
   model: $("model"),
   randomWeights: $("random-weights"),
+  realModelFlag: $("real-model-flag"),
   duplexUnavailable: $("duplex-unavailable"),
 };
 const transcript = new TranscriptView($("transcript"));
 let session = null;
 let camera = null;
-let modelId = "";
+let models = null; // GET /v1/models, once read
+let modelError = "";
 
 window.omnirt = {
   get session() {
@@ -79,18 +81,37 @@ function showProfileControls() {
   ui.help.textContent = profile.help;
   ui.sendTurn.hidden = profile.id !== "manual";
   ui.talk.hidden = profile.id !== "ptt";
+  showModel();
+}
+
+/** The model the selected profile talks to (the duplex model for Full duplex). */
+function selectedModel() {
+  return models ? modelForProfile(models, PROFILES[selectedProfile()].duplex) : null;
+}
+
+function showModel() {
+  if (modelError) {
+    ui.model.textContent = `Model: unknown (${modelError})`;
+    return;
+  }
+  if (!models) return;
+  const model = selectedModel();
+  ui.model.textContent = model
+    ? `Model: ${model.id} (${model.architecture}, from ${model.source})`
+    : "Model: none for this profile on this server";
+  ui.randomWeights.hidden = !(model && model.random_weights);
+  ui.realModelFlag.textContent = model && model.kind === "duplex" ? "--duplex-model PATH" : "--model PATH";
 }
 
 async function loadModel() {
   try {
-    const model = await fetchModel(ui.apiKey.value.trim());
-    if (!model) return;
-    modelId = model.id;
-    ui.model.textContent = `Model: ${model.id} (${model.architecture}, from ${model.source})`;
-    ui.randomWeights.hidden = !model.random_weights;
+    models = await fetchModels(ui.apiKey.value.trim());
+    modelError = "";
   } catch (error) {
-    ui.model.textContent = `Model: unknown (${error.message})`;
+    models = null;
+    modelError = error.message;
   }
+  showModel();
 }
 
 async function connect() {
@@ -100,7 +121,7 @@ async function connect() {
   session = new VoiceSession({
     profile,
     apiKey: ui.apiKey.value.trim(),
-    model: modelId,
+    model: (selectedModel() || {}).id || "",
     echoCancellation: ui.echo.checked,
   });
   session.addEventListener("status", (e) => setStatus(e.detail));
