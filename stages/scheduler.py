@@ -6,9 +6,13 @@ full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
 
 1. admits waiting requests into every pipeline with free slots, in arrival order, background
    requests (input transcription) after every other;
-2. runs the realtime pipelines whose step is due (no deadline, or a deadline already reached;
-   with no batch work waiting, also those that may run early, see ``Pipeline.next_deadline``),
-   earliest deadline first;
+2. runs the realtime pipelines whose step is due (no deadline, or a deadline already reached):
+   those with firm deadlines first (they may not run early: duplex frames), then earliest
+   deadline first; with no batch work waiting, also those that may run early (see
+   ``Pipeline.next_deadline``), but an early step only when its ``step_cost()`` fits before the
+   next deadline of the realtime pipelines that may not run early (duplex frames on their 80 ms
+   clock: a late one is an audible glitch, so they come first). An early step that does not fit
+   waits for its own deadline;
 3. runs batch pipelines' steps (round robin) in the time left before the earliest realtime
    deadline: a batch step starts only when its ``step_cost()`` fits before that deadline. With no
    realtime deadline pending, one batch step runs per tick (so realtime work without deadlines,
@@ -186,7 +190,9 @@ class Scheduler:
                 deadline = p.next_deadline()
                 if deadline is None or deadline <= now or self._early(p):
                     due.append((now if deadline is None else deadline, lane))
-        due.sort(key=lambda item: item[0])  # stable: registration order among equals
+        # Firm-deadline pipelines (duplex frames) first, then earliest deadline first; stable:
+        # registration order among equals.
+        due.sort(key=lambda item: (runs_early(item[1].pipeline), item[0]))
         for _, lane in due:
             self._step(lane, out)
         self._batch_steps(out)
@@ -223,8 +229,22 @@ class Scheduler:
         ]
 
     def _early(self, pipeline: Pipeline[Any, Any]) -> bool:
-        """A realtime pipeline that may run before its deadline, with no batch work to fit in."""
-        return runs_early(pipeline) and not self._batch_lanes_with_work()
+        """A realtime pipeline that may run before its deadline, with no batch work to fit in,
+        whose step ends before the next firm deadline (see :meth:`_firm_horizon`)."""
+        if not runs_early(pipeline) or self._batch_lanes_with_work():
+            return False
+        firm = self._firm_horizon()
+        return firm is None or self.clock() + pipeline.step_cost() <= firm
+
+    def _firm_horizon(self) -> float | None:
+        """The earliest deadline of realtime work that may not run early (duplex frames)."""
+        deadlines = [
+            d
+            for lane in self._lanes.values()
+            if lane.pipeline.priority is Priority.REALTIME and not runs_early(lane.pipeline)
+            if lane.pipeline.has_work() and (d := lane.pipeline.next_deadline()) is not None
+        ]
+        return min(deadlines, default=None)
 
     def _horizon(self) -> float | None:
         """The earliest deadline of realtime work (None: there is none with a deadline)."""

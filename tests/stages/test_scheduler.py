@@ -234,3 +234,21 @@ def test_a_pipeline_that_may_run_early_runs_at_once_without_batch_work() -> None
     _run_until_frames_done(s2, clock2, ahead2)
     assert max(ahead2.lateness) < 1e-9  # 30 ms steps fit in the 70 ms between its frames
     assert sum(jobs.calls.values()) >= 2 * 9  # and they did run there
+
+
+def test_early_steps_fit_before_the_next_duplex_frame() -> None:
+    """Turn-based speech (steps that may run early, 50 ms each) beside duplex frames (a firm 80 ms
+    clock, 10 ms steps): an early speech step starts only when it ends before the next duplex
+    frame is due, so no duplex frame waits for it; speech still gets the time between frames."""
+    clock = FakeClock()
+    duplex = FramePipeline(clock, period=0.08, cost=0.01)
+    speech = _AheadPipeline(clock, period=0.08, cost=0.05)
+    speech.kind = "speech"
+    speech.accepts = lambda request: request.request_id.startswith("turn")  # type: ignore[method-assign]
+    s = Scheduler([speech, duplex], clock=clock.now)
+    _enqueue(s, FrameRequest("call", frames=40))
+    _enqueue(s, FrameRequest("turn", frames=1000))
+    _run_until_frames_done(s, clock, duplex)
+    assert max(duplex.lateness) < 1e-9
+    # one 50 ms speech step fits in each 70 ms gap: the speech pipeline is not starved
+    assert len(speech.lateness) >= 39
