@@ -150,13 +150,16 @@ def _moshi_cache(slots: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _ring(rows: int) -> torch.Tensor:
-    """Lengths 0, 1, partial, a block edge, full (wrapped), cycled over the rows."""
-    cycle = [0, 1, 700, 64, WINDOW, 2999, 1500, 3]
+    """Lengths 0, 1, partial, a block edge, full (wrapped), cycled over the rows (one row: full)."""
+    cycle = [0, 1, 700, 64, WINDOW, 2999, 1500, 3] if rows > 1 else [WINDOW]
     return torch.tensor([cycle[i % len(cycle)] for i in range(rows)], device="cuda")
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    """Relative L2 distance of ``a`` from ``b`` (``b`` not all zeros)."""
+    norm = b.float().norm()
+    assert norm > 0
+    return float((a.float() - b.float()).norm() / norm)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
@@ -168,7 +171,9 @@ def test_kernel_at_moshi_shapes_is_close_to_the_reference(rows: int) -> None:
     for attend in (WINDOW, 2048, 256):
         got = decode_attention(q, keys, values, lengths, attend, scale)
         want = decode_attention_reference(q, keys, values, lengths, attend, scale)
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+        # bf16 outputs: two units in the last place at magnitudes in [1, 2) (the kernel's fp32
+        # scores meet the values in bf16, as in flash attention; the reference rounds elsewhere)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1.6e-2)
         assert _relative(got, want) < 1e-2
     kq, ks = quantize_kv(keys)
     vq, vs = quantize_kv(values)
