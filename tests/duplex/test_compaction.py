@@ -4,12 +4,16 @@ its busy count once sessions leave from the middle."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from omnirt.stages.duplex.lm import DuplexLM, DuplexSampling
 from omnirt.stages.duplex.loader import load_duplex_lm
+from omnirt.stages.duplex.pipeline import DuplexPipeline
 
+from .helpers import pipeline, request, speech
 from .reference import K, save_reference
+from .test_pipeline import _frames, _same
 
 WINDOW = 8
 SLOTS = 20
@@ -90,3 +94,70 @@ def test_bad_moves_raise_and_change_nothing(checkpoint):
     after = (lm.keys[0], lm.position, lm.text_prev, lm.text_sampling.seed)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert [lm.frames(s) for s in range(4)] == [0, 1, 1, 0] and lm._started[1] and not lm._started[3]
+
+
+def _session_run(leave: bool) -> tuple[list, DuplexPipeline]:
+    """20 sessions on the demo pipeline (20 slots); the last one (slot 19) talks for 14 frames.
+    With ``leave``: sessions 0..9 are removed after 3 frames, 10..18 end their input after 6."""
+    frames = 14
+    p = pipeline(slots=SLOTS)
+    reqs = [request(f"r{i}") for i in range(SLOTS)]
+    for i, r in enumerate(reqs):
+        p.add(r)
+        short = leave and i < SLOTS - 1
+        r.input.push(speech(6 if short and i >= 10 else frames, seed=20 + i))
+        if short and i >= 10:
+            r.input.end()
+    assert p.slot_of("r19") == 19
+    got = []
+    for tick in range(frames + 1):
+        if leave and tick == 3:
+            for r in reqs[:10]:
+                p.remove(r.request_id)
+        got += p.step()
+    return [o for rid, o in got if rid == "r19"], p
+
+
+def test_the_last_session_goes_on_bitwise_after_nineteen_leave_from_the_middle():
+    stayed, full = _session_run(leave=False)
+    moved, p = _session_run(leave=True)
+    assert any(np.abs(pcm).max() > 1000 for _, pcm, _ in _frames(moved))  # it talks: real audio
+    assert _same(moved, stayed)
+    assert p.slot_of("r19") == 0 and p.free_slots == SLOTS - 1
+    # the whole state followed it: every Mimi stream row and the LM's per-slot rows
+    unmoved_state = full.pool.model.state_buffers()
+    for name, buffer in p.pool.model.state_buffers().items():
+        assert torch.equal(buffer[0], unmoved_state[name][19]), name
+    for name in ("position", "text_prev", "model_prev", "user_prev"):
+        assert torch.equal(getattr(p.lm, name)[0], getattr(full.lm, name)[19]), name
+    valid = 14  # frames so far (below the demo's window): the ring's valid columns
+    assert torch.equal(p.lm.keys[0][0, :, :valid], full.lm.keys[0][19, :, :valid])
+    # 10 removed at tick 3 (busy 10 in rows 20: the 20 bucket) -> the top four move down (rows
+    # 16); the nine ending at tick 6 leave r19 (then in slot 0) alone.
+    assert p.calls["move", 1] == 4
+    assert p.calls["lm_rows", 20] == 3 and p.calls["lm_rows", 1] == 14 - 6
+    assert full.calls["lm_rows", 20] == 14 and full.calls["move", 1] == 0
+    # a newcomer takes the lowest free slot
+    p.add(request("new"))
+    assert p.slot_of("new") == 1
+
+
+def test_pipeline_bad_moves_raise_and_change_nothing():
+    p = pipeline(slots=SLOTS)
+    for rid in ("a", "b"):
+        p.add(request(rid))
+        p.step()
+    for rid, slot, match in (
+        ("nobody", 5, "no duplex session"),
+        ("a", 1, "in use"),
+        ("a", 0, "in use"),
+        ("a", SLOTS, "slot must be"),
+        ("a", None, "slot must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            p.move(rid, slot)
+    assert (p.slot_of("a"), p.slot_of("b"), p.free_slots, p.calls["move", 1]) == (0, 1, SLOTS - 2, 0)
+    p.move("b", 7)  # a move the caller asks for
+    assert p.slot_of("b") == 7 and p.lm._started[7] and not p.lm._started[1]
+    p.remove("a")  # busy 1 in rows 8: the 16 bucket either way, nothing to compact on CPU
+    assert p.slot_of("b") == 7
