@@ -13,13 +13,15 @@ rows do, and the batch keeps one shape.
 Also the RoPE inverse frequencies both codecs' transformers use (:func:`rope_inv_freq`), and
 :class:`SlotAllocator`, the one slot allocator of every slot pool (the codecs' pools, the speech
 decoders, the duplex LM): lowest free slot first, so that busy slots stay low and a batch of the
-first ``rows()`` slots covers them all.
+first ``rows()`` slots covers them all. When streams leave from the middle, ``compaction`` plans
+the moves (the highest busy slot into the lowest free one) that bring the batch back to the
+bucket the busy count needs; the pool that owns the state copies the rows, ``move`` records it.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,44 @@ class SlotAllocator:
     def rows(self) -> int:
         """The batch that covers every busy slot: the highest busy slot + 1 (0 when none is)."""
         return max(self._busy) + 1 if self._busy else 0
+
+    def busy(self) -> int:
+        """Taken slots."""
+        return len(self._busy)
+
+    def move(self, source: int, target: int) -> None:
+        """Records that the stream of taken slot ``source`` now lives in free slot ``target``:
+        ``target`` is taken, ``source`` free. ``ValueError`` (nothing changes) otherwise."""
+        if source not in self._busy:
+            raise ValueError(f"cannot move from slot {source!r}: it is not in use")
+        if isinstance(target, bool) or not isinstance(target, int) or target in self._busy:
+            raise ValueError(f"cannot move to slot {target!r}: it is not a free slot")
+        if target not in self._free:
+            raise ValueError(f"cannot move to slot {target!r}: not a slot of this pool (0..{self.count - 1})")
+        self._free.remove(target)
+        self._free.append(source)
+        heapq.heapify(self._free)
+        self._busy.remove(source)
+        self._busy.add(target)
+
+    def compaction(self, buckets: Sequence[int]) -> tuple[int, int] | None:
+        """The next move ``(source, target)`` that lowers the batch, or None when none is due.
+
+        ``buckets``: the batch sizes the steps run at (ascending or not; a batch runs at the
+        smallest bucket that holds it; sizes past the largest count as their own bucket). A move
+        is due while the bucket that covers the busy slots (``rows()``) is larger than the one the
+        busy count needs; it takes the highest busy slot into the lowest free slot, so a loop of
+        ``compaction``/``move`` moves the fewest streams, the highest ones."""
+        if not self._busy:
+            return None
+        sizes = sorted(set(buckets))
+
+        def bucket(n: int) -> int:
+            return next((b for b in sizes if b >= n), n)
+
+        if bucket(self.rows()) <= bucket(len(self._busy)):
+            return None
+        return max(self._busy), self._free[0]
 
 
 def rope_inv_freq(base: float, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:

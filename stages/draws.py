@@ -77,3 +77,9 @@ class SlotSampling:
 
     def advance_slot(self, slot: int) -> None:
         self.counter[slot] += 1
+
+    def copy_row(self, source: int, target: int) -> None:
+        """Slot ``target`` takes slot ``source``'s parameters, seed and counter (on the device, no
+        sync), so its draws continue where ``source``'s would have."""
+        for row in (self.temperature, self.top_k, self.top_p, self.seed, self.counter):
+            row[target] = row[source]

@@ -10,6 +10,7 @@ replaces the runners with graph runners of the same signature, captured per batc
 ``encode_io`` / ``encode_inputs`` (and the decode pair) at the pool's ``buckets``
 (``stages/codec_graphs.py``); padded rows are idle. The buckets are those of ``buckets``
 (default ``DEFAULT_BUCKETS``) up to ``max_slots``, plus ``max_slots`` itself.
+``move`` copies a stream to another slot (compaction after streams leave from the middle).
 Bad input raises ``ValueError`` before any state changes. The pool allocates its state inside
 the model's modules (``StreamingMimi.alloc_state``): one model backs one pool.
 """
@@ -79,6 +80,22 @@ class MimiSlotPool:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
             raise ValueError(f"slot must be an int in [0, {self.max_slots}), got {slot!r}")
         self.model.reset_slot(slot, encoder=encoder, decoder=decoder)
+
+    def move(self, source: int, target: int) -> None:
+        """Moves the stream of slot ``source`` into slot ``target`` (another slot, free in the
+        caller's allocator): every state row of the encoder and the decoder is copied in place on
+        the device, no sync, so the stream goes on in ``target`` exactly as it would have in
+        ``source`` (bitwise on CPU; on CUDA at the same batch bucket). ``source`` keeps a stale
+        copy, to be reset when a new stream takes it. Between steps only. ValueError, nothing
+        changed, for slots out of range or equal."""
+        for slot in (source, target):
+            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
+                raise ValueError(f"slot must be an int in [0, {self.max_slots}), got {slot!r}")
+        if source == target:
+            raise ValueError(f"cannot move slot {source} onto itself")
+        with torch.no_grad():
+            for buffer in self.model.state_buffers().values():
+                buffer[target] = buffer[source]
 
     def _exec_mask(self, rows: int, exec_mask: torch.Tensor | None) -> torch.Tensor:
         if exec_mask is None:

@@ -295,6 +295,36 @@ class DuplexLM:
         self._frames[slot] = 0
         self._started[slot] = True
 
+    def move(self, source: int, target: int) -> None:
+        """Moves the conversation of slot ``source`` into free slot ``target``, in place on the
+        device with no sync: the ring's valid columns (and their fp8 scales), the position, the
+        delay buffers, both sampling rows (seed and counter included) and the step count. The
+        conversation goes on in ``target`` exactly as it would have in ``source`` (bitwise on
+        CPU; on CUDA as long as the step runs at the same batch bucket); ``source`` is stopped.
+        Between steps only (captured graphs read the buffers in place, their addresses do not
+        change). ValueError, nothing changed, unless ``source`` has a conversation and
+        ``target`` is another slot without one."""
+        self._check_slot(source)
+        self._check_slot(target)
+        if not self._started[source]:
+            raise ValueError(f"cannot move from slot {source}: it has no conversation")
+        if self._started[target]:
+            raise ValueError(f"cannot move to slot {target}: it has a conversation (stop it first)")
+        valid = min(self._frames[source], self.max_frames)  # the ring's valid columns: 0..valid-1
+        caches = [*self.keys, *self.values]
+        for cache in caches:
+            raw = cache.view(torch.uint8) if cache.dtype == FP8 else cache  # copies fp8 as bytes
+            raw[target, :, :valid] = raw[source, :, :valid]
+        for scales in (*(self.key_scales or ()), *(self.value_scales or ())):
+            scales[target, :, :valid] = scales[source, :, :valid]
+        for state in (self.position, self.text_prev, self.model_prev, self.user_prev):
+            state[target] = state[source]
+        self.text_sampling.copy_row(source, target)
+        self.audio_sampling.copy_row(source, target)
+        self._frames[target] = self._frames[source]
+        self._started[target] = True
+        self._started[source] = False
+
     def stop(self, slot: int) -> None:
         """Ends ``slot``'s conversation: it may not be stepped until started again."""
         self._started[self._check_slot(slot)] = False

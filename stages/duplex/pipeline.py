@@ -9,6 +9,15 @@ one past the highest busy slot, with an exec mask ``active [B]``. The LM and the
 a row's last bits with the batch size (so a session's output is bitwise the same alone and in
 a batch on CPU, and at the same bucket on CUDA).
 
+Compaction: when sessions leave from the middle (``remove``, or the end of their input), the
+batch would still cover the highest busy slot. So whenever the batch bucket that covers the busy
+slots is larger than the bucket the busy count needs, the highest sessions move down into the
+lowest free slots (:meth:`SlotAllocator.compaction`; ``lm.move`` and ``pool.move`` copy their
+state rows in place on the device) until it is not: one session left in slot 63 of 64 goes on in
+slot 0, at the smallest bucket. Moves happen on the engine thread between batched calls, and a
+moved session's stream is exactly what it would have been in its old slot (bitwise on CPU; on
+CUDA at the same bucket: graphs of another bucket may round differently).
+
 The clock: a step is due one frame period (80 ms; configurable) after the last one was due, so
 the cadence does not drift with scheduling delays; after an idle pause (no session had input) or
 a step late by a whole period, the cadence restarts at the step. Each step advances every
@@ -118,6 +127,9 @@ class DuplexPipeline:
         self.timer = StepTimer()
         self.clock = time.monotonic
         self._slots = SlotAllocator(lm.max_slots)
+        #: The batch sizes the calls run at (the LM's buckets, Mimi's above ``min_rows``):
+        #: compaction moves sessions while the busy slots' bucket exceeds the busy count's.
+        self.buckets = sorted(set(lm.buckets) | {b for b in self.pool.buckets if b >= self.min_rows})
         self._sessions: dict[str, _Session] = {}
         #: When the next step is due (None: at once).
         self._due: float | None = None
@@ -173,11 +185,43 @@ class DuplexPipeline:
         if session is None:
             return None
         self._free(session)
+        self.compact()
         return session.usage
 
     def _free(self, session: _Session) -> None:
         self.lm.stop(session.slot)
         self._slots.give(session.slot)
+
+    # -- compaction --------------------------------------------------------------------------
+    def move(self, request_id: str, slot: int) -> None:
+        """Moves a live session into free slot ``slot`` (its LM and Mimi state, in place on the
+        device); its stream goes on as it would have in its old slot. Engine thread, between
+        steps. ValueError, nothing changed, for an unknown session or a slot that is not free."""
+        session = self._sessions.get(request_id)
+        if session is None:
+            raise ValueError(f"no duplex session {request_id!r}")
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot must be an int in [0, {self.max_slots}), got {slot!r}")
+        if slot in self._slots:
+            raise ValueError(f"cannot move session {request_id!r} to slot {slot}: it is in use")
+        source = session.slot
+        self.lm.move(source, slot)
+        self.pool.move(source, slot)
+        self._slots.move(source, slot)
+        session.slot = slot
+        self.calls["move", 1] += 1
+        log.debug("duplex %s: slot %d -> %d", request_id, source, slot)
+
+    def compact(self) -> int:
+        """Moves the highest sessions into the lowest free slots while the batch bucket that
+        covers the busy slots is larger than the one the busy count needs; the moves made."""
+        moves = 0
+        while (planned := self._slots.compaction(self.buckets)) is not None:
+            source, target = planned
+            rid = next(rid for rid, s in self._sessions.items() if s.slot == source)
+            self.move(rid, target)
+            moves += 1
+        return moves
 
     # -- scheduling --------------------------------------------------------------------------
     def _due_now(self, s: _Session) -> bool:
@@ -208,6 +252,7 @@ class DuplexPipeline:
         t0 = time.perf_counter()
         out: list[tuple[str, Output]] = []
         stepping: list[_Session] = []
+        ended = False
         for rid, s in list(self._sessions.items()):
             if not s.started:
                 s.started = True
@@ -218,6 +263,9 @@ class DuplexPipeline:
                 stepping.append(s)
             elif s.input.drained():
                 out.append((rid, self._end(rid)))
+                ended = True
+        if ended:
+            self.compact()  # before the batched calls: the stepping sessions' slots may change
         if stepping:
             self._advance_clock()
             out += self._frames(stepping)
@@ -249,6 +297,7 @@ class DuplexPipeline:
         self.calls["mimi_encode", n] += 1
         result = self.lm.step(codes[:busy, :, 0], active[:busy])
         self.calls["lm", n] += 1
+        self.calls["lm_rows", busy] += 1
         decoded = None
         if speaking:
             ready_dev = ready.to(self.device)

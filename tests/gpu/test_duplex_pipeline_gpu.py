@@ -1,6 +1,7 @@
 """The duplex pipeline on CUDA with the embedded demo LM (sampled, fixed seed) and its Mimi, all
 three steps (Mimi encode, LM step, Mimi decode) replayed from captured CUDA graphs: a session's
-output alone equals its output in a full batch at the same bucket, bitwise.
+output alone equals its output in a full batch at the same bucket, bitwise; a session moved to
+another slot mid-stream (compaction) goes on bitwise as unmoved at the same bucket (bf16 and fp8 KV).
 
 "Alone" is the session with three others admitted but silent (no input: masked off), so both
 runs are at batch bucket 4. Run on the lent GPU: ``pytest -m gpu -s tests/gpu/test_duplex_pipeline_gpu.py``.
@@ -11,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from omnirt.stages.duplex.demo import demo_duplex
 from omnirt.stages.duplex.pipeline import DuplexPipeline
 from omnirt.stages.graphs import CudaGraphRunner
 from omnirt.stages.types import AudioDelta, TextDelta
 
-from tests.duplex.helpers import pipeline, request, speech
+from tests.duplex.helpers import INFO, SEEDED, pipeline, request, speech
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -62,3 +64,42 @@ def test_a_session_alone_equals_it_in_a_batch_through_graphs_at_one_bucket() -> 
     for (text_a, pcm_a), (text_b, pcm_b) in zip(alone, batch["s0"], strict=True):
         assert text_a == text_b and np.array_equal(pcm_a, pcm_b)
     assert any(not np.array_equal(a, b) for (_, a), (_, b) in zip(batch["s0"], batch["s1"], strict=True))
+
+
+def _moved_run(kv_dtype: str, move: bool) -> tuple[list[tuple[str, np.ndarray]], DuplexPipeline]:
+    """Sessions s0..s3 in slots 0..3 (graphs, 8 slots), s3 fed and s0 fed, s1/s2 silent. With
+    ``move``: after frame 10 s1 leaves and s3 moves into its slot 1 (rows 4 -> 3: bucket 4 still)."""
+    lm, mimi, tokenizer = demo_duplex(8, "cuda", graphs=True, kv_dtype=kv_dtype)
+    p = DuplexPipeline(lm, mimi, tokenizer, info=INFO, sampling=SEEDED, frame_seconds=0.08)
+    reqs = [request(f"s{i}", max_samples=(FRAMES + 1) * 1920) for i in range(SESSIONS)]
+    for r in reqs:
+        p.add(r)
+    for i in (0, 3):
+        reqs[i].input.push(speech(FRAMES, seed=i))
+    frames, text = [], ""
+    for n in range(FRAMES):
+        if move and n == 10:
+            p.remove("s1")
+            assert p.slot_of("s3") == 3  # busy 3 in rows 4: the same bucket, nothing compacted
+            p.move("s3", 1)
+        for rid, o in p.step():
+            if rid != "s3":
+                continue
+            if isinstance(o, TextDelta):
+                text += o.text
+            elif isinstance(o, AudioDelta):
+                frames.append((text, o.pcm))
+                text = ""
+    return frames, p
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_a_moved_session_goes_on_bitwise_through_graphs_at_one_bucket(kv_dtype: str) -> None:
+    stayed, _ = _moved_run(kv_dtype, move=False)
+    moved, p = _moved_run(kv_dtype, move=True)
+    assert p.slot_of("s3") == 1 and p.calls["move", 1] == 1
+    assert p.lm.last_path == "graph" and p.pool.decode_runner.last_path == "graph"
+    assert len(moved) == len(stayed) == FRAMES
+    assert any(np.abs(pcm).max() > 1000 for _, pcm in moved[10:])  # it talked after the move
+    for (text_a, pcm_a), (text_b, pcm_b) in zip(stayed, moved, strict=True):
+        assert text_a == text_b and np.array_equal(pcm_a, pcm_b)
