@@ -3,8 +3,8 @@ three steps (Mimi encode, LM step, Mimi decode) replayed from captured CUDA grap
 output alone equals its output in a full batch at the same bucket, bitwise; a session moved to
 another slot mid-stream (compaction) goes on bitwise as unmoved at the same bucket (bf16 and fp8 KV).
 
-"Alone" is the session with three others admitted but silent (no input: masked off), so both
-runs are at batch bucket 4. Run on the lent GPU: ``pytest -m gpu -s tests/gpu/test_duplex_pipeline_gpu.py``.
+"Alone" is the session with 31 others admitted but silent (no input: masked off), so both
+runs are at batch bucket 32. Run on the lent GPU: ``pytest -m gpu -s tests/gpu/test_duplex_pipeline_gpu.py``.
 Skipped without CUDA."""
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 FRAMES = 40
 SESSIONS = 4
+#: Sessions of the alone-vs-batch test (the issue's batch of 32).
+BATCH = 32
 
 
-def _run(p: DuplexPipeline, fed: list[int]) -> dict[str, list[tuple[str, np.ndarray]]]:
-    """Admits ``SESSIONS`` sessions (slots 0..3), gives the ones in ``fed`` ``FRAMES`` frames of
-    their own audio, steps until those are consumed; per session, each frame's (text, pcm)."""
-    reqs = [request(f"s{i}", max_samples=(FRAMES + 1) * 1920) for i in range(SESSIONS)]
+def _run(
+    p: DuplexPipeline, fed: list[int], sessions: int = SESSIONS
+) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """Admits ``sessions`` sessions (slots 0..sessions-1), gives the ones in ``fed`` ``FRAMES``
+    frames of their own audio, steps until those are consumed; per session, each frame's (text, pcm)."""
+    reqs = [request(f"s{i}", max_samples=(FRAMES + 1) * 1920) for i in range(sessions)]
     for r in reqs:
         p.add(r)
     for i in fed:
@@ -48,17 +52,17 @@ def _run(p: DuplexPipeline, fed: list[int]) -> dict[str, list[tuple[str, np.ndar
 
 
 def test_a_session_alone_equals_it_in_a_batch_through_graphs_at_one_bucket() -> None:
-    p = pipeline(slots=8, device="cuda")
+    p = pipeline(slots=BATCH, device="cuda")
     assert p.lm.graphs > 0
     assert isinstance(p.pool.encode_runner, CudaGraphRunner) and isinstance(
         p.pool.decode_runner, CudaGraphRunner
     )
-    alone = _run(p, fed=[0])["s0"]
+    alone = _run(p, fed=[0], sessions=BATCH)["s0"]
     assert p.lm.last_path == "graph"
     assert p.pool.encode_runner.last_path == "graph" and p.pool.decode_runner.last_path == "graph"
     assert p.calls["lm", 1] == FRAMES
-    batch = _run(p, fed=list(range(SESSIONS)))
-    assert p.calls["lm", SESSIONS] == FRAMES and p.lm.last_path == "graph"
+    batch = _run(p, fed=list(range(BATCH)), sessions=BATCH)
+    assert p.calls["lm", BATCH] == FRAMES and p.lm.last_path == "graph"
     assert len(alone) == len(batch["s0"]) == FRAMES
     assert any(np.abs(pcm).max() > 1000 for _, pcm in alone)  # it talked: real audio compared
     for (text_a, pcm_a), (text_b, pcm_b) in zip(alone, batch["s0"], strict=True):
