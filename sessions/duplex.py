@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from omnirt.codecs.audio import SAMPLE_RATE, AudioDecoder, bytes_per_ms, check_wire_bytes
+from omnirt.codecs.audio import SAMPLE_RATE, AudioDecoder, bytes_per_ms
 from omnirt.stages.duplex.types import DuplexRequest
 from omnirt.stages.live import InputBackpressure, LiveInput
 from omnirt.stages.types import AudioDelta, Finished, GenerationRequest, Output, TextDelta, Usage
@@ -50,6 +50,7 @@ from .events import (
     SessionEvent,
     SessionUpdated,
 )
+from .input_buffer import check_audio_bytes
 from .items import Item
 from .playback import Playback
 from .response import Response, ResponseOptions, StatusReason
@@ -193,14 +194,7 @@ class DuplexSession:
     # -- input -------------------------------------------------------------------------------
     def append_audio(self, data: bytes) -> None:
         fmt = self.config.input_format
-        try:
-            check_wire_bytes(data, fmt)
-        except ValueError:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"audio/pcm audio must be whole 16-bit samples; got {len(data)} bytes (odd).",
-                "audio",
-            ) from None
+        check_audio_bytes(data, fmt)
         if self.ended is not None:
             raise SessionError(
                 ErrorCode.SESSION_EXPIRED, "The duplex conversation has ended; open a new session.", "audio"

@@ -17,6 +17,18 @@ MIN_COMMIT_MS = 100
 _PCM_BYTES_PER_MS = bytes_per_ms("audio/pcm")
 
 
+
+def check_audio_bytes(data: bytes, fmt: FormatType) -> None:
+    """Appended audio must be whole samples of ``fmt``: else ``invalid_value`` (param ``audio``)."""
+    try:
+        check_wire_bytes(data, fmt)
+    except ValueError:
+        raise SessionError(
+            ErrorCode.INVALID_VALUE,
+            f"audio/pcm audio must be whole 16-bit samples; got {len(data)} bytes (odd).",
+            "audio",
+        ) from None
+
 class InputAudioBuffer:
     def __init__(self, fmt: FormatType, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -56,14 +68,7 @@ class InputAudioBuffer:
     def append(self, data: bytes) -> np.ndarray:
         """Decode and buffer ``data``; returns the new 24 kHz samples. On error nothing changes."""
         fmt = self._decoder.format
-        try:
-            check_wire_bytes(data, fmt)
-        except ValueError:
-            raise SessionError(
-                ErrorCode.INVALID_VALUE,
-                f"audio/pcm audio must be whole 16-bit samples; got {len(data)} bytes (odd).",
-                "audio",
-            ) from None
+        check_audio_bytes(data, fmt)
         ms = len(data) / bytes_per_ms(fmt)
         added = int(ms * _PCM_BYTES_PER_MS)
         if self.held_bytes + added > self.max_bytes:
