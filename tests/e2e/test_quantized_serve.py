@@ -30,7 +30,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_models_report_their_quantization_and_images_come_out(server: str) -> None:
     listed = httpx.get(server + "/v1/models", headers={"Authorization": "Bearer k"}).json()["data"]
     quantization = {m["id"]: m["quantization"] for m in listed}
-    assert quantization == {"demo-qwen3-omni": "none", "demo-z-image": "int8", "demo-wan2.1-t2v": "int8"}
+    assert quantization == {
+        "demo-qwen3-omni": "none",
+        "demo-moshi": "none",  # --quantization is for the diffusion transformers
+        "demo-z-image": "int8",
+        "demo-wan2.1-t2v": "int8",
+    }
     client = OpenAI(api_key="k", base_url=server + "/v1", max_retries=0)
     out = client.images.generate(
         prompt="a lighthouse at dusk", size="64x64", extra_body={"seed": 5, "num_inference_steps": 2}
