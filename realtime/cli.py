@@ -372,11 +372,8 @@ def replicas_wanted(args: argparse.Namespace) -> bool:
 def replica_options(args: argparse.Namespace) -> ReplicaOptions:
     from .replicas import ReplicaOptions
 
-    replicas = args.replicas
-    if replicas is None:
-        replicas = max(1, args.min_replicas or 0) if args.min_replicas is not None else 1
     return ReplicaOptions(
-        replicas=replicas,
+        replicas=args.replicas if args.replicas is not None else max(1, args.min_replicas or 0),
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         ray_address=args.ray_address,
@@ -501,7 +498,8 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if args.command == "calibrate":
         from omnirt.stages.diffusion.cache.calibrate import run
@@ -510,8 +508,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(args, os.environ)
     if replicas_wanted(args):
         from .replicas import serve_replicas
+        from .replicas.launch import check_config
 
-        return serve_replicas(config, replica_options(args), device=args.device, load_format=args.load_format)
+        options = replica_options(args)
+        try:
+            options.validate()
+            check_config(config, args.device)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return serve_replicas(
+            config, options, device=args.device, load_format=args.load_format, log_level=args.log_level
+        )
     return serve(config, device=args.device, log_level=args.log_level, load_format=args.load_format)
 
 

@@ -55,6 +55,21 @@ class ReplicaSettings:
     drain_seconds: float = 30.0
     #: Seconds between a replica's looks at its own state (is it being removed?).
     poll_seconds: float = 1.0
+    #: The level of omnirt's log lines in the replica (``--log-level``; Ray Serve keeps its own).
+    log_level: str = "info"
+
+
+def _log_to_stderr(level: str) -> None:
+    """omnirt's loggers to the replica's stderr (Ray keeps it in the worker's log and shows it on
+    the driver's console), as ``omnirt serve`` logs in one process."""
+    from ..cli import LOG_FORMAT
+
+    logger = logging.getLogger("omnirt")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(handler)
 
 
 class ReplicaHeader:
@@ -88,6 +103,7 @@ class OmnirtReplica:
         settings: ReplicaSettings,
         fleet: DeploymentHandle,
     ) -> None:
+        _log_to_stderr(settings.log_level)
         context = serve.get_replica_context()
         self.replica_id = context.replica_tag
         self.deployment = context.deployment

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ServerConfig
@@ -45,6 +45,9 @@ class ReplicaOptions:
     gpus_per_replica: float | None = None
     #: Autoscaling target: ongoing requests per replica as a share of its session limit.
     target_session_share: float = 0.75
+    #: More of Ray Serve's ``autoscaling_config`` (``upscale_delay_s``, ``downscale_delay_s``,
+    #: ``look_back_period_s``, ``metrics_interval_s``, ...), over the values derived here.
+    autoscaling_overrides: dict[str, Any] = field(default_factory=dict)
     #: Concurrent HTTP requests a replica takes beside its sessions.
     http_slots: int = 64
     #: A removed replica's live sessions may go on this long before they are closed (1001).
@@ -96,7 +99,12 @@ def check_config(config: ServerConfig, device: str | None) -> None:
 
 
 def application(
-    config: ServerConfig, options: ReplicaOptions, *, device: str | None, load_format: str
+    config: ServerConfig,
+    options: ReplicaOptions,
+    *,
+    device: str | None,
+    load_format: str,
+    log_level: str = "info",
 ) -> Any:
     """The Ray Serve application (``serve.run`` takes it)."""
     from ray import serve
@@ -114,6 +122,7 @@ def application(
         report_seconds=options.stats_seconds,
         drain_seconds=options.drain_seconds,
         poll_seconds=min(1.0, options.stats_seconds),
+        log_level=log_level,
     )
     scaling: dict[str, Any]
     if options.autoscaling:
@@ -124,6 +133,7 @@ def application(
                 "initial_replicas": options.replicas,
                 "max_replicas": high,
                 "target_ongoing_requests": max(1.0, config.max_sessions * options.target_session_share),
+                **options.autoscaling_overrides,
             }
         }
     else:
@@ -156,6 +166,7 @@ def deploy(
     *,
     device: str | None = None,
     load_format: str = "auto",
+    log_level: str = "info",
 ) -> str:
     """Run the fleet on Ray (joined or started, see the module) and return its base URL once every
     replica serves. ValueError for options that cannot work; Ray Serve's error when a replica
@@ -170,7 +181,7 @@ def deploy(
     if device is None and options.gpus_per_replica is None and ray.cluster_resources().get("GPU", 0) >= 1:
         device = "cuda"
     serve.start(http_options={"host": config.host, "port": config.port})
-    app = application(config, options, device=device, load_format=load_format)
+    app = application(config, options, device=device, load_format=load_format, log_level=log_level)
     serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
     base = f"http://{config.host}:{config.port}"
     log.info(
@@ -189,24 +200,28 @@ def serve_replicas(
     *,
     device: str | None = None,
     load_format: str = "auto",
+    log_level: str = "info",
 ) -> int:
     """``omnirt serve --replicas N``: deploy, serve until SIGINT/SIGTERM, then remove the fleet
     (replicas drain) and stop Ray when this process started it. Returns the exit status."""
-    import ray
-    from ray import serve
-
     try:
         options.validate()
         check_config(config, device)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        log.error("--replicas needs Ray Serve (%s): pip install 'omnirt[ray]'", exc)
+        return 1
     joined = ray.is_initialized()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        deploy(config, options, device=device, load_format=load_format)
+        deploy(config, options, device=device, load_format=load_format, log_level=log_level)
     except Exception as exc:
         log.error("the replicas did not start: %s", exc)
         _stop_ray(joined)

@@ -163,7 +163,7 @@ def test_chat_requests_are_balanced(fleet: Fleet) -> None:
 
             async def one(i: int) -> str:
                 raw = await client.chat.completions.with_raw_response.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4
+                    model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=16
                 )
                 assert raw.parse().choices[0].message.content is not None
                 return raw.headers[HEADER]
@@ -309,3 +309,37 @@ def test_a_removed_replica_drains_its_sessions(fleet: Fleet) -> None:
 
     run(go())
     fleet.wait_for(lambda r: len(r) == 1, what="the removed replica gone")
+
+
+def test_ray_serve_autoscales_on_the_sessions(fleet: Fleet) -> None:
+    """Autoscaling between 1 and 2 replicas, the target from the session slots (1.5 ongoing
+    requests a replica): two sessions on the one replica bring a second, which takes the next
+    session (it has the free slots); once they end the fleet shrinks back to one."""
+    from omnirt.realtime.replicas.launch import application
+
+    wait_routable(fleet, 1)
+    scaled = dataclasses.replace(
+        fleet.options,
+        replicas=1,
+        min_replicas=1,
+        max_replicas=2,
+        autoscaling_overrides={
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 2.0,
+            "look_back_period_s": 1.0,
+            "metrics_interval_s": 0.25,
+        },
+    )
+    app = application(fleet.config, scaled, device="cpu", load_format="auto")
+    serve.run(app, name="omnirt", route_prefix="/", blocking=False)
+
+    async def go() -> None:
+        async with session(fleet) as (a, first), session(fleet) as (b, second):
+            assert first == second  # one replica so far
+            await asyncio.to_thread(wait_routable, fleet, 2, 90.0)
+            async with session(fleet) as (c, third):
+                assert third != first, "the new replica has the free slots"
+                await text_turn(c)
+
+    run(go())
+    fleet.wait_for(lambda r: len(r) == 1, timeout=60, what="the fleet back to one replica")
