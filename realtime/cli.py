@@ -40,6 +40,12 @@ API_KEYS_ENV = "OMNIRT_API_KEYS"
 #: (deflate) and more client CPU; with it the VAD p99 at 200 sessions was 153-531 ms, not 58
 #: (docs/benchmarks.md, issue 4). Clients then send plain frames, as RFC 7692 allows.
 WS_PER_MESSAGE_DEFLATE = False
+#: uvicorn's HTTP protocol and event loop, named: left to "auto", uvicorn takes httptools and uvloop
+#: whenever they are installed (ray[serve], the ray extra, brings both), and the server would change
+#: with the extras installed. h11 and asyncio are what it was built and measured on (httptools'
+#: protocol objects also outlive their connections in reference cycles: tests/realtime/test_teardown.py).
+UVICORN_HTTP = "h11"
+UVICORN_LOOP = "asyncio"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: ``--step-cache`` choices (``stages.diffusion.cache.config.BACKENDS``; a test checks they agree).
 STEP_CACHES = ("none", "teacache", "magcache")
@@ -483,6 +489,8 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
             host=config.host,
             port=config.port,
             log_level=log_level,
+            http=UVICORN_HTTP,
+            loop=UVICORN_LOOP,
             ws=websocket_protocol(config.ws_send_buffer_bytes),
             ws_max_size=ws_max_size(config),
             ws_per_message_deflate=WS_PER_MESSAGE_DEFLATE,

@@ -518,7 +518,7 @@ class Connection:
                 close_code = CLOSE_GOING_AWAY
             # Responses still streaming end with response.done (cancelled); on shutdown without a
             # reason (neither of OpenAI's, turn_detected and client_cancelled, is what happened).
-            ended_by_server = self._stopped in ("shutdown", "drain")
+            ended_by_server = close_code == CLOSE_SERVICE_RESTART or self._stopped == "drain"
             await self.session.close(
                 notify=close_code == CLOSE_NORMAL,
                 reason=None if ended_by_server else "client_cancelled",
