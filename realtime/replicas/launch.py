@@ -217,15 +217,15 @@ def serve_replicas(
         log.error("--replicas needs Ray Serve (%s): pip install 'omnirt[ray]'", exc)
         return 1
     joined = ray.is_initialized()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         deploy(config, options, device=device, load_format=load_format, log_level=log_level)
     except Exception as exc:
         log.error("the replicas did not start: %s", exc)
         _stop_ray(joined)
         return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets a SIGTERM handler of its own
+        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("stopping: the replicas drain (live sessions get %gs)", options.drain_seconds)
     serve.delete(options.app_name)
