@@ -17,6 +17,7 @@ and in-flight HTTP requests) near ``target_session_share`` of the session limit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -217,18 +218,34 @@ def serve_replicas(
         log.error("--replicas needs Ray Serve (%s): pip install 'omnirt[ray]'", exc)
         return 1
     joined = ray.is_initialized()
+    if not joined:
+        ray.init(address=options.ray_address)
+    # After ray.init, which sets a SIGTERM handler of its own. A signal while the fleet starts
+    # interrupts the start (a fleet that cannot be placed would wait forever); once it serves, it
+    # ends the wait below.
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not serving:
+            raise KeyboardInterrupt
+        stop.set()
+
+    serving = False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         deploy(config, options, device=device, load_format=load_format, log_level=log_level)
+        serving = True
+        stop.wait()
+    except KeyboardInterrupt:
+        log.info("stopped while the replicas were starting")
     except Exception as exc:
         log.error("the replicas did not start: %s", exc)
         _stop_ray(joined)
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets a SIGTERM handler of its own
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
     log.info("stopping: the replicas drain (live sessions get %gs)", options.drain_seconds)
-    serve.delete(options.app_name)
+    with contextlib.suppress(Exception):  # not deployed yet when stopped while starting
+        serve.delete(options.app_name)
     serve.shutdown()
     _stop_ray(joined)
     return 0
