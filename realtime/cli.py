@@ -20,9 +20,12 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig, parse_host_port
+
+if TYPE_CHECKING:
+    from .replicas import ReplicaOptions
 
 log = logging.getLogger("omnirt.serve")
 
@@ -37,6 +40,12 @@ API_KEYS_ENV = "OMNIRT_API_KEYS"
 #: (deflate) and more client CPU; with it the VAD p99 at 200 sessions was 153-531 ms, not 58
 #: (docs/benchmarks.md, issue 4). Clients then send plain frames, as RFC 7692 allows.
 WS_PER_MESSAGE_DEFLATE = False
+#: uvicorn's HTTP protocol and event loop, named: left to "auto", uvicorn takes httptools and uvloop
+#: whenever they are installed (ray[serve], the ray extra, brings both), and the server would change
+#: with the extras installed. h11 and asyncio are what it was built and measured on (httptools'
+#: protocol objects also outlive their connections in reference cycles: tests/realtime/test_teardown.py).
+UVICORN_HTTP = "h11"
+UVICORN_LOOP = "asyncio"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: ``--step-cache`` choices (``stages.diffusion.cache.config.BACKENDS``; a test checks they agree).
 STEP_CACHES = ("none", "teacache", "magcache")
@@ -299,8 +308,84 @@ def build_parser() -> argparse.ArgumentParser:
         "<model folder>/omnirt-calibration/*.json and those shipped for the embedded models",
     )
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    _add_replicas(serve)
     _add_calibrate(commands)
     return parser
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
+    return value
+
+
+def _add_replicas(serve: argparse.ArgumentParser) -> None:
+    """Replicas on Ray Serve (realtime/replicas/, the ``ray`` extra; docs/replicas.md)."""
+    group = serve.add_argument_group(
+        "replicas (Ray Serve; pip install 'omnirt[ray]')",
+        "Run several omnirt servers (one per GPU with --device cuda, else one per CPU slot) behind Ray "
+        "Serve's HTTP proxy on --host/--port, realtime sessions routed to the replica with the most "
+        "free session slots; every other option applies to each replica.",
+    )
+    group.add_argument(
+        "--replicas",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="run N replicas (with --min/--max-replicas: N to start with)",
+    )
+    group.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="autoscale (Ray Serve's autoscaler, on ongoing sessions and requests) down to N replicas",
+    )
+    group.add_argument(
+        "--max-replicas", type=_positive, default=None, metavar="N", help="autoscale up to N replicas"
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join this Ray cluster (e.g. 10.0.0.1:6379 of 'ray start --head'); default: start Ray here",
+    )
+    group.add_argument(
+        "--replica-cpus",
+        type=_nonnegative_float,
+        default=1.0,
+        metavar="N",
+        help="CPU slots each replica takes (default 1)",
+    )
+    group.add_argument(
+        "--drain-seconds",
+        type=_nonnegative_float,
+        default=30.0,
+        metavar="S",
+        help="a replica being removed admits no new sessions and lets live ones go on this long, then "
+        "closes them with 1001 (default 30)",
+    )
+
+
+def replicas_wanted(args: argparse.Namespace) -> bool:
+    return any(v is not None for v in (args.replicas, args.min_replicas, args.max_replicas, args.ray_address))
+
+
+def replica_options(args: argparse.Namespace) -> ReplicaOptions:
+    from .replicas import ReplicaOptions
+
+    return ReplicaOptions(
+        replicas=args.replicas if args.replicas is not None else max(1, args.min_replicas or 0),
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        ray_address=args.ray_address,
+        cpus_per_replica=args.replica_cpus,
+        drain_seconds=args.drain_seconds,
+    )
 
 
 def _add_calibrate(commands: Any) -> None:
@@ -377,59 +462,17 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
 def serve(config: ServerConfig, *, device: str | None, log_level: str, load_format: str = "auto") -> int:
     # Heavy imports (torch, the model code) only once a server is really wanted.
     import uvicorn
-    from omnirt.kernels import settings as kernel_settings
-    from omnirt.sessions.voices import VoiceCatalog
-    from omnirt.stages.engine import Engine, EngineClient
-    from omnirt.stages.factory import build_pipelines
 
-    from .app import create_app
+    from .build import BuildError, build_app
     from .graceful import GracefulServer
     from .ws_protocol import websocket_protocol
 
-    kernel_settings.set_fused(config.fused_kernels)  # before the models: the DiT loaders install them
-    kernel_settings.set_vae_fast(config.vae_fast)
     try:
-        pipelines = build_pipelines(
-            config.models,
-            device=device,
-            max_slots=config.max_sessions,
-            cuda_graphs=config.cuda_graphs,
-            prefill_chunk=config.prefill_chunk,
-            prefix_cache=config.prefix_cache,
-            load_format=load_format,
-            quantization=config.quantization,
-            duplex_model=config.duplex_model,
-            duplex_kv_dtype=config.duplex_kv_dtype,
-            duplex_max_frames=config.duplex_max_frames,
-        )
-        engine = Engine(pipelines)
-    except ValueError as exc:
-        log.error("cannot load the model: %s", exc)
+        app = build_app(config, device=device, load_format=load_format)
+    except BuildError as exc:
+        log.error("%s", exc)
         return 1
-    try:
-        _configure_step_caches(pipelines, config)
-    except ValueError as exc:
-        log.error("step cache: %s", exc)
-        return 1
-    info = pipelines[0].info
-    try:
-        voices = VoiceCatalog.for_model(tuple(info.voices), config.voice_aliases)
-    except ValueError as exc:
-        log.error("bad --voice-alias: %s", exc)
-        return 1
-    if info.random_weights and load_format == "dummy":
-        log.warning(
-            "model %s has RANDOM WEIGHTS (--load-format dummy): the real architecture and size, for "
-            "benchmarks; its words and speech are noise.",
-            info.id,
-        )
-    elif info.random_weights:
-        log.warning(
-            "model %s has the embedded RANDOM weights: its words and speech are noise. It is for trying "
-            "the server and for tests; pass --model PATH to serve a real checkpoint.",
-            info.id,
-        )
-    log.info("voices: %s; aliases: %s", ", ".join(voices.model) or "any", dict(voices.aliases))
+    info = app.state.client.info
     log.info(
         "serving %s (%s, from %s) on http://%s:%d; auth %s; up to %d realtime sessions",
         info.id,
@@ -440,17 +483,14 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
         f"on ({len(config.api_keys)} keys)" if config.api_keys else "off",
         config.max_sessions,
     )
-    for kind, pipeline in engine.pipelines.items():
-        model = pipeline.info
-        weights = ", RANDOM weights" if model.random_weights else ""
-        log.info("%s pipeline: %s (%s, from %s%s)", kind, model.id, model.architecture, model.source, weights)
-    app = create_app(EngineClient(engine), config)
     server = GracefulServer(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=log_level,
+            http=UVICORN_HTTP,
+            loop=UVICORN_LOOP,
             ws=websocket_protocol(config.ws_send_buffer_bytes),
             ws_max_size=ws_max_size(config),
             ws_per_message_deflate=WS_PER_MESSAGE_DEFLATE,
@@ -465,29 +505,28 @@ def serve(config: ServerConfig, *, device: str | None, log_level: str, load_form
     return 0 if server.started else 1
 
 
-def _configure_step_caches(pipelines: Sequence[object], config: ServerConfig) -> None:
-    if not any(hasattr(p, "step_cache") for p in pipelines):
-        if config.step_cache != "none" or config.step_cache_calibrations:
-            raise ValueError("--step-cache and --step-cache-calibration need an image or video model")
-        return
-    from omnirt.stages.diffusion.cache.server import configure_step_caches
-
-    configure_step_caches(
-        pipelines,
-        backend=config.step_cache,
-        config=config.step_cache_config,
-        calibrations=config.step_cache_calibrations,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if args.command == "calibrate":
         from omnirt.stages.diffusion.cache.calibrate import run
 
         return run(args)
     config = config_from_args(args, os.environ)
+    if replicas_wanted(args):
+        from .replicas import serve_replicas
+        from .replicas.launch import check_config
+
+        options = replica_options(args)
+        try:
+            options.validate()
+            check_config(config, args.device)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return serve_replicas(
+            config, options, device=args.device, load_format=args.load_format, log_level=args.log_level
+        )
     return serve(config, device=args.device, log_level=args.log_level, load_format=args.load_format)
 
 

@@ -22,7 +22,10 @@ compute; one held for ``max_held_seconds``, or one that falls ``max_send_queue_b
 anyway (events that are not generated: errors, echoes), has its responses cancelled and its queue
 dropped, and is closed with 1008 (policy violation: the client's doing, not the server's load).
 On shutdown (:meth:`RealtimeService.shutdown`) each connection's streaming responses end with
-``response.done`` (``cancelled``) before it closes with 1012 (service restart).
+``response.done`` (``cancelled``) before it closes with 1012 (service restart). A replica being
+removed (``omnirt serve --replicas``) drains instead (:meth:`RealtimeService.drain`): no new
+sessions (1012: reconnect, to another replica), live ones go on for a grace period, then end the
+same way but close with 1001 (going away).
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ class RealtimeService:
         self.slow_clients_closed = 0
         self.connections: set[Connection] = set()
         self.shutting_down = False
+        #: Set by :meth:`drain`: new sessions are refused, live ones end after the grace period.
+        self.draining = False
         serves = getattr(client, "serves", None)
         #: Whether ``?duplex=1`` is served (the engine has a duplex pipeline).
         self.duplex = bool(serves is not None and serves("duplex"))
@@ -133,6 +138,25 @@ class RealtimeService:
         if done:
             grace = self.config.shutdown_grace_seconds if timeout is None else timeout
             await asyncio.wait(done, timeout=grace)
+
+    async def drain(self, grace: float) -> None:
+        """Stop admitting sessions (a new one is closed with 1012, so its client reconnects, to
+        another replica) and let the live ones go on for ``grace`` seconds; then end those left:
+        streaming responses get ``response.done`` (``cancelled``), then close 1001 (going away).
+        Returns once they have closed (each within ``shutdown_grace_seconds`` more)."""
+        self.draining = True
+        log.info("draining: %d realtime session(s) may go on for %gs", len(self.connections), grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.connections and loop.time() < deadline:
+            await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+        connections = list(self.connections)
+        if not connections:
+            return
+        log.info("drain grace over: closing %d realtime session(s) with 1001", len(connections))
+        tasks = [t for t in (c.stop_for_drain() for c in connections) if t is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.config.shutdown_grace_seconds)
 
     @property
     def vad_stats(self) -> VadStats:
@@ -171,7 +195,7 @@ class RealtimeService:
                 CLOSE_POLICY,
             )
             return
-        if self.shutting_down:
+        if self.shutting_down or self.draining:
             with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
                 await websocket.close(CLOSE_SERVICE_RESTART)
             return
@@ -434,6 +458,11 @@ class Connection:
         self._stop("shutdown")
         return self._run_task
 
+    def stop_for_drain(self) -> asyncio.Task[Any] | None:
+        """Begin closing because the server drains (1001); returns the connection's task."""
+        self._stop("drain")
+        return self._run_task
+
     def _send_error(
         self,
         code: ErrorCode,
@@ -489,9 +518,10 @@ class Connection:
                 close_code = CLOSE_GOING_AWAY
             # Responses still streaming end with response.done (cancelled); on shutdown without a
             # reason (neither of OpenAI's, turn_detected and client_cancelled, is what happened).
+            ended_by_server = close_code == CLOSE_SERVICE_RESTART or self._stopped == "drain"
             await self.session.close(
                 notify=close_code == CLOSE_NORMAL,
-                reason=None if close_code == CLOSE_SERVICE_RESTART else "client_cancelled",
+                reason=None if ended_by_server else "client_cancelled",
             )
             if close_code == CLOSE_POLICY:  # fell behind: nothing more is sent but the close
                 writer.cancel()
@@ -500,7 +530,7 @@ class Connection:
                 await self._close(close_code, self._behind)
             elif close_code is not None:
                 await self._drain(writer)
-                await self._close(close_code)
+                await self._close(close_code, "server draining" if self._stopped == "drain" else "")
         finally:
             self._stop_hold()
             if not self.session.closed:
@@ -595,6 +625,8 @@ class Connection:
                 return CLOSE_POLICY
             if stopped == "shutdown":
                 return CLOSE_SERVICE_RESTART
+            if stopped == "drain":
+                return CLOSE_GOING_AWAY
             self._send_error(
                 ErrorCode.IDLE_TIMEOUT, f"No client event for {idle:g} seconds; closing the session."
             )

@@ -66,7 +66,9 @@ def serve_server(
         host="127.0.0.1",
         port=port,
         log_level="warning",
-        ws=websocket_protocol(send_buffer),  # as omnirt serve runs
+        http=cli.UVICORN_HTTP,  # as omnirt serve runs
+        loop=cli.UVICORN_LOOP,
+        ws=websocket_protocol(send_buffer),
         ws_max_size=ws_max_size,
         ws_per_message_deflate=ws_per_message_deflate,
         lifespan="on",

@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 from omnirt.realtime.app import create_app
-from omnirt.realtime.cli import STEP_CACHES, _configure_step_caches, build_parser, config_from_args
+from omnirt.realtime.build import _configure_step_caches
+from omnirt.realtime.cli import STEP_CACHES, build_parser, config_from_args
 from omnirt.realtime.config import ServerConfig
 from omnirt.stages.diffusion.cache.calibration import CalibrationStore, save
 from omnirt.stages.diffusion.cache.config import BACKENDS

@@ -1,0 +1,118 @@
+"""``/health`` and ``/metrics`` across the replicas.
+
+Every replica sends a :class:`ReplicaReport` (its load, its engine state and its Prometheus
+metric families) every ``report_seconds`` to :class:`FleetStats`, a small deployment of one
+replica beside the omnirt replicas; whichever replica a ``/health`` or ``/metrics`` request
+reaches asks it for the reports of all (its own taken fresh) and answers for the whole fleet.
+A replica that stops reporting (killed, gone) drops out after ``stale_seconds``.
+
+``/metrics`` keeps the single process's Prometheus text: the same families, each sample once
+per replica with a ``replica`` label, plus ``omnirt_replicas`` (replicas reporting).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .load import ReplicaLoad
+
+REPLICA_LABEL = "replica"
+
+
+@dataclass
+class ReplicaReport:
+    replica: str
+    load: ReplicaLoad
+    #: The metric families of the replica's own registry (``app.state.metrics.registry``).
+    metrics: list[Metric] = field(default_factory=list)
+    at: float = field(default_factory=time.time)
+
+
+class FleetStats:
+    """The reports of the live replicas (the body of the ``OmnirtFleet`` deployment)."""
+
+    def __init__(self, stale_seconds: float = 3.0) -> None:
+        self.stale_seconds = stale_seconds
+        self._reports: dict[str, ReplicaReport] = {}
+
+    def report(self, report: ReplicaReport) -> None:
+        self._reports[report.replica] = report
+
+    def forget(self, replica: str) -> None:
+        self._reports.pop(replica, None)
+
+    def reports(self) -> list[ReplicaReport]:
+        horizon = time.time() - self.stale_seconds
+        for name in [n for n, r in self._reports.items() if r.at < horizon]:
+            del self._reports[name]
+        return sorted(self._reports.values(), key=lambda r: r.replica)
+
+
+def merge_reports(own: ReplicaReport, others: Iterable[ReplicaReport]) -> list[ReplicaReport]:
+    """The fleet's reports, with ``own`` (fresh) in place of what the fleet holds for it."""
+    reports = {r.replica: r for r in others}
+    reports[own.replica] = own
+    return sorted(reports.values(), key=lambda r: r.replica)
+
+
+def fleet_health(reports: Sequence[ReplicaReport], *, model: str, random_weights: bool) -> dict[str, Any]:
+    """The ``/health`` body: the single process's keys for the fleet, then one entry per replica.
+    ``status`` is ``ok`` while at least one replica serves (engine running, not draining)."""
+    serving = [r for r in reports if r.load.engine_running and not r.load.draining]
+    return {
+        "status": "ok" if serving else "unavailable",
+        "model": model,
+        "random_weights": random_weights,
+        "engine": "running" if any(r.load.engine_running for r in reports) else "stopped",
+        "replicas_serving": len(serving),
+        "sessions_active": sum(r.load.sessions_active for r in reports),
+        "free_session_slots": sum(r.load.free_session_slots for r in reports),
+        "replicas": [
+            {
+                "replica": r.replica,
+                "engine": "running" if r.load.engine_running else "stopped",
+                "draining": r.load.draining,
+                "sessions_active": r.load.sessions_active,
+                "session_capacity": r.load.session_capacity,
+                "free_session_slots": r.load.free_session_slots,
+                "engine_queue_depth": r.load.engine_queue_depth,
+            }
+            for r in reports
+        ],
+    }
+
+
+class _Merged(Collector):
+    def __init__(self, reports: Sequence[ReplicaReport]) -> None:
+        self.reports = reports
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = GaugeMetricFamily("omnirt_replicas", "Replicas reporting to the fleet")
+        replicas.add_metric([], len(self.reports))
+        yield replicas
+        families: dict[str, Metric] = {}
+        for report in self.reports:
+            for family in report.metrics:
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                merged.samples.extend(
+                    s._replace(labels={**s.labels, REPLICA_LABEL: report.replica}) for s in family.samples
+                )
+        yield from families.values()
+
+
+def fleet_metrics(reports: Sequence[ReplicaReport]) -> bytes:
+    """The ``/metrics`` body (Prometheus text) for the fleet."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(reports))
+    return generate_latest(registry)

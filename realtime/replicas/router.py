@@ -1,0 +1,161 @@
+"""The request router of the omnirt deployment (a Ray Serve ``RequestRouter``; it runs in each
+Ray Serve proxy and deployment handle, beside Ray's own routing loop).
+
+Ray Serve asks it to rank the replicas for each request; its routing loop then checks that the
+chosen one has room (``max_ongoing_requests``) and sends the request there. What is omnirt's:
+
+- a realtime session (a WebSocket: the whole connection is one streaming request to one replica,
+  so the replica chosen here serves every event of the session, for its life: that is the
+  pinning) goes to the replica with the most free session slots; full replicas are skipped while
+  another has room; when all are full it goes to one anyway, which refuses it with
+  ``resource_exhausted`` (the single-process limit, ``--max-sessions``);
+- any other request (chat, images, videos, models, health, ...) goes to the least-loaded
+  replica: the smallest engine queue (requests admitted or waiting) plus the requests this router
+  has in flight there;
+- replicas that drain come last.
+
+Free slots come from what each replica reports (:class:`~.load.ReplicaLoad`, refreshed every
+``request_routing_stats_period_s``), corrected by what this router itself saw since the report (a
+report is up to a period old): sessions it opened count at once, sessions of its own that ended
+after the report are taken off. Ties are broken at random.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from .load import ReplicaLoad
+
+log = logging.getLogger(__name__)
+
+#: Sessions' ends remembered per replica (seconds): a report older than this is stale anyway.
+_ENDS_KEPT_SECONDS = 30.0
+#: Request kinds remembered (by internal request id) between ranking and the routing callbacks;
+#: past this many (requests that were never sent), the memory is cleared.
+_MAX_REMEMBERED = 10_000
+
+
+def is_websocket(request: PendingRequest) -> bool:
+    """Whether ``request`` is a WebSocket connection (Ray Serve's HTTP proxy sends each request to
+    an ASGI ingress as a pickled ``StreamingHTTPRequest`` holding the ASGI scope)."""
+    if not request.args:
+        return False
+    arg: Any = request.args[0]
+    if isinstance(arg, bytes | bytearray):
+        try:
+            arg = pickle.loads(arg)  # made by the proxy this router runs in
+        except Exception:
+            return False
+    scope = getattr(arg, "asgi_scope", None)
+    return isinstance(scope, dict) and scope.get("type") == "websocket"
+
+
+class SessionAwareRouter(RequestRouter):
+    """Realtime sessions to the most free session slots, other requests to the least loaded.
+
+    Not FIFO (``FIFOMixin``): a replica chosen for one request goes to that very request (a
+    session's choice must not be handed to an earlier chat request)."""
+
+    def initialize_state(self, session_capacity: int = 32, **kwargs: Any) -> None:
+        #: Slots assumed for a replica that has not reported yet (``--max-sessions``).
+        self.session_capacity = session_capacity
+        #: Per replica, the realtime sessions / other requests this router sent there, not yet ended.
+        self.sessions: defaultdict[ReplicaID, set[str]] = defaultdict(set)
+        self.in_flight: defaultdict[ReplicaID, set[str]] = defaultdict(set)
+        #: Per replica, when sessions this router sent there ended (``time.time()``).
+        self.ended: defaultdict[ReplicaID, deque[float]] = defaultdict(deque)
+        self._websocket: dict[str, bool] = {}
+
+    # -- what a replica has ------------------------------------------------------------------
+    def load(self, replica: RunningReplica) -> ReplicaLoad:
+        """The replica's last report, corrected by what this router saw since: its sessions that
+        ended after the report are taken off, and it has at least the sessions this router
+        opened there and has not seen end."""
+        rid = replica.replica_id
+        reported = ReplicaLoad.from_stats(replica.routing_stats)
+        mine = len(self.sessions.get(rid, ()))
+        if reported is None:
+            return ReplicaLoad(self.session_capacity, mine, len(self.in_flight.get(rid, ())))
+        ended_since = sum(1 for t in self.ended.get(rid, ()) if t > reported.at)
+        return ReplicaLoad(
+            reported.session_capacity,
+            max(reported.sessions_active - ended_since, mine),
+            reported.engine_queue_depth,
+            reported.draining,
+            reported.engine_running,
+            reported.at,
+        )
+
+    def _kind(self, request: PendingRequest) -> bool:
+        rid = request.metadata.internal_request_id
+        known = self._websocket.get(rid)
+        if known is None:
+            if len(self._websocket) >= _MAX_REMEMBERED:
+                self._websocket.clear()
+            known = self._websocket[rid] = is_websocket(request)
+        return known
+
+    # -- Ray Serve's RequestRouter interface -------------------------------------------------
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        order = list(candidate_replicas)
+        random.shuffle(order)  # ties at random: the sorts below are stable
+        loads = {r.replica_id: self.load(r) for r in order}
+        if pending_request is not None and self._kind(pending_request):
+            ranked = sorted(
+                order,
+                key=lambda r: (loads[r.replica_id].draining, -loads[r.replica_id].free_session_slots),
+            )
+            with_room = [r for r in ranked if loads[r.replica_id].free_session_slots > 0]
+            # All full: to the first anyway, which answers resource_exhausted.
+            return [[r] for r in with_room] if with_room else [ranked[:1]]
+        ranked = sorted(
+            order,
+            key=lambda r: (
+                loads[r.replica_id].draining,
+                loads[r.replica_id].engine_queue_depth + len(self.in_flight.get(r.replica_id, ())),
+            ),
+        )
+        return [[r] for r in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        rid = pending_request.metadata.internal_request_id
+        if self._kind(pending_request):
+            self.sessions[replica_id].add(rid)
+        else:
+            self.in_flight[replica_id].add(rid)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._websocket.pop(internal_request_id, None)
+        sessions = self.sessions.get(replica_id)
+        if sessions is not None and internal_request_id in sessions:
+            sessions.discard(internal_request_id)
+            if not sessions:
+                del self.sessions[replica_id]
+            now = time.time()
+            ends = self.ended[replica_id]
+            ends.append(now)
+            while ends and ends[0] < now - _ENDS_KEPT_SECONDS:
+                ends.popleft()
+        held = self.in_flight.get(replica_id)
+        if held is not None:
+            held.discard(internal_request_id)
+            if not held:
+                del self.in_flight[replica_id]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        for table in (self.sessions, self.in_flight, self.ended):
+            table.pop(replica_id, None)

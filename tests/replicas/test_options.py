@@ -1,0 +1,48 @@
+"""``omnirt serve --replicas`` options: what they become, and the clear errors of those that
+cannot work (no Ray is started here)."""
+
+from __future__ import annotations
+
+import pytest
+from omnirt.realtime.cli import build_parser, main, replica_options, replicas_wanted
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replicas", "0"], "must be at least 1"),
+        (["--replicas", "two"], "not an integer"),
+        (["--min-replicas", "3", "--max-replicas", "2"], "make no range"),
+        (["--replicas", "5", "--max-replicas", "2"], "outside 1..2"),
+        (["--replicas", "2", "--metrics-host", "127.0.0.1:9100"], "--metrics-host is not available"),
+        (["--replicas", "2", "--device", "cuda:1"], "use --device cuda"),
+        (["--replicas", "2", "--replica-cpus", "-1"], "must be at least 0"),
+        (["--replicas", "2", "--drain-seconds", "soon"], "not a number"),
+    ],
+)
+def test_replica_option_errors_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replica_options_from_the_command_line() -> None:
+    args = build_parser().parse_args(["serve", "--port", "9000"])
+    assert not replicas_wanted(args)  # a single process, as before
+
+    args = build_parser().parse_args(
+        ["serve", "--replicas", "2", "--replica-cpus", "2", "--drain-seconds", "5", "--ray-address", "h:6379"]
+    )
+    options = replica_options(args)
+    assert replicas_wanted(args) and not options.autoscaling
+    assert (options.replicas, options.cpus_per_replica, options.drain_seconds) == (2, 2.0, 5.0)
+    assert options.ray_address == "h:6379"
+
+    options = replica_options(
+        build_parser().parse_args(["serve", "--min-replicas", "0", "--max-replicas", "4"])
+    )
+    assert options.autoscaling and options.bounds() == (0, 4) and options.replicas == 1
+    options.validate()

@@ -1,0 +1,345 @@
+"""``omnirt serve --replicas``: a local Ray instance, Ray Serve's HTTP proxy on loopback and two
+replicas of the embedded speech model (random weights, two session slots each) on CPU, driven by
+real clients: raw WebSockets whose every frame is validated against the openai SDK's models
+(tests/realtime/conftest.py) and the SDK's HTTP client.
+
+Where a request went: every response and WebSocket accept carries ``x-omnirt-replica``; the
+fleet's ``/health`` lists each replica's own session count.
+
+The ``ray`` extra is needed (``pip install -e '.[ray]'``, which install.sh runs); without it
+the module skips locally and fails under CI (``CI`` set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+from omnirt.realtime.config import ServerConfig
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.realtime.conftest import MANUAL_TURNS, MAX_FRAME, Client, text_item
+from tests.server import free_port
+
+try:
+    import ray
+    from omnirt.realtime.replicas import ReplicaOptions, deploy
+    from omnirt.realtime.replicas.launch import REPLICA_DEPLOYMENT
+    from ray import serve
+except ImportError as exc:  # pragma: no cover - depends on the install
+    if os.environ.get("CI"):
+        pytest.fail(f"ray[serve] is not installed ({exc}): CI must run the replica tests", pytrace=False)
+    pytest.skip(f"ray[serve] is not installed ({exc}): pip install -e '.[ray]'", allow_module_level=True)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+MODEL = "demo-qwen3-omni"
+HEADER = "x-omnirt-replica"
+SLOTS = 2
+DRAIN_SECONDS = 3.0
+
+
+@dataclass
+class Fleet:
+    base_url: str
+    config: ServerConfig
+    options: ReplicaOptions
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://") + "/v1/realtime?model=" + MODEL
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(self.base_url + "/health", timeout=10).json()
+
+    def replicas(self) -> dict[str, int]:
+        """Replica id -> its open sessions, as the fleet's /health reports them."""
+        return {r["replica"]: r["sessions_active"] for r in self.health()["replicas"]}
+
+    def wait_for(self, predicate: Any, timeout: float = 60.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                if predicate(self.replicas()):
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what or predicate}: {self.health()}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    # Ray's processes inherit this process's environment: the replicas build the embedded model
+    # into a cache of the module's own, and import omnirt as this process does (PYTHONPATH).
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=4,  # CPU slots for the replicas (the machine's 2 cores are shared)
+        object_store_memory=100 * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    config = ServerConfig(
+        port=free_port(),
+        models=["demo"],
+        duplex_model="none",
+        max_sessions=SLOTS,
+        vad_preload=False,
+        max_output_tokens=8,
+        shutdown_grace_seconds=2.0,
+    )
+    options = ReplicaOptions(
+        replicas=2, cpus_per_replica=1, drain_seconds=DRAIN_SECONDS, stats_seconds=0.5, stale_seconds=2.0
+    )
+    try:
+        base = deploy(config, options, device="cpu")
+        f = Fleet(base, config, options)
+        f.wait_for(lambda r: len(r) == 2, what="both replicas reporting")
+        yield f
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        mp.undo()
+
+
+@contextlib.asynccontextmanager
+async def session(fleet: Fleet) -> AsyncIterator[tuple[Client, str]]:
+    """A realtime session with manual turns, and the replica serving it."""
+    async with websockets.connect(fleet.ws_url, max_size=MAX_FRAME, open_timeout=30) as ws:
+        client = Client(ws)
+        created = await client.recv(timeout=30)
+        assert created["type"] == "session.created", created
+        await client.send(MANUAL_TURNS)
+        assert (await client.recv(timeout=30))["type"] == "session.updated"
+        yield client, ws.response.headers[HEADER]
+
+
+async def text_turn(client: Client, text: str = "hello") -> list[dict[str, Any]]:
+    await client.send({"type": "conversation.item.create", "item": text_item(text)})
+    await client.send(
+        {"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 4}}
+    )
+    events = await client.until("response.done", timeout=60)
+    # Random weights: the reply may stop at max_output_tokens (incomplete), never fail.
+    assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+    return events
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_sessions_spread_over_both_replicas_and_each_stays_on_its_own(fleet: Fleet) -> None:
+    async def go() -> None:
+        async with session(fleet) as (a, at_a), session(fleet) as (b, at_b):
+            assert at_a != at_b, "the second session should go to the replica with more free slots"
+            fleet.wait_for(lambda r: r == {at_a: 1, at_b: 1}, timeout=10, what="one session on each")
+            for _ in range(2):  # several turns each: every event over its one connection
+                await asyncio.gather(text_turn(a), text_turn(b))
+            # Each replica still counts exactly its own session: nothing moved.
+            assert fleet.replicas() == {at_a: 1, at_b: 1}
+
+    run(go())
+    fleet.wait_for(lambda r: len(r) == 2 and sum(r.values()) == 0, what="sessions closed")
+
+
+def test_chat_requests_are_balanced(fleet: Fleet) -> None:
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(base_url=fleet.base_url, timeout=60) as http:
+            client = AsyncOpenAI(
+                api_key="k", base_url=fleet.base_url + "/v1", http_client=http, max_retries=0
+            )
+
+            async def one(i: int) -> str:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=16
+                )
+                assert raw.parse().choices[0].message.content is not None
+                return raw.headers[HEADER]
+
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    served = run(go())
+    counts = {r: served.count(r) for r in set(served)}
+    assert len(counts) == 2 and min(counts.values()) >= 2, (counts, fleet.health())
+
+
+def test_a_full_replica_is_skipped_and_only_an_all_full_fleet_refuses(fleet: Fleet) -> None:
+    async def go() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            where = [(await stack.enter_async_context(session(fleet)))[1] for _ in range(2 * SLOTS)]
+            assert sorted(where.count(r) for r in set(where)) == [SLOTS, SLOTS], where
+            async with websockets.connect(fleet.ws_url, max_size=MAX_FRAME, open_timeout=30) as ws:
+                refused = Client(ws)
+                error = await refused.error()
+                assert error["code"] == "resource_exhausted", error
+                assert await refused.closed() == 1013
+
+    run(go())
+    fleet.wait_for(lambda r: len(r) == 2 and sum(r.values()) == 0, what="sessions closed")
+
+
+def test_health_and_metrics_cover_every_replica(fleet: Fleet) -> None:
+    async def go() -> None:
+        async with session(fleet) as (_, at):
+            # Reports are up to stats_seconds old (the replica answering has its own fresh): wait
+            # until each replica's report shows this session.
+            fleet.wait_for(lambda r: r.get(at) == 1 and len(r) == 2, what="one session")
+            time.sleep(2 * fleet.options.stats_seconds)
+            health = fleet.health()
+            assert health["status"] == "ok" and health["model"] == MODEL and health["random_weights"] is True
+            assert len(health["replicas"]) == 2 and health["sessions_active"] == 1, health
+            assert health["free_session_slots"] == 2 * SLOTS - 1
+            text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            assert families["omnirt_replicas"].samples[0].value == 2
+            sessions = {
+                s.labels["replica"]: s.value for s in families["omnirt_realtime_sessions_active"].samples
+            }
+            assert sessions[at] == 1 and sorted(sessions.values()) == [0, 1], sessions
+            steps = families["omnirt_engine_steps"].samples
+            assert {s.labels["replica"] for s in steps} == set(sessions)
+
+    run(go())
+
+
+def wait_routable(fleet: Fleet, replicas: int, timeout: float = 30.0) -> None:
+    """Until Ray Serve runs ``replicas`` replicas and the proxy routes requests to each."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        states = serve.status().applications["omnirt"].deployments[REPLICA_DEPLOYMENT].replica_states
+        if states.get("RUNNING") == replicas:
+            seen.add(httpx.get(fleet.base_url + "/v1/models", timeout=10).headers[HEADER])
+            if len(seen) == replicas:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{replicas} replicas not routable: {seen}, {serve.status()}")
+
+
+def _replica_actor(replica_id: str) -> Any:
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    name = f"SERVE_REPLICA::{fleet_app(replica_id)}"
+    return ray.get_actor(name, namespace=SERVE_NAMESPACE)
+
+
+def fleet_app(replica_id: str) -> str:
+    return f"omnirt#{REPLICA_DEPLOYMENT}#{replica_id}"
+
+
+def test_a_killed_replica_closes_only_its_sessions_and_clients_reconnect(fleet: Fleet) -> None:
+    async def go() -> str:
+        async with session(fleet) as (doomed, victim), session(fleet) as (survivor, other):
+            assert victim != other
+            ray.kill(_replica_actor(victim), no_restart=True)
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    await doomed.recv(timeout=30)
+            await text_turn(survivor)  # the other replica's session goes on
+            # The client of the killed replica reconnects: to the other one, and completes a turn.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    async with session(fleet) as (again, at):
+                        assert at == other
+                        await text_turn(again)
+                        break
+                except (OSError, websockets.WebSocketException, TimeoutError, AssertionError):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+        return victim
+
+    victim = run(go())
+    # Ray Serve replaces the killed replica.
+    fleet.wait_for(
+        lambda r: len(r) == 2 and victim not in r and sum(r.values()) == 0, timeout=120, what="a new replica"
+    )
+    wait_routable(fleet, 2)
+
+
+def test_a_removed_replica_drains_its_sessions(fleet: Fleet) -> None:
+    """Scaled from 2 to 1: the replica removed admits no new session and closes its live one with
+    1001 once the drain period is over; the other's session goes on."""
+
+    async def go() -> None:
+        async with session(fleet) as (a, at_a), session(fleet) as (b, at_b):
+            assert at_a != at_b
+            one = dataclasses.replace(fleet.options, replicas=1)
+            from omnirt.realtime.replicas.launch import application
+
+            t0 = time.monotonic()
+            app = application(fleet.config, one, device="cpu", load_format="auto")
+            # serve.run returns once the removed replica is gone: in a thread, the sessions watched meanwhile.
+            scaled = asyncio.create_task(
+                asyncio.to_thread(serve.run, app, name="omnirt", route_prefix="/", blocking=False)
+            )
+            closed = {}
+
+            async def watch(client: Client, at: str) -> None:
+                with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
+                    while True:
+                        await client.recv(timeout=DRAIN_SECONDS + 15)
+                closed[at] = (client.ws.close_code, client.ws.close_reason, time.monotonic() - t0)
+
+            tasks = [asyncio.create_task(watch(a, at_a)), asyncio.create_task(watch(b, at_b))]
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            assert len(closed) == 1, closed
+            ((gone, (code, reason, after)),) = closed.items()
+            assert code == 1001 and reason == "server draining", closed
+            assert after >= DRAIN_SECONDS, closed
+            kept = b if gone == at_a else a
+            await text_turn(kept)
+            await scaled
+
+    run(go())
+    fleet.wait_for(lambda r: len(r) == 1, what="the removed replica gone")
+
+
+def test_ray_serve_autoscales_on_the_sessions(fleet: Fleet) -> None:
+    """Autoscaling between 1 and 2 replicas, the target from the session slots (1.5 ongoing
+    requests a replica): two sessions on the one replica bring a second, which takes the next
+    session (it has the free slots); once they end the fleet shrinks back to one."""
+    from omnirt.realtime.replicas.launch import application
+
+    wait_routable(fleet, 1)
+    scaled = dataclasses.replace(
+        fleet.options,
+        replicas=1,
+        min_replicas=1,
+        max_replicas=2,
+        autoscaling_overrides={
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 2.0,
+            "look_back_period_s": 1.0,
+            "metrics_interval_s": 0.25,
+        },
+    )
+    app = application(fleet.config, scaled, device="cpu", load_format="auto")
+    serve.run(app, name="omnirt", route_prefix="/", blocking=False)
+
+    async def go() -> None:
+        async with session(fleet) as (a, first), session(fleet) as (b, second):
+            assert first == second  # one replica so far
+            await asyncio.to_thread(wait_routable, fleet, 2, 90.0)
+            async with session(fleet) as (c, third):
+                assert third != first, "the new replica has the free slots"
+                await text_turn(c)
+
+    run(go())
+    fleet.wait_for(lambda r: len(r) == 1, timeout=60, what="the fleet back to one replica")
