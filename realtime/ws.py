@@ -538,6 +538,7 @@ class Connection:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await writer
+            self._run_task = None  # the task refers back to this connection: no cycle left behind
 
     async def _close(self, code: int, reason: str = "") -> None:
         """Send the close frame; a client that does not read within ``CLOSE_WAIT_SECONDS`` is left
