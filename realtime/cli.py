@@ -352,7 +352,8 @@ def _add_replicas(serve: argparse.ArgumentParser) -> None:
         "--ray-address",
         default=None,
         metavar="ADDRESS",
-        help="join this Ray cluster (e.g. 10.0.0.1:6379 of 'ray start --head'); default: start Ray here",
+        help="join this Ray cluster (e.g. 10.0.0.1:6379 of 'ray start --head'); default: RAY_ADDRESS, else "
+        "a cluster that 'ray start' began on this machine, else Ray started here (ray.init's rules)",
     )
     group.add_argument(
         "--replica-cpus",

@@ -98,14 +98,20 @@ def serve_cli(args: list[str], *, cache: Path, log: Path, start_timeout: float =
         yield base
 
 
+def cli_env(cache: Path) -> dict[str, str]:
+    """The environment ``omnirt serve`` runs in for tests: this process's, cache under ``cache``."""
+    return dict(os.environ, OMNIRT_CACHE=str(cache), HF_HUB_OFFLINE="1")
+
+
 @contextlib.contextmanager
 def serve_cli_process(
-    args: list[str], *, cache: Path, log: Path, start_timeout: float = 180
+    args: list[str], *, cache: Path, log: Path, start_timeout: float = 180, port: int | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """As :func:`serve_cli`, also yielding the server's process (its pid, to watch its memory)."""
-    port = free_port()
-    env = dict(os.environ, OMNIRT_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    """As :func:`serve_cli`, also yielding the server's process (its pid, to watch its memory);
+    ``port``: this one rather than a free one."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "omnirt.realtime.cli", "serve", *args, "--port", str(port)]
+    env = cli_env(cache)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

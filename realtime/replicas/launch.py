@@ -1,11 +1,17 @@
 """Start the fleet: ``deploy`` (from Python, returns at once) and ``serve_replicas`` (the CLI's
 ``omnirt serve --replicas N``, runs until SIGINT/SIGTERM).
 
-Both connect to Ray (``ray_address``; none: a Ray instance of this machine is started, or the
-one this process already joined is used), start Ray Serve's HTTP proxy on the server's
-``host``/``port``, and run one application: the omnirt replicas (:mod:`.deployment`), routed by
-:class:`~.router.SessionAwareRouter`, beside the small ``OmnirtFleet`` deployment that gathers
+Both connect to Ray (:func:`connect_ray`: ``ray_address``, or the cluster this process already
+joined; none: Ray's own rules, ``RAY_ADDRESS``, else a cluster that ``ray start`` began on this
+machine, else a new local instance), start Ray Serve's HTTP proxies on the server's
+``host``/``port`` (or check that the Serve already running on the cluster listens there:
+:func:`start_serve`), and run one application: the omnirt replicas (:mod:`.deployment`), routed
+by :class:`~.router.SessionAwareRouter`, beside the small ``OmnirtFleet`` deployment that gathers
 their health and metrics (:mod:`.fleet`).
+
+A cluster is shared: ``serve_replicas`` removes only its own application when it stops, shuts
+Ray Serve down only when it started it and no other application runs on it, and stops Ray only
+when it started it (leaving a joined cluster disconnects this process only).
 
 Sizes: a replica takes ``gpus_per_replica`` GPUs (1 with ``--device cuda``: one replica per
 GPU) and ``cpus_per_replica`` CPU slots. ``max_ongoing_requests`` of a replica is its session
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -30,6 +37,9 @@ log = logging.getLogger("omnirt.serve")
 
 REPLICA_DEPLOYMENT = "OmnirtReplica"
 FLEET_DEPLOYMENT = "OmnirtFleet"
+#: Environment variables of this process that every replica gets too (Ray's worker processes
+#: have the environment of their node's ``ray start``, not this one's, on a joined cluster).
+REPLICA_ENV = ("OMNIRT_CACHE",)
 
 
 @dataclass
@@ -39,7 +49,8 @@ class ReplicaOptions:
     #: Autoscaling bounds (either set: Ray Serve's autoscaler runs between them).
     min_replicas: int | None = None
     max_replicas: int | None = None
-    #: A Ray cluster to join (``ray start --head`` gives it); None: a local instance.
+    #: A Ray cluster to join (``ray start --head`` gives it); None: Ray's rules (``RAY_ADDRESS``,
+    #: else a cluster ``ray start`` began on this machine, else a new local instance).
     ray_address: str | None = None
     cpus_per_replica: float = 1.0
     #: None: 1 when the device is CUDA (or none is given and Ray has GPUs), else 0.
@@ -142,10 +153,14 @@ def application(
     fleet = serve.deployment(
         FleetStats, name=FLEET_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0}
     ).bind(options.stale_seconds)
+    actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "num_gpus": gpus}
+    env = {name: os.environ[name] for name in REPLICA_ENV if os.environ.get(name)}
+    if env:
+        actor_options["runtime_env"] = {"env_vars": env}
     replica = serve.deployment(
         OmnirtIngress,
         name=REPLICA_DEPLOYMENT,
-        ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": gpus},
+        ray_actor_options=actor_options,
         max_ongoing_requests=config.max_sessions + options.http_slots,
         # Sessions finish (or are closed by the drain) within this: then Ray Serve kills the replica.
         graceful_shutdown_timeout_s=options.drain_seconds + config.shutdown_grace_seconds + 5.0,
@@ -161,27 +176,71 @@ def application(
     return replica.bind(config, device, load_format, settings, fleet)
 
 
-def deploy(
+def connect_ray(address: str | None) -> None:
+    """Join Ray (see the module for ``None``); ConnectionError saying why not (an unreachable
+    address, a cluster that wants a token this process lacks, ...)."""
+    import ray
+
+    try:
+        ray.init(address=address)
+    except Exception as exc:
+        where = f"the Ray cluster at {address}" if address else "Ray"
+        raise ConnectionError(f"cannot connect to {where}: {_root_cause(exc)}") from exc
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost exception's message (Ray wraps the reason, an authentication error say)."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+def serve_running() -> bool:
+    """Whether Ray Serve runs on the cluster this process joined (its controller is alive)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
+
+
+def start_serve(config: ServerConfig) -> None:
+    """Ray Serve's HTTP proxies on ``config.host``/``config.port``. When Serve already runs on the
+    cluster, its proxies must listen there: its HTTP options are the cluster's, fixed while it
+    runs (``serve.start`` would ignore new ones with a warning); ValueError otherwise."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        return
+    http = client.http_config
+    if (http.host, http.port) != (config.host, config.port):
+        where = f"{http.host}:{http.port}" if http.host else "no HTTP proxy (disabled)"
+        raise ValueError(
+            f"Ray Serve already runs on this cluster with its HTTP proxies on {where}, not "
+            f"{config.host}:{config.port}; its HTTP options are fixed while it runs: pass --host "
+            f"{http.host} --port {http.port}, or shut that Serve down first (serve shutdown)"
+        )
+
+
+def run_fleet(
     config: ServerConfig,
     options: ReplicaOptions,
     *,
-    device: str | None = None,
-    load_format: str = "auto",
-    log_level: str = "info",
+    device: str | None,
+    load_format: str,
+    log_level: str,
 ) -> str:
-    """Run the fleet on Ray (joined or started, see the module) and return its base URL once every
-    replica serves. ValueError for options that cannot work; Ray Serve's error when a replica
-    fails to start (a model that cannot load, say)."""
+    """Run the application on the Serve this process started or checked (:func:`start_serve`);
+    returns its base URL once every replica serves."""
     import ray
     from ray import serve
 
-    options.validate()
-    check_config(config, device)
-    if not ray.is_initialized():
-        ray.init(address=options.ray_address)
     if device is None and options.gpus_per_replica is None and ray.cluster_resources().get("GPU", 0) >= 1:
         device = "cuda"
-    serve.start(http_options={"host": config.host, "port": config.port})
     app = application(config, options, device=device, load_format=load_format, log_level=log_level)
     serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
     base = f"http://{config.host}:{config.port}"
@@ -195,6 +254,29 @@ def deploy(
     return base
 
 
+def deploy(
+    config: ServerConfig,
+    options: ReplicaOptions,
+    *,
+    device: str | None = None,
+    load_format: str = "auto",
+    log_level: str = "info",
+) -> str:
+    """Run the fleet on Ray (joined or started, see the module) and return its base URL once every
+    replica serves. ValueError for options that cannot work (or a running Serve listening
+    elsewhere); ConnectionError when Ray cannot be joined; Ray Serve's error when a replica fails
+    to start (a model that cannot load, say). Deploying again under the same ``app_name``
+    updates that application in place (Ray Serve's redeploy)."""
+    import ray
+
+    options.validate()
+    check_config(config, device)
+    if not ray.is_initialized():
+        connect_ray(options.ray_address)
+    start_serve(config)
+    return run_fleet(config, options, device=device, load_format=load_format, log_level=log_level)
+
+
 def serve_replicas(
     config: ServerConfig,
     options: ReplicaOptions,
@@ -204,7 +286,7 @@ def serve_replicas(
     log_level: str = "info",
 ) -> int:
     """``omnirt serve --replicas N``: deploy, serve until SIGINT/SIGTERM, then remove the fleet
-    (replicas drain) and stop Ray when this process started it. Returns the exit status."""
+    (replicas drain) and leave the cluster as it was (see the module). Returns the exit status."""
     try:
         options.validate()
         check_config(config, device)
@@ -219,7 +301,12 @@ def serve_replicas(
         return 1
     joined = ray.is_initialized()
     if not joined:
-        ray.init(address=options.ray_address)
+        try:
+            connect_ray(options.ray_address)
+        except ConnectionError as exc:
+            log.error("%s", exc)
+            return 1
+    log.info("on Ray at %s", ray.get_runtime_context().gcs_address)
     # After ray.init, which sets a SIGTERM handler of its own. A signal while the fleet starts
     # interrupts the start (a fleet that cannot be placed would wait forever); once it serves, it
     # ends the wait below.
@@ -233,22 +320,49 @@ def serve_replicas(
     serving = False
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    status = 0
+    ours = False  # whether the application under our name is ours to remove
+    started_serve = False
     try:
-        deploy(config, options, device=device, load_format=load_format, log_level=log_level)
+        if options.app_name in serve.status().applications:
+            raise ValueError(
+                f"an application named {options.app_name!r} already runs on this Ray cluster (another "
+                "omnirt serve --replicas?): stop it first, or redeploy it from Python (deploy())"
+            )
+        started_serve = not serve_running()
+        start_serve(config)
+        ours = True  # a failed serve.run may leave the application behind
+        run_fleet(config, options, device=device, load_format=load_format, log_level=log_level)
         serving = True
         stop.wait()
     except KeyboardInterrupt:
         log.info("stopped while the replicas were starting")
     except Exception as exc:
         log.error("the replicas did not start: %s", exc)
-        _stop_ray(joined)
-        return 1
-    log.info("stopping: the replicas drain (live sessions get %gs)", options.drain_seconds)
-    with contextlib.suppress(Exception):  # not deployed yet when stopped while starting
-        serve.delete(options.app_name)
-    serve.shutdown()
+        status = 1
+    if ours and status == 0:
+        log.info("stopping: the replicas drain (live sessions get %gs)", options.drain_seconds)
+    _leave_serve(options.app_name, remove_app=ours, started_serve=started_serve)
     _stop_ray(joined)
-    return 0
+    return status
+
+
+def _leave_serve(app_name: str, *, remove_app: bool, started_serve: bool) -> None:
+    """Remove our application (its replicas drain: ``serve.delete`` returns once they are gone),
+    and Ray Serve too when this process started it and nothing else runs on it."""
+    from ray import serve
+
+    with contextlib.suppress(Exception):  # a Ray that went away: nothing left to remove
+        if remove_app:
+            serve.delete(app_name)
+        others = sorted(serve.status().applications)
+        if started_serve and not others:
+            serve.shutdown()
+        elif serve_running():
+            log.info(
+                "Ray Serve keeps running on the cluster (%s)",
+                f"applications: {', '.join(others)}" if others else "it ran before this command",
+            )
 
 
 def _stop_ray(joined: bool) -> None:
