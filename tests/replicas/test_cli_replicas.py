@@ -5,8 +5,8 @@
 - Joining a Ray cluster (``--ray-address``) that ``ray start --head`` began: it serves there (a
   chat and a realtime session through the proxy) and on SIGTERM removes only what it added,
   leaving the cluster up; on a cluster where Ray Serve already runs another application, it
-  refuses a port other than that Serve's, and serves beside that application, which it leaves
-  running.
+  refuses a port other than that Serve's, serves beside that application and leaves it running;
+  a second fleet under the same name is refused.
 """
 
 from __future__ import annotations
@@ -133,6 +133,19 @@ def probe(*args: str) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if lines else None
 
 
+def refused_command(args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
+    """``omnirt serve ARGS`` that must exit 1 at once (after joining Ray): its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "omnirt.realtime.cli", "serve", *args],
+        env=cli_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    return done
+
+
 async def realtime_turn(base: str) -> str:
     """A realtime session through the proxy: one text turn; returns the replica that served it."""
     url = base.replace("http://", "ws://") + "/v1/realtime?model=" + MODEL
@@ -179,14 +192,7 @@ def test_omnirt_serve_joins_a_ray_cluster_and_leaves_it_as_it_was(ray_cluster: s
     probe("other", ray_cluster, "127.0.0.1", str(port))
     assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=10).text == "other"
     # Asked for another port: refused (Serve's HTTP options are the cluster's), nothing changed.
-    refused = subprocess.run(
-        [sys.executable, "-m", "omnirt.realtime.cli", "serve", *args, "--port", str(free_port())],
-        env=cli_env(cache),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert refused.returncode == 1, refused.stderr[-3000:]
+    refused = refused_command([*args, "--port", str(free_port())], cache)
     assert f"Ray Serve already runs on this cluster with its HTTP proxies on 127.0.0.1:{port}," in (
         refused.stderr
     )
@@ -196,6 +202,10 @@ def test_omnirt_serve_joins_a_ray_cluster_and_leaves_it_as_it_was(ray_cluster: s
     with serve_cli_process(args, cache=cache, log=log, start_timeout=180, port=port) as (base, proc):
         assert httpx.get(base + "/health", timeout=10).json()["status"] == "ok"
         assert httpx.get(base + "/other", timeout=10).text == "other"
+        # A second fleet under the same name: refused, the first one untouched.
+        again = refused_command([*args, "--port", str(port)], cache)
+        assert "an application named 'omnirt' already runs on this Ray cluster" in again.stderr
+        assert httpx.get(base + "/health", timeout=10).json()["status"] == "ok"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     assert "Ray Serve keeps running on the cluster (applications: other)" in log.read_text()
