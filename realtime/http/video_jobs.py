@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
 Status = Literal["queued", "in_progress", "completed", "failed"]
+Order = Literal["asc", "desc"]
+T = TypeVar("T")
 
 
 class StoreFull(Exception):
@@ -40,6 +42,9 @@ class VideoJob:
     #: ``{"code", "message"}`` once failed.
     error: dict[str, str] | None = None
     mp4: bytes | None = None
+    #: When the job was made (``time.time()``, to the microsecond): orders the jobs of a fleet of
+    #: replicas (``created_at`` is whole seconds).
+    created: float = field(default_factory=time.time)
 
     @property
     def finished(self) -> bool:
@@ -133,22 +138,15 @@ class VideoJobStore:
         job.completed_at = int(now)
         job.expires_at = int(now + self.ttl)
 
-    def page(
-        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
-    ) -> tuple[list[VideoJob], bool]:
+    def page(self, *, after: str | None, limit: int, order: Order) -> tuple[list[VideoJob], bool]:
         """Up to ``limit`` jobs in creation order (``desc``: newest first) after the job ``after``;
         and whether more follow. ``KeyError`` for an ``after`` that is not kept."""
+        return page_of(self.jobs(), lambda job: job.id, after=after, limit=limit, order=order)
+
+    def jobs(self) -> list[VideoJob]:
+        """The jobs kept, oldest first."""
         self.sweep()
-        jobs = list(self._jobs.values())
-        if order == "desc":
-            jobs.reverse()
-        start = 0
-        if after is not None:
-            start = next((i + 1 for i, job in enumerate(jobs) if job.id == after), -1)
-            if start < 0:
-                raise KeyError(after)
-        chosen = jobs[start : start + limit]
-        return chosen, start + limit < len(jobs)
+        return list(self._jobs.values())
 
     def sweep(self) -> list[VideoJob]:
         """Forget the finished jobs past their ``expires_at``; the jobs forgotten."""
@@ -164,3 +162,18 @@ class VideoJobStore:
                 self.remove(job.id)
                 return True
         return False
+
+
+def page_of(
+    items: Sequence[T], id_of: Callable[[T], str], *, after: str | None, limit: int, order: Order
+) -> tuple[list[T], bool]:
+    """A page of ``items`` (oldest first), as ``GET /v1/videos`` pages: up to ``limit`` in creation
+    order (``desc``: newest first) after the one whose id is ``after``; and whether more follow.
+    ``KeyError`` for an ``after`` not among them."""
+    ordered = list(reversed(items)) if order == "desc" else list(items)
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(ordered) if id_of(item) == after), -1)
+        if start < 0:
+            raise KeyError(after)
+    return ordered[start : start + limit], start + limit < len(ordered)

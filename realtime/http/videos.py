@@ -10,7 +10,10 @@
   to wait while it runs); ``GET /v1/videos/{id}/content``: the MP4 (``video/mp4``), 409 while
   it is not completed; ``DELETE /v1/videos/{id}``: cancels a job still running and forgets it;
   ``GET /v1/videos``: the jobs kept, newest first by default (``after``, ``limit``, ``order``).
-- Jobs live in a bounded in-memory :class:`~.video_jobs.VideoJobStore`.
+- Jobs live in a bounded in-memory :class:`~.video_jobs.VideoJobStore`. A replica of
+  ``omnirt serve --replicas`` also shares them with the fleet (:class:`JobSharing`): its job ids
+  name it (the router sends a job's requests to it) and ``GET /v1/videos`` lists every replica's
+  jobs. One process has no sharing: the store alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any, Protocol
 
 from omnirt.stages.diffusion.types import GeneratedVideo, Progress, VideoRequest
 from omnirt.stages.engine import EngineClient, RequestStream
@@ -34,7 +38,7 @@ from .body import read_body
 from .content_type import require_json_or_form
 from .errors import APIError, bad_request, from_engine_error
 from .media import ProgressLog, choose_model
-from .video_jobs import StoreFull, VideoJob, VideoJobStore
+from .video_jobs import Order, StoreFull, VideoJob, VideoJobStore
 from .video_params import parse_body, read_fields, video_request
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,26 @@ def _seconds(frames: int, fps: int) -> str:
     return f"{frames / fps:.2f}".rstrip("0").rstrip(".")
 
 
+class JobSharing(Protocol):
+    """How a replica of a fleet shares its jobs (``omnirt.realtime.replicas.video_jobs``)."""
+
+    def new_id(self) -> str:
+        """A new job's id (one that names this replica)."""
+        ...
+
+    async def shared(self) -> None:
+        """Returns once the fleet holds this replica's jobs as they are now (or gave up)."""
+        ...
+
+    def changed(self, *, now: bool) -> None:
+        """The jobs changed: share them (``now``: at once; else within a short throttle)."""
+        ...
+
+    async def page(self, *, after: str | None, limit: int, order: Order) -> tuple[list[dict[str, Any]], bool]:
+        """The fleet's jobs' cards as :meth:`VideoJobStore.page` pages its own (``KeyError`` alike)."""
+        ...
+
+
 class Videos:
     """The endpoints, bound to one engine client and server configuration."""
 
@@ -65,6 +89,8 @@ class Videos:
             ttl=config.video_job_ttl_seconds,
         )
         self._running: dict[str, tuple[RequestStream, asyncio.Task[None]]] = {}
+        #: Set by a replica of a fleet (``realtime/replicas/``); None in one process.
+        self.sharing: JobSharing | None = None
 
     async def create(self, request: Request) -> JSONResponse:
         require_api_key(request, self.config.api_keys)
@@ -77,13 +103,15 @@ class Videos:
             await self.client.check(video_request(body, "check", model, self.config))
         except RequestRejected as exc:
             raise bad_request(str(exc)) from None
+        now = time.time()
         job = VideoJob(
-            id=new_id("video"),
+            id=new_id("video") if self.sharing is None else self.sharing.new_id(),
             model=model,
             prompt=body.prompt,
             size=body.size or "auto",
             seconds=f"{body.seconds:g}" if body.seconds is not None else "auto",
-            created_at=int(time.time()),
+            created_at=int(now),
+            created=now,
         )
         try:
             self.store.add(job)
@@ -99,7 +127,10 @@ class Videos:
         task = asyncio.create_task(self._follow(job, stream), name=f"video {job.id}")
         self._running[job.id] = (stream, task)
         log.info("video %s queued (%s): %r", job.id, model, body.prompt[:80])
-        return JSONResponse(job.card())
+        card = job.card()
+        if self.sharing is not None:  # a list right after this answer, on any replica, shows the job
+            await self.sharing.shared()
+        return JSONResponse(card)
 
     async def retrieve(self, request: Request) -> JSONResponse:
         require_api_key(request, self.config.api_keys)
@@ -139,6 +170,8 @@ class Videos:
             task.cancel()
             log.info("video %s cancelled at %d%%", job.id, job.progress)
         self.store.remove(job.id)
+        if self.sharing is not None:  # gone from the fleet's list once this answers
+            await self.sharing.shared()
         return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
 
     async def list(self, request: Request) -> JSONResponse:
@@ -159,12 +192,15 @@ class Videos:
             )
         after = query.get("after")
         try:
-            jobs, more = self.store.page(after=after, limit=limit, order=order)  # type: ignore[arg-type]
+            if self.sharing is None:
+                jobs, more = self.store.page(after=after, limit=limit, order=order)  # type: ignore[arg-type]
+                cards = [job.card() for job in jobs]
+            else:
+                cards, more = await self.sharing.page(after=after, limit=limit, order=order)  # type: ignore[arg-type]
         except KeyError:
             raise bad_request(
                 f"Invalid value for 'after': no video with id {after!r}.", param="after"
             ) from None
-        cards = [job.card() for job in jobs]
         return JSONResponse(
             {
                 "object": "list",
@@ -199,13 +235,18 @@ class Videos:
         try:
             async for output in stream:
                 if isinstance(output, Progress):
+                    started = job.status != "in_progress"
                     job.status = "in_progress"
                     job.progress = min(99, 100 * output.done // max(output.total, 1))
                     progress.step(output.done, output.total)
+                    if self.sharing is not None:
+                        self.sharing.changed(now=started)
                 elif isinstance(output, GeneratedVideo):
                     video = output
                 elif isinstance(output, Finished):
                     self._finish(job, output, video, progress)
+                    if self.sharing is not None:
+                        self.sharing.changed(now=True)
         finally:
             self._running.pop(job.id, None)
 

@@ -8,6 +8,8 @@ WebSockets, chat, images, videos, models and the UI. What the replica adds:
 - ``record_routing_stats``: its :class:`~.load.ReplicaLoad` (free session slots, engine queue,
   draining), which Ray Serve hands to :class:`~.router.SessionAwareRouter`;
 - ``/health`` and ``/metrics`` for the whole fleet (:mod:`.fleet`);
+- its ``/v1/videos`` jobs shared with the fleet: ids that name the replica (the router sends a
+  job's requests to it) and a list of every replica's jobs (:mod:`.video_jobs`);
 - an ``x-omnirt-replica`` header on every response and WebSocket accept (which replica served);
 - draining when Ray Serve removes it (:mod:`.drain`);
 - ``check_health``: a replica whose engine thread has stopped is replaced by Ray Serve.
@@ -37,6 +39,7 @@ from ..http.access import require_api_key
 from .drain import watch_for_removal
 from .fleet import ReplicaReport, fleet_health, fleet_metrics, merge_reports
 from .load import ReplicaLoad
+from .video_jobs import FleetVideoJobs
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,11 @@ class OmnirtReplica:
         )
         self.realtime = self.omnirt_app.state.realtime
         self.engine = self.omnirt_app.state.client.engine
+        videos = self.omnirt_app.state.videos
+        self.videos = FleetVideoJobs(
+            videos.store, fleet, self.replica_id, timeout_seconds=FLEET_TIMEOUT_SECONDS
+        )
+        videos.sharing = self.videos
         self._add_fleet_routes()
         self.omnirt_app.add_middleware(ReplicaHeader, replica=self.replica_id)
         self._tasks = [
@@ -148,6 +156,8 @@ class OmnirtReplica:
     async def __del__(self) -> None:
         for task in getattr(self, "_tasks", ()):  # none when the constructor failed
             task.cancel()
+        if hasattr(self, "videos"):
+            self.videos.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.fleet.forget.remote(self.replica_id), FLEET_TIMEOUT_SECONDS)
 
@@ -163,19 +173,22 @@ class OmnirtReplica:
             at=time.time(),
         )
 
-    def report(self) -> ReplicaReport:
+    def report(self, *, videos: bool = False) -> ReplicaReport:
+        """Its load and metrics now (``videos``: its video jobs' cards too)."""
         families = list(self.omnirt_app.state.metrics.registry.collect())
-        return ReplicaReport(self.replica_id, self.load(), families)
+        shared = self.videos.snapshot() if videos else None
+        return ReplicaReport(self.replica_id, self.load(), families, videos=shared)
 
     async def _report_forever(self) -> None:
         while True:
             try:
-                await self.fleet.report.remote(self.report())
+                await self.fleet.report.remote(self.report(videos=True))
             except Exception as exc:  # the fleet deployment restarting: report again next time
                 log.debug("fleet report failed: %s", exc)
             await asyncio.sleep(self.settings.report_seconds)
 
     async def _drain(self) -> None:
+        await self.videos.withdraw()  # no request reaches this replica any more: nor its jobs
         await self.realtime.drain(self.settings.drain_seconds)
 
     async def _reports(self) -> list[ReplicaReport]:

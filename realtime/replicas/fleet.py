@@ -1,4 +1,4 @@
-"""``/health`` and ``/metrics`` across the replicas.
+"""``/health``, ``/metrics`` and the ``/v1/videos`` list across the replicas.
 
 Every replica sends a :class:`ReplicaReport` (its load, its engine state and its Prometheus
 metric families) every ``report_seconds`` to :class:`FleetStats`, a small deployment of one
@@ -8,10 +8,14 @@ A replica that stops reporting (killed, gone) drops out after ``stale_seconds``.
 
 ``/metrics`` keeps the single process's Prometheus text: the same families, each sample once
 per replica with a ``replica`` label, plus ``omnirt_replicas`` (replicas reporting).
+
+The fleet also holds each replica's video jobs' cards (:class:`~.video_jobs.SharedJobs`, sent with
+each report and at once on a change: :mod:`.video_jobs`), dropped with the replica's reports.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .load import ReplicaLoad
+from .video_jobs import SharedJobs
 
 REPLICA_LABEL = "replica"
 
@@ -33,26 +38,56 @@ class ReplicaReport:
     #: The metric families of the replica's own registry (``app.state.metrics.registry``).
     metrics: list[Metric] = field(default_factory=list)
     at: float = field(default_factory=time.time)
+    #: Its video jobs' cards (None: not sharing them).
+    videos: SharedJobs | None = None
 
 
 class FleetStats:
-    """The reports of the live replicas (the body of the ``OmnirtFleet`` deployment)."""
+    """The reports and video jobs of the live replicas (the body of the ``OmnirtFleet`` deployment).
+
+    Ray Serve runs a deployment's plain methods in a thread pool: a lock keeps them one at a time."""
 
     def __init__(self, stale_seconds: float = 3.0) -> None:
         self.stale_seconds = stale_seconds
+        self._lock = threading.Lock()
         self._reports: dict[str, ReplicaReport] = {}
+        #: Per replica, its latest video jobs and when they came (this process's ``time.time()``).
+        self._videos: dict[str, tuple[SharedJobs, float]] = {}
 
     def report(self, report: ReplicaReport) -> None:
-        self._reports[report.replica] = report
+        if report.videos is not None:
+            self.share_videos(report.videos)
+            report = ReplicaReport(report.replica, report.load, report.metrics, report.at)
+        with self._lock:
+            self._reports[report.replica] = report
 
     def forget(self, replica: str) -> None:
-        self._reports.pop(replica, None)
+        with self._lock:
+            self._reports.pop(replica, None)
+            self._videos.pop(replica, None)
+
+    def share_videos(self, jobs: SharedJobs) -> None:
+        """Keep ``jobs`` unless a later snapshot of that replica came first (it is alive anyway)."""
+        with self._lock:
+            held = self._videos.get(jobs.replica)
+            if held is not None and held[0].seq > jobs.seq:
+                jobs = held[0]
+            self._videos[jobs.replica] = (jobs, time.time())
+
+    def videos(self) -> list[SharedJobs]:
+        """The video jobs of the replicas heard from within ``stale_seconds``."""
+        horizon = time.time() - self.stale_seconds
+        with self._lock:
+            for name in [n for n, (_, at) in self._videos.items() if at < horizon]:
+                del self._videos[name]
+            return [jobs for jobs, _ in self._videos.values()]
 
     def reports(self) -> list[ReplicaReport]:
         horizon = time.time() - self.stale_seconds
-        for name in [n for n, r in self._reports.items() if r.at < horizon]:
-            del self._reports[name]
-        return sorted(self._reports.values(), key=lambda r: r.replica)
+        with self._lock:
+            for name in [n for n, r in self._reports.items() if r.at < horizon]:
+                del self._reports[name]
+            return sorted(self._reports.values(), key=lambda r: r.replica)
 
 
 def merge_reports(own: ReplicaReport, others: Iterable[ReplicaReport]) -> list[ReplicaReport]:

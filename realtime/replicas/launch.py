@@ -151,7 +151,12 @@ def application(
     else:
         scaling = {"num_replicas": options.replicas}
     fleet = serve.deployment(
-        FleetStats, name=FLEET_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0}
+        FleetStats,
+        name=FLEET_DEPLOYMENT,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        # Every replica's reports, video job shares and reads (each short) at once.
+        max_ongoing_requests=256,
     ).bind(options.stale_seconds)
     actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "num_gpus": gpus}
     env = {name: os.environ[name] for name in REPLICA_ENV if os.environ.get(name)}

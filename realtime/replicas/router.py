@@ -9,9 +9,13 @@ chosen one has room (``max_ongoing_requests``) and sends the request there. What
   pinning) goes to the replica with the most free session slots; full replicas are skipped while
   another has room; when all are full it goes to one anyway, which refuses it with
   ``resource_exhausted`` (the single-process limit, ``--max-sessions``);
-- any other request (chat, images, videos, models, health, ...) goes to the least-loaded
-  replica: the smallest engine queue (requests admitted or waiting) plus the requests this router
-  has in flight there;
+- a request on one video job (``/v1/videos/{id}`` and its ``/content``, any method) goes to the
+  replica that holds the job, which its id names (:mod:`.video_ids`); only there (Ray Serve's loop
+  waits while it has no room). When that replica is gone, to any (as below): the job died with
+  it, and the replica answers 404 ``video_not_found``;
+- any other request (chat, images, video creation and list, models, health, ...) goes to the
+  least-loaded replica: the smallest engine queue (requests admitted or waiting) plus the requests
+  this router has in flight there;
 - replicas that drain come last.
 
 Free slots come from what each replica reports (:class:`~.load.ReplicaLoad`, refreshed every
@@ -27,11 +31,13 @@ import pickle
 import random
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from .load import ReplicaLoad
+from .video_ids import owner_of, route_path
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +48,44 @@ _ENDS_KEPT_SECONDS = 30.0
 _MAX_REMEMBERED = 10_000
 
 
-def is_websocket(request: PendingRequest) -> bool:
-    """Whether ``request`` is a WebSocket connection (Ray Serve's HTTP proxy sends each request to
-    an ASGI ingress as a pickled ``StreamingHTTPRequest`` holding the ASGI scope)."""
+@dataclass(frozen=True)
+class RequestKind:
+    #: A WebSocket connection (a realtime session).
+    websocket: bool = False
+    #: The tag of the replica holding the video job the request is on (None: no such job).
+    video_owner: str | None = None
+
+
+OTHER = RequestKind()
+
+
+def request_kind(request: PendingRequest) -> RequestKind:
+    """What ``request`` is, from the ASGI scope inside it (Ray Serve's HTTP proxy sends each request
+    to an ASGI ingress as a pickled ``StreamingHTTPRequest`` holding the scope); a request of
+    another shape (a handle call) is :data:`OTHER`."""
     if not request.args:
-        return False
+        return OTHER
     arg: Any = request.args[0]
     if isinstance(arg, bytes | bytearray):
         try:
             arg = pickle.loads(arg)  # made by the proxy this router runs in
         except Exception:
-            return False
+            return OTHER
     scope = getattr(arg, "asgi_scope", None)
-    return isinstance(scope, dict) and scope.get("type") == "websocket"
+    if not isinstance(scope, dict):
+        return OTHER
+    if scope.get("type") == "websocket":
+        return RequestKind(websocket=True)
+    if scope.get("type") == "http":
+        owner = owner_of(route_path(scope))
+        if owner is not None:
+            return RequestKind(video_owner=owner)
+    return OTHER
 
 
 class SessionAwareRouter(RequestRouter):
-    """Realtime sessions to the most free session slots, other requests to the least loaded.
+    """Realtime sessions to the most free session slots, a video job's requests to its replica,
+    other requests to the least loaded.
 
     Not FIFO (``FIFOMixin``): a replica chosen for one request goes to that very request (a
     session's choice must not be handed to an earlier chat request)."""
@@ -71,7 +98,7 @@ class SessionAwareRouter(RequestRouter):
         self.in_flight: defaultdict[ReplicaID, set[str]] = defaultdict(set)
         #: Per replica, when sessions this router sent there ended (``time.time()``).
         self.ended: defaultdict[ReplicaID, deque[float]] = defaultdict(deque)
-        self._websocket: dict[str, bool] = {}
+        self._kinds: dict[str, RequestKind] = {}
 
     # -- what a replica has ------------------------------------------------------------------
     def load(self, replica: RunningReplica) -> ReplicaLoad:
@@ -93,13 +120,14 @@ class SessionAwareRouter(RequestRouter):
             reported.at,
         )
 
-    def _kind(self, request: PendingRequest) -> bool:
+    def _kind(self, request: PendingRequest) -> RequestKind:
+        """The request's kind, its scope decoded once per request."""
         rid = request.metadata.internal_request_id
-        known = self._websocket.get(rid)
+        known = self._kinds.get(rid)
         if known is None:
-            if len(self._websocket) >= _MAX_REMEMBERED:
-                self._websocket.clear()
-            known = self._websocket[rid] = is_websocket(request)
+            if len(self._kinds) >= _MAX_REMEMBERED:
+                self._kinds.clear()
+            known = self._kinds[rid] = request_kind(request)
         return known
 
     # -- Ray Serve's RequestRouter interface -------------------------------------------------
@@ -110,10 +138,20 @@ class SessionAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        kind = OTHER
+        if pending_request is not None:
+            kind = self._kind(pending_request)
+            # When no replica ranked has room, Ray Serve's loop asks again after a backoff (its
+            # own routers set this once they have offered every replica; without it, it asks at once).
+            pending_request.routing_context.should_backoff = True
+        if kind.video_owner is not None:
+            owner = [r for r in candidate_replicas if r.replica_id.unique_id == kind.video_owner]
+            if owner:
+                return [owner]  # only the replica holding the job can answer for it
         order = list(candidate_replicas)
         random.shuffle(order)  # ties at random: the sorts below are stable
         loads = {r.replica_id: self.load(r) for r in order}
-        if pending_request is not None and self._kind(pending_request):
+        if kind.websocket:
             ranked = sorted(
                 order,
                 key=lambda r: (loads[r.replica_id].draining, -loads[r.replica_id].free_session_slots),
@@ -132,13 +170,13 @@ class SessionAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = pending_request.metadata.internal_request_id
-        if self._kind(pending_request):
+        if self._kind(pending_request).websocket:
             self.sessions[replica_id].add(rid)
         else:
             self.in_flight[replica_id].add(rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._websocket.pop(internal_request_id, None)
+        self._kinds.pop(internal_request_id, None)
         sessions = self.sessions.get(replica_id)
         if sessions is not None and internal_request_id in sessions:
             sessions.discard(internal_request_id)

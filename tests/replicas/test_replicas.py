@@ -1,7 +1,7 @@
 """``omnirt serve --replicas``: a local Ray instance, Ray Serve's HTTP proxy on loopback and two
-replicas of the embedded speech model (random weights, two session slots each) on CPU, driven by
-real clients: raw WebSockets whose every frame is validated against the openai SDK's models
-(tests/realtime/conftest.py) and the SDK's HTTP client.
+replicas of the embedded models (speech with two session slots, image and video: random weights)
+on CPU, driven by real clients: raw WebSockets whose every frame is validated against the openai
+SDK's models (tests/realtime/conftest.py) and the SDK's HTTP client.
 
 Where a request went: every response and WebSocket accept carries ``x-omnirt-replica``; the
 fleet's ``/health`` lists each replica's own session count.
@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import av
 import httpx
 import pytest
 import websockets
@@ -41,12 +44,18 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         pytest.fail(f"ray[serve] is not installed ({exc}): CI must run the replica tests", pytrace=False)
     pytest.skip(f"ray[serve] is not installed ({exc}): pip install -e '.[ray]'", allow_module_level=True)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),  # the SDK's videos notice
+]
 
 MODEL = "demo-qwen3-omni"
 HEADER = "x-omnirt-replica"
 SLOTS = 2
 DRAIN_SECONDS = 3.0
+#: A tiny video job of the embedded video model (tiny Wan): 5 frames of 64x64, 2 steps.
+VIDEO_JOB = {"prompt": "waves", "size": "64x64", "num_frames": 5, "num_inference_steps": 2, "seed": 1}
 
 
 @dataclass
@@ -214,6 +223,106 @@ def test_health_and_metrics_cover_every_replica(fleet: Fleet) -> None:
     run(go())
 
 
+async def listed(http: httpx.AsyncClient, **params: Any) -> tuple[list[dict[str, Any]], str]:
+    """``GET /v1/videos``: the cards and the replica that answered."""
+    response = await http.get("/v1/videos", params={"limit": 100, **params})
+    assert response.status_code == 200, response.text
+    return response.json()["data"], response.headers[HEADER]
+
+
+async def list_from_each_replica(http: httpx.AsyncClient, replicas: int = 2) -> list[list[dict[str, Any]]]:
+    """Lists until each replica has answered one (a list goes to the least-loaded replica, ties at
+    random); every list answered, in order."""
+    answers, by = [], set()
+    for _ in range(60):
+        cards, at = await listed(http)
+        answers.append(cards)
+        by.add(at)
+        if len(by) == replicas:
+            return answers
+    raise AssertionError(f"lists reached only {by}")
+
+
+async def create_videos(http: httpx.AsyncClient, each: int) -> tuple[list[str], dict[str, str]]:
+    """Video jobs created one after another until each replica holds ``each`` (a job in a replica's
+    engine makes it the more loaded): their ids in creation order, and who holds each."""
+    order: list[str] = []
+    owners: dict[str, str] = {}
+    while len(order) < 6 * each:
+        created = await http.post("/v1/videos", json=VIDEO_JOB)
+        assert created.status_code == 200, created.text
+        job = created.json()
+        assert job["status"] in ("queued", "in_progress") and job["object"] == "video", job
+        order.append(job["id"])
+        owners[job["id"]] = created.headers[HEADER]
+        # The create answered once the fleet had the job: a list right after it, on any replica, shows it.
+        assert [c["id"] for c in (await listed(http))[0]][0] == job["id"]
+        counts = Counter(owners.values())
+        if len(counts) == 2 and min(counts.values()) >= each:
+            return order, owners
+    raise AssertionError(f"video jobs did not land on both replicas: {owners}")
+
+
+def video_frames(mp4: bytes) -> list[Any]:
+    with av.open(io.BytesIO(mp4)) as container:
+        assert container.streams.video[0].codec_context.name == "h264"
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def test_video_jobs_are_served_by_their_replica_and_listed_by_every_replica(fleet: Fleet) -> None:
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=fleet.base_url, timeout=60) as http:
+            client = AsyncOpenAI(
+                api_key="k", base_url=fleet.base_url + "/v1", http_client=http, max_retries=0
+            )
+            order, owners = await create_videos(http, each=2)
+            # A job's own requests reach the replica that holds it, every time.
+            for video_id, owner in owners.items():
+                for _ in range(4):
+                    got = await http.get(f"/v1/videos/{video_id}")
+                    assert got.status_code == 200 and got.json()["id"] == video_id, got.text
+                    assert got.headers[HEADER] == owner
+            for video_id, owner in owners.items():
+                done = await client.videos.poll(video_id, poll_interval_ms=200)
+                assert (done.status, done.progress, done.size) == ("completed", 100, "64x64"), done
+                raw = await client.videos.with_raw_response.download_content(video_id)
+                assert raw.headers[HEADER] == owner and raw.headers["content-type"] == "video/mp4"
+                pictures = video_frames(raw.content)
+                assert len(pictures) == 5 and pictures[0].shape == (64, 64, 3)
+            # The list, whichever replica answers: every job, newest first, as the jobs are now
+            # (a card may lag its job by the sharing throttle: wait for that).
+            deadline = time.monotonic() + 10
+            while True:
+                answers = await list_from_each_replica(http)
+                if all(c["status"] == "completed" for cards in answers for c in cards):
+                    break
+                assert time.monotonic() < deadline, answers
+                await asyncio.sleep(0.2)
+            for cards in answers:
+                assert [c["id"] for c in cards] == order[::-1]
+            # Paged through the SDK (each page may come from another replica), both orders.
+            assert [v.id async for v in client.videos.list(limit=2, order="asc")] == order
+            assert [v.id async for v in client.videos.list(limit=3)] == order[::-1]
+            page = await http.get("/v1/videos", params={"limit": 2, "after": order[-1]})
+            body = page.json()
+            assert [c["id"] for c in body["data"]] == order[-3:-1][::-1] and body["has_more"] is True
+            # Deleted: the request reaches the job's replica; the job is gone there and from the list.
+            for video_id in (order[0], next(v for v in order if owners[v] != owners[order[0]])):
+                deleted = await http.delete(f"/v1/videos/{video_id}")
+                assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+                assert deleted.headers[HEADER] == owners[video_id]
+                gone = await http.get(f"/v1/videos/{video_id}")
+                assert gone.status_code == 404 and gone.json()["error"]["code"] == "video_not_found"
+                assert gone.headers[HEADER] == owners[video_id]
+                order.remove(video_id)
+                for cards in await list_from_each_replica(http):
+                    assert [c["id"] for c in cards] == order[::-1]
+            for video_id in order:  # leave the fleet as it was
+                assert (await http.delete(f"/v1/videos/{video_id}")).status_code == 200
+
+    run(go())
+
+
 def wait_routable(fleet: Fleet, replicas: int, timeout: float = 30.0) -> None:
     """Until Ray Serve runs ``replicas`` replicas and the proxy routes requests to each."""
     deadline = time.monotonic() + timeout
@@ -240,9 +349,17 @@ def fleet_app(replica_id: str) -> str:
 
 
 def test_a_killed_replica_closes_only_its_sessions_and_clients_reconnect(fleet: Fleet) -> None:
+    """Its realtime sessions close (their clients reconnect to the other replica), and its video
+    jobs die with it: 404 ``video_not_found`` and gone from the list; the other's stay."""
+
     async def go() -> str:
-        async with session(fleet) as (doomed, victim), session(fleet) as (survivor, other):
+        async with (
+            session(fleet) as (doomed, victim),
+            session(fleet) as (survivor, other),
+            httpx.AsyncClient(base_url=fleet.base_url, timeout=60) as http,
+        ):
             assert victim != other
+            _, owners = await create_videos(http, each=1)
             ray.kill(_replica_actor(victim), no_restart=True)
             with pytest.raises(websockets.ConnectionClosed):
                 while True:
@@ -260,6 +377,24 @@ def test_a_killed_replica_closes_only_its_sessions_and_clients_reconnect(fleet: 
                     if time.monotonic() > deadline:
                         raise
                     await asyncio.sleep(0.5)
+            kept = [v for v, at in owners.items() if at == other]
+            lost = [v for v, at in owners.items() if at == victim]
+            deadline = time.monotonic() + 30
+            while True:  # until the proxy has seen the replica go and the fleet has dropped it
+                answers = await list_from_each_replica(http, replicas=1)
+                if [c["id"] for c in answers[-1]] == kept[::-1]:
+                    break
+                assert time.monotonic() < deadline, (answers[-1], owners)
+                await asyncio.sleep(0.5)
+            for video_id in lost:  # another replica answers (the proxy may need a moment to see it gone)
+                while (gone := await http.get(f"/v1/videos/{video_id}")).status_code >= 500:
+                    assert time.monotonic() < deadline, gone.text
+                    await asyncio.sleep(0.5)
+                assert gone.status_code == 404 and gone.json()["error"]["code"] == "video_not_found"
+                assert gone.headers[HEADER] != victim
+            for video_id in kept:
+                assert (await http.get(f"/v1/videos/{video_id}")).headers[HEADER] == other
+                assert (await http.delete(f"/v1/videos/{video_id}")).status_code == 200
         return victim
 
     victim = run(go())
