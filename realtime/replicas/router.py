@@ -30,7 +30,7 @@ import logging
 import pickle
 import random
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,10 @@ class SessionAwareRouter(RequestRouter):
         #: Per replica, when sessions this router sent there ended (``time.time()``).
         self.ended: defaultdict[ReplicaID, deque[float]] = defaultdict(deque)
         self._kinds: dict[str, RequestKind] = {}
+        #: Requests whose end came before Ray Serve reported them routed (it reports the end from
+        #: the result's done-callback, scheduled on the loop, and the routing once the replica's
+        #: acceptance is read: a quick request's end can come first). Not counted when routed.
+        self._ended_first: OrderedDict[tuple[ReplicaID, str], None] = OrderedDict()
 
     # -- what a replica has ------------------------------------------------------------------
     def load(self, replica: RunningReplica) -> ReplicaLoad:
@@ -138,16 +142,14 @@ class SessionAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        kind = OTHER
-        if pending_request is not None:
-            kind = self._kind(pending_request)
-            # When no replica ranked has room, Ray Serve's loop asks again after a backoff (its
-            # own routers set this once they have offered every replica; without it, it asks at once).
-            pending_request.routing_context.should_backoff = True
+        kind = OTHER if pending_request is None else self._kind(pending_request)
         if kind.video_owner is not None:
             owner = [r for r in candidate_replicas if r.replica_id.unique_id == kind.video_owner]
             if owner:
-                return [owner]  # only the replica holding the job can answer for it
+                # Only the replica holding the job can answer for it. While it has no room, Ray
+                # Serve's loop asks again after a backoff (without this flag, at once: a busy loop).
+                pending_request.routing_context.should_backoff = True  # type: ignore[union-attr]
+                return [owner]
         order = list(candidate_replicas)
         random.shuffle(order)  # ties at random: the sorts below are stable
         loads = {r.replica_id: self.load(r) for r in order}
@@ -170,6 +172,9 @@ class SessionAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = pending_request.metadata.internal_request_id
+        if (replica_id, rid) in self._ended_first:
+            del self._ended_first[(replica_id, rid)]  # over already
+            return
         if self._kind(pending_request).websocket:
             self.sessions[replica_id].add(rid)
         else:
@@ -187,11 +192,17 @@ class SessionAwareRouter(RequestRouter):
             ends.append(now)
             while ends and ends[0] < now - _ENDS_KEPT_SECONDS:
                 ends.popleft()
+            return
         held = self.in_flight.get(replica_id)
-        if held is not None:
+        if held is not None and internal_request_id in held:
             held.discard(internal_request_id)
             if not held:
                 del self.in_flight[replica_id]
+            return
+        # Not routed yet (or never: a request the replica rejected, retried elsewhere).
+        self._ended_first[(replica_id, internal_request_id)] = None
+        if len(self._ended_first) > _MAX_REMEMBERED:
+            self._ended_first.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

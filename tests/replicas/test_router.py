@@ -149,3 +149,22 @@ def test_a_video_jobs_requests_go_only_to_its_replica_and_anywhere_once_it_is_go
     assert rank(r, fleet, gone) == [["a"], ["c"], ["owner"]]
     # A list or a create is an ordinary request.
     assert rank(r, fleet, request("http", "/v1/videos"))[0] == ["a"]
+
+
+def test_a_request_that_ends_before_it_is_reported_routed_is_not_counted() -> None:
+    """Ray Serve reports a request's end from its result's done-callback and its routing once the
+    replica's acceptance is read: for a quick request the end can come first."""
+    r = router()
+    fleet = [replica("a", 0), replica("b", 0)]
+    for kind in ("http", "websocket"):
+        quick = request(kind)
+        r.on_request_completed(rid("a"), quick.metadata.internal_request_id)
+        r.on_request_routed(quick, rid("a"), None)
+        assert not r.in_flight and not r.sessions, (r.in_flight, r.sessions)
+    # Ended at one replica (rejected there), routed to another: counted there until it ends.
+    retried = request("http")
+    r.on_request_completed(rid("a"), retried.metadata.internal_request_id)
+    r.on_request_routed(retried, rid("b"), None)
+    assert rank(r, fleet, request("http")) == [["a"], ["b"]]
+    r.on_request_completed(rid("b"), retried.metadata.internal_request_id)
+    assert not r.in_flight
