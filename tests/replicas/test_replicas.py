@@ -164,6 +164,15 @@ def test_sessions_spread_over_both_replicas_and_each_stays_on_its_own(fleet: Fle
 
 
 def test_chat_requests_are_balanced(fleet: Fleet) -> None:
+    # The burst's requests are ranked before any is reported routed, on the replicas' last load
+    # reports: start once those show idle engines (a session that just closed may still hold a
+    # speech request for a moment; a report of 1 would send the whole burst to the other replica).
+    deadline = time.monotonic() + 30
+    while any(r["engine_queue_depth"] for r in fleet.health()["replicas"]):
+        assert time.monotonic() < deadline, fleet.health()
+        time.sleep(0.1)
+    time.sleep(2 * fleet.options.stats_seconds)
+
     async def go() -> list[str]:
         async with httpx.AsyncClient(base_url=fleet.base_url, timeout=60) as http:
             client = AsyncOpenAI(
@@ -243,12 +252,17 @@ async def list_from_each_replica(http: httpx.AsyncClient, replicas: int = 2) -> 
     raise AssertionError(f"lists reached only {by}")
 
 
-async def create_videos(http: httpx.AsyncClient, each: int) -> tuple[list[str], dict[str, str]]:
+async def create_videos(
+    http: httpx.AsyncClient, each: int, fleet_stats_seconds: float = 0.5
+) -> tuple[list[str], dict[str, str]]:
     """Video jobs created one after another until each replica holds ``each`` (a job in a replica's
     engine makes it the more loaded): their ids in creation order, and who holds each."""
     order: list[str] = []
     owners: dict[str, str] = {}
-    while len(order) < 6 * each:
+    while len(order) < 8 * each:
+        if order and Counter(owners.values())[owners[order[-1]]] > each:
+            # Ties go at random; a replica's queue shows in its next load report.
+            await asyncio.sleep(fleet_stats_seconds)
         created = await http.post("/v1/videos", json=VIDEO_JOB)
         assert created.status_code == 200, created.text
         job = created.json()
@@ -407,11 +421,18 @@ def test_a_killed_replica_closes_only_its_sessions_and_clients_reconnect(fleet: 
 
 def test_a_removed_replica_drains_its_sessions(fleet: Fleet) -> None:
     """Scaled from 2 to 1: the replica removed admits no new session and closes its live one with
-    1001 once the drain period is over; the other's session goes on."""
+    1001 once the drain period is over; the other's session goes on. Its video jobs leave the list
+    as it starts draining (no request reaches it any more), before that close."""
 
     async def go() -> None:
-        async with session(fleet) as (a, at_a), session(fleet) as (b, at_b):
+        async with (
+            session(fleet) as (a, at_a),
+            session(fleet) as (b, at_b),
+            httpx.AsyncClient(base_url=fleet.base_url, timeout=60) as http,
+        ):
             assert at_a != at_b
+            order, owners = await create_videos(http, each=1)
+            jobs_of = {at: [v for v in order if owners[v] == at] for at in (at_a, at_b)}
             one = dataclasses.replace(fleet.options, replicas=1)
             from omnirt.realtime.replicas.launch import application
 
@@ -429,6 +450,15 @@ def test_a_removed_replica_drains_its_sessions(fleet: Fleet) -> None:
                         await client.recv(timeout=DRAIN_SECONDS + 15)
                 closed[at] = (client.ws.close_code, client.ws.close_reason, time.monotonic() - t0)
 
+            async def one_replicas_jobs_left() -> tuple[str, float]:
+                while True:
+                    ids = [c["id"] for c in (await listed(http, order="asc"))[0]]
+                    for at, jobs in jobs_of.items():
+                        if ids == jobs:
+                            return at, time.monotonic() - t0
+                    await asyncio.sleep(0.1)
+
+            listing = asyncio.create_task(one_replicas_jobs_left())
             tasks = [asyncio.create_task(watch(a, at_a)), asyncio.create_task(watch(b, at_b))]
             _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
@@ -440,6 +470,12 @@ def test_a_removed_replica_drains_its_sessions(fleet: Fleet) -> None:
             assert after >= DRAIN_SECONDS, closed
             kept = b if gone == at_a else a
             await text_turn(kept)
+            assert listing.done(), "the removed replica's video jobs were still listed when it closed"
+            survivor, when = listing.result()
+            assert survivor != gone and when < after, (survivor, gone, when, after)
+            for video_id in jobs_of[gone]:
+                lost = await http.get(f"/v1/videos/{video_id}")
+                assert lost.status_code == 404 and lost.headers[HEADER] == survivor, lost.text
             await scaled
 
     run(go())
