@@ -293,6 +293,11 @@ def ray_fleet(args: argparse.Namespace, replicas: int) -> Iterator[str]:
 CPU_GROUPS = ("server", "proxy", "ray", "client", "other")
 
 
+#: Process id -> its group, once known (a Ray worker starts as ``ray::IDLE`` and later names
+#: the actor it became; its title changes with the method it runs).
+_GROUPS: dict[tuple[int, float], str] = {}
+
+
 def process_group(proc: psutil.Process) -> str:
     """Which part of the run a process is: ``server`` (the single process or a replica, with
     their VAD workers), ``proxy`` (Ray Serve's HTTP proxy), ``ray`` (Ray's other processes:
@@ -300,14 +305,17 @@ def process_group(proc: psutil.Process) -> str:
     if proc.pid == os.getpid():
         return "client"
     try:
+        key = (proc.pid, proc.create_time())  # process ids are reused
+        if key in _GROUPS:
+            return _GROUPS[key]
         command = " ".join(proc.cmdline())
     except psutil.Error:
         return "ray"
-    if "ProxyActor" in command:
-        return "proxy"
-    if "OmnirtReplica" in command or "omnirt.realtime.cli" in command or "omnirt.vad.process" in command:
-        return "server"
-    return "ray"
+    if "ProxyActor" in command or "SERVE_PROXY_ACTOR" in command:
+        _GROUPS[key] = "proxy"
+    elif any(name in command for name in ("OmnirtReplica", "omnirt.realtime.cli", "omnirt.vad.process")):
+        _GROUPS[key] = "server"
+    return _GROUPS.get(key, "ray")
 
 
 def cpu_seconds() -> dict[str, float]:
