@@ -13,7 +13,6 @@ from types import ModuleType
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
-BOUND = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +26,11 @@ def bench() -> Iterator[ModuleType]:
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def rule(bench: ModuleType) -> object:
+    return bench.Rule(first_audio_s=1.0, gap_s=0.02)
 
 
 def test_percentiles_are_nearest_rank(bench: ModuleType) -> None:
@@ -60,26 +64,28 @@ def level(bench: ModuleType, n: int, first: list[float], gaps: list[float] | Non
     return bench.Level("t", n, turns)
 
 
-def test_a_level_passes_on_its_p99_first_audio_gaps_and_failures(bench: ModuleType) -> None:
-    assert level(bench, 4, [0.2] * 99 + [0.9]).passes(BOUND)
-    assert not level(bench, 4, [0.2] * 98 + [1.2]).passes(BOUND)  # 99 turns: p99 is the slowest
-    assert level(bench, 4, [0.2] * 99 + [1.2]).passes(BOUND)  # 1 slow turn in 100 is allowed
-    assert not level(bench, 4, [0.2] * 10, [0.0] * 9 + [0.05]).passes(BOUND)  # a turn heard a gap
+def test_a_level_passes_on_its_p99_first_audio_gaps_and_failures(bench: ModuleType, rule: object) -> None:
+    assert level(bench, 4, [0.2] * 99 + [0.9]).passes(rule)
+    assert level(bench, 4, [0.2] * 99 + [1.0]).passes(rule)  # at the bound
+    assert not level(bench, 4, [0.2] * 98 + [1.2]).passes(rule)  # 99 turns: p99 is the slowest
+    assert level(bench, 4, [0.2] * 99 + [1.2]).passes(rule)  # 1 slow turn in 100 is allowed
+    assert not level(bench, 4, [0.2] * 10, [0.0] * 9 + [0.05]).passes(rule)  # a turn heard a gap
+    assert level(bench, 4, [0.2] * 10, [0.0] * 9 + [0.005]).passes(rule)  # under 20 ms: a click
     failed = level(bench, 4, [0.2] * 10)
     failed.turns.append(bench.Turn(error="TurnFailed: error resource_exhausted"))
-    assert not failed.passes(BOUND) and len(failed.failed) == 1 and len(failed.ok) == 10
-    assert not bench.Level("t", 4, []).passes(BOUND)  # no turn: nothing shown
+    assert not failed.passes(rule) and len(failed.failed) == 1 and len(failed.ok) == 10
+    assert not bench.Level("t", 4, []).passes(rule)  # no turn: nothing shown
 
 
-def test_the_ramp_stops_at_the_first_failure_and_bisects_below_it(bench: ModuleType) -> None:
+def test_the_ramp_stops_at_the_first_failure_and_bisects_below_it(bench: ModuleType, rule: object) -> None:
     levels = [1, 4, 8, 16, 24]
     capacity = 11  # a level passes up to here
 
     def run(refine: int) -> tuple[list[int], object]:
         tried: list[object] = []
-        while (n := bench.next_level(tried, levels, BOUND, refine)) is not None:
+        while (n := bench.next_level(tried, levels, rule, refine)) is not None:
             tried.append(level(bench, n, [0.3 if n <= capacity else 1.5] * 5))
-        return [lv.sessions for lv in tried], bench.sessions_served(tried, BOUND)
+        return [lv.sessions for lv in tried], bench.sessions_served(tried, rule)
 
     order, served = run(refine=0)
     assert order == [1, 4, 8, 16] and served.sessions == 8
@@ -87,9 +93,9 @@ def test_the_ramp_stops_at_the_first_failure_and_bisects_below_it(bench: ModuleT
     assert order == [1, 4, 8, 16, 12, 10] and served.sessions == 10  # 12 fails, 10 passes
     # Every level passes: the ramp ends at the top and serves it.
     tried = [level(bench, n, [0.3] * 5) for n in levels]
-    assert bench.next_level(tried, levels, BOUND, 1) is None
-    assert bench.sessions_served(tried, BOUND).sessions == 24
+    assert bench.next_level(tried, levels, rule, 1) is None
+    assert bench.sessions_served(tried, rule).sessions == 24
     # The first level fails: nothing served, nothing to bisect.
     tried = [level(bench, 1, [2.0] * 5)]
-    assert bench.next_level(tried, levels, BOUND, 3) is None
-    assert bench.sessions_served(tried, BOUND) is None
+    assert bench.next_level(tried, levels, rule, 3) is None
+    assert bench.sessions_served(tried, rule) is None
