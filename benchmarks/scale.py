@@ -820,7 +820,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--audio-seconds", type=float, default=1.0, help="speech per user turn")
     ap.add_argument("--audio", choices=("auto", "espeak", "tone"), default="auto")
     ap.add_argument(
-        "--reply-tokens", type=int, default=8, help="thinker tokens per reply (about 3 s of audio)"
+        "--reply-tokens", type=int, default=8, help="thinker tokens per reply (8: about 4.5 s of audio)"
     )
     ap.add_argument(
         "--p99-bound-ms", type=float, default=1000.0, help="a level passes with p99 first audio under this"
