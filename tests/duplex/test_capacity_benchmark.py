@@ -3,26 +3,19 @@ and the summary printed."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "duplex_capacity.py"
+from tests.scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("duplex_capacity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+def bench() -> Iterator[ModuleType]:
+    with benchmark_module("duplex_capacity.py", "duplex_capacity") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_cpu_smoke_measures_every_level_and_prints_the_tables(bench, capsys):
