@@ -34,7 +34,9 @@ class VideoJob:
     size: str
     #: Clip length in seconds, as text (``"4"``, ``"5.06"``); ``"auto"`` while the model decides.
     seconds: str
-    created_at: int
+    #: When the job was made (``time.time()``): ``created_at`` to the second, and the order of the
+    #: jobs of a fleet of replicas to the microsecond.
+    created: float = field(default_factory=time.time)
     status: Status = "queued"
     progress: int = 0
     completed_at: int | None = None
@@ -42,9 +44,10 @@ class VideoJob:
     #: ``{"code", "message"}`` once failed.
     error: dict[str, str] | None = None
     mp4: bytes | None = None
-    #: When the job was made (``time.time()``, to the microsecond): orders the jobs of a fleet of
-    #: replicas (``created_at`` is whole seconds).
-    created: float = field(default_factory=time.time)
+
+    @property
+    def created_at(self) -> int:
+        return int(self.created)
 
     @property
     def finished(self) -> bool:

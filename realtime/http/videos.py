@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any, Protocol
 
 from omnirt.stages.diffusion.types import GeneratedVideo, Progress, VideoRequest
@@ -103,15 +102,12 @@ class Videos:
             await self.client.check(video_request(body, "check", model, self.config))
         except RequestRejected as exc:
             raise bad_request(str(exc)) from None
-        now = time.time()
         job = VideoJob(
             id=new_id("video") if self.sharing is None else self.sharing.new_id(),
             model=model,
             prompt=body.prompt,
             size=body.size or "auto",
             seconds=f"{body.seconds:g}" if body.seconds is not None else "auto",
-            created_at=int(now),
-            created=now,
         )
         try:
             self.store.add(job)

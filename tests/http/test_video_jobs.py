@@ -15,7 +15,7 @@ class Clock:
 
 
 def job(n: int) -> VideoJob:
-    return VideoJob(id=f"video_{n}", model="m", prompt="p", size="auto", seconds="auto", created_at=n)
+    return VideoJob(id=f"video_{n}", model="m", prompt="p", size="auto", seconds="auto", created=n)
 
 
 def store(clock: Clock, **limits: float) -> VideoJobStore:

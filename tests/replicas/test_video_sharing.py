@@ -88,7 +88,7 @@ class FakeFleet:
 
 
 def job(job_id: str, created: float) -> VideoJob:
-    return VideoJob(job_id, "m", "p", "auto", "auto", int(created), created=created)
+    return VideoJob(job_id, "m", "p", "auto", "auto", created=created)
 
 
 def test_a_replica_shares_at_once_or_throttled_and_lists_the_fleets_jobs() -> None:
