@@ -262,7 +262,9 @@ def single_process(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
 def ray_instance(args: argparse.Namespace) -> Iterator[None]:
     """A local Ray instance with CPU slots for the largest fleet; stopped (Serve too) at the end."""
     import ray
+    from omnirt.realtime.replicas.launch import set_serve_env
 
+    set_serve_env()  # Ray Serve's short request path, as `omnirt serve --replicas` starts Ray
     ray.init(
         address="local",  # a fresh instance of its own, never one that `ray start` left running
         num_cpus=max(args.replicas) * args.replica_cpus,

@@ -40,6 +40,27 @@ FLEET_DEPLOYMENT = "OmnirtFleet"
 #: Environment variables of this process that every replica gets too (Ray's worker processes
 #: have the environment of their node's ``ray start``, not this one's, on a joined cluster).
 REPLICA_ENV = ("OMNIRT_CACHE",)
+#: Ray Serve's settings for its shortest request path, the defaults of the Ray instance this
+#: process starts (each Ray process reads them from its environment when it starts; a cluster
+#: that ``ray start`` began has its nodes' environment). The proxy talks to replicas over gRPC
+#: rather than Ray actor calls, and runs its router on its own event loop; a replica runs the
+#: application on its main event loop, not a thread of its own. Each hop a realtime event takes
+#: through the proxy is shorter: ``benchmarks/scale.py`` measured the added latency per event
+#: at about 0.8 ms with them and 1.1 to 1.3 ms without (``docs/benchmarks.md``). A value set in
+#: the environment wins.
+SERVE_ENV = {
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
+
+
+def set_serve_env(environ: dict[str, str] | None = None) -> None:
+    """:data:`SERVE_ENV` into ``environ`` (default ``os.environ``) where not set already: call it
+    before ``ray.init`` starts a local instance (:func:`connect_ray` does)."""
+    environ = os.environ if environ is None else environ
+    for name, value in SERVE_ENV.items():
+        environ.setdefault(name, value)
 
 
 @dataclass
@@ -159,7 +180,7 @@ def application(
         max_ongoing_requests=256,
     ).bind(options.stale_seconds)
     actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "num_gpus": gpus}
-    env = {name: os.environ[name] for name in REPLICA_ENV if os.environ.get(name)}
+    env = {name: os.environ[name] for name in (*REPLICA_ENV, *SERVE_ENV) if os.environ.get(name)}
     if env:
         actor_options["runtime_env"] = {"env_vars": env}
     replica = serve.deployment(
@@ -186,6 +207,7 @@ def connect_ray(address: str | None) -> None:
     address, a cluster that wants a token this process lacks, ...)."""
     import ray
 
+    set_serve_env()
     try:
         ray.init(address=address)
     except Exception as exc:

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 import websockets
+from omnirt.realtime.replicas.launch import SERVE_ENV
 from openai import OpenAI
 
 from tests.realtime.conftest import MANUAL_TURNS, MAX_FRAME, Client, text_item
@@ -100,7 +101,8 @@ def ray_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
     log = tmp_path / "ray-head.log"
     with log.open("w") as out:
         # On SIGTERM the node drains first (up to 30 s by default, while Serve's actors live).
-        env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="2")
+        # With Ray Serve's short request path, as docs/deploy.md tells a user to start a node.
+        env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="2", **SERVE_ENV)
         head = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 90

@@ -37,7 +37,7 @@ from tests.server import free_port
 try:
     import ray
     from omnirt.realtime.replicas import ReplicaOptions, deploy
-    from omnirt.realtime.replicas.launch import REPLICA_DEPLOYMENT
+    from omnirt.realtime.replicas.launch import REPLICA_DEPLOYMENT, SERVE_ENV
     from ray import serve
 except ImportError as exc:  # pragma: no cover - depends on the install
     if os.environ.get("CI"):
@@ -92,6 +92,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     mp = pytest.MonkeyPatch()
     mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
     mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    for name, value in SERVE_ENV.items():  # Ray Serve's short request path, as `omnirt serve` sets it
+        mp.setenv(name, value)
     ray.init(
         num_cpus=4,  # CPU slots for the replicas (the machine's 2 cores are shared)
         object_store_memory=100 * 1024 * 1024,
