@@ -335,6 +335,25 @@ class SpeechPipeline:
         active = self._active.get(request_id)
         if active is not None:
             active.held = held
+            self._repack(active)
+
+    def _repack(self, active: _Active) -> None:
+        """Keeps the slots that step packed low: a step runs the first rows up to the bucket that
+        covers the highest stepping slot, so a request held in a low slot (for as long as its
+        client is behind: up to ``max_held_seconds``) would make every step of the others run
+        rows it does not need. Held, the request moves to the highest free slot above its own;
+        released, to the lowest free slot below it. Only once its prompt is loaded (a prefill
+        under way writes its slot). Its reply goes on unchanged: every per-slot state moves."""
+        if not active.prefilled:
+            return
+        source = active.slot
+        target = self._slots.park(source) if active.held else self._slots.unpark(source)
+        if target is None:
+            return
+        self.thinker.move(source, target)
+        if self.has_talker:
+            self.talker.move(source, target)
+        active.slot = target
 
     def accepts(self, request: object) -> bool:
         return isinstance(request, GenerationRequest)

@@ -121,10 +121,49 @@ class SlotPool:
             self.held[target], self._used[target] = prefix, used
         return target
 
-    def _room(self, used: int) -> int | None:
-        """A free slot to move a prefix last used at ``used`` into: the highest holding none,
-        else the least recently used holder if it is older; None: drop the prefix."""
-        free = list(self._slots.free_slots())
+    def park(self, slot: int) -> int | None:
+        """Where busy ``slot``'s request goes while it takes no steps (held): the highest free slot
+        above it that holds no prefix, else the least recently used holder above it (that prefix
+        is dropped); None: no free slot above. The move is recorded (``slot`` is free then, and
+        the prefix it holds goes along); the caller moves the request's state."""
+        above = [s for s in self._slots.free_slots() if s > slot]
+        if not above:
+            return None
+        empty = [s for s in above if s not in self.held]
+        if empty:
+            target = max(empty)
+        else:
+            target = min(above, key=self._used.__getitem__)
+            del self.held[target], self._used[target]
+        self._take_over(slot, target)
+        return target
+
+    def unpark(self, slot: int) -> int | None:
+        """Where busy ``slot``'s request goes once it steps again: the lowest free slot, when it
+        is below ``slot`` (a prefix held there moves out of the way, as in :meth:`vacate`); None:
+        it stays. Recorded as :meth:`park` records."""
+        target = min(self._slots.free_slots(), default=None)
+        if target is None or target > slot:
+            return None
+        prefix, used = self.held.pop(target, None), self._used.pop(target, 0)
+        self._take_over(slot, target)
+        if prefix is not None:
+            room = self._room(used, exclude=slot)  # not ``slot``: the request is still there
+            if room is not None:
+                self._move(target, room, prefix)
+                self.held[room], self._used[room] = prefix, used
+        return target
+
+    def _take_over(self, slot: int, target: int) -> None:
+        """Records that busy ``slot``'s request lives in free ``target`` now, with its prefix."""
+        self._slots.move(slot, target)
+        if slot in self.held:
+            self.held[target], self._used[target] = self.held.pop(slot), self._used.pop(slot)
+
+    def _room(self, used: int, exclude: int | None = None) -> int | None:
+        """A free slot (not ``exclude``) to move a prefix last used at ``used`` into: the highest
+        holding none, else the least recently used holder if it is older; None: drop the prefix."""
+        free = [s for s in self._slots.free_slots() if s != exclude]
         empty = [s for s in free if s not in self.held]
         if empty:
             return max(empty)

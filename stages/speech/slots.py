@@ -414,6 +414,18 @@ class SlotDecoder:
         for cache in (*self.keys, *self.values):
             cache[target, :, :length].copy_(cache[source, :, :length])
 
+    def move(self, source: int, target: int) -> None:
+        """Slot ``target`` takes slot ``source``'s entries and length (the whole row: a step's
+        cache, as the code predictor's, may run ahead of the host's count); ``source`` is left
+        empty. No device sync."""
+        if source == target:
+            return
+        for cache in (*self.keys, *self.values):
+            cache[target].copy_(cache[source])
+        self.lengths[target] = self.lengths[source]
+        self.host_lengths[target] = self.host_lengths[source]
+        self.reset(source)
+
     def set_length(self, slot: int, length: int) -> None:
         """After :meth:`prompt_step`: the slot holds ``length`` entries (host and device)."""
         if length > self.max_len:

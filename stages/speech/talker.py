@@ -225,6 +225,17 @@ class Talker:
         self.next_code[slot] = prefill.code
         self.sampling.advance_slot(slot)
 
+    def move(self, source: int, target: int) -> None:
+        """A request's state moves from slot ``source`` to free slot ``target`` (between steps, on
+        the engine thread): every per-slot tensor of ``__init__`` (the ones :meth:`state` names and
+        the header). No device sync."""
+        self.kv.move(source, target)
+        self.predictor.move(source, target)
+        for row in (self.hidden, self.next_code, self.position, self.seen, self.header, self.frames):
+            row[target] = row[source]
+        self.sampling.copy_row(source, target)
+        self.predictor_sampling.copy_row(source, target)
+
     def _choose(self, logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Code group 0 for slots ``start..stop-1`` from ``logits`` [B, V]: repetition penalty over
         the codes each slot drew before, special codes suppressed, then the slot's sampling."""

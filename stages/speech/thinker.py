@@ -192,6 +192,16 @@ class Thinker:
         self.next_token[slot] = prefill.token
         self.sampling.advance_slot(slot)
 
+    def move(self, source: int, target: int) -> None:
+        """A request's state moves from slot ``source`` to free slot ``target`` (between steps, on
+        the engine thread): its cache, next token, position, sampling row (seed and draws made,
+        so its draws go on as they would have) and mask. No device sync."""
+        self.kv.move(source, target)
+        for row in (self.next_token, self.position):
+            row[target] = row[source]
+        self.sampling.copy_row(source, target)
+        self.masks.move(source, target)
+
     def decode(self, slots: list[int], batch: int) -> torch.Tensor:
         """One token for each of ``slots`` (all below ``batch``): returns a view [batch] of the
         drawn tokens on the device (other rows: their undrawn next token)."""

@@ -64,6 +64,15 @@ class SlotMasks:
             self.bits[slot].copy_(self.host[slot], non_blocking=True)
         self._dirty.clear()
 
+    def move(self, source: int, target: int) -> None:
+        """Slot ``target`` takes slot ``source``'s mask, on the host and the device (a row still
+        to upload goes up from ``target``); ``source`` allows every token again."""
+        self.host[target].copy_(self.host[source])
+        self.bits[target].copy_(self.bits[source])
+        if source in self._dirty:
+            self._dirty.add(target)
+        self.reset(source)
+
     def reset(self, slot: int) -> None:
         """Every token allowed again (no device sync)."""
         self.host[slot].fill_(ALL)

@@ -401,7 +401,9 @@ def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(pipeline) -> 
 def test_a_held_request_takes_no_steps_and_then_goes_on_unchanged(demo_dir: Path) -> None:
     """``hold`` (its client is behind reading): the request makes nothing while held, counts as
     no work and no deadline, while another request keeps stepping; released, it finishes with the
-    same reply (tokens, text, audio frames) it makes without the hold."""
+    same reply (tokens, text, audio frames) it makes without the hold. Held, it moves out of the
+    low slots (so the other steps at batch 1, not at the bucket covering the held slot), and
+    back down once released: its state moves whole (the same reply)."""
     pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
     make = lambda: audio_request("a", tone(1.0), max_output_tokens=10, temperature=1.0, seed=7)  # noqa: E731
     log = TokenLog(pipe)
@@ -413,9 +415,12 @@ def test_a_held_request_takes_no_steps_and_then_goes_on_unchanged(demo_dir: Path
     outs = []
     while not any(isinstance(o, AudioDelta) for o in of(outs, "a")):  # speaking
         outs += pipe.step()
+    assert pipe._active["a"].slot == 0
     pipe.hold("a", True)
     assert not pipe.has_work() and pipe.next_deadline() is None
+    assert pipe._active["a"].slot > 0  # parked above
     pipe.add(text_request("other", "meanwhile", max_output_tokens=6))
+    assert pipe._active["other"].slot == 0 and pipe._bucket(1) == 1
     tokens_before = len(log.tokens["a"])
     while_held = drain(pipe)
     assert of(while_held, "other")[-1].reason in ("stop", "length")
@@ -423,6 +428,7 @@ def test_a_held_request_takes_no_steps_and_then_goes_on_unchanged(demo_dir: Path
     assert len(log.tokens["a"]) == tokens_before
     pipe.hold("a", False)
     assert pipe.has_work()
+    assert pipe._active["a"].slot == 0  # back down: "other" is done
     outs += while_held + drain(pipe)
     t2, a2, r2, f2 = _summary(of(outs, "a"))
     assert log.tokens["a"] == unheld_tokens

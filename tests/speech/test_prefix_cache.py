@@ -74,6 +74,28 @@ def test_pool_hands_out_the_lowest_slot_and_moves_a_held_prefix_out_of_the_way()
     assert pool.best(keys(1, 2, 3, 4), None, at_least=1) is None and len(pool) == 0
 
 
+def test_a_parked_request_goes_up_with_its_prefix_and_comes_back_down() -> None:
+    """``park`` (a held request): to the highest free slot above holding nothing, else over the
+    least recently used prefix above; ``unpark``: to the lowest free slot below, whose prefix
+    moves out of the way (never into the slot the request is leaving)."""
+    moves: list[tuple[int, int]] = []
+    pool = SlotPool(5, lambda s, t, p: moves.append((s, t)))
+    assert [pool.take() for _ in range(5)] == [0, 1, 2, 3, 4]
+    pool.give(4, Prefix(keys(4, 4)))  # older
+    pool.give(3, Prefix(keys(3, 3)))
+    pool.hold(1, Prefix(keys(1, 1)))  # the busy request's own prompt
+    assert pool.park(1) == 4 and moves == []  # no empty slot above: over the oldest prefix
+    assert pool.best(keys(1, 1, 9), None, at_least=1).slot == 4  # its prefix went along
+    assert pool.best(keys(4, 4, 9), None, at_least=1) is None  # dropped
+    assert pool.park(4) is None  # nothing free above the top
+    pool.give(0, Prefix(keys(0, 0)))
+    assert pool.unpark(4) == 0 and moves == [(0, 1)]  # slot 0's prefix to 1 (free, empty), not 4
+    assert pool.best(keys(0, 0, 9), None, at_least=1).slot == 1
+    assert pool.best(keys(1, 1, 9), None, at_least=1).slot == 0
+    assert pool.unpark(0) is None  # nothing free below
+    assert [pool.take() for _ in range(3)] == [1, 3, 4] and len(pool) == 0  # 1 and 4: left by it
+
+
 def test_pool_moves_over_the_least_recently_used_prefix() -> None:
     moves: list[tuple[int, int]] = []
     pool = SlotPool(3, lambda s, t, p: moves.append((s, t)))
