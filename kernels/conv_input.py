@@ -31,12 +31,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import reduce_order, settings
 from .settings import interpreted
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from .reduce_order import channel_sumsq
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -44,10 +47,42 @@ except ImportError:  # pragma: no cover - depends on the install
 NORM_EPS = 1e-12
 
 
-def channel_norms(x: torch.Tensor) -> torch.Tensor:
-    """The fp32 L2 norm over the channels (dim 1, kept), as ``F.normalize(x.float(), dim=1)``
-    computes it (bitwise, without the fp32 copy)."""
+#: Pixels per program of the channel-norm kernel.
+NORM_PIXELS = 128
+
+
+def channel_norms(x: torch.Tensor, *, splits: int | None = None, fma: bool = True) -> torch.Tensor:
+    """The fp32 L2 norm over the channels of ``x`` [B, C, T, H, W] (dim 1, kept; contiguous), as
+    ``F.normalize(x.float(), dim=1)`` computes it on CUDA for the same frames in NCDHW memory
+    (bitwise, without the fp32 copy). Frames whose channels are innermost (channels-last) go
+    through :func:`channel_norms_cl` in ATen's NCDHW order (``reduce_order.channel_sumsq``);
+    others, and the shapes ATen reduces otherwise, through ATen itself. ``splits`` and ``fma``
+    force an order (probes and tests)."""
+    b, c, t, h, w = x.shape
+    if x.stride(1) == 1 and c > 1 and (settings.kernel_device(x) or (triton is not None and interpreted())):
+        s = reduce_order.aten_channel_splits(c, t * h * w, b) if splits is None else splits
+        if s in (1, 2, 4, 8, 16):
+            return channel_norms_cl(x, splits=s, fma=fma)
+        x = x.contiguous()  # an order the kernel does not model: ATen's own on NCDHW frames
     return torch.linalg.vector_norm(x, 2, dim=1, keepdim=True, dtype=torch.float32)
+
+
+def channel_norms_cl(x: torch.Tensor, *, splits: int, fma: bool = True) -> torch.Tensor:
+    """:func:`channel_norms` of ``x`` (any strides; meant for channels-last frames) by one Triton
+    kernel that sums each pixel's squares in ATen's order for NCDHW frames with ``splits``
+    threads a pixel, then takes the IEEE square root."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    b, c, t, h, w = x.shape
+    out = torch.empty((b, 1, t, h, w), dtype=torch.float32, device=x.device)
+    pixels = b * t * h * w
+    dense = x.is_contiguous(memory_format=torch.channels_last_3d)
+    grid = (triton.cdiv(pixels, NORM_PIXELS),)
+    _channel_norm_kernel[grid](
+        x, out, pixels, c, t, h, w, *x.stride(),
+        S=splits, FMA=fma, DENSE=dense, BP=NORM_PIXELS, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
 
 
 def rms_norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor, scale: float) -> torch.Tensor:
@@ -173,6 +208,26 @@ if triton is not None:
         tl.store(dst, v.to(dtype), mask=live)
 
     @triton.jit
+    def _channel_norm_kernel(
+        X, OUT, P, C, T, H, W, sxb, sxc, sxt, sxh, sxw,
+        S: tl.constexpr, FMA: tl.constexpr, DENSE: tl.constexpr, BP: tl.constexpr,
+    ):  # fmt: skip
+        """The channel norms of ``BP`` pixels (b, t, h, w order; ``OUT`` [B, 1, T, H, W])."""
+        p = tl.program_id(0) * BP + tl.arange(0, BP)
+        live = p < P
+        q = p.to(tl.int64)
+        if DENSE:  # channels-last frames: pixel q at q * C
+            base = X + q * sxw
+        else:
+            w = q % W
+            r = q // W
+            h = r % H
+            r = r // H
+            base = X + (r // T) * sxb + (r % T) * sxt + h * sxh + w * sxw
+        acc = channel_sumsq(base, sxc, C, live, BP, S, FMA)
+        tl.store(OUT + q, tl.math.sqrt_rn(acc), mask=live)
+
+    @triton.jit
     def _upsample_kernel(
         X, OUT, C, T2, H, W,
         sxb, sxc, sxt, sxh, sxw,
@@ -205,7 +260,7 @@ def _tile(channels: int, width: int, channels_last: bool) -> tuple[int, int]:
     if interpreted():
         return triton.next_power_of_2(max(channels, 1)), triton.next_power_of_2(max(width, 1))
     if channels_last:  # the largest power of two up to 64 that divides the channels: no idle lanes
-        bc = min(channels & -channels, 64) if channels else 1
+        bc = min(channels & -channels, 64) if channels >= 16 else triton.next_power_of_2(max(channels, 1))
         return bc, max(2048 // bc, 8)
     bw = min(triton.next_power_of_2(max(width, 1)), 1024)  # whole rows: best measured (H200, 480p)
     return max(2048 // bw, 1), bw
@@ -277,7 +332,7 @@ def add_bias_residual_(
         raise ValueError(f"a bias of {tuple(bias.shape)} does not fit {c} channels")
     if bias is None and residual is None:
         return y
-    bc, bw = _tile(c, w, False)
+    bc, bw = _tile(c, w, y.stride(1) == 1 and c > 1)
     grid = (b * t * h, triton.cdiv(c, bc), triton.cdiv(w, bw))
     r = residual if residual is not None else y
     _bias_residual_kernel[grid](
