@@ -117,7 +117,7 @@ if triton is not None:
 
     @triton.jit
     def _conv_input_kernel(
-        X, CACHE, NORM, GAMMA, OUT, NEXT,
+        X, CACHE, NORM, GAMMA, SILU, OUT, NEXT,
         C, H, W, L, TP, HP, WP, PT, PH, PW, KEEP,
         sxb, sxc, sxt, sxh, sxw,
         scb, scc, sct, sch, scw,
@@ -125,11 +125,15 @@ if triton is not None:
         sob, soc, sot, soh, sow,
         skb, skc, skt, skh, skw,
         scale, eps,
-        HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
+        HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BF16: tl.constexpr,
+        BC: tl.constexpr, BW: tl.constexpr,
     ):  # fmt: skip
         """One output row (b, tp, hp) of [BC channels, BW columns]: zero padding, a cached frame
         or a new frame (normalised and SiLU'd with ``HAS_NORM``); the last ``KEEP`` frames also
-        into ``NEXT``, the next chunk's cache."""
+        into ``NEXT``, the next chunk's cache. ``BF16``: bf16 frames, whose quotient is rounded
+        to bf16 before anything else sees it (so a product by the reciprocal serves, unless some
+        element lies within a few ulps of a bf16 rounding midpoint) and whose SiLU is one of 65536
+        values (``SILU``, ATen's own, looked up)."""
         pid = tl.program_id(0)
         hp = (pid % HP).to(tl.int64)
         rest = pid // HP
@@ -160,16 +164,32 @@ if triton is not None:
                 v = v.to(tl.float32)
                 n = tl.load(NORM + b * snb + t * snt + h * snh + w * snw, mask=columns, other=1.0)
                 n = tl.where(n < eps, eps, n)
-                y = tl.math.div_rn(v, n[None, :]).to(dtype).to(tl.float32)
+                if BF16:
+                    # RN(v * RN(1 / n)) is less than 2 ulps from v / n, so at most 2 from RN(v / n):
+                    # the same bf16 unless a midpoint (low 16 bits 0x8000) is that near, or the
+                    # quotient is tiny (subnormal) or NaN
+                    q = v * tl.math.div_rn(1.0, n)[None, :]
+                    low = q.to(tl.int32, bitcast=True) & 0xFFFF
+                    tiny = (tl.abs(q) < 1e-30) & (q != 0.0)  # 0 is exact: v is 0
+                    doubt = ((low >= 0x8000 - 3) & (low <= 0x8000 + 3)) | tiny | (q != q)
+                    if tl.max(doubt.to(tl.int32)) > 0:  # a block with one: IEEE division throughout
+                        q = tl.math.div_rn(v, n[None, :])
+                    y = q.to(dtype).to(tl.float32)
+                else:
+                    y = tl.math.div_rn(v, n[None, :]).to(dtype).to(tl.float32)
                 y = (y * scale).to(dtype).to(tl.float32)
                 g = tl.load(GAMMA + c, mask=c < C, other=0.0).to(tl.float32)
                 y = (y * g[:, None]).to(dtype).to(tl.float32)
                 y = tl.where(y == 0.0, 0.0, y)  # eager's ``+ 0.0``: -0 becomes +0
-                if LIBDEVICE:
-                    e = libdevice.exp(-y)
+                if BF16:  # SiLU of a bf16 value: ATen's, from the table of all 65536
+                    bits = y.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                    v = tl.load(SILU + bits, mask=inside, other=0.0).to(tl.float32)
                 else:
-                    e = tl.exp(-y)
-                v = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
+                    if LIBDEVICE:
+                        e = libdevice.exp(-y)
+                    else:
+                        e = tl.exp(-y)
+                    v = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
             v = v.to(dtype)
             tl.store(dst, v, mask=live)
         if tp >= TP - KEEP:
@@ -302,17 +322,34 @@ def causal_conv_input(
     bc, bw = _tile(c, wp, channels_last)
     grid = (b * tp * hp, triton.cdiv(c, bc), triton.cdiv(wp, bw))
     n_strides = norms.stride() if norms is not None else x.stride()
+    bf16 = norm is not None and x.dtype == torch.bfloat16 and not interpreted()
+    silu = silu_table(x.device) if bf16 else x
     _conv_input_kernel[grid](
-        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, out, next_cache,
+        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, silu,
+        out, next_cache,
         c, h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad, keep,
         *x.stride(), *src_cache.stride(),
         n_strides[0], *n_strides[2:],
         *out.stride(), *next_cache.stride(),
         float(torch.tensor(scale, dtype=torch.float32)), NORM_EPS,
-        HAS_NORM=norm is not None, LIBDEVICE=not interpreted(), BC=bc, BW=bw, num_warps=4,
+        HAS_NORM=norm is not None, LIBDEVICE=not interpreted(), BF16=bf16, BC=bc, BW=bw, num_warps=4,
         enable_fp_fusion=False,
     )  # fmt: skip
     return out, next_cache
+
+
+_SILU_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def silu_table(device: torch.device) -> torch.Tensor:
+    """``F.silu`` of every bf16 value, computed by ATen on ``device`` (so bitwise its SiLU),
+    indexed by the value's 16 bits."""
+    table = _SILU_TABLES.get(device)
+    if table is None:
+        bits = torch.arange(65536, dtype=torch.int32, device=device)
+        signed = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
+        table = _SILU_TABLES[device] = F.silu(signed.view(torch.bfloat16))
+    return table
 
 
 def add_bias_residual_(

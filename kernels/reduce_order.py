@@ -173,37 +173,26 @@ if triton is not None:
     def channel_sumsq(base, stride_c, C, live, BP: tl.constexpr, S: tl.constexpr, FMA: tl.constexpr):
         """The fp32 sums of squares of ``BP`` pixels' ``C`` channels (``base`` [BP] pointers to
         channel 0, channels ``stride_c`` apart; ``live`` [BP] masks the pixels) in ATen's order for
-        NCDHW frames with ``S`` threads a pixel (:func:`aten_channel_splits`; 1, 2, 4, 8 or 16):
-        column ``y`` of the four [BP, S] accumulators is thread ``y``'s, each fold one FMA
+        NCDHW frames with ``S`` threads a pixel (:func:`aten_channel_splits`; 1, 2, 4, 8 or 16).
+        Column ``i * S + y`` of the [BP, 4S] accumulator is thread ``y``'s accumulator ``i``: each
+        step loads the next ``4S`` channels (one vector a pixel) and folds them in, one FMA each
         (``FMA``; else a product and a sum). Launch with ``enable_fp_fusion=False``."""
-        y = tl.arange(0, S)
-        a0 = tl.zeros((BP, S), tl.float32)
-        a1 = tl.zeros((BP, S), tl.float32)
-        a2 = tl.zeros((BP, S), tl.float32)
-        a3 = tl.zeros((BP, S), tl.float32)
-        ptrs = base[:, None] + y[None, :] * stride_c
+        k = tl.arange(0, 4 * S)
+        acc = tl.zeros((BP, 4 * S), tl.float32)
+        ptrs = base[:, None] + k[None, :] * stride_c
         rows = live[:, None]
-        for c0 in range(0, C, 4 * S):  # thread y's items 4k .. 4k + 3 (channels c0 + y + i * S)
-            c = c0 + y
-            x0 = tl.load(ptrs + c0 * stride_c, mask=rows & (c < C)[None, :], other=0.0)
-            x1 = tl.load(ptrs + (c0 + S) * stride_c, mask=rows & (c + S < C)[None, :], other=0.0)
-            x2 = tl.load(ptrs + (c0 + 2 * S) * stride_c, mask=rows & (c + 2 * S < C)[None, :], other=0.0)
-            x3 = tl.load(ptrs + (c0 + 3 * S) * stride_c, mask=rows & (c + 3 * S < C)[None, :], other=0.0)
-            x0 = x0.to(tl.float32)
-            x1 = x1.to(tl.float32)
-            x2 = x2.to(tl.float32)
-            x3 = x3.to(tl.float32)
+        for c0 in range(0, C, 4 * S):  # thread y's items 4j .. 4j + 3: channels c0 + i * S + y
+            x = tl.load(ptrs + c0 * stride_c, mask=rows & (c0 + k < C)[None, :], other=0.0).to(tl.float32)
             if FMA:
-                a0 = tl.fma(x0, x0, a0)
-                a1 = tl.fma(x1, x1, a1)
-                a2 = tl.fma(x2, x2, a2)
-                a3 = tl.fma(x3, x3, a3)
+                acc = tl.fma(x, x, acc)
             else:
-                a0 = a0 + x0 * x0
-                a1 = a1 + x1 * x1
-                a2 = a2 + x2 * x2
-                a3 = a3 + x3 * x3
-        t = ((a0 + a1) + a2) + a3  # the accumulators combined in order; a masked item added 0
+                acc = acc + x * x
+        # each thread's four accumulators combined in order: ((a0 + a1) + a2) + a3
+        acc = tl.reshape(tl.permute(tl.reshape(acc, (BP, 4, S)), (0, 2, 1)), (BP, S, 2, 2))  # i = 2h + l
+        even, odd = tl.split(acc)  # l = 0 (i = 0, 2), l = 1 (i = 1, 3): [BP, S, 2] over h
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
+        t = ((a0 + a1) + a2) + a3  # [BP, S]; a masked item added 0
         if S == 16:  # block_y_reduce: thread y adds thread y + S / 2, and so on down
             t = half_sum(t, BP, 16)
         if S >= 8:
