@@ -13,17 +13,24 @@
   temporal interleave of its time convolution's two halves and the frames-first permutation, as
   one gather (eager: a stack, a permuted copy, a copy to fp32, the upsampling and a copy back).
 
-Numerics: ``exact`` at every dtype. The channel norms come from ATen itself
-(``torch.linalg.vector_norm`` of the frames, as ``F.normalize`` computes them: the H200 measured
-the two bitwise equal, for bf16 frames against their fp32 copy too); the elementwise chain then
-rounds where eager rounds (the quotient, the scale, the gain, the ``+ 0.0`` and the SiLU each
-rounded to the frames' dtype), with IEEE division, CUDA's ``expf`` (libdevice) and no contraction
-into fused multiply-adds. Copies are copies. So the convolution sees the same bits as in diffusers.
-Under ``TRITON_INTERPRET=1`` (the CPU tests) the exponential is NumPy's, so the SiLU there is
-close, not bitwise.
+Numerics: ``exact`` at every dtype. The channel norms are the ones ATen takes of NCDHW frames
+(``F.normalize(x.float(), dim=1)``, diffusers' layout): for NCDHW frames ATen's own
+``torch.linalg.vector_norm`` (the H200 measured it bitwise equal to ``F.normalize``'s, for bf16
+frames against their fp32 copy too); for channels-last frames :func:`channel_norms_cl`, a Triton
+kernel that sums each pixel's squares in ATen's order for the NCDHW frames
+(``reduce_order.channel_sumsq``: measured bitwise at every decoder shape, bf16 and fp32). The
+elementwise chain then rounds where eager rounds (the quotient, the scale, the gain, the
+``+ 0.0`` and the SiLU each rounded to the frames' dtype), with no contraction into fused
+multiply-adds: in fp32 with IEEE division and CUDA's ``expf`` (libdevice); in bf16 the quotient
+is ``v * RN(1 / n)`` (one reciprocal a pixel) wherever that rounds to the same bf16 as ``v / n``
+(it is less than 2 ulps off: every element of a block is checked against the bf16 rounding
+midpoints, and a block with one nearby takes IEEE division), and the SiLU of a bf16 value is
+ATen's own, looked up in a table of all 65536 (:func:`silu_table`). Copies are copies. So the
+convolution sees the same bits as in diffusers. Under ``TRITON_INTERPRET=1`` (the CPU tests, fp32)
+the exponential is NumPy's, so the SiLU there is close, not bitwise.
 
-Layouts: the output is contiguous or channels-last (``channels_last_3d`` / ``channels_last``, for
-the ``fast`` level of ``stages/diffusion/wan_vae_fast.py``); inputs may have any strides.
+Layouts: the output is contiguous or channels-last (``channels_last_3d`` / ``channels_last``, as
+the convolution after it runs); inputs may have any strides.
 """
 
 from __future__ import annotations

@@ -10,14 +10,19 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   chunk's cache), and each upsampler's nearest 2x upsampling, time interleave and frames-first
   permutation is one gather; each convolution's bias and the residual add after it are one pass
   (ATen adds a bias after cuDNN's convolution, so the sums and their roundings are the same). The
-  convolutions themselves, the shortcuts and the attention are diffusers' own calls on the same
-  bits: the decode is bitwise equal to diffusers'.
-- ``fast``: the same, with every convolution of the decoder in channels-last layout (cuDNN's
-  NDHWC kernels: no layout transposes around each convolution). Not bitwise: the convolutions give
-  the same bits in either layout (measured on the H200), but ATen sums the channel norms of
-  channels-last frames in another order; ``benchmarks/quant_vae.py`` states the PSNR.
+  convolutions (``CHANNELS_LAST``: all four kinds) run channels-last, on inputs the kernels write
+  in that layout: cuDNN runs NDHWC kernels either way and gives the same bits for NCDHW and NDHWC
+  inputs at every decoder shape (measured on the H200, ``quant_vae.py --conv-layouts``), so this
+  drops the layout transposes it puts around NCDHW tensors; the channel norms of channels-last
+  frames are summed in ATen's order for NCDHW frames (``kernels/reduce_order.py``), which is the
+  order diffusers' norms have. The attention runs diffusers' own code on NCDHW frames. The decode
+  is bitwise equal to diffusers'.
+- ``fast``: today the same kernels and layouts as ``exact`` (so also bitwise); the level where
+  reorderings that change bits may go (``benchmarks/quant_vae.py`` states the PSNR).
 - ``off``: diffusers' decoder untouched.
 
+The convolution weights stay as diffusers holds them (ATen copies a weight to the input's layout
+for cuDNN, a few hundred MB a decode), so diffusers' own calls of the modules are untouched.
 The hooks apply to decodes that pass a feature cache (``AutoencoderKLWan._decode`` and
 ``WanDenoiser``'s decode in pieces) on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for the
 tests); any other call, a module in training mode, or a norm with a learnt bias runs diffusers'
