@@ -11,15 +11,19 @@
   from the same noise: the PSNR of the decoded pixels against bf16's.
 - **Conv inputs** (``--conv-input``): the kernel of ``kernels/conv_input.py`` alone at the Wan
   decoder's top level, against the eager chain, with the bandwidth of the bytes it moves.
-- **Conv layouts** (``--conv-layouts``): whether cuDNN's convolutions at the decoder's shapes give
-  the same bits for NCDHW and channels-last tensors.
+- **Conv layouts** (``--conv-layouts``): whether cuDNN's convolutions at the decoder's shapes (each
+  kind: 3x3x3, the shortcuts' 1x1x1, the upsamplers' 3x1x1 and 2D 3x3) give the same bits for
+  NCDHW and channels-last inputs.
+- **Norm orders** (``--norm-orders``): candidate summation orders for the channel norms of
+  channels-last frames, against ATen's norms of NCDHW frames (elements that differ).
 - **VAE decodes** (``--vae 480p,720p``): the Wan 2.1 VAE decoding 81 frames (21 latent frames) in
   ``--vae-dtype``, with diffusers' decoder (``off``) and the ``exact`` and ``fast`` levels on the
   same latents: time per decode (the median of ``--repeats``), peak memory, and whether the pixels
   are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level.
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
-        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--conv-input] [--conv-layouts] [--skip-zimage]
+        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--conv-input] [--conv-layouts] [--norm-orders]
+        [--skip-zimage]
 """
 
 from __future__ import annotations
@@ -254,26 +258,87 @@ def conv_input_rows() -> list[str]:
     return rows
 
 
-#: The Wan decoder's 3x3x3 convolutions at 480p (channels in and out; padded frames, rows, columns).
-DECODER_CONVS = ((96, 96, 6, 482, 834), (192, 192, 6, 242, 418), (384, 384, 3, 62, 106), (96, 3, 6, 482, 834))
+#: The Wan decoder's convolutions at 480p: kind, channels in and out, kernel (3D: frames, rows,
+#: columns; 2D: rows, columns), input (padded frames or frames, rows, columns).
+DECODER_CONVS = (
+    ("causal", 96, 96, (3, 3, 3), (6, 482, 834)),
+    ("causal", 192, 192, (3, 3, 3), (6, 242, 418)),
+    ("causal", 384, 384, (3, 3, 3), (3, 62, 106)),
+    ("causal", 96, 3, (3, 3, 3), (6, 482, 834)),
+    ("causal", 16, 384, (3, 3, 3), (3, 62, 106)),
+    ("shortcut", 192, 384, (1, 1, 1), (2, 120, 208)),
+    ("time", 384, 768, (3, 1, 1), (3, 60, 104)),
+    ("time", 384, 768, (3, 1, 1), (4, 120, 208)),
+    ("resample", 384, 192, (3, 3), (2, 120, 208)),
+    ("resample", 384, 192, (3, 3), (4, 240, 416)),
+    ("resample", 192, 96, (3, 3), (4, 480, 832)),
+)
 
 
 def conv_layout_rows() -> list[str]:
-    """Whether cuDNN's 3D convolutions at the Wan decoder's shapes give the same bits for NCDHW and
-    NDHWC (channels-last) inputs and weights."""
+    """Whether cuDNN's convolutions at the Wan decoder's shapes give the same bits for NCDHW inputs
+    and for channels-last ones (the weight as the module holds it, contiguous: ATen copies it to
+    the input's layout), as the ``exact`` level runs them."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        for c_in, c_out, t, h, w in DECODER_CONVS:
-            x = torch.randn(1, c_in, t, h, w, device="cuda").to(dtype)
-            weight = (torch.randn(c_out, c_in, 3, 3, 3, device="cuda") * 0.05).to(dtype)
-            ncdhw = F.conv3d(x, weight)
-            cl = torch.channels_last_3d
-            ndhwc = F.conv3d(x.contiguous(memory_format=cl), weight.contiguous(memory_format=cl))
+        for kind, c_in, c_out, kernel, (t, h, w) in DECODER_CONVS:
+            weight = (torch.randn(c_out, c_in, *kernel, device="cuda") * 0.05).to(dtype)
+            if len(kernel) == 3:
+                x = torch.randn(1, c_in, t, h, w, device="cuda").to(dtype)
+                ncdhw = F.conv3d(x, weight)
+                ndhwc = F.conv3d(x.contiguous(memory_format=torch.channels_last_3d), weight)
+            else:  # an upsampler's frames, each padded by one
+                x = torch.randn(t, c_in, h, w, device="cuda").to(dtype)
+                ncdhw = F.conv2d(x, weight, padding=1)
+                ndhwc = F.conv2d(x.contiguous(memory_format=torch.channels_last), weight, padding=1)
             same = torch.equal(ncdhw, ndhwc.contiguous())
-            rows.append(f"| {str(dtype).removeprefix('torch.')} | {c_in} -> {c_out}, {t}x{h}x{w} | {same} |")
+            size = "x".join(map(str, kernel))
+            rows.append(
+                f"| {str(dtype).removeprefix('torch.')} | {kind} {size}: {c_in} -> {c_out}, {t}x{h}x{w} "
+                f"| {same} |"
+            )
+    return rows
+
+
+#: Frames whose channel norms the probe checks: the decoder's at 480p and 720p (channels,
+#: frames, rows, columns) and shapes with tails.
+NORM_SHAPES = (
+    (384, 1, 60, 104), (384, 2, 120, 208), (192, 4, 240, 416), (96, 4, 480, 832),
+    (384, 1, 90, 160), (96, 4, 720, 1280), (384, 1, 5, 7), (96, 1, 6, 7), (384, 2, 3, 7), (192, 1, 4, 4),
+)  # fmt: skip
+
+
+def norm_order_rows() -> list[str]:
+    """Candidate orders for the channel norms of channels-last frames (``conv_input.channel_norms_cl``
+    with ``S`` threads a pixel, each fold an FMA or a product and a sum) against ATen's norms of
+    the same frames in NCDHW memory (what ``F.normalize(x.float(), dim=1)`` takes): elements that
+    differ, per candidate; and ATen's own norms of the channels-last frames."""
+    from omnirt.kernels.conv_input import channel_norms_cl
+    from omnirt.kernels.reduce_order import aten_channel_splits
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for c, t, h, w in NORM_SHAPES:
+            for b in (1, 2) if h * w < 1000 else (1,):
+                x = (torch.randn(b, c, t, h, w, device="cuda", generator=g) * 3).to(dtype)
+                want = x.float().norm(2, 1, keepdim=True)
+                cl = x.contiguous(memory_format=torch.channels_last_3d)
+                cells = []
+                for s in (1, 2, 4, 8, 16):
+                    try:
+                        counts = [int((channel_norms_cl(cl, splits=s, fma=f) != want).sum()) for f in (1, 0)]
+                        cells.append(f"{counts[0]}/{counts[1]}")
+                    except Exception as e:  # a probe: report and go on
+                        cells.append(f"error {type(e).__name__}")
+                aten_cl = int((cl.float().norm(2, 1, keepdim=True) != want).sum())
+                rows.append(
+                    f"| {str(dtype).removeprefix('torch.')} | {b}x{c}x{t}x{h}x{w} | {want.numel()} "
+                    f"| {aten_channel_splits(c, t * h * w, b)} | {' | '.join(cells)} | {aten_cl} |"
+                )
     return rows
 
 
@@ -289,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
+    p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     args = p.parse_args(argv)
     sizes = [s for s in args.vae.split(",") if s]
     if any(s not in SIZES for s in sizes):
@@ -313,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.conv_layouts:
         print("\n| dtype | convolution | NDHWC bitwise NCDHW |\n|---|---|---|")
         print("\n".join(conv_layout_rows()), flush=True)
+    if args.norm_orders:
+        print(
+            "\n| dtype | frames | norms | ATen's S | S=1 (fma/mul+add) | S=2 | S=4 | S=8 | S=16 "
+            "| ATen on channels-last |\n|---|---|---|---|---|---|---|---|---|---|"
+        )
+        print("\n".join(norm_order_rows()), flush=True)
     if args.conv_input:
         print(
             "\n| frames | chain | eager ms | kernel ms | speed-up | kernel GB/s |\n|---|---|---|---|---|---|"

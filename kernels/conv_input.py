@@ -13,17 +13,24 @@
   temporal interleave of its time convolution's two halves and the frames-first permutation, as
   one gather (eager: a stack, a permuted copy, a copy to fp32, the upsampling and a copy back).
 
-Numerics: ``exact`` at every dtype. The channel norms come from ATen itself
-(``torch.linalg.vector_norm`` of the frames, as ``F.normalize`` computes them: the H200 measured
-the two bitwise equal, for bf16 frames against their fp32 copy too); the elementwise chain then
-rounds where eager rounds (the quotient, the scale, the gain, the ``+ 0.0`` and the SiLU each
-rounded to the frames' dtype), with IEEE division, CUDA's ``expf`` (libdevice) and no contraction
-into fused multiply-adds. Copies are copies. So the convolution sees the same bits as in diffusers.
-Under ``TRITON_INTERPRET=1`` (the CPU tests) the exponential is NumPy's, so the SiLU there is
-close, not bitwise.
+Numerics: ``exact`` at every dtype. The channel norms are the ones ATen takes of NCDHW frames
+(``F.normalize(x.float(), dim=1)``, diffusers' layout): for NCDHW frames ATen's own
+``torch.linalg.vector_norm`` (the H200 measured it bitwise equal to ``F.normalize``'s, for bf16
+frames against their fp32 copy too); for channels-last frames :func:`channel_norms_cl`, a Triton
+kernel that sums each pixel's squares in ATen's order for the NCDHW frames
+(``reduce_order.channel_sumsq``: measured bitwise at every decoder shape, bf16 and fp32). The
+elementwise chain then rounds where eager rounds (the quotient, the scale, the gain, the
+``+ 0.0`` and the SiLU each rounded to the frames' dtype), with no contraction into fused
+multiply-adds: in fp32 with IEEE division and CUDA's ``expf`` (libdevice); in bf16 the quotient
+is ``v * RN(1 / n)`` (one reciprocal a pixel) wherever that rounds to the same bf16 as ``v / n``
+(it is less than 2 ulps off: every element of a block is checked against the bf16 rounding
+midpoints, and a block with one nearby takes IEEE division), and the SiLU of a bf16 value is
+ATen's own, looked up in a table of all 65536 (:func:`silu_table`). Copies are copies. So the
+convolution sees the same bits as in diffusers. Under ``TRITON_INTERPRET=1`` (the CPU tests, fp32)
+the exponential is NumPy's, so the SiLU there is close, not bitwise.
 
-Layouts: the output is contiguous or channels-last (``channels_last_3d`` / ``channels_last``, for
-the ``fast`` level of ``stages/diffusion/wan_vae_fast.py``); inputs may have any strides.
+Layouts: the output is contiguous or channels-last (``channels_last_3d`` / ``channels_last``, as
+the convolution after it runs); inputs may have any strides.
 """
 
 from __future__ import annotations
@@ -31,12 +38,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import reduce_order, settings
 from .settings import interpreted
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from .reduce_order import channel_sumsq
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -44,10 +54,42 @@ except ImportError:  # pragma: no cover - depends on the install
 NORM_EPS = 1e-12
 
 
-def channel_norms(x: torch.Tensor) -> torch.Tensor:
-    """The fp32 L2 norm over the channels (dim 1, kept), as ``F.normalize(x.float(), dim=1)``
-    computes it (bitwise, without the fp32 copy)."""
+#: Pixels per program of the channel-norm kernel.
+NORM_PIXELS = 128
+
+
+def channel_norms(x: torch.Tensor, *, splits: int | None = None, fma: bool = True) -> torch.Tensor:
+    """The fp32 L2 norm over the channels of ``x`` [B, C, T, H, W] (dim 1, kept; contiguous), as
+    ``F.normalize(x.float(), dim=1)`` computes it on CUDA for the same frames in NCDHW memory
+    (bitwise, without the fp32 copy). Frames whose channels are innermost (channels-last) go
+    through :func:`channel_norms_cl` in ATen's NCDHW order (``reduce_order.channel_sumsq``);
+    others, and the shapes ATen reduces otherwise, through ATen itself. ``splits`` and ``fma``
+    force an order (probes and tests)."""
+    b, c, t, h, w = x.shape
+    if x.stride(1) == 1 and c > 1 and (settings.kernel_device(x) or (triton is not None and interpreted())):
+        s = reduce_order.aten_channel_splits(c, t * h * w, b) if splits is None else splits
+        if s in (1, 2, 4, 8, 16):
+            return channel_norms_cl(x, splits=s, fma=fma)
+        x = x.contiguous()  # an order the kernel does not model: ATen's own on NCDHW frames
     return torch.linalg.vector_norm(x, 2, dim=1, keepdim=True, dtype=torch.float32)
+
+
+def channel_norms_cl(x: torch.Tensor, *, splits: int, fma: bool = True) -> torch.Tensor:
+    """:func:`channel_norms` of ``x`` (any strides; meant for channels-last frames) by one Triton
+    kernel that sums each pixel's squares in ATen's order for NCDHW frames with ``splits``
+    threads a pixel, then takes the IEEE square root."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    b, c, t, h, w = x.shape
+    out = torch.empty((b, 1, t, h, w), dtype=torch.float32, device=x.device)
+    pixels = b * t * h * w
+    dense = x.is_contiguous(memory_format=torch.channels_last_3d)
+    grid = (triton.cdiv(pixels, NORM_PIXELS),)
+    _channel_norm_kernel[grid](
+        x, out, pixels, c, t, h, w, *x.stride(),
+        S=splits, FMA=fma, DENSE=dense, BP=NORM_PIXELS, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
 
 
 def rms_norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor, scale: float) -> torch.Tensor:
@@ -82,7 +124,7 @@ if triton is not None:
 
     @triton.jit
     def _conv_input_kernel(
-        X, CACHE, NORM, GAMMA, OUT, NEXT,
+        X, CACHE, NORM, GAMMA, SILU, OUT, NEXT,
         C, H, W, L, TP, HP, WP, PT, PH, PW, KEEP,
         sxb, sxc, sxt, sxh, sxw,
         scb, scc, sct, sch, scw,
@@ -90,11 +132,15 @@ if triton is not None:
         sob, soc, sot, soh, sow,
         skb, skc, skt, skh, skw,
         scale, eps,
-        HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
+        HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BF16: tl.constexpr,
+        BC: tl.constexpr, BW: tl.constexpr,
     ):  # fmt: skip
         """One output row (b, tp, hp) of [BC channels, BW columns]: zero padding, a cached frame
         or a new frame (normalised and SiLU'd with ``HAS_NORM``); the last ``KEEP`` frames also
-        into ``NEXT``, the next chunk's cache."""
+        into ``NEXT``, the next chunk's cache. ``BF16``: bf16 frames, whose quotient is rounded
+        to bf16 before anything else sees it (so a product by the reciprocal serves, unless some
+        element lies within a few ulps of a bf16 rounding midpoint) and whose SiLU is one of 65536
+        values (``SILU``, ATen's own, looked up)."""
         pid = tl.program_id(0)
         hp = (pid % HP).to(tl.int64)
         rest = pid // HP
@@ -125,16 +171,32 @@ if triton is not None:
                 v = v.to(tl.float32)
                 n = tl.load(NORM + b * snb + t * snt + h * snh + w * snw, mask=columns, other=1.0)
                 n = tl.where(n < eps, eps, n)
-                y = tl.math.div_rn(v, n[None, :]).to(dtype).to(tl.float32)
+                if BF16:
+                    # RN(v * RN(1 / n)) is less than 2 ulps from v / n, so at most 2 from RN(v / n):
+                    # the same bf16 unless a midpoint (low 16 bits 0x8000) is that near, or the
+                    # quotient is tiny (subnormal) or NaN
+                    q = v * tl.math.div_rn(1.0, n)[None, :]
+                    low = q.to(tl.int32, bitcast=True) & 0xFFFF
+                    tiny = (tl.abs(q) < 1e-30) & (q != 0.0)  # 0 is exact: v is 0
+                    doubt = ((low >= 0x8000 - 3) & (low <= 0x8000 + 3)) | tiny | (q != q)
+                    if tl.max(doubt.to(tl.int32)) > 0:  # a block with one: IEEE division throughout
+                        q = tl.math.div_rn(v, n[None, :])
+                    y = q.to(dtype).to(tl.float32)
+                else:
+                    y = tl.math.div_rn(v, n[None, :]).to(dtype).to(tl.float32)
                 y = (y * scale).to(dtype).to(tl.float32)
                 g = tl.load(GAMMA + c, mask=c < C, other=0.0).to(tl.float32)
                 y = (y * g[:, None]).to(dtype).to(tl.float32)
                 y = tl.where(y == 0.0, 0.0, y)  # eager's ``+ 0.0``: -0 becomes +0
-                if LIBDEVICE:
-                    e = libdevice.exp(-y)
+                if BF16:  # SiLU of a bf16 value: ATen's, from the table of all 65536
+                    bits = y.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                    v = tl.load(SILU + bits, mask=inside, other=0.0).to(tl.float32)
                 else:
-                    e = tl.exp(-y)
-                v = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
+                    if LIBDEVICE:
+                        e = libdevice.exp(-y)
+                    else:
+                        e = tl.exp(-y)
+                    v = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
             v = v.to(dtype)
             tl.store(dst, v, mask=live)
         if tp >= TP - KEEP:
@@ -173,6 +235,26 @@ if triton is not None:
         tl.store(dst, v.to(dtype), mask=live)
 
     @triton.jit
+    def _channel_norm_kernel(
+        X, OUT, P, C, T, H, W, sxb, sxc, sxt, sxh, sxw,
+        S: tl.constexpr, FMA: tl.constexpr, DENSE: tl.constexpr, BP: tl.constexpr,
+    ):  # fmt: skip
+        """The channel norms of ``BP`` pixels (b, t, h, w order; ``OUT`` [B, 1, T, H, W])."""
+        p = tl.program_id(0) * BP + tl.arange(0, BP)
+        live = p < P
+        q = p.to(tl.int64)
+        if DENSE:  # channels-last frames: pixel q at q * C
+            base = X + q * sxw
+        else:
+            w = q % W
+            r = q // W
+            h = r % H
+            r = r // H
+            base = X + (r // T) * sxb + (r % T) * sxt + h * sxh + w * sxw
+        acc = channel_sumsq(base, sxc, C, live, BP, S, FMA)
+        tl.store(OUT + q, tl.math.sqrt_rn(acc), mask=live)
+
+    @triton.jit
     def _upsample_kernel(
         X, OUT, C, T2, H, W,
         sxb, sxc, sxt, sxh, sxw,
@@ -205,7 +287,7 @@ def _tile(channels: int, width: int, channels_last: bool) -> tuple[int, int]:
     if interpreted():
         return triton.next_power_of_2(max(channels, 1)), triton.next_power_of_2(max(width, 1))
     if channels_last:  # the largest power of two up to 64 that divides the channels: no idle lanes
-        bc = min(channels & -channels, 64) if channels else 1
+        bc = min(channels & -channels, 64) if channels >= 16 else triton.next_power_of_2(max(channels, 1))
         return bc, max(2048 // bc, 8)
     bw = min(triton.next_power_of_2(max(width, 1)), 1024)  # whole rows: best measured (H200, 480p)
     return max(2048 // bw, 1), bw
@@ -247,17 +329,34 @@ def causal_conv_input(
     bc, bw = _tile(c, wp, channels_last)
     grid = (b * tp * hp, triton.cdiv(c, bc), triton.cdiv(wp, bw))
     n_strides = norms.stride() if norms is not None else x.stride()
+    bf16 = norm is not None and x.dtype == torch.bfloat16 and not interpreted()
+    silu = silu_table(x.device) if bf16 else x
     _conv_input_kernel[grid](
-        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, out, next_cache,
+        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, silu,
+        out, next_cache,
         c, h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad, keep,
         *x.stride(), *src_cache.stride(),
         n_strides[0], *n_strides[2:],
         *out.stride(), *next_cache.stride(),
         float(torch.tensor(scale, dtype=torch.float32)), NORM_EPS,
-        HAS_NORM=norm is not None, LIBDEVICE=not interpreted(), BC=bc, BW=bw, num_warps=4,
+        HAS_NORM=norm is not None, LIBDEVICE=not interpreted(), BF16=bf16, BC=bc, BW=bw, num_warps=4,
         enable_fp_fusion=False,
     )  # fmt: skip
     return out, next_cache
+
+
+_SILU_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def silu_table(device: torch.device) -> torch.Tensor:
+    """``F.silu`` of every bf16 value, computed by ATen on ``device`` (so bitwise its SiLU),
+    indexed by the value's 16 bits."""
+    table = _SILU_TABLES.get(device)
+    if table is None:
+        bits = torch.arange(65536, dtype=torch.int32, device=device)
+        signed = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
+        table = _SILU_TABLES[device] = F.silu(signed.view(torch.bfloat16))
+    return table
 
 
 def add_bias_residual_(
@@ -277,7 +376,7 @@ def add_bias_residual_(
         raise ValueError(f"a bias of {tuple(bias.shape)} does not fit {c} channels")
     if bias is None and residual is None:
         return y
-    bc, bw = _tile(c, w, False)
+    bc, bw = _tile(c, w, y.stride(1) == 1 and c > 1)
     grid = (b * t * h, triton.cdiv(c, bc), triton.cdiv(w, bw))
     r = residual if residual is not None else y
     _bias_residual_kernel[grid](

@@ -25,6 +25,19 @@ on the H200 with torch 2.11):
   changes, so the kernels use it (``TREE = "reduce"``; both measured bitwise). The kernels walk the
   row per thread themselves (their state is a sum of squares or a Welford triple).
 
+- **A channel norm of NCDHW frames** (``torch.linalg.vector_norm(x, dim=1)``, as
+  ``F.normalize(x.float(), dim=1)`` takes it in the Wan VAE's ``WanRMS_norm``; ``Reduce.cuh``,
+  ``NormTwoOps``): the channel dim is not the innermost one, so ATen gives each thread its own
+  outputs (vectorised by ``output_vec_size`` pixels) and splits the channels over the block's
+  ``threadIdx.y`` when there are enough of them (:func:`aten_channel_splits`: ``S`` = 4 at the
+  decoder's shapes). Thread ``y`` reads channels ``y, y + S, y + 2S, ...``, its ``j``-th one into
+  accumulator ``j % 4`` (``vt0`` = 4, ``acc + x * x`` contracted into an FMA), combines the four
+  in order (``((a0 + a1) + a2) + a3``), and shared memory halves the ``S`` threads (``y + S/2``,
+  ...). :func:`channel_sumsq` is that order for frames whose channels are innermost
+  (channels-last), so the Wan decoder can run its convolutions channels-last and still get the
+  norms, bit for bit, that diffusers gets from NCDHW frames; :func:`channel_sumsq_reference` is
+  the same order in NumPy (the CPU tests' yardstick).
+
 Each fold's fused multiply-adds are where nvcc contracts them (``-fmad=true``, PyTorch's build):
 the kernels that use these helpers are launched with ``enable_fp_fusion=False`` and write the
 FMAs ATen's machine code has, explicitly, with ``tl.fma``.
@@ -74,6 +87,53 @@ def aten_reduce_config(width: int, rows: int) -> tuple[int, int] | None:
 
 
 @functools.lru_cache(maxsize=1024)
+def aten_channel_splits(channels: int, inner: int, batch: int = 1) -> int | None:
+    """``S``, the ``threadIdx.y`` split of ATen's reduction over dim 1 of contiguous NCDHW frames
+    [batch, channels, inner (= T * H * W)] (``setReduceConfig`` for a reduction off the innermost
+    dim: ``output_vec_size`` pixels a thread, at most ``512 / output_vec_size`` threads a block,
+    32 wide; the channels split over the block's height when each thread keeps at least
+    ``min(16 * height, 256)`` of them). None where ATen takes another path: one pixel a frame (the
+    channels are then the innermost dim) or a split over blocks (256 or more channels a thread).
+    Assumes the frames' storage is 16-byte aligned (fresh tensors: the caching allocator's
+    blocks). An upsampler's frames-first view gives the same ``S``: its ``H * W`` is even twice."""
+    if inner <= 1 or channels < 1:
+        return None
+    vec = 4
+    while inner % vec:  # get_output_vec_size: the pixels' count and every other stride
+        vec //= 2
+    threads = 512 // vec
+    dim0 = batch * inner // vec
+    dim0_pow2 = _last_pow2(dim0) if dim0 < threads else threads
+    dim1_pow2 = _last_pow2(channels) if channels < threads else threads
+    width = min(dim0_pow2, REDUCE_LANES)
+    height = min(dim1_pow2, threads // width)
+    splits = height if channels >= min(16 * height, 256) else 1
+    if -(-channels // splits) >= 256:  # ATen would split over blocks too
+        return None
+    return splits
+
+
+def channel_sumsq_reference(x: np.ndarray, splits: int) -> np.ndarray:
+    """The fp32 sum of squares of each row of ``x`` [pixels, channels] in the order of
+    :func:`channel_sumsq` (ATen's, with ``splits`` threads a pixel), emulated with NumPy: each fold
+    ``acc + x * x`` computed in float64 and rounded once to fp32 (a fused multiply-add, exactly so
+    when ``x * x`` is an fp32 number, as for bf16 values), the rest fp32 additions."""
+    x = np.asarray(x, dtype=np.float32)
+    pixels, channels = x.shape
+    acc = np.zeros((pixels, splits, 4), dtype=np.float32)
+    for c in range(channels):
+        y, j = c % splits, c // splits
+        v = x[:, c].astype(np.float64)
+        acc[:, y, j % 4] = (acc[:, y, j % 4].astype(np.float64) + v * v).astype(np.float32)
+    t = ((acc[:, :, 0] + acc[:, :, 1]) + acc[:, :, 2]) + acc[:, :, 3]
+    n = splits
+    while n > 1:  # block_y_reduce: thread y adds thread y + n / 2
+        n //= 2
+        t = t[:, :n] + t[:, n : 2 * n]
+    return t[:, 0]
+
+
+@functools.lru_cache(maxsize=1024)
 def mean_factor(rows: int, width: int) -> float:
     """ATen's ``mean`` factor: ``float(rows) / float(numel)`` in fp32, by which the sum is
     multiplied (for a power-of-two width it is exactly ``1 / width``)."""
@@ -108,3 +168,37 @@ if triton is not None:
         acc = half_sum(tl.reshape(acc, (1, 4)), 1, 4)
         acc = half_sum(acc, 1, 2)
         return tl.sum(acc)  # a [1, 1] tile: its one element
+
+    @triton.jit
+    def channel_sumsq(base, stride_c, C, live, BP: tl.constexpr, S: tl.constexpr, FMA: tl.constexpr):
+        """The fp32 sums of squares of ``BP`` pixels' ``C`` channels (``base`` [BP] pointers to
+        channel 0, channels ``stride_c`` apart; ``live`` [BP] masks the pixels) in ATen's order for
+        NCDHW frames with ``S`` threads a pixel (:func:`aten_channel_splits`; 1, 2, 4, 8 or 16).
+        Column ``i * S + y`` of the [BP, 4S] accumulator is thread ``y``'s accumulator ``i``: each
+        step loads the next ``4S`` channels (one vector a pixel) and folds them in, one FMA each
+        (``FMA``; else a product and a sum). Launch with ``enable_fp_fusion=False``."""
+        k = tl.arange(0, 4 * S)
+        acc = tl.zeros((BP, 4 * S), tl.float32)
+        ptrs = base[:, None] + k[None, :] * stride_c
+        rows = live[:, None]
+        for c0 in range(0, C, 4 * S):  # thread y's items 4j .. 4j + 3: channels c0 + i * S + y
+            x = tl.load(ptrs + c0 * stride_c, mask=rows & (c0 + k < C)[None, :], other=0.0).to(tl.float32)
+            if FMA:
+                acc = tl.fma(x, x, acc)
+            else:
+                acc = acc + x * x
+        # each thread's four accumulators combined in order: ((a0 + a1) + a2) + a3
+        acc = tl.reshape(tl.permute(tl.reshape(acc, (BP, 4, S)), (0, 2, 1)), (BP, S, 2, 2))  # i = 2h + l
+        even, odd = tl.split(acc)  # l = 0 (i = 0, 2), l = 1 (i = 1, 3): [BP, S, 2] over h
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
+        t = ((a0 + a1) + a2) + a3  # [BP, S]; a masked item added 0
+        if S == 16:  # block_y_reduce: thread y adds thread y + S / 2, and so on down
+            t = half_sum(t, BP, 16)
+        if S >= 8:
+            t = half_sum(t, BP, 8)
+        if S >= 4:
+            t = half_sum(t, BP, 4)
+        if S >= 2:
+            t = half_sum(t, BP, 2)
+        return tl.reshape(t, (BP,))

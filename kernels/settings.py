@@ -9,8 +9,9 @@ a Triton kernel may run.
   bitwise, which each kernel module names; elsewhere the eager chain runs), ``"on"`` (every
   supported call) or ``"off"``. ``omnirt serve --fused-kernels`` sets it.
 - **The Wan VAE decoder's fast path** (``stages/diffusion/wan_vae_fast.py``): ``VAE_FAST`` is
-  ``"exact"`` (bitwise equal to diffusers' decoder; the default), ``"fast"`` (channels-last
-  convolutions, within a stated PSNR) or ``"off"``. ``omnirt serve --vae-fast`` sets it.
+  ``"exact"`` (bitwise equal to diffusers' decoder, channels-last convolutions; the default),
+  ``"fast"`` (today the same; where non-bitwise reorderings may go, within a stated PSNR) or
+  ``"off"``. ``omnirt serve --vae-fast`` sets it.
 - **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only under
   ``TRITON_INTERPRET=1`` (:func:`interpreted`, fp32), when a test calls it directly or installs the
   VAE hooks on a CPU model itself, never from a dispatcher.

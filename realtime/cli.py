@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("exact", "fast", "off"),
         default=ServerConfig.vae_fast,
         help="the Wan VAE decoder's fused Triton kernels on CUDA: exact (the default, bitwise equal "
-        "to diffusers), fast (also channels-last convolutions; not bitwise, see docs/kernels.md), off",
+        "to diffusers), fast (today the same; the level for non-bitwise reorderings, docs/kernels.md), off",
     )
     serve.add_argument(
         "--quantization",

@@ -10,14 +10,19 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   chunk's cache), and each upsampler's nearest 2x upsampling, time interleave and frames-first
   permutation is one gather; each convolution's bias and the residual add after it are one pass
   (ATen adds a bias after cuDNN's convolution, so the sums and their roundings are the same). The
-  convolutions themselves, the shortcuts and the attention are diffusers' own calls on the same
-  bits: the decode is bitwise equal to diffusers'.
-- ``fast``: the same, with every convolution of the decoder in channels-last layout (cuDNN's
-  NDHWC kernels: no layout transposes around each convolution). Not bitwise: the convolutions give
-  the same bits in either layout (measured on the H200), but ATen sums the channel norms of
-  channels-last frames in another order; ``benchmarks/quant_vae.py`` states the PSNR.
+  convolutions (``CHANNELS_LAST``: all four kinds) run channels-last, on inputs the kernels write
+  in that layout: cuDNN runs NDHWC kernels either way and gives the same bits for NCDHW and NDHWC
+  inputs at every decoder shape (measured on the H200, ``quant_vae.py --conv-layouts``), so this
+  drops the layout transposes it puts around NCDHW tensors; the channel norms of channels-last
+  frames are summed in ATen's order for NCDHW frames (``kernels/reduce_order.py``), which is the
+  order diffusers' norms have. The attention runs diffusers' own code on NCDHW frames. The decode
+  is bitwise equal to diffusers'.
+- ``fast``: today the same kernels and layouts as ``exact`` (so also bitwise); the level where
+  reorderings that change bits may go (``benchmarks/quant_vae.py`` states the PSNR).
 - ``off``: diffusers' decoder untouched.
 
+The convolution weights stay as diffusers holds them (ATen copies a weight to the input's layout
+for cuDNN, a few hundred MB a decode), so diffusers' own calls of the modules are untouched.
 The hooks apply to decodes that pass a feature cache (``AutoencoderKLWan._decode`` and
 ``WanDenoiser``'s decode in pieces) on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for the
 tests); any other call, a module in training mode, or a norm with a learnt bias runs diffusers'
@@ -58,15 +63,31 @@ def _norm_applies(norm: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-def _channels_last(module: nn.Module) -> bool:
-    return getattr(module, _ATTR, "exact") == "fast"
+_CL = "_omnirt_channels_last"
+
+#: The decoder's convolutions by kind: ``causal`` (``conv_in``, each residual block's two, the
+#: head's: 3x3x3), ``shortcut`` (a residual block's 1x1x1), ``time`` (an upsampler's 3x1x1) and
+#: ``resample`` (an upsampler's 2D 3x3). The attention's 1x1 convolutions stay diffusers' (NCDHW).
+CONV_KINDS = ("causal", "shortcut", "time", "resample")
+#: The kinds each level runs channels-last. At ``exact``, those whose NCDHW and NDHWC outputs
+#: the H200 measured bitwise equal at the decoder's shapes (``quant_vae.py --conv-layouts``).
+CHANNELS_LAST: dict[str, frozenset[str]] = {
+    "exact": frozenset(CONV_KINDS),
+    "fast": frozenset(CONV_KINDS),
+}
 
 
-def _conv(conv: nn.Module, x: torch.Tensor, fast: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``conv(x)`` (``nn.Conv2d`` / ``nn.Conv3d``; the causal padding is in ``x``), plus
-    ``residual`` if given. At ``exact`` the convolution runs without its bias and the bias (and
-    the residual) are added by one kernel, as ATen adds them after cuDNN's convolution: same bits."""
-    if fast or conv.bias is None:
+def _cl(conv: nn.Module) -> bool:
+    """Whether ``conv`` runs channels-last (its input is made so)."""
+    return getattr(conv, _CL, False)
+
+
+def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``conv(x)`` (``nn.Conv2d`` / ``nn.Conv3d``; the causal padding is in ``x``, in the layout
+    ``conv`` runs in), plus ``residual`` if given. The convolution runs without its bias and the
+    bias (and the residual) are added by one kernel, as ATen adds them after cuDNN's convolution:
+    same bits, in either layout."""
+    if conv.bias is None:
         out = (nn.Conv3d.forward if isinstance(conv, nn.Conv3d) else nn.Conv2d.forward)(conv, x)
         return out if residual is None else out + residual
     out = conv._conv_forward(x, conv.weight, None)
@@ -81,7 +102,6 @@ def _causal_conv(
     norm: nn.Module | None,
     feat_cache: list,
     feat_idx: list,
-    fast: bool,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``conv(x)`` (a ``WanCausalConv3d``, after ``norm`` and SiLU when given) with its cache slot,
@@ -94,10 +114,18 @@ def _causal_conv(
         time_pad=pads[4],
         spatial_pad=pads[0],
         norm=None if norm is None else (norm.gamma, norm.scale),
-        channels_last=fast,
+        channels_last=_cl(conv),
     )
     feat_idx[0] += 1
-    return _conv(conv, buf, fast, residual)
+    return _conv(conv, buf, residual)
+
+
+def _shortcut(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A residual block's shortcut: diffusers' call, on ``x`` in the layout the convolution runs in
+    (cuDNN would run an NCDHW convolution channels-last on channels-last frames)."""
+    if isinstance(module, nn.Conv3d) and not _cl(module):
+        x = x.contiguous()
+    return module(x)
 
 
 def _residual_forward(
@@ -109,10 +137,9 @@ def _residual_forward(
         return type(self).forward(self, x, feat_cache, feat_idx)
     if not (_norm_applies(self.norm1, x) and _norm_applies(self.norm2, x)):
         return type(self).forward(self, x, feat_cache, feat_idx)
-    fast = _channels_last(self)
-    h = self.conv_shortcut(x)
-    x = _causal_conv(self.conv1, x, self.norm1, feat_cache, feat_idx, fast)
-    return _causal_conv(self.conv2, x, self.norm2, feat_cache, feat_idx, fast, residual=h)
+    h = _shortcut(self.conv_shortcut, x)
+    x = _causal_conv(self.conv1, x, self.norm1, feat_cache, feat_idx)
+    return _causal_conv(self.conv2, x, self.norm2, feat_cache, feat_idx, residual=h)
 
 
 def _resample_forward(
@@ -123,7 +150,6 @@ def _resample_forward(
     feat_idx = [0] if feat_idx is None else feat_idx
     if feat_cache is None or self.mode not in ("upsample2d", "upsample3d") or not _applies(x):
         return type(self).forward(self, x, feat_cache, feat_idx)
-    fast = _channels_last(self)
     b, _, t, _, _ = x.shape
     interleave = False
     if self.mode == "upsample3d":
@@ -134,16 +160,16 @@ def _resample_forward(
         else:
             repeat = isinstance(previous, str)
             buf, cache = conv_input.causal_conv_input(
-                x, None if repeat else previous, time_pad=2, spatial_pad=0, channels_last=fast
+                x, None if repeat else previous, time_pad=2, spatial_pad=0, channels_last=_cl(self.time_conv)
             )
             if repeat and t < 2:  # diffusers caches a zero frame before the first one
                 cache = buf[:, :, -2:].clone()
-            x = _conv(self.time_conv, buf, fast)
+            x = _conv(self.time_conv, buf)
             feat_cache[idx] = cache
             interleave = True
         feat_idx[0] += 1
-    frames = conv_input.upsample_frames(x, interleave=interleave, channels_last=fast)
-    out = _conv(self.resample[1], frames, fast)
+    frames = conv_input.upsample_frames(x, interleave=interleave, channels_last=_cl(self.resample[1]))
+    out = _conv(self.resample[1], frames)
     return out.view(b, frames.shape[0] // b, out.size(1), out.size(2), out.size(3)).permute(0, 2, 1, 3, 4)
 
 
@@ -154,26 +180,50 @@ def _decoder_forward(
     feat_idx: list | None = None,
     first_chunk: bool = False,
 ) -> torch.Tensor:
-    """diffusers' ``WanDecoder3d.forward`` (0.42) with ``conv_in``'s padding and the head's norm +
-    SiLU + padding fused."""
+    """diffusers' ``WanDecoder3d.forward`` and ``WanMidBlock.forward`` (0.42) with ``conv_in``'s
+    padding and the head's norm + SiLU + padding fused; the attention (diffusers' own) reads NCDHW
+    frames, as in diffusers (its norm sums them in ATen's order for that layout), and the output
+    is contiguous."""
     feat_idx = [0] if feat_idx is None else feat_idx
     if feat_cache is None or not _applies(x) or not _norm_applies(self.norm_out, x):
         return type(self).forward(self, x, feat_cache, feat_idx, first_chunk)
-    fast = _channels_last(self)
-    x = _causal_conv(self.conv_in, x, None, feat_cache, feat_idx, fast)
-    x = self.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    x = _causal_conv(self.conv_in, x, None, feat_cache, feat_idx)
+    mid = self.mid_block
+    x = mid.resnets[0](x, feat_cache=feat_cache, feat_idx=feat_idx)
+    for attn, resnet in zip(mid.attentions, mid.resnets[1:], strict=True):
+        if attn is not None:
+            x = attn(x.contiguous())
+        x = resnet(x, feat_cache=feat_cache, feat_idx=feat_idx)
     for up_block in self.up_blocks:
         x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
-    return _causal_conv(self.conv_out, x, self.norm_out, feat_cache, feat_idx, fast)
+    return _causal_conv(self.conv_out, x, self.norm_out, feat_cache, feat_idx).contiguous()
 
 
-def _set_conv_layout(decoder: nn.Module, fmt: torch.memory_format) -> None:
+def _conv_kinds(decoder: nn.Module) -> dict[nn.Module, str]:
+    """The decoder's convolutions (``CONV_KINDS``) by module."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample, WanResidualBlock
+
+    kinds: dict[nn.Module, str] = {decoder.conv_in: "causal", decoder.conv_out: "causal"}
     for module in decoder.modules():
-        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-            layout = fmt
-            if fmt is not torch.contiguous_format:
-                layout = torch.channels_last_3d if isinstance(module, nn.Conv3d) else torch.channels_last
-            module.weight.data = module.weight.data.contiguous(memory_format=layout)
+        if isinstance(module, WanResidualBlock):
+            kinds[module.conv1] = kinds[module.conv2] = "causal"
+            if isinstance(module.conv_shortcut, nn.Conv3d):
+                kinds[module.conv_shortcut] = "shortcut"
+        elif isinstance(module, WanResample) and module.mode in ("upsample2d", "upsample3d"):
+            kinds[module.resample[1]] = "resample"
+            if module.mode == "upsample3d":
+                kinds[module.time_conv] = "time"
+    return kinds
+
+
+def _set_channels_last(conv: nn.Module, on: bool) -> None:
+    """Marks ``conv`` to run channels-last (its weight stays as it is: ATen makes a copy of it in
+    the input's layout for cuDNN, a few hundred MB a decode, so diffusers' own calls of the
+    module, from anywhere else, are untouched)."""
+    if on:
+        setattr(conv, _CL, True)
+    elif hasattr(conv, _CL):
+        delattr(conv, _CL)
 
 
 def install(vae: nn.Module, level: str | None = None) -> int:
@@ -202,26 +252,24 @@ def install(vae: nn.Module, level: str | None = None) -> int:
             module.forward = types.MethodType(forward, module)
             setattr(module, _ATTR, level)
             sites += 1
-    if level == "fast":
-        _set_conv_layout(decoder, torch.channels_last_3d)
+    for conv, kind in _conv_kinds(decoder).items():
+        if kind in CHANNELS_LAST[level]:
+            _set_channels_last(conv, True)
     log.info("Wan VAE decoder fast path: %s level in %d modules", level, sites)
     return sites
 
 
 def uninstall(vae: nn.Module) -> None:
-    """Puts back diffusers' forwards (and contiguous convolution weights)."""
+    """Puts back diffusers' forwards."""
     decoder = getattr(vae, "decoder", None)
     if decoder is None:
         return
-    fast = False
     for module in decoder.modules():
-        level = getattr(module, _ATTR, None)
-        if level is not None:
-            fast = fast or level == "fast"
+        if getattr(module, _ATTR, None) is not None:
             del module.forward
             delattr(module, _ATTR)
-    if fast:
-        _set_conv_layout(decoder, torch.contiguous_format)
+        if _cl(module):
+            _set_channels_last(module, False)
 
 
 def installed_level(vae: nn.Module) -> str:

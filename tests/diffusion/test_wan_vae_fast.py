@@ -6,6 +6,7 @@ install / uninstall. tests/gpu/test_wan_vae_gpu.py holds the bitwise claims on C
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
@@ -13,9 +14,12 @@ from omnirt.kernels.conv_input import (
     add_bias_residual_,
     causal_conv_input,
     causal_conv_input_reference,
+    channel_norms,
+    channel_norms_cl,
     upsample_frames,
     upsample_frames_reference,
 )
+from omnirt.kernels.reduce_order import aten_channel_splits, channel_sumsq_reference
 from omnirt.stages.diffusion import wan_vae_fast
 
 from ..kernels.conftest import interpreted
@@ -93,6 +97,53 @@ def test_bias_and_residual_adds_are_eager_bitwise():
     assert torch.equal(y, before)  # refused before touching it
 
 
+def test_aten_channel_splits_follow_setreduceconfig():
+    # the Wan decoder's frames (480p and 720p levels, 1 to 4 frames): 4 threads a pixel
+    for channels, inner in ((384, 60 * 104), (384, 2 * 120 * 208), (192, 4 * 240 * 416), (96, 4 * 480 * 832)):
+        assert aten_channel_splits(channels, inner) == 4
+    assert aten_channel_splits(96, 90 * 160) == 4
+    assert aten_channel_splits(384, 42) == 16  # 2 pixels a thread, 16 lanes: 16 rows of threads
+    assert aten_channel_splits(96, 35) == 1  # 1 pixel a thread, 32 lanes: 96 < 256 channels, no split
+    assert aten_channel_splits(8, 1) is None  # one pixel: the channels are the innermost dim
+    assert aten_channel_splits(4096, 64) is None  # ATen splits over blocks too
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16])
+def test_channel_norms_follow_the_numpy_order(splits):
+    """The channel norms of channels-last frames in ATen's NCDHW order (``reduce_order``) against
+    its float64 / NumPy emulation, bit for bit: bf16 values (their squares are fp32 numbers, so
+    the emulation's one rounding per fold is the FMA's); channel counts with and without a tail,
+    a pixel count with one (128 a program), dense and strided frames."""
+    g = torch.Generator().manual_seed(splits)
+    for channels in (96, 20, 7):
+        x = torch.randn(2, channels, 3, 5, 9, generator=g).to(torch.bfloat16).float() * 4
+        padded = torch.zeros(2, 3, 5, 11, channels)  # channels innermost, rows padded: not dense
+        padded[:, :, :, :9] = x.permute(0, 2, 3, 4, 1)
+        strided = padded[:, :, :, :9].permute(0, 4, 1, 2, 3)
+        for frames in (x.contiguous(memory_format=torch.channels_last_3d), strided):
+            got = channel_norms_cl(frames, splits=splits)
+            rows = x.permute(0, 2, 3, 4, 1).reshape(-1, channels).numpy()
+            want = np.sqrt(channel_sumsq_reference(rows, splits)).reshape(2, 1, 3, 5, 9)
+            assert got.shape == (2, 1, 3, 5, 9) and got.is_contiguous()
+            assert np.array_equal(got.numpy(), want), (channels, int((got.numpy() != want).sum()))
+    # the orders differ: a tail in the threads, a sum of 96 squares in other groupings
+    y = torch.randn(1, 96, 2, 8, 8, generator=g).contiguous(memory_format=torch.channels_last_3d)
+    assert not torch.equal(channel_norms_cl(y, splits=1), channel_norms_cl(y, splits=16))
+
+
+def test_channel_norms_dispatch():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 24, 2, 6, 10, generator=g)
+    aten = torch.linalg.vector_norm(x, 2, dim=1, keepdim=True)
+    assert torch.equal(channel_norms(x), aten)  # NCDHW frames: ATen's own
+    cl = x.contiguous(memory_format=torch.channels_last_3d)
+    want = channel_norms_cl(cl, splits=aten_channel_splits(24, 120))
+    assert torch.equal(channel_norms(cl), want)
+    torch.testing.assert_close(channel_norms(cl), aten, rtol=1e-6, atol=0)
+    one = torch.randn(3, 5, 1, 1, 1, generator=g)  # one pixel a frame: ATen's own
+    assert torch.equal(channel_norms(one), torch.linalg.vector_norm(one, 2, dim=1, keepdim=True))
+
+
 def _tiny_vae(seed: int = 0) -> AutoencoderKLWan:
     torch.manual_seed(seed)
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1).eval()
@@ -115,7 +166,7 @@ def test_decodes_match_diffusers_at_each_level():
         exact = vae.decode(z, return_dict=False)[0]
         wan_vae_fast.install(vae, "fast")
         assert wan_vae_fast.installed_level(vae) == "fast"
-        assert vae.decoder.conv_out.weight.is_contiguous(memory_format=torch.channels_last_3d)
+        assert vae.decoder.conv_out.weight.is_contiguous()  # the inputs go channels-last, the weights stay
         fast = vae.decode(z, return_dict=False)[0]
         wan_vae_fast.uninstall(vae)
         assert wan_vae_fast.installed_level(vae) == "off" and vae.decoder.conv_out.weight.is_contiguous()

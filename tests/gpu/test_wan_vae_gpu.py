@@ -1,8 +1,9 @@
 """The Wan VAE decoder's fast path on CUDA (marker ``gpu``): the conv-input kernels bitwise equal
-to the eager chains in bf16 and fp32 (contiguous, frames-first and channels-last frames; a
-convolution's bias and a residual added as ATen adds them), and
-whole decodes of the published Wan 2.1 VAE config (random weights): ``exact`` bitwise equal to
-diffusers', ``fast`` within its stated PSNR (docs/kernels.md)."""
+to the eager chains in bf16 and fp32 (contiguous, frames-first and channels-last frames, against
+eager on the same frames in NCDHW memory; a convolution's bias and a residual added as ATen adds
+them), the channel norms of channels-last frames bitwise ATen's of NCDHW frames at the decoder's
+shapes, and whole decodes of the published Wan 2.1 VAE config (random weights): ``exact``
+bitwise equal to diffusers', ``fast`` within its stated PSNR (docs/kernels.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from omnirt.kernels.conv_input import (
     add_bias_residual_,
     causal_conv_input,
     causal_conv_input_reference,
+    channel_norms,
     upsample_frames,
     upsample_frames_reference,
 )
@@ -45,12 +47,11 @@ def test_conv_inputs_are_bitwise_eager(dtype, layout):
             cache = _frames(g, (*shape[:2], cached, *shape[3:]), dtype, "contiguous") if cached else None
             for norm in (None, (gamma, shape[1] ** 0.5)):
                 got, got_cache = causal_conv_input(x, cache, time_pad=2, spatial_pad=1, norm=norm)
-                want, want_cache = causal_conv_input_reference(x, cache, time_pad=2, spatial_pad=1, norm=norm)
-                if norm is not None and layout == "channels_last" and dtype != torch.float32:
-                    # channel-innermost bf16: ATen may vectorise the norm of bf16 and of its fp32 copy
-                    # differently (only the ``fast`` level feeds such frames; no bitwise claim)
-                    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-                    continue
+                # the claim: what eager makes of the same frames in NCDHW memory (diffusers' layout)
+                ncdhw = x.contiguous() if layout == "channels_last" else x
+                want, want_cache = causal_conv_input_reference(
+                    ncdhw, cache, time_pad=2, spatial_pad=1, norm=norm
+                )
                 assert torch.equal(got, want), (shape, cached, norm is not None)
                 assert torch.equal(got_cache, want_cache)
         if layout == "frames_first":  # a convolution's output, its bias as ATen adds it, then a shortcut
@@ -65,8 +66,35 @@ def test_conv_inputs_are_bitwise_eager(dtype, layout):
             )
 
 
+#: Frames whose channel norms the decoder takes at 480p and 720p (channels, frames, rows, columns),
+#: and shapes with tails (a pixel count that is odd, or 2 mod 4; a frame of fewer than 128 pixels).
+NORM_SHAPES = (
+    (384, 1, 60, 104), (384, 2, 120, 208), (192, 4, 240, 416), (96, 4, 480, 832), (96, 1, 480, 832),
+    (384, 1, 90, 160), (384, 2, 180, 320), (192, 4, 360, 640), (96, 4, 720, 1280),
+    (384, 1, 5, 7), (192, 3, 7, 7), (96, 1, 6, 7), (384, 2, 3, 7), (96, 2, 4, 4), (384, 1, 2, 3),
+)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_real_config_decodes(dtype):
+def test_channel_norms_of_channels_last_frames_are_diffusers_bitwise(dtype):
+    """``channel_norms`` of channels-last frames (the ``exact`` level's) against the norms
+    ``F.normalize(x.float(), dim=1)`` takes of the same frames in NCDHW memory (contiguous, and an
+    upsampler's frames-first view), every element."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for c, t, h, w in NORM_SHAPES:
+        for b in (1, 2) if h * w < 10_000 else (1,):
+            x = (torch.randn(b, c, t, h, w, device="cuda", generator=g) * 3).to(dtype)
+            got = channel_norms(x.contiguous(memory_format=torch.channels_last_3d))
+            want = x.float().norm(2, 1, keepdim=True)
+            assert torch.equal(got, want), ((b, c, t, h, w), int((got != want).sum()))
+            if (h * w) % 4 == 0:  # an upsampler's output: [b, t, c, h, w] memory
+                ff = x.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+                assert torch.equal(got, ff.float().norm(2, 1, keepdim=True)), (b, c, t, h, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("latents", [(4, 30, 52), (2, 60, 104)])
+def test_real_config_decodes(dtype, latents):
     from diffusers import AutoencoderKLWan
     from omnirt.stages.diffusion import wan_vae_fast
 
@@ -79,7 +107,7 @@ def test_real_config_decodes(dtype):
                 if "gamma" in name:
                     p.uniform_(0.5, 1.5)
     vae = vae.to(dtype).eval()
-    z = torch.randn(1, 16, 4, 30, 52, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    z = torch.randn(1, 16, *latents, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     with torch.no_grad():
         want = vae.decode(z.to(dtype), return_dict=False)[0]
         assert wan_vae_fast.install(vae, "exact") > 0
@@ -87,7 +115,7 @@ def test_real_config_decodes(dtype):
         wan_vae_fast.install(vae, "fast")
         fast = vae.decode(z.to(dtype), return_dict=False)[0]
         wan_vae_fast.uninstall(vae)
-    assert want.shape == (1, 3, 13, 240, 416)
+    assert want.shape == (1, 3, 4 * latents[0] - 3, 8 * latents[1], 8 * latents[2])
     assert torch.equal(exact, want)
     mse = (fast.float() - want.float()).pow(2).mean()
     assert float(10 * torch.log10(4 / mse)) > FAST_PSNR_DB
