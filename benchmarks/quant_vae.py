@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
+    p.add_argument("--tiled", action="store_true", help="VAE: the tiled kernels for channels-last frames")
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     args = p.parse_args(argv)
     sizes = [s for s in args.vae.split(",") if s]
@@ -362,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/quant_vae.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.tiled:
+        from omnirt.kernels import conv_input
+
+        conv_input.FLAT_CHANNELS_LAST = False
     print(f"# W8A8 DiTs, Wan VAE fast path: {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
     if not args.skip_zimage or args.wan:
         print("| transformer step | weights | ms | speed-up | weight GiB | output SNR vs bf16 (dB) |")
