@@ -19,11 +19,13 @@
 - **VAE decodes** (``--vae 480p,720p``): the Wan 2.1 VAE decoding 81 frames (21 latent frames) in
   ``--vae-dtype``, with diffusers' decoder (``off``) and the ``exact`` and ``fast`` levels on the
   same latents: time per decode (the median of ``--repeats``), peak memory, and whether the pixels
-  are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level.
+  are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level;
+  ``--tiled`` runs the levels with the tiled kernels for channels-last frames in place of the flat
+  ones (``conv_input.FLAT_CHANNELS_LAST``), for comparison.
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
-        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--conv-input] [--conv-layouts] [--norm-orders]
-        [--skip-zimage]
+        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--tiled] [--conv-input] [--conv-layouts]
+        [--norm-orders] [--skip-zimage]
 """
 
 from __future__ import annotations
