@@ -19,11 +19,13 @@
 - **VAE decodes** (``--vae 480p,720p``): the Wan 2.1 VAE decoding 81 frames (21 latent frames) in
   ``--vae-dtype``, with diffusers' decoder (``off``) and the ``exact`` and ``fast`` levels on the
   same latents: time per decode (the median of ``--repeats``), peak memory, and whether the pixels
-  are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level.
+  are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level;
+  ``--tiled`` runs the levels with the tiled kernels for channels-last frames in place of the flat
+  ones (``conv_input.FLAT_CHANNELS_LAST``), for comparison.
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
-        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--conv-input] [--conv-layouts] [--norm-orders]
-        [--skip-zimage]
+        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--tiled] [--conv-input] [--conv-layouts]
+        [--norm-orders] [--skip-zimage]
 """
 
 from __future__ import annotations
@@ -354,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
+    p.add_argument("--tiled", action="store_true", help="VAE: the tiled kernels for channels-last frames")
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     args = p.parse_args(argv)
     sizes = [s for s in args.vae.split(",") if s]
@@ -362,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/quant_vae.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.tiled:
+        from omnirt.kernels import conv_input
+
+        conv_input.FLAT_CHANNELS_LAST = False
     print(f"# W8A8 DiTs, Wan VAE fast path: {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
     if not args.skip_zimage or args.wan:
         print("| transformer step | weights | ms | speed-up | weight GiB | output SNR vs bf16 (dB) |")

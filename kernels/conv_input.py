@@ -22,15 +22,20 @@ kernel that sums each pixel's squares in ATen's order for the NCDHW frames
 elementwise chain then rounds where eager rounds (the quotient, the scale, the gain, the
 ``+ 0.0`` and the SiLU each rounded to the frames' dtype), with no contraction into fused
 multiply-adds: in fp32 with IEEE division and CUDA's ``expf`` (libdevice); in bf16 the quotient
-is ``v * RN(1 / n)`` (one reciprocal a pixel) wherever that rounds to the same bf16 as ``v / n``
-(it is less than 2 ulps off: every element of a block is checked against the bf16 rounding
-midpoints, and a block with one nearby takes IEEE division), and the SiLU of a bf16 value is
-ATen's own, looked up in a table of all 65536 (:func:`silu_table`). Copies are copies. So the
-convolution sees the same bits as in diffusers. Under ``TRITON_INTERPRET=1`` (the CPU tests, fp32)
-the exponential is NumPy's, so the SiLU there is close, not bitwise.
+is ``v * RN(1 / n)`` (one reciprocal a pixel, taken by ATen: ``1.0 / n.clamp_min(eps)``)
+wherever that rounds to the same bf16 as ``v / n`` (it is less than 2 ulps off: every element
+of a block is checked against the bf16 rounding midpoints, and a block with one nearby takes
+IEEE division), and the SiLU of a bf16 value is ATen's own, looked up in a table of all 65536
+(:func:`silu_table`). Copies are copies. So the convolution sees the same bits as in diffusers.
+Under ``TRITON_INTERPRET=1`` (the CPU tests, fp32) the exponential is NumPy's, so the SiLU there
+is close, not bitwise.
 
 Layouts: the output is contiguous or channels-last (``channels_last_3d`` / ``channels_last``, as
-the convolution after it runs); inputs may have any strides.
+the convolution after it runs); inputs may have any strides. Dense channels-last frames (and cache,
+and for the bias + residual pass a residual of the same strides) go through flat kernels, whose
+programs each take ``FLAT_BLOCK`` contiguous elements of a row of ``W * C``; other strides through
+tiled ones (channels x columns). Both give the same bits; on the H200 the flat ones brought the
+``exact`` Wan decode from 1.94x to 2.01x diffusers' at 480p (1.93x to 2.00x at 720p, bf16).
 """
 
 from __future__ import annotations
@@ -123,8 +128,110 @@ def causal_conv_input_reference(
 if triton is not None:
 
     @triton.jit
+    def _norm_silu(
+        v, NORM_PTRS, r, g, SILU, inside, columns, scale, eps,
+        dtype: tl.constexpr, LIBDEVICE: tl.constexpr, BF16: tl.constexpr,
+    ):  # fmt: skip
+        """``SiLU(v / max(n, eps) * scale * g + 0.0)`` rounded where eager rounds (``v`` fp32; the
+        norms ``n`` at ``NORM_PTRS`` (masked by ``columns``), ``r`` = ``RN(1 / max(n, eps))``).
+        ``BF16``: bf16 frames, whose quotient is rounded to bf16 before anything else sees it, so
+        ``RN(v * r)`` (less than 2 ulps from ``v / n``, so at most 2 from ``RN(v / n)``) serves
+        unless a bf16 rounding midpoint (low 16 bits 0x8000) is that near, the quotient is tiny
+        (subnormal) or NaN: then the block takes IEEE division throughout; their SiLU is one of
+        65536 values (``SILU``: ATen's own, looked up). Else IEEE division and CUDA's ``expf``."""
+        if BF16:
+            q = v * r
+            low = q.to(tl.int32, bitcast=True) & 0xFFFF
+            tiny = (tl.abs(q) < 1e-30) & (q != 0.0)  # 0 is exact: v is 0
+            doubt = ((low >= 0x8000 - 3) & (low <= 0x8000 + 3)) | tiny | (q != q)
+            if tl.max(doubt.to(tl.int32)) > 0:  # a block with one: IEEE division throughout
+                n = tl.load(NORM_PTRS, mask=columns, other=1.0)
+                q = tl.math.div_rn(v, tl.where(n < eps, eps, n))
+            y = q.to(dtype).to(tl.float32)
+        else:
+            n = tl.load(NORM_PTRS, mask=columns, other=1.0)
+            y = tl.math.div_rn(v, tl.where(n < eps, eps, n)).to(dtype).to(tl.float32)
+        y = (y * scale).to(dtype).to(tl.float32)
+        y = (y * g).to(dtype).to(tl.float32)
+        y = tl.where(y == 0.0, 0.0, y)  # eager's ``+ 0.0``: -0 becomes +0
+        if BF16:
+            bits = y.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            out = tl.load(SILU + bits, mask=inside, other=0.0).to(tl.float32)
+        else:
+            if LIBDEVICE:
+                e = libdevice.exp(-y)
+            else:
+                e = tl.exp(-y)
+            out = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
+        return out
+
+    @triton.jit
+    def _conv_input_cl_kernel(
+        X, CACHE, NORM, RCP, GAMMA, SILU, OUT, NEXT,
+        H, W, L, TP, HP, WP, PT, PH, PW, KEEP,
+        sxb, sxt, sxh, scb, sct, sch, snb, snt, snh, snw, sob, sot, soh, skb, skt, skh,
+        scale, eps,
+        C: tl.constexpr, HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BF16: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`_conv_input_kernel` for dense channels-last tensors: one output row (b, tp, hp)
+        is ``WP * C`` contiguous elements (column-major over channels), of which this program
+        writes ``BLOCK``; the input row and the cache rows are contiguous the same way."""
+        pid = tl.program_id(0)
+        hp = (pid % HP).to(tl.int64)
+        rest = pid // HP
+        tp = (rest % TP).to(tl.int64)
+        b = (rest // TP).to(tl.int64)
+        j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # wp * C + c
+        wp = j // C
+        c = j % C
+        h = hp - PH
+        w = wp - PW
+        hv = h + w * 0
+        inside = (w >= 0) & (w < W) & (hv >= 0) & (hv < H)
+        live = wp < WP
+        at = j - PW * C  # the element's offset in an unpadded row
+        dst = OUT + b * sob + tp * sot + hp * soh + j
+        dtype = OUT.dtype.element_ty
+        if tp < PT:  # a cached frame, or zeros before the cached ones
+            tv = tp + w * 0
+            from_cache = inside & (tv >= PT - L) & (tv < PT)
+            v = tl.load(CACHE + b * scb + (tp - (PT - L)) * sct + h * sch + at, mask=from_cache, other=0.0)
+            v = v.to(dtype)
+            tl.store(dst, v, mask=live)
+        else:  # a new frame
+            t = tp - PT
+            v = tl.load(X + b * sxb + t * sxt + h * sxh + at, mask=inside, other=0.0)
+            if HAS_NORM:
+                pix = b * snb + t * snt + h * snh + w * snw
+                r = tl.load(RCP + pix, mask=inside, other=1.0)
+                g = tl.load(GAMMA + c).to(tl.float32)
+                v = v.to(tl.float32)
+                v = _norm_silu(v, NORM + pix, r, g, SILU, inside, inside, scale, eps, dtype, LIBDEVICE, BF16)
+            v = v.to(dtype)
+            tl.store(dst, v, mask=live)
+        if tp >= TP - KEEP:
+            tl.store(NEXT + b * skb + (tp - (TP - KEEP)) * skt + h * skh + at, v, mask=inside)
+
+    @triton.jit
+    def _bias_residual_cl_kernel(
+        Y, BIAS, R, N, C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """:func:`_bias_residual_kernel` for a dense channels-last ``y`` and ``r`` of the same
+        strides: ``BLOCK`` contiguous elements, channel ``j % C``."""
+        j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = j < N
+        dtype = Y.dtype.element_ty
+        v = tl.load(Y + j, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v = (v + tl.load(BIAS + j % C).to(tl.float32)).to(dtype).to(tl.float32)
+        if HAS_RES:
+            v = v + tl.load(R + j, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + j, v.to(dtype), mask=m)
+
+    @triton.jit
     def _conv_input_kernel(
-        X, CACHE, NORM, GAMMA, SILU, OUT, NEXT,
+        X, CACHE, NORM, RCP, GAMMA, SILU, OUT, NEXT,
         C, H, W, L, TP, HP, WP, PT, PH, PW, KEEP,
         sxb, sxc, sxt, sxh, sxw,
         scb, scc, sct, sch, scw,
@@ -136,11 +243,8 @@ if triton is not None:
         BC: tl.constexpr, BW: tl.constexpr,
     ):  # fmt: skip
         """One output row (b, tp, hp) of [BC channels, BW columns]: zero padding, a cached frame
-        or a new frame (normalised and SiLU'd with ``HAS_NORM``); the last ``KEEP`` frames also
-        into ``NEXT``, the next chunk's cache. ``BF16``: bf16 frames, whose quotient is rounded
-        to bf16 before anything else sees it (so a product by the reciprocal serves, unless some
-        element lies within a few ulps of a bf16 rounding midpoint) and whose SiLU is one of 65536
-        values (``SILU``, ATen's own, looked up)."""
+        or a new frame (normalised and SiLU'd with ``HAS_NORM``: :func:`_norm_silu`); the last
+        ``KEEP`` frames also into ``NEXT``, the next chunk's cache."""
         pid = tl.program_id(0)
         hp = (pid % HP).to(tl.int64)
         rest = pid // HP
@@ -168,35 +272,13 @@ if triton is not None:
                 X + b * sxb + t * sxt + h * sxh + c[:, None] * sxc + w[None, :] * sxw, mask=inside, other=0.0
             )
             if HAS_NORM:
-                v = v.to(tl.float32)
-                n = tl.load(NORM + b * snb + t * snt + h * snh + w * snw, mask=columns, other=1.0)
-                n = tl.where(n < eps, eps, n)
-                if BF16:
-                    # RN(v * RN(1 / n)) is less than 2 ulps from v / n, so at most 2 from RN(v / n):
-                    # the same bf16 unless a midpoint (low 16 bits 0x8000) is that near, or the
-                    # quotient is tiny (subnormal) or NaN
-                    q = v * tl.math.div_rn(1.0, n)[None, :]
-                    low = q.to(tl.int32, bitcast=True) & 0xFFFF
-                    tiny = (tl.abs(q) < 1e-30) & (q != 0.0)  # 0 is exact: v is 0
-                    doubt = ((low >= 0x8000 - 3) & (low <= 0x8000 + 3)) | tiny | (q != q)
-                    if tl.max(doubt.to(tl.int32)) > 0:  # a block with one: IEEE division throughout
-                        q = tl.math.div_rn(v, n[None, :])
-                    y = q.to(dtype).to(tl.float32)
-                else:
-                    y = tl.math.div_rn(v, n[None, :]).to(dtype).to(tl.float32)
-                y = (y * scale).to(dtype).to(tl.float32)
+                pix = b * snb + t * snt + h * snh + w * snw
+                r = tl.load(RCP + pix, mask=columns, other=1.0)
                 g = tl.load(GAMMA + c, mask=c < C, other=0.0).to(tl.float32)
-                y = (y * g[:, None]).to(dtype).to(tl.float32)
-                y = tl.where(y == 0.0, 0.0, y)  # eager's ``+ 0.0``: -0 becomes +0
-                if BF16:  # SiLU of a bf16 value: ATen's, from the table of all 65536
-                    bits = y.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                    v = tl.load(SILU + bits, mask=inside, other=0.0).to(tl.float32)
-                else:
-                    if LIBDEVICE:
-                        e = libdevice.exp(-y)
-                    else:
-                        e = tl.exp(-y)
-                    v = tl.where(inside, tl.math.div_rn(y, 1.0 + e), 0.0)
+                v = _norm_silu(
+                    v.to(tl.float32), NORM + pix[None, :], r[None, :], g[:, None], SILU, inside,
+                    columns[None, :], scale, eps, dtype, LIBDEVICE, BF16,
+                )  # fmt: skip
             v = v.to(dtype)
             tl.store(dst, v, mask=live)
         if tp >= TP - KEEP:
@@ -326,13 +408,28 @@ def causal_conv_input(
     src_cache = cache if length else x
     keep = min(2, length + t)  # the next cache: the last frames of [cache, frames] (eager's rule)
     next_cache = torch.empty((b, c, keep, h, w), dtype=x.dtype, device=x.device, memory_format=fmt)
-    bc, bw = _tile(c, wp, channels_last)
-    grid = (b * tp * hp, triton.cdiv(c, bc), triton.cdiv(wp, bw))
     n_strides = norms.stride() if norms is not None else x.stride()
     bf16 = norm is not None and x.dtype == torch.bfloat16 and not interpreted()
     silu = silu_table(x.device) if bf16 else x
+    rcp = 1.0 / norms.clamp_min(NORM_EPS) if bf16 else x  # IEEE: RN(1 / max(n, eps))
+    if FLAT_CHANNELS_LAST and channels_last and _dense_cl(x) and _dense_cl(src_cache):
+        grid = (b * tp * hp, triton.cdiv(wp * c, FLAT_BLOCK))
+        _conv_input_cl_kernel[grid](
+            x, src_cache, norms if norms is not None else x, rcp, gamma if gamma is not None else x, silu,
+            out, next_cache,
+            h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad, keep,
+            x.stride(0), x.stride(2), x.stride(3), *(src_cache.stride(i) for i in (0, 2, 3)),
+            n_strides[0], *n_strides[2:], *(out.stride(i) for i in (0, 2, 3)),
+            *(next_cache.stride(i) for i in (0, 2, 3)),
+            float(torch.tensor(scale, dtype=torch.float32)), NORM_EPS,
+            C=c, HAS_NORM=norm is not None, LIBDEVICE=not interpreted(), BF16=bf16, BLOCK=FLAT_BLOCK,
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+        return out, next_cache
+    bc, bw = _tile(c, wp, channels_last)
+    grid = (b * tp * hp, triton.cdiv(c, bc), triton.cdiv(wp, bw))
     _conv_input_kernel[grid](
-        x, src_cache, norms if norms is not None else x, gamma if gamma is not None else x, silu,
+        x, src_cache, norms if norms is not None else x, rcp, gamma if gamma is not None else x, silu,
         out, next_cache,
         c, h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad, keep,
         *x.stride(), *src_cache.stride(),
@@ -346,6 +443,15 @@ def causal_conv_input(
 
 
 _SILU_TABLES: dict[torch.device, torch.Tensor] = {}
+
+#: Dense channels-last tensors go through the flat kernels (rows of ``W * C`` contiguous
+#: elements, ``FLAT_BLOCK`` a program); ``False``: the tiled ones (a probe's switch).
+FLAT_CHANNELS_LAST = True
+FLAT_BLOCK = 2048
+
+
+def _dense_cl(t: torch.Tensor) -> bool:
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and t.shape[1] > 1
 
 
 def silu_table(device: torch.device) -> torch.Tensor:
@@ -376,9 +482,16 @@ def add_bias_residual_(
         raise ValueError(f"a bias of {tuple(bias.shape)} does not fit {c} channels")
     if bias is None and residual is None:
         return y
+    r = residual if residual is not None else y
+    if FLAT_CHANNELS_LAST and _dense_cl(y) and r.stride() == y.stride():
+        _bias_residual_cl_kernel[(triton.cdiv(y.numel(), FLAT_BLOCK),)](
+            y, bias if bias is not None else y, r, y.numel(), C=c,
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=FLAT_BLOCK, num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+        return y
     bc, bw = _tile(c, w, y.stride(1) == 1 and c > 1)
     grid = (b * t * h, triton.cdiv(c, bc), triton.cdiv(w, bw))
-    r = residual if residual is not None else y
     _bias_residual_kernel[grid](
         y, bias if bias is not None else y, r, c, t, h, w, *y.stride(), *r.stride(),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, BC=bc, BW=bw, num_warps=4,

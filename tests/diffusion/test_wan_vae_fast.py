@@ -54,6 +54,30 @@ def test_causal_conv_input_matches_eager(frames, cached, channels_last):
     assert torch.equal(got == 0, want == 0)  # the padding, and nothing else, is zero
 
 
+@pytest.mark.parametrize("cached", [0, 1, 2])
+def test_flat_channels_last_kernel_matches_the_tiled_one(cached, monkeypatch):
+    """Dense channels-last frames and cache go through the flat kernel: the same bits as the tiled
+    kernel, and eager's copies bitwise."""
+    from omnirt.kernels import conv_input
+
+    g = torch.Generator().manual_seed(20 + cached)
+    cl = torch.channels_last_3d
+    x = torch.randn(2, 6, 3, 5, 7, generator=g).contiguous(memory_format=cl)
+    cache = torch.randn(2, 6, cached, 5, 7, generator=g).contiguous(memory_format=cl) if cached else None
+    gamma = torch.rand(6, 1, 1, 1, generator=g) + 0.5
+    for norm in (None, (gamma, 6**0.5)):
+        kw = {"time_pad": 2, "spatial_pad": 1, "norm": norm, "channels_last": True}
+        flat, flat_cache = causal_conv_input(x, cache, **kw)
+        monkeypatch.setattr(conv_input, "FLAT_CHANNELS_LAST", False)
+        tiled, tiled_cache = causal_conv_input(x, cache, **kw)
+        monkeypatch.setattr(conv_input, "FLAT_CHANNELS_LAST", True)
+        assert torch.equal(flat, tiled) and torch.equal(flat_cache, tiled_cache)
+        assert flat.is_contiguous(memory_format=cl) and flat_cache.is_contiguous(memory_format=cl)
+        if norm is None:
+            want, want_cache = causal_conv_input_reference(x, cache, time_pad=2, spatial_pad=1)
+            assert torch.equal(flat, want) and torch.equal(flat_cache, want_cache)
+
+
 def test_causal_conv_input_reads_strided_frames_and_refuses_a_misfit_cache():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 3, 6, 4, 5, generator=g).permute(0, 2, 1, 3, 4)  # [1, 6, 3, 4, 5], frames-first memory
@@ -89,6 +113,11 @@ def test_bias_and_residual_adds_are_eager_bitwise():
     assert got.is_contiguous() and torch.equal(got, want)
     assert torch.equal(add_bias_residual_(y.clone(), bias), y + bias.view(1, 5, 1, 1, 1))
     assert torch.equal(add_bias_residual_(y.clone(), None, shortcut), y + shortcut)
+    cl = torch.channels_last_3d  # dense channels-last frames: the flat kernel
+    y_cl, shortcut_cl = y.contiguous(memory_format=cl), shortcut.contiguous(memory_format=cl)
+    got = add_bias_residual_(y_cl.clone(), bias, shortcut_cl)
+    assert got.is_contiguous(memory_format=cl) and torch.equal(got, want)
+    assert torch.equal(add_bias_residual_(y_cl.clone(), bias), y + bias.view(1, 5, 1, 1, 1))
     before = y.clone()
     with pytest.raises(ValueError, match="cannot add"):
         add_bias_residual_(y, bias, shortcut.double())
