@@ -341,18 +341,20 @@ class SpeechPipeline:
         """Keeps the slots that step packed low: a step runs the first rows up to the bucket that
         covers the highest stepping slot, so a request held in a low slot (for as long as its
         client is behind: up to ``max_held_seconds``) would make every step of the others run
-        rows it does not need. Held, the request moves to the highest free slot above its own;
-        released, to the lowest free slot below it. Only once its prompt is loaded (a prefill
-        under way writes its slot). Its reply goes on unchanged: every per-slot state moves."""
+        rows it does not need. Held, the request moves to the highest free slot above its own (a
+        prefix there swaps places with it); released, to the lowest free slot below it. Only once
+        its prompt is loaded (a prefill under way writes its slot). Its reply goes on unchanged:
+        every per-slot state moves."""
         if not active.prefilled:
             return
         source = active.slot
-        target = self._slots.park(source) if active.held else self._slots.unpark(source)
-        if target is None:
+        planned = self._slots.park(source) if active.held else self._slots.unpark(source)
+        if planned is None:
             return
-        self.thinker.move(source, target)
+        target, swap = planned
+        self.thinker.move(source, target, swap=swap)
         if self.has_talker:
-            self.talker.move(source, target)
+            self.talker.move(source, target, swap=swap)
         active.slot = target
 
     def accepts(self, request: object) -> bool:

@@ -121,24 +121,24 @@ class SlotPool:
             self.held[target], self._used[target] = prefix, used
         return target
 
-    def park(self, slot: int) -> int | None:
+    def park(self, slot: int) -> tuple[int, bool] | None:
         """Where busy ``slot``'s request goes while it takes no steps (held): the highest free slot
-        above it that holds no prefix, else the least recently used holder above it (that prefix
-        is dropped); None: no free slot above. The move is recorded (``slot`` is free then, and
-        the prefix it holds goes along); the caller moves the request's state."""
+        above it that holds no prefix, else the least recently used holder above it, whose prefix
+        then goes to ``slot`` (``swap`` True: the caller swaps the two slots' caches rather than
+        copying one); None: no free slot above. The move is recorded (``slot`` is free then, and
+        the prefix the request's slot holds goes along); the caller moves the request's state."""
         above = [s for s in self._slots.free_slots() if s > slot]
         if not above:
             return None
         empty = [s for s in above if s not in self.held]
-        if empty:
-            target = max(empty)
-        else:
-            target = min(above, key=self._used.__getitem__)
-            del self.held[target], self._used[target]
+        target = max(empty) if empty else min(above, key=self._used.__getitem__)
+        displaced = (self.held.pop(target), self._used.pop(target)) if target in self.held else None
         self._take_over(slot, target)
-        return target
+        if displaced is not None:
+            self.held[slot], self._used[slot] = displaced
+        return target, displaced is not None
 
-    def unpark(self, slot: int) -> int | None:
+    def unpark(self, slot: int) -> tuple[int, bool] | None:
         """Where busy ``slot``'s request goes once it steps again: the lowest free slot, when it
         is below ``slot`` (a prefix held there moves out of the way, as in :meth:`vacate`); None:
         it stays. Recorded as :meth:`park` records."""
@@ -152,7 +152,7 @@ class SlotPool:
             if room is not None:
                 self._move(target, room, prefix)
                 self.held[room], self._used[room] = prefix, used
-        return target
+        return target, False
 
     def _take_over(self, slot: int, target: int) -> None:
         """Records that busy ``slot``'s request lives in free ``target`` now, with its prefix."""

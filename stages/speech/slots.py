@@ -414,14 +414,18 @@ class SlotDecoder:
         for cache in (*self.keys, *self.values):
             cache[target, :, :length].copy_(cache[source, :, :length])
 
-    def move(self, source: int, target: int) -> None:
+    def move(self, source: int, target: int, *, swap: bool = False) -> None:
         """Slot ``target`` takes slot ``source``'s entries and length (the whole row: a step's
         cache, as the code predictor's, may run ahead of the host's count); ``source`` is left
-        empty. No device sync."""
+        empty, or with ``swap`` holding ``target``'s entries (a prefix kept there). No device
+        sync."""
         if source == target:
             return
         for cache in (*self.keys, *self.values):
+            kept = cache[target].clone() if swap else None
             cache[target].copy_(cache[source])
+            if kept is not None:
+                cache[source].copy_(kept)
         self.lengths[target] = self.lengths[source]
         self.host_lengths[target] = self.host_lengths[source]
         self.reset(source)

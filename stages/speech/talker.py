@@ -225,11 +225,12 @@ class Talker:
         self.next_code[slot] = prefill.code
         self.sampling.advance_slot(slot)
 
-    def move(self, source: int, target: int) -> None:
+    def move(self, source: int, target: int, *, swap: bool = False) -> None:
         """A request's state moves from slot ``source`` to free slot ``target`` (between steps, on
         the engine thread): every per-slot tensor of ``__init__`` (the ones :meth:`state` names and
-        the header). No device sync."""
-        self.kv.move(source, target)
+        the header); ``swap``: ``target``'s cache entries go to ``source`` (a prefix kept). No
+        device sync."""
+        self.kv.move(source, target, swap=swap)
         self.predictor.move(source, target)
         for row in (self.hidden, self.next_code, self.position, self.seen, self.header, self.frames):
             row[target] = row[source]

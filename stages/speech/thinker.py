@@ -192,11 +192,12 @@ class Thinker:
         self.next_token[slot] = prefill.token
         self.sampling.advance_slot(slot)
 
-    def move(self, source: int, target: int) -> None:
+    def move(self, source: int, target: int, *, swap: bool = False) -> None:
         """A request's state moves from slot ``source`` to free slot ``target`` (between steps, on
         the engine thread): its cache, next token, position, sampling row (seed and draws made,
-        so its draws go on as they would have) and mask. No device sync."""
-        self.kv.move(source, target)
+        so its draws go on as they would have) and mask; ``swap``: ``target``'s cache entries go
+        to ``source`` (a prefix kept). No device sync."""
+        self.kv.move(source, target, swap=swap)
         for row in (self.next_token, self.position):
             row[target] = row[source]
         self.sampling.copy_row(source, target)

@@ -75,23 +75,26 @@ def test_pool_hands_out_the_lowest_slot_and_moves_a_held_prefix_out_of_the_way()
 
 
 def test_a_parked_request_goes_up_with_its_prefix_and_comes_back_down() -> None:
-    """``park`` (a held request): to the highest free slot above holding nothing, else over the
-    least recently used prefix above; ``unpark``: to the lowest free slot below, whose prefix
-    moves out of the way (never into the slot the request is leaving)."""
+    """``park`` (a held request): to the highest free slot above holding nothing, else to the
+    least recently used prefix above, which swaps places with it (kept, in the slot it left);
+    ``unpark``: to the lowest free slot below, whose prefix moves out of the way (never into the
+    slot the request is leaving)."""
     moves: list[tuple[int, int]] = []
     pool = SlotPool(5, lambda s, t, p: moves.append((s, t)))
     assert [pool.take() for _ in range(5)] == [0, 1, 2, 3, 4]
     pool.give(4, Prefix(keys(4, 4)))  # older
     pool.give(3, Prefix(keys(3, 3)))
     pool.hold(1, Prefix(keys(1, 1)))  # the busy request's own prompt
-    assert pool.park(1) == 4 and moves == []  # no empty slot above: over the oldest prefix
+    assert pool.park(1) == (4, True) and moves == []  # no empty slot above: swapped with the oldest
     assert pool.best(keys(1, 1, 9), None, at_least=1).slot == 4  # its prefix went along
-    assert pool.best(keys(4, 4, 9), None, at_least=1) is None  # dropped
+    assert pool.best(keys(4, 4, 9), None, at_least=1).slot == 1  # the displaced one is kept
     assert pool.park(4) is None  # nothing free above the top
     pool.give(0, Prefix(keys(0, 0)))
-    assert pool.unpark(4) == 0 and moves == [(0, 1)]  # slot 0's prefix to 1 (free, empty), not 4
-    assert pool.best(keys(0, 0, 9), None, at_least=1).slot == 1
+    assert pool.unpark(4) == (0, False)
+    assert moves == [(0, 3)]  # slot 0's prefix over the least recently used one (3), not into 4
+    assert pool.best(keys(0, 0, 9), None, at_least=1).slot == 3
     assert pool.best(keys(1, 1, 9), None, at_least=1).slot == 0
+    assert pool.best(keys(3, 3, 9), None, at_least=1) is None  # dropped
     assert pool.unpark(0) is None  # nothing free below
     assert [pool.take() for _ in range(3)] == [1, 3, 4] and len(pool) == 0  # 1 and 4: left by it
 
@@ -251,3 +254,37 @@ def test_a_prefix_moved_out_of_the_way_is_still_reused(demo_dir: Path) -> None:
     want, _, _ = run(whole, [turn("c2", second)])
     same_reply(got, want["c2"])
     assert got[2].usage.cached_tokens > 60
+
+
+def test_a_held_request_swaps_places_with_a_prefix_and_both_stay_whole(demo_dir: Path) -> None:
+    """Held, a request moves up into the only free slot, which holds a finished conversation's
+    prefix: the two swap places. The conversation's next turn then reuses that prefix from the
+    held request's old slot (the reply of a whole read), and the held request, released, ends
+    with the reply it makes never held."""
+    cached = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=20)
+    whole = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=20, prefix_cache=False)
+    first = ContextMessage("user", (TextPart("tell me about the sea " * 10),))
+    text1 = run(cached, [turn("c1", [first])])[0]["c1"][0]
+    held = lambda: turn("h", [ContextMessage("user", (TextPart("count slowly"),))], max_output_tokens=24)  # noqa: E731
+    alone = run(whole, [held()])[0]["h"]
+    cached.add(held())  # slot 0: c1's prefix moves to slot 1
+    outs = []
+    while not cached._active["h"].prefilled:
+        outs += cached.step()
+    outs += cached.step()
+    assert set(cached._slots.held) == {0, 1} and len(cached._slots.held[1].keys) > 60
+    cached.hold("h", True)
+    assert cached._active["h"].slot == 1  # swapped: c1's prefix is in slot 0 now
+    assert len(cached._slots.held[0].keys) > 60
+    reply = ContextMessage("assistant", (TextPart(text1),))
+    second = [first, reply, ContextMessage("user", (TextPart("more"),))]
+    cached.add(turn("c2", second))  # slot 0, over the prefix it reuses
+    outs += drain(cached)
+    got = summary(of(outs, "c2"))
+    want, _, _ = run(whole, [turn("c2", second)])
+    same_reply(got, want["c2"])
+    assert got[2].usage.cached_tokens > 60
+    cached.hold("h", False)
+    assert cached._active["h"].slot == 0  # back down
+    outs += drain(cached)
+    same_reply(summary(of(outs, "h")), alone)
