@@ -41,8 +41,10 @@ preallocated per-slot device state with an exec mask, rows being slots, so on CU
 CUDA graphs captured at start-up (:meth:`capture`), one per batch bucket and attention-length
 bucket, as do the prompt pieces (per piece-length or attention-length bucket) and code2wav;
 ``cuda_graphs=False`` (``omnirt serve --no-cuda-graphs``) runs every step eagerly.
-A request holds the same slot in every pool (and one code2wav stream) from ``add`` until it
-finishes or is removed; the lowest free slot is taken, so the busy slots stay packed low.
+A request holds one slot, the same in every pool (and one code2wav stream), from ``add`` until it
+finishes or is removed; the lowest free slot is taken, so the busy slots stay packed low. Held
+(its client behind reading), it moves to a free slot above the others and back down once
+released (:meth:`_repack`), so a held request never widens the others' steps.
 ``prepare`` (validation, the prompt's tokens and audio / image features) runs before ``add``, on
 the engine's prompt threads.
 
