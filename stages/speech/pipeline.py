@@ -358,6 +358,7 @@ class SpeechPipeline:
         if self.has_talker:
             self.talker.move(source, target, swap=swap)
         active.slot = target
+        self.calls["move", 1] += 1
 
     def accepts(self, request: object) -> bool:
         return isinstance(request, GenerationRequest)
@@ -668,6 +669,7 @@ class SpeechPipeline:
 
     def _thinker_step(self, rows: list[_Active], batch: int) -> torch.Tensor:
         self.calls["thinker", len(rows)] += 1
+        self.calls["thinker_rows", batch] += 1  # rows computed: the bucket (as duplex's "lm_rows")
         return self.thinker.decode([a.slot for a in rows], batch)
 
     def _take_token(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> Piece | None:
@@ -757,6 +759,7 @@ class SpeechPipeline:
 
     def _talker_step(self, rows: list[_Active], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls["talker", len(rows)] += 1
+        self.calls["talker_rows", batch] += 1
         text = []
         for a in rows:
             assert a.talker is not None

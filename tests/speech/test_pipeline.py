@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import numpy as np
@@ -422,13 +423,17 @@ def test_a_held_request_takes_no_steps_and_then_goes_on_unchanged(demo_dir: Path
     pipe.add(text_request("other", "meanwhile", max_output_tokens=6))
     assert pipe._active["other"].slot == 0 and pipe._bucket(1) == 1
     tokens_before = len(log.tokens["a"])
+    calls_before = collections.Counter(pipe.calls)
     while_held = drain(pipe)
+    stepped = collections.Counter(pipe.calls) - calls_before
+    assert {b for (name, b) in stepped if name in ("thinker_rows", "talker_rows")} == {1}  # bucket 1
     assert of(while_held, "other")[-1].reason in ("stop", "length")
     assert not [o for o in of(while_held, "a") if isinstance(o, TextDelta | Finished)]
     assert len(log.tokens["a"]) == tokens_before
     pipe.hold("a", False)
     assert pipe.has_work()
     assert pipe._active["a"].slot == 0  # back down: "other" is done
+    assert pipe.calls["move", 1] == 2
     outs += while_held + drain(pipe)
     t2, a2, r2, f2 = _summary(of(outs, "a"))
     assert log.tokens["a"] == unheld_tokens
