@@ -108,14 +108,14 @@ class SlotPool:
         """The lowest free slot (a prefix it holds stays until :meth:`vacate`)."""
         return self._slots.take()
 
-    def vacate(self, slot: int) -> int | None:
-        """Before a taken slot is written: its prefix moves out of the way (see the module doc);
-        returns where to (None: nowhere, dropped)."""
+    def vacate(self, slot: int, exclude: int | None = None) -> int | None:
+        """Before a taken slot is written: its prefix moves out of the way (see the module doc),
+        not into ``exclude``; returns where to (None: nowhere, dropped)."""
         prefix = self.held.pop(slot, None)
         used = self._used.pop(slot, 0)
         if prefix is None:
             return None
-        target = self._room(used)
+        target = self._room(used, exclude)
         if target is not None:
             self._move(slot, target, prefix)
             self.held[target], self._used[target] = prefix, used
@@ -145,13 +145,8 @@ class SlotPool:
         target = min(self._slots.free_slots(), default=None)
         if target is None or target > slot:
             return None
-        prefix, used = self.held.pop(target, None), self._used.pop(target, 0)
+        self.vacate(target, exclude=target)  # while ``slot`` is busy: never into it
         self._take_over(slot, target)
-        if prefix is not None:
-            room = self._room(used, exclude=slot)  # not ``slot``: the request is still there
-            if room is not None:
-                self._move(target, room, prefix)
-                self.held[room], self._used[room] = prefix, used
         return target, False
 
     def _take_over(self, slot: int, target: int) -> None:
