@@ -62,8 +62,14 @@ def _timed(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
-def _measure(pipe, batch: int, args: argparse.Namespace, device: torch.device) -> dict:
-    """The decode steps of ``batch`` busy slots, graphed and eager, and a code2wav step."""
+def _measure(
+    pipe,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    modes: tuple[str, ...] = ("graphs", "eager"),
+) -> dict:
+    """The decode steps of ``batch`` busy slots, graphed and eager (``modes``), and a code2wav step."""
     busy = list(range(batch))
     bucket = pipe._bucket(batch)
     text = [(0, 100 + i) for i in busy]
@@ -81,7 +87,7 @@ def _measure(pipe, batch: int, args: argparse.Namespace, device: torch.device) -
         pipe.talker.step(busy, text, bucket)
         rewind(pipe.talker.kv)
 
-    for mode in ("graphs", "eager"):
+    for mode in modes:
         pipe.use_graphs(mode == "graphs")
         iters = args.iters if mode == "graphs" else args.eager_iters
         row[f"thinker {mode}"] = _timed(thinker, device, iters)
@@ -103,6 +109,99 @@ def _measure(pipe, batch: int, args: argparse.Namespace, device: torch.device) -
         vocoder.close(k)
     row["tick floor graphs"] = row["thinker graphs"] + row["talker graphs"] + row["code2wav"]
     return row
+
+
+def _kernels_off(pipe, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
+    """The baseline of the decoders' kernels (``--fused-kernels off``: q/k norm + RoPE, residual add
+    + RMSNorm; and the eager decode attention): the decode graphs recaptured without them and
+    timed again at each batch."""
+    from omnirt.kernels import settings
+
+    before = settings.FUSED
+    settings.set_fused("off")
+    decoders = (pipe.thinker.kv, pipe.talker.kv, pipe.talker.predictor)
+    for kv in decoders:
+        kv.attention_kernel = False
+    try:
+        for runner in (pipe.thinker.runner, pipe.talker.runner):
+            runner.drop()
+            runner.capture(sorted({pipe._bucket(r["batch"]) for r in rows}))
+        for row in rows:
+            off = _measure(pipe, row["batch"], args, device, modes=("graphs",))
+            row["thinker graphs, kernels off"] = off["thinker graphs"]
+            row["talker graphs, kernels off"] = off["talker graphs"]
+    finally:
+        settings.set_fused(before)
+        for kv in decoders:
+            kv.attention_kernel = True
+
+
+class _Phases:
+    """Wall time of each phase of a prefill: when its Python returned (``enqueue``: the host's
+    share) and when the GPU finished it (``done``, after a sync). Installed by wrapping the
+    functions a prefill calls, on the pipeline only (no change to the serving code)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rows: dict[str, list[tuple[float, float]]] = {}
+
+    def _record(self, name: str, t0: float) -> None:
+        enqueued = time.perf_counter()
+        _sync(self.device)
+        self.rows.setdefault(name, []).append(((enqueued - t0) * 1000, (time.perf_counter() - t0) * 1000))
+
+    def call(self, name: str, fn):
+        def timed(*args, **kwargs):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._record(name, t0)
+            return out
+
+        return timed
+
+    def generator(self, name: str, fn):
+        def timed(*args, **kwargs):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = yield from fn(*args, **kwargs)
+            self._record(name, t0)
+            return out
+
+        return timed
+
+    def install(self, pipe) -> None:
+        from omnirt.stages.speech import prefill, thinker
+
+        rope = thinker.thinker_rope_index
+        thinker.thinker_rope_index = lambda model: self.call("thinker RoPE index", rope(model))
+        prefill.talker_rope_index = self.call("talker RoPE index", prefill.talker_rope_index)
+        prefill.build_talker_prompt = self.call("talker prompt", prefill.build_talker_prompt)
+        pipe.thinker._prompt_embeds = self.call("thinker embeds (audio encoder)", pipe.thinker._prompt_embeds)
+        pipe.thinker.prompt.run = self.generator("thinker pass (graphs)", pipe.thinker.prompt.run)
+        pipe.talker.prompt.run = self.generator("talker pass (graphs)", pipe.talker.prompt.run)
+        pipe.talker.prefill_inputs = self.call("talker inputs", pipe.talker.prefill_inputs)
+
+
+def _prefill_phases(pipe, prefill, device: torch.device, iters: int) -> tuple[list[tuple], float]:
+    """Each phase of ``prefill()`` (one new turn): [(phase, enqueue ms, done ms)] medians, and the
+    host's time to enqueue a whole prefill without a sync (median)."""
+    enqueue = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        prefill()
+        enqueue.append((time.perf_counter() - t0) * 1000)
+        _sync(device)
+    phases = _Phases(device)
+    phases.install(pipe)
+    for _ in range(iters):
+        prefill()
+    rows = [
+        (name, statistics.median(e for e, _ in v), statistics.median(d for _, d in v))
+        for name, v in phases.rows.items()
+    ]
+    return rows, statistics.median(enqueue)
 
 
 def _words(pipe, tokens: int) -> str:
@@ -197,6 +296,14 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--eager-iters", type=int, default=3)
+    ap.add_argument(
+        "--prefill-phases", action="store_true",
+        help="time each phase of a prefill (host enqueue and GPU done), at the end of the run",
+    )
+    ap.add_argument(
+        "--kernels-baseline", action="store_true",
+        help="also time the decode graphs with the fused kernels off (recaptured), in the same run",
+    )
     args = ap.parse_args()
 
     from omnirt.stages.speech.demo import ensure_demo_checkpoint
@@ -255,6 +362,10 @@ def main() -> None:
         rows.append(row)
         print(f"batch {batch}: {row}", file=sys.stderr, flush=True)
 
+    if args.kernels_baseline:
+        _kernels_off(pipe, rows, args, device)
+    phases = _prefill_phases(pipe, prefill, device, max(3, args.iters // 2)) if args.prefill_phases else None
+
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     print(f"# Speech steps: {pipe.info.id} ({params:.2f} B parameters), {device}, {pipe.dtype}\n")
     print(f"- start-up (build/load + capture of {graphs} decode graphs): {startup:.1f} s; "
@@ -271,10 +382,20 @@ def main() -> None:
         print(f"- the next turn of that conversation ({args.audio_seconds:.1f} s audio + text after the long "
               f"turn and its reply): read whole {whole:.1f} ms in {n_whole} ticks; after the cached prefix "
               f"of {cached} tokens {reused:.1f} ms in {n_reused} ticks ({whole / reused:.1f}x less)")
+    if phases is not None:
+        table, enqueue = phases
+        print(f"- its phases (median; each timed alone, with a sync before and after; a whole prefill "
+              f"takes the host {enqueue:.1f} ms to enqueue without a sync):\n")
+        print("| phase | host returns (ms) | GPU done (ms) |\n|---|---|---|")
+        for name, host, done in table:
+            print(f"| {name} | {host:.2f} | {done:.2f} |")
+        print()
     print(f"- decode steps with {args.cached} cached tokens per slot; median of {args.iters} (eager: "
           f"{args.eager_iters}) calls\n")
     cols = ["thinker graphs", "thinker eager", "talker graphs", "talker eager", "code2wav"]
     cols.append("tick floor graphs")
+    if args.kernels_baseline:
+        cols += ["thinker graphs, kernels off", "talker graphs, kernels off"]
     print("| batch | bucket | " + " | ".join(f"{c} (ms)" for c in cols) + " | graphs speed-up |")
     print("|---|---|" + "---|" * (len(cols) + 1))
     for r in rows:

@@ -15,6 +15,12 @@ on the H200 with torch 2.11):
   order with an adjacent-pair tree, which ATen's source suggests for 128 and fewer elements, was
   20 to 50 elements in 8 million away). :func:`aten_reduce_config` gives the unvectorised
   configuration for other widths, which no bitwise claim covers.
+- **A ``mean(-1)`` over a wider row** (a decoder's RMSNorm over its hidden size: 1024, 2048 ...;
+  ``Reduce.cuh`` read from the headers, ``kernels/rms_norm.py``): the same vectorised walk, but a
+  lane folds several vectors (``l, l + lanes, ...``) into four accumulators, and the block's
+  width (:func:`aten_vec4_config`) depends on the number of rows reduced: 512 lanes for one row of
+  2048, 32 from 16 rows on. :func:`vec4_lanes_sum` ends it; :func:`aten_mean_config` picks this or
+  the element-wise walk of narrower rows, :func:`mean_sumsq_reference` is either in NumPy.
 - **A row of the fused layer-norm kernels** (``layer_norm_kernel.cu`` ``compute_stats``: LayerNorm,
   and ``torch.nn.RMSNorm`` / ``F.rms_norm`` on CUDA): 128 threads (32 lanes x 4 warps) read the row
   in 4-element vectors, thread ``t`` the vectors ``t, t + 128, ...``, each element folded into the
@@ -84,6 +90,59 @@ def aten_reduce_config(width: int, rows: int) -> tuple[int, int] | None:
     if steps * lanes != width or steps > 4:
         return None
     return steps, lanes
+
+
+@functools.lru_cache(maxsize=1024)
+def aten_vec4_config(width: int, rows: int) -> tuple[int, int] | None:
+    """``(steps, lanes)`` of ATen's reduction of ``rows`` contiguous fp32 rows of ``width`` >= 128
+    elements, which it reads as 4-element vectors (``vectorize_input``; ``set_block_dimension(width
+    / 4, rows)``: at most 512 threads, a warp's width first, then as many rows as fit, then the
+    width widened into what is left): lane ``l`` of ``lanes`` folds the vectors ``l, l + lanes,
+    ...`` (``steps`` of them) into one accumulator per item. None where ATen does something else:
+    a width that is not a power of two, or enough values a thread that it splits a row over the
+    block's warps too (``values_per_thread >= min(16 * height, 256)``)."""
+    if width < 128 or width & (width - 1) or rows < 1:
+        return None
+    vectors = width // 4
+    dim0 = _last_pow2(vectors) if vectors < 512 else 512
+    dim1 = _last_pow2(rows) if rows < 512 else 512
+    lanes = min(dim0, REDUCE_LANES)
+    height = min(dim1, 512 // lanes)
+    lanes = min(dim0, 512 // height)
+    if -(-width // lanes) >= min(16 * height, 256):
+        return None
+    return vectors // lanes, lanes
+
+
+def aten_mean_config(width: int, rows: int) -> tuple[int, int, int] | None:
+    """``(steps, lanes, vector)`` of ATen's ``mean(-1)`` over ``rows`` contiguous fp32 rows of
+    ``width``: vectorised from 128 elements on (:func:`aten_vec4_config`, ``vector`` 4), element
+    by element below (:func:`aten_reduce_config`, ``vector`` 1: lane ``l`` reads elements ``l, l +
+    lanes, ...``); None where neither models the launch."""
+    if width >= 128:
+        config = aten_vec4_config(width, rows)
+        return None if config is None else (*config, 4)
+    config = aten_reduce_config(width, rows)
+    return None if config is None else (*config, 1)
+
+
+def mean_sumsq_reference(x: np.ndarray, steps: int, lanes: int, vector: int) -> np.ndarray:
+    """The fp32 sum of squares of each row of ``x`` [rows, vector * steps * lanes] in the order of
+    :func:`aten_mean_config` (``vector`` 4: :func:`vec4_lanes_sum`; 1: lanes of single elements,
+    then :func:`lanes_halving_sum`), in NumPy fp32 arithmetic."""
+    x = np.asarray(x, dtype=np.float32)
+    sq = (x * x).reshape(x.shape[0], steps, lanes, vector)
+    acc = sq[:, 0]
+    for step in range(1, steps):
+        acc = acc + sq[:, step]
+    t = acc[..., 0]  # [rows, lanes]
+    if vector == 4:
+        t = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
+    n = lanes
+    while n > 1:  # halving: lane l adds lane l + n / 2
+        n //= 2
+        t = t[:, :n] + t[:, n : 2 * n]
+    return t[:, 0]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -168,6 +227,41 @@ if triton is not None:
         acc = half_sum(tl.reshape(acc, (1, 4)), 1, 4)
         acc = half_sum(acc, 1, 2)
         return tl.sum(acc)  # a [1, 1] tile: its one element
+
+    @triton.jit
+    def lanes_halving_sum(t, LANES: tl.constexpr):
+        """ATen's tree over the ``LANES`` partial sums ``t`` [1, LANES] of a block's row (a power
+        of two up to 512): halving, in shared memory down to a warp, then the warp's shuffles.
+        Returns a scalar."""
+        if LANES >= 512:
+            t = half_sum(t, 1, 512)
+        if LANES >= 256:
+            t = half_sum(t, 1, 256)
+        if LANES >= 128:
+            t = half_sum(t, 1, 128)
+        if LANES >= 64:
+            t = half_sum(t, 1, 64)
+        if LANES >= 32:
+            t = half_sum(t, 1, 32)
+        if LANES >= 16:
+            t = half_sum(t, 1, 16)
+        if LANES >= 8:
+            t = half_sum(t, 1, 8)
+        if LANES >= 4:
+            t = half_sum(t, 1, 4)
+        if LANES >= 2:
+            t = half_sum(t, 1, 2)
+        return tl.sum(t)  # a [1, 1] tile: its one element
+
+    @triton.jit
+    def vec4_lanes_sum(acc, LANES: tl.constexpr):
+        """The end of ATen's vectorised reduction (:func:`aten_vec4_config`): each lane's four
+        accumulators ``acc`` [LANES, 4] combined in order, ``((a0 + a1) + a2) + a3``, then
+        :func:`lanes_halving_sum`. Launch with ``enable_fp_fusion=False``."""
+        even, odd = tl.split(tl.reshape(acc, (LANES, 2, 2)))  # items (0, 2) and (1, 3)
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
+        return lanes_halving_sum(tl.reshape(((a0 + a1) + a2) + a3, (1, LANES)), LANES)
 
     @triton.jit
     def channel_sumsq(base, stride_c, C, live, BP: tl.constexpr, S: tl.constexpr, FMA: tl.constexpr):

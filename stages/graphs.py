@@ -152,6 +152,11 @@ class CudaGraphRunner:
                 raise ValueError(f"step outputs must keep the batch dimension ({bucket})")
             self._graphs[bucket] = _Captured(graph, inputs, outputs)
 
+    def drop(self) -> None:
+        """Forgets every captured graph (their memory goes back to the pool); :meth:`capture` then
+        captures the step anew, as it is now (a benchmark's baseline with other kernels)."""
+        self._graphs.clear()
+
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured bucket that holds ``batch`` rows, or None."""
         for bucket in self.captured_buckets:
@@ -251,6 +256,10 @@ class LengthBucketedRunner:
         wanted = self.lengths if lengths is None else sorted({self.length_for(n) for n in lengths})
         for n in wanted:
             self.runners[n].capture(batches)
+
+    def drop(self) -> None:
+        for runner in self.runners.values():
+            runner.drop()
 
     def length_for(self, length: int) -> int:
         for n in self.lengths:

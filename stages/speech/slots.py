@@ -14,7 +14,12 @@ static shapes and can be captured in a CUDA graph:
   slot held before (the MoE routing of idle rows sizes the expert matmuls active rows share).
 * **KV read in place.** Attention reads ``keys[:B, :, :attend]`` (a view, no gather copy) for a
   static ``attend`` length bucket that the caller picks to cover every active row, with a
-  mask built on the device from the slots' lengths.
+  mask built on the device from the slots' lengths. On CUDA it is one split-window launch
+  (``kernels/decode_attention.py``: each row reads only the entries it holds), elsewhere the
+  eager chain of matmuls, mask and softmax.
+* **Fused norms.** Each residual add and the RMSNorm after it are one launch on CUDA
+  (``kernels/rms_norm.py``, bitwise transformers' chain): in a step of a few rows, launches, not
+  bytes, set the time.
 * **Grouped-query attention without repeating K/V**: queries are viewed as
   ``[B, kv_heads, group, head_dim]`` against the ``[B, kv_heads, attend, head_dim]`` cache.
 
@@ -36,7 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
+from ...kernels.decode_attention import decode_attention
+from ...kernels.decode_attention import kernel_applies as decode_attention_applies
 from ...kernels.qk_norm_rope import fused_qk_norm_rope, kernel_applies, table_from_halves
+from ...kernels.rms_norm import add_rms_norm
 from ..graphs import LengthBucketedRunner, length_buckets
 
 
@@ -132,6 +140,19 @@ def _norm_rope(
         q, k = fused_qk_norm_rope(q, k, qw, kw, table, eps=eps, interleaved=False)
         return q.transpose(1, 2), k.transpose(1, 2)
     return apply_rotary_pos_emb(attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2), cos, sin)
+
+def _add_norm(
+    norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, norm(x + delta))`` (``delta`` None: ``(x, norm(x))``): a layer's residual add
+    and the next RMSNorm, one launch on CUDA (``kernels/rms_norm.py``, bitwise transformers'
+    chain), else the module itself."""
+    if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+        return add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+    if delta is not None:
+        x = x + delta
+    return x, norm(x)
+
 
 class PromptPass:
     """A prompt pass read in pieces of ``chunk`` tokens, so that a long prompt never takes a
@@ -258,6 +279,10 @@ class SlotDecoder:
         self.host_lengths = [0] * num_slots  # the same, on the host: no device sync to read it
         self._rows = torch.arange(num_slots, device=device)
         self._columns = torch.arange(max_len + 1, device=device)
+        #: Decode attention through ``kernels/decode_attention.py`` on CUDA (one split-window
+        #: launch and its combine for the chain of matmuls, softmax and masks; close to that chain,
+        #: not bitwise, as flash attention is); False: the eager chain (a benchmark's baseline).
+        self.attention_kernel = True
 
     def state(self, prefix: str) -> dict[str, torch.Tensor]:
         """Every tensor a step changes, by name (tests compare graph and eager steps on them)."""
@@ -311,28 +336,39 @@ class SlotDecoder:
         lengths = self.lengths[:batch]
         write_at = torch.where(active, lengths, self.max_len)
         rows = self._rows[:batch]
-        hidden = torch.finfo(torch.float32).min
-        # [B, 1, 1, attend]: each active row sees its cache and its new entry.
-        masked = (self._columns[:attend].view(1, attend) > write_at.view(batch, 1)).view(batch, 1, 1, attend)
+        heads = (batch, self.num_heads, self.head_dim)
+        kernel = self.attention_kernel and decode_attention_applies(
+            x.new_empty(heads), self.keys[0], self.values[0], lengths
+        )
+        if kernel:  # entries each row sees: its cache and its new one (idle rows none: zeros out)
+            visible = torch.where(active, lengths + 1, 0)
+        else:  # the same as a mask [B, 1, 1, attend]
+            hidden = torch.finfo(torch.float32).min
+            masked = self._columns[:attend].view(1, attend) > write_at.view(batch, 1)
+            masked = masked.view(batch, 1, 1, attend)
+        pending: torch.Tensor | None = None  # the last MLP's output, added with the next norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            x, h = _add_norm(layer.input_layernorm, x, pending)
             q, k = _norm_rope(attn, h, cos, sin, table, self.head_dim)
             v = attn.v_proj(h).view(batch, 1, -1, self.head_dim).transpose(1, 2)
             cache_k, cache_v = self.keys[i], self.values[i]
             cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
             cache_v[rows, :, write_at] = v[:, :, 0].to(cache_v.dtype)
-            keys = cache_k[:batch, :, :attend]
-            values = cache_v[:batch, :, :attend]
-            qg = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling
-            probs = scores.masked_fill(masked, hidden).softmax(dim=-1)
-            probs = torch.where(keep.view(batch, 1, 1, 1), probs, 0.0).to(values.dtype)
-            out = torch.matmul(probs, values).to(x.dtype)  # [B, kv_heads, group, head_dim]
-            x = x + attn.o_proj(out.reshape(batch, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if kernel:
+                out = decode_attention(q.reshape(heads), cache_k, cache_v, visible, attend, self.scaling)
+            else:
+                keys = cache_k[:batch, :, :attend]
+                values = cache_v[:batch, :, :attend]
+                qg = q.reshape(batch, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
+                scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling
+                probs = scores.masked_fill(masked, hidden).softmax(dim=-1)
+                probs = torch.where(keep.view(batch, 1, 1, 1), probs, 0.0).to(values.dtype)
+                out = torch.matmul(probs, values).to(x.dtype)  # [B, kv_heads, group, head_dim]
+            x, h = _add_norm(layer.post_attention_layernorm, x, attn.o_proj(out.reshape(batch, 1, -1)))
+            pending = layer.mlp(h)
         lengths.add_(active.long())
-        return self.model.norm(x)[:, 0]
+        return _add_norm(self.model.norm, x, pending)[1][:, 0]
 
     def prompt_step(
         self,
@@ -374,9 +410,10 @@ class SlotDecoder:
             write_at = at.clamp_max(self.max_len)
             # [1, 1, P, attend]: each query sees the entries up to its own position.
             visible = (self._columns[:attend].view(1, attend) <= at.view(count, 1)).view(1, 1, count, attend)
+        pending: torch.Tensor | None = None  # the last MLP's output, added with the next norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            x, h = _add_norm(layer.input_layernorm, x, pending)
             q, k = _norm_rope(attn, h, cos, sin, table, self.head_dim)
             v = attn.v_proj(h).view(1, count, -1, self.head_dim).transpose(1, 2)
             cache_k, cache_v = self.keys[i], self.values[i]
@@ -394,14 +431,21 @@ class SlotDecoder:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=visible, scale=self.scaling, enable_gqa=gqa
                 )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, count, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            attended = attn.o_proj(out.transpose(1, 2).reshape(1, count, -1))
+            x, h = _add_norm(layer.post_attention_layernorm, x, attended)
+            pending = layer.mlp(h)
+            visual = deepstack is not None and i < deepstack.shape[0]
+            if keep == i + 1 or visual:
+                x, pending = x + pending, None
             if keep == i + 1:
                 kept = x[0]
-            if deepstack is not None and i < deepstack.shape[0]:
+            if visual:
                 x = x + deepstack[i].unsqueeze(0).to(x.dtype)
+        # Only the last position's state is read: its row of the sum, then the final norm.
         last = x[0].index_select(0, length - 1)
-        return self.model.norm(last)[0], kept
+        if pending is not None:
+            pending = pending[0].index_select(0, length - 1)
+        return _add_norm(self.model.norm, last, pending)[1][0], kept
 
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         """Copies the first ``length`` cache entries of slot ``source`` into slot ``target`` (a

@@ -279,6 +279,38 @@ def test_no_cuda_graphs_runs_every_decode_step_eagerly(demo_dir: Path) -> None:
     assert paths == {"eager"} and pcm["r"].size > 0
 
 
+def test_every_norm_and_decode_attention_of_the_steps_is_a_kernel(
+    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA each residual add and RMSNorm of the thinker, talker and code-predictor layers (decode
+    steps and prompt passes, eager and captured) is one launch of ``kernels/rms_norm.py``, and each
+    decode step's attention ``kernels/decode_attention.py``: the eager chains never run (the
+    bitwise tests above therefore cover the kernels too)."""
+    from omnirt.kernels import decode_attention, rms_norm
+    from omnirt.stages.speech import slots
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an eager chain ran in a speech step")
+
+    monkeypatch.setattr(rms_norm, "add_rms_norm_reference", refuse)
+    monkeypatch.setattr(decode_attention, "decode_attention_reference", refuse)
+    decided: list[bool] = []
+
+    def applies(*args: object) -> bool:
+        decided.append(decode_attention.kernel_applies(*args))
+        return decided[-1]
+
+    monkeypatch.setattr(slots, "decode_attention_applies", applies)
+    for graphs in (True, False):
+        pipe = load_speech_pipeline(
+            demo_dir, device="cuda", max_slots=4, max_audio_frames=20, cuda_graphs=graphs
+        )
+        pipe.capture()
+        _, pcm, paths = _turns(pipe, [audio_request("r", tone(1.0), max_output_tokens=8)])
+        assert paths == {"graph" if graphs else "eager"} and pcm["r"].size > 0
+    assert decided and all(decided)
+
+
 def test_decode_steps_never_sync_with_the_host(demo_dir: Path) -> None:
     """The thinker and talker steps (graphed and eager) launch without one host sync."""
     pipe = load_speech_pipeline(demo_dir, device="cuda", max_slots=4, max_audio_frames=20)

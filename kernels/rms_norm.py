@@ -1,0 +1,210 @@
+"""A decoder layer's residual add and RMSNorm in one launch: ``x + delta``, then transformers'
+``RMSNorm`` of it, bitwise equal to the eager chain on CUDA.
+
+``add_rms_norm(x, delta, weight, eps)`` with ``x`` [..., W] and ``delta`` (or None) of its shape
+returns ``(x + delta, rms_norm(x + delta))``: the new residual stream and the next sublayer's
+input. Eagerly that is 9 launches in bf16 (the add, a cast, ``pow``, ``mean``, ``+ eps``,
+``rsqrt``, a product, the cast back, the weight), so in a speech decode step, where every tensor is
+a few rows, the norms alone were about a third of the launches of the talker's frame
+(``docs/benchmarks.md``, "Speech at real size on CUDA graphs").
+
+**The chain** (``exact``, the default) is ``Qwen3OmniMoe*RMSNorm.forward`` line for line: the sum
+of bf16 inputs rounded to bf16; their squares in fp32; the mean in ATen's order (below); ``+ eps``
+and ``rsqrt`` in fp32; ``x * rstd`` rounded to the input dtype; times the weight, rounded.
+``fast`` sums in Triton's order and rounds once.
+
+**ATen's order for a mean over W >= 128 contiguous elements** (``Reduce.cuh``, read from the
+headers; :mod:`.reduce_order`): the input is read as 4-element vectors (``vectorize_input``), a
+block of ``lanes x height`` threads (``set_block_dimension(W / 4, rows)``), lane ``l`` folding the
+vectors ``l, l + lanes, ...`` into four accumulators, one per item, in order; then ``((a0 + a1) +
+a2) + a3``, then a halving tree over the lanes (shared memory down to a warp, then the warp's
+shuffles, both halving). Narrower rows (32 and 64: the embedded demo model) are read element by
+element. So the order depends on the number of rows of the call: the kernel takes it from its
+own input, which is what eager reduces (:func:`~.reduce_order.aten_mean_config`).
+
+Where the order is not modelled (W not a power of two, or ATen would split a row over warps), the
+dispatcher runs the eager chain. :func:`add_rms_norm` dispatches (the kernel on CUDA where it
+applies and :data:`~.settings.FUSED` wants it), :func:`add_rms_norm_triton` runs the kernel on
+any device Triton runs on (CPU tensors under ``TRITON_INTERPRET=1`` in the tests), through the
+custom ops ``omnirt::add_rms_norm`` and ``omnirt::rms_norm`` (without a delta), which CUDA graphs
+capture and ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import settings
+from .reduce_order import aten_mean_config, mean_factor
+from .settings import Preset, check_preset
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+
+    from .reduce_order import lanes_halving_sum, vec4_lanes_sum
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager chain: transformers' residual add and ``RMSNorm``."""
+    if delta is not None:
+        x = x + delta
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return x, weight * h.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        X, D, W, XO, Y, SS, eps, factor,
+        WIDTH: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_SS: tl.constexpr, EXACT: tl.constexpr, ATEN: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row; the row read as STEPS slices of LANES vectors of VEC elements.
+        row = tl.program_id(0).to(tl.int64)
+        DT: tl.constexpr = Y.dtype.element_ty
+        base = row * WIDTH
+        piece = tl.arange(0, LANES * VEC)
+        acc = tl.zeros([LANES, VEC], tl.float32)
+        for step in tl.static_range(STEPS):
+            at = base + step * LANES * VEC + piece
+            v = tl.load(X + at)
+            if HAS_D:
+                v = (v.to(tl.float32) + tl.load(D + at).to(tl.float32)).to(DT)
+                tl.store(XO + at, v)
+            v = v.to(tl.float32)
+            acc = acc + tl.reshape(v * v, (LANES, VEC))
+        if ATEN and VEC == 4:
+            ss = vec4_lanes_sum(acc, LANES)
+        elif ATEN:
+            ss = lanes_halving_sum(tl.reshape(acc, (1, LANES)), LANES)
+        else:
+            ss = tl.sum(tl.sum(acc, axis=1), axis=0)
+        if HAS_SS:
+            tl.store(SS + row, ss)
+        rstd = tl.math.rsqrt(ss * factor + eps)
+        # The row again (the sum recomputed, not read back: another thread may have stored it).
+        full = tl.arange(0, WIDTH)
+        v = tl.load(X + base + full)
+        if HAS_D:
+            v = (v.to(tl.float32) + tl.load(D + base + full).to(tl.float32)).to(DT)
+        w = tl.load(W + full).to(tl.float32)
+        if EXACT:
+            y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
+        else:
+            y = v.to(tl.float32) * rstd * w
+        tl.store(Y + base + full, y.to(DT))
+
+
+def _check(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these inputs, or None."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"unsupported dtype {x.dtype}"
+    if not x.is_contiguous() or (delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+        return "x (and delta, of x's shape) must be contiguous"
+    if delta is not None and delta.dtype != x.dtype:
+        return "delta must have x's dtype"
+    width = x.shape[-1]
+    if weight.dtype != x.dtype or weight.shape != (width,) or not weight.is_contiguous():
+        return "the weight must be contiguous [W], of x's dtype"
+    if width < 32 or width > 8192 or width & (width - 1):
+        return f"width {width} is not a power of two in 32..8192"
+    return None
+
+
+def _launch(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    preset: str,
+    sumsq: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = x.shape[-1]
+    rows = x.numel() // width
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if delta is not None else x
+    if rows == 0:
+        return summed, out
+    exact = preset == "exact"
+    config = aten_mean_config(width, rows) if exact else None
+    vec = 4 if width >= 128 else 1
+    steps, lanes, vec = config or (max(1, width // 2048), min(width, 2048) // vec, vec)
+    _add_rms_norm_kernel[(rows,)](
+        x, delta if delta is not None else x, weight, summed, out,
+        sumsq if sumsq is not None else out, eps, mean_factor(rows, width),
+        WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
+        EXACT=exact, ATEN=config is not None, num_warps=4 if width <= 2048 else 8, enable_fp_fusion=not exact,
+    )  # fmt: skip
+    return summed, out
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    preset: Preset = "exact",
+    sumsq: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel itself, on any device Triton runs on; raises ValueError for inputs it does not
+    support. ``sumsq`` [rows] fp32, if given, receives each row's sum of squares (the tests check
+    the summation order on it)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(x, delta, weight)
+    if reason:
+        raise ValueError(reason)
+    return _launch(x, delta, weight, eps, check_preset(preset), sumsq)
+
+
+@torch.library.custom_op("omnirt::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, preset: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(x, delta, weight, eps, preset)
+
+
+@_add_rms_norm_op.register_fake
+def _add_rms_norm_fake(x, delta, weight, eps, preset):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("omnirt::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, preset: str) -> torch.Tensor:
+    return _launch(x, None, weight, eps, preset)[1]
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps, preset):
+    return x.new_empty(x.shape)
+
+
+def kernel_applies(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether :func:`add_rms_norm` runs the kernel for these inputs (device, dtype, layout, and
+    the :data:`~.settings.FUSED` setting: ``auto`` where ATen's order is modelled)."""
+    if not settings.kernel_device(x, delta, weight) or _check(x, delta, weight) is not None:
+        return False
+    width = x.shape[-1]
+    return settings.wanted(aten_mean_config(width, x.numel() // width) is not None)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, RMSNorm(x + delta))`` (``delta`` None: ``(x, RMSNorm(x))``): the kernel where
+    it applies (:func:`kernel_applies`, ``exact``), else the eager chain."""
+    if not kernel_applies(x, delta, weight):
+        return add_rms_norm_reference(x, delta, weight, eps)
+    if delta is None:  # a custom op may not return its input: the norm alone
+        return x, torch.ops.omnirt.rms_norm(x, weight, eps, "exact")
+    return torch.ops.omnirt.add_rms_norm(x, delta, weight, eps, "exact")

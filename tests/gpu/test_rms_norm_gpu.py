@@ -1,0 +1,94 @@
+"""kernels/rms_norm.py on the GPU (marker ``gpu``; results in docs/benchmarks.md): the ``exact``
+kernel against transformers' eager chain, bitwise, at every width the speech models use and at row
+counts that give ATen's mean each of its launches; when a case differs, the summation orders that
+would have matched eager's mean are named (so one run tells which order ATen took)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.kernels import settings
+from omnirt.kernels.reduce_order import aten_mean_config
+from omnirt.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, kernel_applies
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+WIDTHS = (32, 64, 128, 1024, 2048, 4096)
+ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 32, 64, 100, 128, 256, 512)
+
+
+def _tree(t: torch.Tensor, halving: bool) -> torch.Tensor:
+    while t.shape[-1] > 1:
+        n = t.shape[-1] // 2
+        t = t[..., :n] + t[..., n:] if halving else t[..., 0::2] + t[..., 1::2]
+    return t[..., 0]
+
+
+def _orders_matching(squares: torch.Tensor, mean: torch.Tensor) -> list[str]:
+    """Which orders (vector, lanes, tree) give eager's ``mean`` of ``squares`` [R, W] bit for bit."""
+    rows, width = squares.shape
+    found = []
+    for vec in (1, 4):
+        lanes = 1
+        while lanes <= 512 and lanes * vec <= width:
+            steps = width // (lanes * vec)
+            if vec == 1:  # lane l reads elements l, l + lanes, ...
+                parts = squares.view(rows, steps, lanes, 1)
+            else:
+                parts = squares.view(rows, steps, lanes, 4)
+            acc = parts[:, 0]
+            for s in range(1, steps):
+                acc = acc + parts[:, s]
+            t = acc[..., 0] if vec == 1 else ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
+            for halving in (True, False):
+                if torch.equal(_tree(t, halving) * (1.0 / width), mean):
+                    found.append(f"vec{vec}x{lanes}{'h' if halving else 'p'}")
+            lanes *= 2
+    return found
+
+
+def test_exact_is_bitwise_the_eager_chain():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    differ, checked = [], 0
+    for width in WIDTHS:
+        for rows in ROWS:
+            if aten_mean_config(width, rows) is None:
+                continue
+            for dtype in (torch.bfloat16, torch.float32):
+                x = (torch.randn(rows, width, device="cuda", generator=g) * 3).to(dtype)
+                d = torch.randn(rows, width, device="cuda", generator=g).to(dtype)
+                w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).to(dtype)
+                for delta in (d, None):
+                    sums = torch.empty(rows, device="cuda")
+                    got = add_rms_norm_triton(x, delta, w, 1e-6, sumsq=sums)
+                    want = add_rms_norm_reference(x, delta, w, 1e-6)
+                    checked += 1
+                    if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                        squares = want[0].float().pow(2)
+                        mean = squares.mean(-1)
+                        rows_off = int((sums * (1.0 / width) != mean).sum())
+                        differ.append(
+                            f"{width}x{rows} {dtype} delta={delta is not None}: model "
+                            f"{aten_mean_config(width, rows)}, means off in {rows_off} rows; eager's "
+                            f"mean matches {_orders_matching(squares, mean)}"
+                        )
+    print(f"\n[gpu] add_rms_norm exact: {checked - len(differ)} of {checked} cases bitwise")
+    assert not differ, "\n".join(differ)
+
+
+def test_the_dispatcher_takes_the_kernel_on_cuda():
+    before = settings.FUSED
+    try:
+        settings.set_fused("auto")
+        x = torch.randn(3, 1, 2048, device="cuda", dtype=torch.bfloat16)
+        w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+        assert kernel_applies(x, x, w)
+        got, want = add_rms_norm(x, x, w, 1e-6), add_rms_norm_reference(x, x, w, 1e-6)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        settings.set_fused("off")
+        assert not kernel_applies(x, x, w)
+    finally:
+        settings.set_fused(before)
