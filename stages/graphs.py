@@ -46,6 +46,15 @@ Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without a host sync: on CUDA through pinned memory,
+    copied in stream order (a plain ``.to(device)`` waits for every kernel queued before it)."""
+    if device.type != "cuda":
+        return host.to(device)
+    # contiguous first: an expanded view (a RoPE index often is one) cannot be pinned as it is
+    return host.contiguous().pin_memory().to(device, non_blocking=True)
+
+
 def batch_buckets(max_slots: int) -> list[int]:
     return sorted({b for b in BATCH_BUCKETS if b < max_slots} | {max_slots})
 

@@ -140,13 +140,13 @@ class Prefiller:
             assert self.talker is not None
             accepted = thinker.accepted if thinker.accepted is not None else thinker.embeds[start:]
             talker_prompt = build_talker_prompt(
-                self.model, thinker.input_ids, thinker.embeds, accepted, start=start, reused=talker_reused
+                self.model, prompt.input_ids[0], thinker.embeds, accepted, start=start, reused=talker_reused
             )
             header = talker_prompt.assistant_embeds
             if header.shape[0] > 4 + HEADER_MAX:
                 raise RequestRejected("the prompt's assistant header is too long for the talker")
             # Talker input 3: the header's fourth position, else reply token 0.
-            first = header[3] if header.shape[0] > 3 else self.thinker.embed_tokens.weight[thinker.token]
+            first = header[3] if header.shape[0] > 3 else self.thinker.embed_tokens(thinker.token)
             self.calls["talker_prefill", 1] += 1
             rope = self._rope(prompt)
             talker = yield from self.talker.forward_prompt(slot, talker_prompt, first, speaker_id, rope)
@@ -157,12 +157,13 @@ class Prefiller:
         return Prefilled(thinker, talker_prompt, talker, event)
 
     def _rope(self, prompt: PromptInputs) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The talker prompt's multimodal RoPE index, for prompts with audio or images."""
+        """The talker prompt's multimodal RoPE index, for prompts with audio or images, computed
+        on the host (its ids are host ids: no wait for the GPU)."""
         if prompt.input_features is None and prompt.image_grid_thw is None:
             return None
         audio = prompt.input_features is not None
-        audio_lengths = prompt.feature_attention_mask.sum(-1).to(self.device) if audio else None
-        grid = prompt.image_grid_thw.to(self.device) if prompt.image_grid_thw is not None else None
+        audio_lengths = prompt.feature_attention_mask.sum(-1) if audio else None
+        grid = prompt.image_grid_thw
 
         def rope(ids: torch.Tensor) -> torch.Tensor:
             return talker_rope_index(self.model, ids[None], grid, audio_lengths)

@@ -45,7 +45,7 @@ from ...kernels.decode_attention import decode_attention
 from ...kernels.decode_attention import kernel_applies as decode_attention_applies
 from ...kernels.qk_norm_rope import fused_qk_norm_rope, kernel_applies, table_from_halves
 from ...kernels.rms_norm import add_rms_norm
-from ..graphs import LengthBucketedRunner, length_buckets
+from ..graphs import LengthBucketedRunner, length_buckets, upload
 
 
 def decode_runner(
@@ -91,11 +91,11 @@ def prompt_inputs(
     inputs = {
         "embeds": F.pad(embeds, (0, 0, 0, pad))[None],
         "positions": F.pad(positions[:, 0].float(), (0, pad))[None],
-        "slot": torch.tensor([slot], device=device),
-        "length": torch.tensor([embeds.shape[0]], device=device),
+        "slot": upload(torch.tensor([slot]), device),
+        "length": upload(torch.tensor([embeds.shape[0]]), device),
     }
     if start is not None:
-        inputs["start"] = torch.tensor([start], device=device)
+        inputs["start"] = upload(torch.tensor([start]), device)
     return inputs
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
+from ..graphs import upload
 from ..sampling import apply_repetition_penalty
 from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example
 from .talker_prompt import TalkerPrompt
@@ -148,16 +149,18 @@ class Talker:
         head = self.talker.text_projection(torch.cat([prompt.assistant_embeds[:3], first_text[None]], dim=0))
         pad = self.tts_pad[None].expand(4, -1)
         text_side = torch.cat([head[:3], pad, self.tts_bos[None], head[3:4]], dim=0)
-        codec_ids = torch.tensor(
-            [
-                cfg.codec_nothink_id,
-                cfg.codec_think_bos_id,
-                cfg.codec_think_eos_id,
-                speaker_id,
-                cfg.codec_pad_id,
-                cfg.codec_bos_id,
-            ],
-            device=text_side.device,
+        codec_ids = upload(
+            torch.tensor(
+                [
+                    cfg.codec_nothink_id,
+                    cfg.codec_think_bos_id,
+                    cfg.codec_think_eos_id,
+                    speaker_id,
+                    cfg.codec_pad_id,
+                    cfg.codec_bos_id,
+                ]
+            ),
+            text_side.device,
         )
         codec_side = torch.cat(
             [
@@ -168,7 +171,7 @@ class Talker:
         )
         embeds = torch.cat([prompt.user_embeds, text_side + codec_side], dim=0)
         ids = torch.cat([prompt.user_ids, prompt.user_ids.new_full((9,), self.tts_pad_token_id)])
-        return embeds, ids
+        return embeds, ids  # ids on the host, as the prompt's
 
     def forward_prompt(
         self,
@@ -184,11 +187,11 @@ class Talker:
         touches while the slot waits (it may run on another thread and CUDA stream); with
         ``prompt.reused``, the slot holds that many user positions already and the pass starts
         after them. :meth:`load` ends the prefill. ``rope``: the prompt ids [L] -> their multimodal RoPE
-        index [3, 1, L]; None for prompts without audio or images (positions 0..L-1)."""
+        index [3, 1, L], on the host; None for prompts without audio or images (positions 0..L-1)."""
         embeds, ids = self.prefill_inputs(prompt, first_text, speaker_id)
         length = ids.shape[0]
-        if rope is not None:
-            positions = rope(ids)
+        if rope is not None:  # computed on the host from the host ids
+            positions = upload(rope(ids), self.device)
         else:
             positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
         hidden = (yield from self.prompt.run(embeds, positions, slot, start=prompt.reused))["last"]

@@ -23,13 +23,15 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from ..graphs import upload
+
 
 @dataclass
 class TalkerPrompt:
     """What a request's talker needs from its thinker prefill (all on the model's device)."""
 
     user_embeds: torch.Tensor  # [U, Ht] talker-space embeddings of the user turns
-    user_ids: torch.Tensor  # [U] their thinker token ids (for the multimodal RoPE index)
+    user_ids: torch.Tensor  # [U] their thinker token ids, on the host (for the multimodal RoPE index)
     assistant_embeds: torch.Tensor  # [A, Dthinker] thinker input embeddings from <|im_start|>assistant on
     #: The first ``reused`` user positions are in the talker's slot already (a reused prefix):
     #: their rows of ``user_embeds`` are zeros, not read.
@@ -57,46 +59,45 @@ def build_talker_prompt(
 ) -> TalkerPrompt:
     """The user part of the talker prompt and the assistant header, from one prompt's prefill.
 
-    ``input_ids`` [L]; ``thinker_embeds`` [L, D] and ``thinker_hidden`` [L - start, D] (hidden
-    states 0 and ``accept_hidden_layer`` of a thinker prefill that read the prompt from position
-    ``start`` on). With ``reused``, the talker's slot holds the first ``reused`` user positions
-    already: only the later ones are built, and those of audio or images must lie at or after
-    ``start`` (their hidden states are needed).
+    ``input_ids`` [L] on the host (which positions are what is decided there, so building the
+    prompt never waits for the GPU); ``thinker_embeds`` [L, D] and ``thinker_hidden`` [L - start,
+    D] (hidden states 0 and ``accept_hidden_layer`` of a thinker prefill that read the prompt from
+    position ``start`` on), on the model's device. With ``reused``, the talker's slot holds the
+    first ``reused`` user positions already: only the later ones are built, and those of audio or
+    images must lie at or after ``start`` (their hidden states are needed).
     """
     cfg = model.config
     tcfg = cfg.thinker_config
-    length = input_ids.shape[0]
-    user = user_positions(input_ids, cfg.im_start_token_id, cfg.user_token_id)
+    ids = input_ids.cpu()
+    device = thinker_embeds.device
+    length = ids.shape[0]
+    user = user_positions(ids, cfg.im_start_token_id, cfg.user_token_id)
     built = user & (torch.cumsum(user.long(), 0) > reused) if reused else user
-    multimodal = (
-        (input_ids == tcfg.audio_token_id)
-        | (input_ids == tcfg.image_token_id)
-        | (input_ids == tcfg.video_token_id)
-    )
-    talker = model.talker
-    embeds = torch.empty(
-        (length, cfg.talker_config.text_config.hidden_size),
-        device=input_ids.device,
-        dtype=thinker_embeds.dtype,
-    )
-    mm = built & multimodal
-    txt = built & ~multimodal
-    if reused:
-        embeds[user & ~built] = 0
-    mm_at = mm.nonzero().flatten()
-    if mm_at.numel():
-        if int(mm_at[0]) < start:
-            raise ValueError("an audio or image position the talker reads lies in the reused thinker prefix")
-        embeds[mm_at] = talker.hidden_projection(thinker_hidden[mm_at - start]).to(embeds.dtype)
-    if bool(txt.any()):
-        embeds[txt] = talker.text_projection(thinker_embeds[txt]).to(embeds.dtype)
-    header = (input_ids[:-1] == cfg.im_start_token_id) & (input_ids[1:] == cfg.assistant_token_id)
+    multimodal = (ids == tcfg.audio_token_id) | (ids == tcfg.image_token_id) | (ids == tcfg.video_token_id)
+    header = (ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)
     if not bool(header.any()):
         raise ValueError("the prompt has no open assistant turn (<|im_start|>assistant)")
-    assistant_start = int(torch.nonzero(header).flatten()[-1])
+    assistant_start = int(header.nonzero().flatten()[-1])
+    mm_at = (built & multimodal).nonzero().flatten()
+    if mm_at.numel() and int(mm_at[0]) < start:
+        raise ValueError("an audio or image position the talker reads lies in the reused thinker prefix")
+    txt_at = (built & ~multimodal).nonzero().flatten()
+    talker = model.talker
+    embeds = torch.empty(
+        (length, cfg.talker_config.text_config.hidden_size), device=device, dtype=thinker_embeds.dtype
+    )
+    if reused:
+        embeds[upload((user & ~built).nonzero().flatten(), device)] = 0
+    if mm_at.numel():
+        hidden = thinker_hidden[upload(mm_at - start, device)]
+        embeds[upload(mm_at, device)] = talker.hidden_projection(hidden).to(embeds.dtype)
+    if txt_at.numel():
+        at = upload(txt_at, device)
+        embeds[at] = talker.text_projection(thinker_embeds[at]).to(embeds.dtype)
+    user_at = user.nonzero().flatten()
     return TalkerPrompt(
-        user_embeds=embeds[user],
-        user_ids=input_ids[user],
+        user_embeds=embeds[upload(user_at, device)],
+        user_ids=ids[user_at],
         assistant_embeds=thinker_embeds[assistant_start:],
         reused=reused,
     )

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..draws import THINKER_STREAM, SlotSampling
+from ..graphs import upload
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
 from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs
@@ -101,16 +102,20 @@ class Thinker:
         read, and audio parts that end before it are not encoded. Writes only the slot's own
         cache entries, which no decode step touches while the slot waits for its prompt;
         :meth:`load` then sets the slot's length and tokens."""
-        ids = prompt.input_ids.to(self.device)
-        mask = torch.ones_like(ids)
-        extra: dict[str, Any] = {k: v.to(self.device) for k, v in prompt.model_kwargs().items()}
+        # Inputs go up in stream order, and the RoPE index is computed on the host from the host
+        # ids: past the encoders, a prefill enqueues its work without waiting for the GPU.
+        host = prompt.model_kwargs()
+        ids = upload(prompt.input_ids, self.device)
+        extra: dict[str, Any] = {k: upload(v, self.device) for k, v in host.items()}
         for key in ("input_features", "pixel_values"):
             if key in extra:
                 extra[key] = extra[key].to(self.dtype)
-        audio_lengths = extra["feature_attention_mask"].sum(-1) if "feature_attention_mask" in extra else None
+        mask = torch.ones_like(prompt.input_ids)
+        audio_lengths = host["feature_attention_mask"].sum(-1) if "feature_attention_mask" in host else None
         positions, _ = thinker_rope_index(self.thinker)(
-            ids, extra.get("image_grid_thw"), None, mask, False, audio_lengths, None
+            prompt.input_ids, host.get("image_grid_thw"), None, mask, False, audio_lengths, None
         )
+        positions = upload(positions, self.device)
         embeds, deepstack = self._prompt_embeds(ids, extra, start, prompt.input_ids[0])
         out = yield from self.prompt.run(embeds, positions, slot, {"deepstack": deepstack}, start)
         logits = self.lm_head(out["last"])

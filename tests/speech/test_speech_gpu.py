@@ -311,6 +311,31 @@ def test_every_norm_and_decode_attention_of_the_steps_is_a_kernel(
     assert decided and all(decided)
 
 
+def test_text_prompt_prefill_never_syncs_with_the_host(demo_dir: Path) -> None:
+    """A text prompt's whole prefill (inputs, RoPE index, thinker pass, first token, talker prompt,
+    talker pass, first code; graphed and eager) is enqueued without one host sync, so the host
+    never waits for the GPU's queue while it reads a prompt."""
+    pipe = load_speech_pipeline(demo_dir, device="cuda", max_slots=4, max_audio_frames=20)
+    pipe.capture()
+    pipe.use_prefix_cache(False)
+    request = GenerationRequest("t", [ContextMessage("user", (TextPart("hello there, how are you"),))])
+    prepared = pipe.prepare(request)
+    for graphs in (True, False):
+        pipe.use_graphs(graphs)
+        pipe.add(request, prepared)
+        active = pipe._active["t"]
+        pipe._start_prefill(active)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            active.job.run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        done = active.job.result()  # re-raises what the sync check raised inside the job
+        assert done.talker is not None
+        pipe.remove("t")
+
+
 def test_decode_steps_never_sync_with_the_host(demo_dir: Path) -> None:
     """The thinker and talker steps (graphed and eager) launch without one host sync."""
     pipe = load_speech_pipeline(demo_dir, device="cuda", max_slots=4, max_audio_frames=20)
