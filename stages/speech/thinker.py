@@ -21,6 +21,7 @@ from torch import nn
 
 from ..draws import THINKER_STREAM, SlotSampling
 from ..graphs import upload
+from .audio_encoder import encode_audio
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
 from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs
@@ -106,17 +107,17 @@ class Thinker:
         # ids: past the encoders, a prefill enqueues its work without waiting for the GPU.
         host = prompt.model_kwargs()
         ids = upload(prompt.input_ids, self.device)
-        extra: dict[str, Any] = {k: upload(v, self.device) for k, v in host.items()}
-        for key in ("input_features", "pixel_values"):
-            if key in extra:
-                extra[key] = extra[key].to(self.dtype)
+        audio = ("input_features", "feature_attention_mask")  # encoded from the host tensors
+        extra: dict[str, Any] = {k: upload(v, self.device) for k, v in host.items() if k not in audio}
+        if "pixel_values" in extra:
+            extra["pixel_values"] = extra["pixel_values"].to(self.dtype)
         mask = torch.ones_like(prompt.input_ids)
         audio_lengths = host["feature_attention_mask"].sum(-1) if "feature_attention_mask" in host else None
         positions, _ = thinker_rope_index(self.thinker)(
             prompt.input_ids, host.get("image_grid_thw"), None, mask, False, audio_lengths, None
         )
         positions = upload(positions, self.device)
-        embeds, deepstack = self._prompt_embeds(ids, extra, start, prompt.input_ids[0])
+        embeds, deepstack = self._prompt_embeds(ids, extra, start, {**host, "input_ids": prompt.input_ids})
         out = yield from self.prompt.run(embeds, positions, slot, {"deepstack": deepstack}, start)
         logits = self.lm_head(out["last"])
         if allowed is not None:
@@ -126,32 +127,27 @@ class Thinker:
         return ThinkerPrefill(ids.shape[1], positions.max() + 1, token, ids[0], embeds, accepted)
 
     def _prompt_embeds(
-        self, ids: torch.Tensor, extra: dict[str, Any], start: int = 0, host_ids: torch.Tensor | None = None
+        self, ids: torch.Tensor, extra: dict[str, Any], start: int = 0, host: dict[str, Any] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's input embeddings [L, H] with the audio and image features merged in, and
         the visual deepstack features placed at the image positions [n, L, H] (zeros elsewhere),
-        as ``Qwen3OmniMoeThinkerModel.forward`` builds them. Audio parts that end before
+        as ``Qwen3OmniMoeThinkerModel.forward`` builds them. ``host``: the prompt's host tensors
+        (``input_ids`` [1, L] and the audio features: the audio parts are found, and encoded
+        without host syncs, from them: :mod:`.audio_encoder`). Audio parts that end before
         ``start`` are not encoded (their positions keep the placeholder's embedding: the pass
-        does not read them); ``host_ids``: ``ids`` [L] on the host, where the parts are found."""
+        does not read them)."""
         model = self.thinker.model
         embeds = model.get_input_embeddings()(ids)
-        if "input_features" in extra:
-            _, _, audio_mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
-            features, lengths = extra["input_features"], extra["feature_attention_mask"]
-            if start:
-                assert host_ids is not None
-                spans = token_runs(host_ids, self.thinker.config.audio_token_id)
-                needed = [k for k, (_, end) in enumerate(spans) if end > start]
-                at = torch.zeros_like(audio_mask[0, :, 0])
-                for k in needed:
-                    at[spans[k][0] : spans[k][1]] = True
-                audio_mask = at.view(1, -1, 1).expand_as(audio_mask)
-                features, lengths = features[needed], lengths[needed]
-            if features.shape[0]:
-                audio = model.get_audio_features(
-                    features, lengths, None, return_dict=True
-                ).last_hidden_state.to(embeds.device, embeds.dtype)
-                embeds = embeds.masked_scatter(audio_mask, audio)
+        if host is not None and "input_features" in host:
+            spans = token_runs(host["input_ids"][0], self.thinker.config.audio_token_id)
+            needed = [k for k, (_, end) in enumerate(spans) if end > start]
+            if needed:
+                audio = encode_audio(
+                    model.audio_tower, host["input_features"][needed], host["feature_attention_mask"][needed],
+                    embeds.dtype, embeds.device,
+                )
+                at = torch.cat([torch.arange(*spans[k]) for k in needed])  # the parts' positions, in order
+                embeds[0, upload(at, embeds.device)] = audio
         deepstack = embeds.new_zeros((self.deepstack, ids.shape[1], embeds.shape[-1]))
         if "pixel_values" in extra:
             image = model.get_image_features(extra["pixel_values"], extra["image_grid_thw"], return_dict=True)

@@ -161,3 +161,26 @@ def test_sampled_path_with_top_p_near_zero_equals_generate(pipeline, hf_model) -
     pipeline.add(req)
     drain(pipeline)
     assert log.tokens["s"] == expected
+
+
+def test_audio_encoded_from_host_lengths_equals_get_audio_features(pipeline) -> None:
+    """The audio parts encoded from their host lengths (:mod:`omnirt.stages.speech.audio_encoder`:
+    chunks, valid positions and attention windows computed on the host) give the prompt
+    embeddings transformers builds (``get_audio_features``, then ``masked_scatter`` at the
+    placeholders) bit for bit: two parts of different lengths around text, several chunks each."""
+    parts = (AudioPart(tone(1.3)), TextPart("and then"), AudioPart(tone(2.7, 330.0, seed=1)))
+    request = GenerationRequest("enc", [ContextMessage("user", parts)])
+    prompt = pipeline.prepare(request).prompt
+    thinker = pipeline.thinker
+    model = thinker.thinker.model
+    host = prompt.model_kwargs()
+    ids = prompt.input_ids
+    assert host["input_features"].shape[0] == 2
+    with torch.no_grad():
+        got, _ = thinker._prompt_embeds(ids, {}, 0, {**host, "input_ids": ids})
+        embeds = model.get_input_embeddings()(ids)
+        _, _, mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
+        features = host["input_features"].to(thinker.dtype)
+        audio = model.get_audio_features(features, host["feature_attention_mask"], None, return_dict=True)
+        want = embeds.masked_scatter(mask, audio.last_hidden_state)[0]
+    assert torch.equal(got, want)

@@ -171,16 +171,18 @@ def test_a_conversation_turn_reads_only_what_is_new(pipes, monkeypatch: pytest.M
     history = [first, ContextMessage("assistant", (TextPart(text1),))]
     second = [*history, ContextMessage("user", (AudioPart(tone(0.6, 330.0, seed=3)), TextPart("and this?")))]
     encoded: list[int] = []
-    model = cached.thinker.thinker.model
-    original = model.get_audio_features
+    from omnirt.stages.speech import thinker
+
+    original = thinker.encode_audio
     monkeypatch.setattr(
-        model, "get_audio_features", lambda f, *a, **k: encoded.append(f.shape[0]) or original(f, *a, **k)
+        thinker, "encode_audio", lambda tower, f, *a: encoded.append(f.shape[0]) or original(tower, f, *a)
     )
     got, tokens, outs = run(cached, [turn("t2", second)])
+    assert encoded == [1]  # the new audio part only
     want, want_tokens, _ = run(whole, [turn("t2", second)])
+    assert encoded == [1, 2]  # read whole: both parts
     assert tokens == want_tokens
     same_reply(got["t2"], want["t2"])
-    assert encoded == [1]  # the new audio part only
     started = next(o for o in of(outs, "t2") if isinstance(o, Started))
     usage = got["t2"][2].usage
     first_len = replies[cached][0]["t1"][2].usage.input_tokens

@@ -311,14 +311,18 @@ def test_every_norm_and_decode_attention_of_the_steps_is_a_kernel(
     assert decided and all(decided)
 
 
-def test_text_prompt_prefill_never_syncs_with_the_host(demo_dir: Path) -> None:
-    """A text prompt's whole prefill (inputs, RoPE index, thinker pass, first token, talker prompt,
-    talker pass, first code; graphed and eager) is enqueued without one host sync, so the host
-    never waits for the GPU's queue while it reads a prompt."""
+@pytest.mark.parametrize("kind", ["text", "audio"])
+def test_prompt_prefill_never_syncs_with_the_host(demo_dir: Path, kind: str) -> None:
+    """A prompt's whole prefill (inputs, RoPE index, the audio encoder from host lengths, thinker
+    pass, first token, talker prompt, talker pass, first code; graphed and eager) is enqueued
+    without one host sync, so the host never waits for the GPU's queue while it reads a prompt."""
     pipe = load_speech_pipeline(demo_dir, device="cuda", max_slots=4, max_audio_frames=20)
     pipe.capture()
     pipe.use_prefix_cache(False)
-    request = GenerationRequest("t", [ContextMessage("user", (TextPart("hello there, how are you"),))])
+    if kind == "audio":
+        request = audio_request("t", tone(1.7), text="and this?")
+    else:
+        request = GenerationRequest("t", [ContextMessage("user", (TextPart("hello there, how are you"),))])
     prepared = pipe.prepare(request)
     for graphs in (True, False):
         pipe.use_graphs(graphs)
