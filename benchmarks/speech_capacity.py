@@ -18,15 +18,18 @@ session has heard audio (the ramp) and lasts ``--seconds``; a level ends after
 
 - **frame p50/p99**: wall time of the ticks in which a talker frame was produced (all stages of
   the tick: admission, prefill, thinker, talker, code predictor, code2wav), against the 80 ms of
-  audio a frame holds;
+  audio a frame holds; a turn's ``prepare`` (tokens, audio features) runs before the tick, as
+  the server runs it on its prompt threads, and counts in the turn's first audio;
 - **frames/tick**: talker frames per such tick (counted at the vocoder's ``push``, where each
   talker frame goes; audio-delta frames if the pipeline has no such vocoder);
 - **RTF p50/p99 over sessions**: per session, wall time of the ticks in which it got a frame
   divided by 80 ms per frame it got (below 1: faster than real time);
-- **first audio p50/p99**: from just before ``add`` to the end of the tick that returned the
+- **first audio p50/p99**: from just before ``prepare`` and ``add`` to the end of the tick that returned the
   turn's first ``AudioDelta`` (turns started inside the measured window only);
 - **peak GPU memory** (``torch.cuda.max_memory_allocated`` over the level);
-- at the end, the largest N whose p99 frame time is under 80 ms, per mode.
+- at the end, the largest N whose p99 frame time is under 80 ms, per mode, and the host time of
+  a tick by phase of the step (the pipeline's ``phases``, when it keeps them): which phase holds
+  the host, launching or waiting for the device at a sync.
 
 Modes: when the pipeline has ``use_graphs(enabled)``, each level runs with CUDA graphs and
 eagerly (``--modes graphs eager``), and ``whole``: graphs with the prompt prefix cache
@@ -52,6 +55,7 @@ Checked on CPU with the demo model::
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import logging
 import re
@@ -201,6 +205,7 @@ class Level:
     turns_done: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     peak_gib: float | None = None
+    phases: Counter[str] = field(default_factory=Counter)  # window: host seconds by step phase
 
     def p(self, values: Sequence[float], q: float, scale: float = 1.0) -> str:
         return f"{np.percentile(values, q) * scale:.1f}" if values else "-"
@@ -267,6 +272,10 @@ class Driver:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.counter.take()
+        prepare = callable(getattr(pipeline, "prepare", None))
+        phases = getattr(pipeline, "phases", None)  # stages.pipeline.PhaseTimes, if it keeps one
+        if phases is not None:
+            phases.take()
         begin = time.perf_counter()
         phase = "ramp"
         window_start = window_end = 0.0
@@ -292,13 +301,19 @@ class Driver:
                     if s.request_id is None and tick >= s.start_tick and pipeline.can_add():
                         request = self._request(s)
                         s.added_at = time.perf_counter()
-                        pipeline.add(request)
+                        # The server prepares prompts (tokens, audio features) on threads of
+                        # its own (stages/engine.py): that work is in first audio, not the tick.
+                        prepared = pipeline.prepare(request) if prepare else None
+                        t0 += time.perf_counter() - s.added_at
+                        pipeline.add(request, prepared) if prepare else pipeline.add(request)
                         s.request_id, s.heard, s.in_window = request.request_id, False, phase == "window"
                         s.turns += 1
                         owner[request.request_id] = s
             outs = pipeline.step() if pipeline.has_work() else []
+            stepped = time.perf_counter()
             _sync(self.device)
             t1 = time.perf_counter()
+            step_phases = phases.take() if phases is not None else Counter()
             wall = t1 - t0
             audio_frames: Counter[str] = Counter()
             for rid, out in outs:
@@ -327,6 +342,9 @@ class Driver:
             frames = counted if self.counter.exact else audio_frames
             if phase == "window":
                 level.window_walls.append(wall)
+                level.phases.update(step_phases)
+                level.phases["admission"] += stepped - t0 - sum(step_phases.values())
+                level.phases["sync after the step"] += t1 - stepped
                 total = sum(frames.values())
                 if total:
                     level.tick_walls.append(wall)
@@ -401,7 +419,28 @@ def row(level: Level) -> str:
     return text
 
 
-def profile_report(prof: Any, tick_walls: list[float], device: torch.device, top: int) -> str:
+def phases_table(levels: Sequence[Level]) -> str:
+    """Host time of a window tick by phase of the step, mean ms per tick per level."""
+    names: list[str] = []
+    for level in levels:
+        names += [k for k in level.phases if k not in names]
+    if not names:
+        return ""
+    lines = [
+        "| mode | sessions | " + " | ".join(names) + " | tick |",
+        "|---|---|" + "---|" * (len(names) + 1),
+    ]
+    for level in levels:
+        ticks = max(1, len(level.window_walls))
+        cells = [f"{level.phases[k] / ticks * 1e3:.1f}" for k in names]
+        tick = sum(level.window_walls) / ticks * 1e3
+        lines.append(f"| {level.mode} | {level.sessions} | " + " | ".join(cells) + f" | {tick:.1f} |")
+    return "\n".join(lines)
+
+
+def profile_report(
+    prof: Any, tick_walls: list[float], device: torch.device, top: int, phases: Sequence[str] = ()
+) -> str:
     from torch.autograd import DeviceType
 
     wall_us = sum(tick_walls) * 1e6
@@ -413,19 +452,37 @@ def profile_report(prof: Any, tick_walls: list[float], device: torch.device, top
         for e in averages[:top]:
             lines.append(f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.2f} |")
         return "\n".join(lines)
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # The step's phases (PhaseTimes' record_function ranges) come back as GPU-side spans too.
+    ranges = [e for e in device_events if e.name in phases]
+    kernels = [e for e in device_events if e.name not in phases]
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, end = 0.0, float("-inf")
+    merged: list[list[float]] = []  # the union of the kernel intervals
     for a, b in spans:
-        if b <= end:
-            continue
-        busy += b - max(a, end)
-        end = b
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    busy = sum(b - a for a, b in merged)
     share = busy / wall_us if wall_us else 0.0
     lines.append(
         f"GPU busy {busy / 1e3:.1f} ms of {wall_us / 1e3:.1f} ms: **{share:.0%}** of the tick wall time; "
         f"{len(kernels) / max(1, len(tick_walls)):.0f} kernels and copies per tick"
     )
+    phases = [name for name in phases if any(r.name == name for r in ranges)]
+    if phases:
+        starts = [a for a, _ in merged]
+        by_phase: Counter[str] = Counter()
+        for r in ranges:
+            lo, hi = r.time_range.start, r.time_range.end
+            i = max(0, bisect.bisect_right(starts, lo) - 1)
+            while i < len(merged) and merged[i][0] < hi:
+                by_phase[r.name] += max(0.0, min(hi, merged[i][1]) - max(lo, merged[i][0]))
+                i += 1
+        ticks = max(1, len(tick_walls))
+        cells = " | ".join(f"{by_phase[name] / ticks / 1e3:.1f}" for name in phases)
+        lines.append("GPU busy per tick by phase of the step that launched it (ms):\n")
+        lines.append("| " + " | ".join(phases) + " |\n|" + "---|" * len(phases) + "\n| " + cells + " |\n")
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         totals[e.name][0] += 1
@@ -544,6 +601,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             level, _ = driver.run(mode, n, args.seconds)
             levels.append(level)
             print(row(level), flush=True)
+    table = phases_table(levels)
+    if table:
+        print("\nHost time per tick by phase of the step (ms, mean over the measured ticks; a phase that")
+        print("syncs with the device holds the wait for what was queued before it):\n")
+        print(table)
     print(f"\n- talker frames counted from {'vocoder pushes' if driver.counter.exact else 'audio deltas'}")
     for mode in modes:
         fits = [lv.sessions for lv in levels if lv.mode == mode and lv.real_time()]
@@ -569,7 +631,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if prof is None:
             print(f"(the ramp did not complete within {args.level_timeout:g} s: nothing profiled)")
         else:
-            print(profile_report(prof, level.window_walls, device, args.profile_top))
+            names = list(level.phases) if level.phases else []
+            print(profile_report(prof, level.window_walls, device, args.profile_top, names))
     return 0
 
 

@@ -129,6 +129,11 @@ class CudaGraphRunner:
     def captured_buckets(self) -> list[int]:
         return sorted(self._graphs)
 
+    @property
+    def graphs(self) -> int:
+        """Graphs captured."""
+        return len(self._graphs)
+
     def capture(self, buckets: Sequence[int] | None = None) -> None:
         """Warm up and capture every bucket (or those of ``buckets``), largest first. No-op when
         disabled or off CUDA."""

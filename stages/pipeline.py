@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 from typing import Any, Protocol, TypeVar
+
+import torch
 
 from .types import ModelInfo, Usage
 
@@ -141,6 +144,40 @@ class StepTimer:
             self.seconds += self.alpha * (seconds - self.seconds)
         else:
             self.seconds, self._measured = seconds, True
+
+
+class PhaseTimes:
+    """Host seconds a pipeline's steps spent in each named phase, summed until :meth:`take`
+    (benchmarks read it to see which phase of a tick holds the host: launching, or waiting for
+    the device at a sync). ``begin(name)`` ends the phase running and starts ``name``; ``end()``
+    ends it. Two clock reads a phase, cheap enough to stay on; while ``torch.profiler`` records,
+    each phase is also a ``record_function`` range, so its kernels' GPU time can be told apart."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self._phase: str | None = None
+        self._t = 0.0
+        self._range: Any = None
+
+    def begin(self, phase: str) -> None:
+        self.end()
+        self._phase, self._t = phase, time.perf_counter()
+        if torch.autograd.profiler._is_profiler_enabled:
+            self._range = torch.profiler.record_function(phase)
+            self._range.__enter__()
+
+    def end(self) -> None:
+        if self._phase is None:
+            return
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        self.seconds[self._phase] += time.perf_counter() - self._t
+        self._phase = None
+
+    def take(self) -> collections.Counter[str]:
+        taken, self.seconds = self.seconds, collections.Counter()
+        return taken
 
 
 def can_hold(pipeline: object) -> bool:

@@ -75,7 +75,7 @@ from omnirt.codecs.audio import float_to_int16
 
 from ..draws import fresh_seed
 from ..graphs import batch_buckets
-from ..pipeline import CallCounter, Priority, RequestRejected, StepTimer
+from ..pipeline import CallCounter, PhaseTimes, Priority, RequestRejected, StepTimer
 from ..prompt_size import prompt_chars, too_long_message
 from ..types import (
     SAMPLE_RATE,
@@ -259,14 +259,19 @@ class SpeechPipeline:
         self.long_prefill_wait = long_prefill_wait
         self._long_waits = 0
         self.step_timer = StepTimer()
+        #: Host time of the steps by phase (prompts, thinker, tokens, talker, text, frames, audio).
+        self.phases = PhaseTimes()
         #: Seconds of audio kept ahead of playback beyond one tick (network and clock jitter).
         self.playback_margin = playback_margin
 
     # -- graphs and warm-up ------------------------------------------------------------------------
     @property
     def runners(self) -> list[Any]:
-        """The graphed steps: thinker decode and prompt pieces, talker frame and prompt pieces."""
+        """The graphed steps: thinker decode and prompt pieces, the audio encoder, talker frame and
+        prompt pieces."""
         runners = [self.thinker.runner, *self.thinker.prompt.runners]
+        if self.thinker.audio is not None:
+            runners.append(self.thinker.audio.runner)
         if self.has_talker:
             runners += [self.talker.runner, *self.talker.prompt.runners]
         return runners
@@ -471,6 +476,8 @@ class SpeechPipeline:
     @torch.no_grad()
     def step(self) -> list[tuple[str, Output]]:
         t0 = time.perf_counter()
+        phase = self.phases.begin
+        phase("prompts")
         out: list[tuple[str, Output]] = []
         self._retired.clear()  # prefill results the last tick loaded: its sync has passed
         # 1. start new prompts' prefills, load the finished ones; 2. a thinker token for every
@@ -478,6 +485,7 @@ class SpeechPipeline:
         # talker can take its first step in this tick).
         busy = any(a.prefilled and not a.thinker_done and not a.held for a in self._active.values())
         first_tokens = self._take_prefills(out, idle=not busy)
+        phase("thinker")
         # A grammar's next mask needs the first token on the host: those rows decode next tick.
         waiting = {id(a) for a, _ in first_tokens if isinstance(a.constraint, GrammarConstraint)}
         decoding = [
@@ -488,6 +496,7 @@ class SpeechPipeline:
         tokens = None
         if decoding:
             tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
+        phase("tokens")
         # 3. the new tokens on the host (one sync), then the talker.
         drawn: list[tuple[_Active, int]] = []
         if first_tokens or tokens is not None:
@@ -500,12 +509,14 @@ class SpeechPipeline:
         for a, tok in drawn:  # a new request's first token before its second
             if a.request.request_id in self._active and not a.thinker_done:
                 texts.append((a, tok, self._take_token(a, tok, out)))
+        phase("talker")
         frames = None
         talking: list[_Active] = []
         if self.has_talker:
             talking = [a for a in self._active.values() if self._talker_ready(a)]
             if talking:
                 frames = self._batched(talking, out, "talker step", self._talker_step)
+        phase("text")
         # 4. while the GPU runs the talker: text out, the next masks of constrained rows; then audio.
         for active, token, piece in texts:
             if piece is not None:
@@ -514,11 +525,15 @@ class SpeechPipeline:
             if isinstance(active.constraint, GrammarConstraint) and not active.thinker_done:
                 self._guard(active, out, self._next_mask, active)
         if self.has_talker:
+            phase("frames")
             self._take_frames(talking if frames is not None else [])
+            phase("audio")
             self._emit_audio(out)
+        phase("finish")
         for active in list(self._active.values()):
             if active.thinker_done and (active.talker is None or active.talker.done):
                 self._finish(active, out)
+        self.phases.end()
         self.step_timer.record(time.perf_counter() - t0)
         return out
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..draws import THINKER_STREAM, SlotSampling
 from ..graphs import upload
-from .audio_encoder import encode_audio
+from .audio_encoder import AudioEncoder
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
 from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs
@@ -77,6 +77,9 @@ class Thinker:
             self._prompt_step, self._prompt_example, chunk=prompt_chunk, max_len=max_len, graphs=graphs,
             pool=pool,
         )
+        tower = getattr(self.thinker.model, "audio_tower", None)
+        #: The audio encoder over static windows (CUDA graphs per window count), if it hears.
+        self.audio = AudioEncoder(tower, graphs=graphs, pool=pool) if tower is not None else None
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every tensor a decode step changes, by name."""
@@ -133,7 +136,7 @@ class Thinker:
         the visual deepstack features placed at the image positions [n, L, H] (zeros elsewhere),
         as ``Qwen3OmniMoeThinkerModel.forward`` builds them. ``host``: the prompt's host tensors
         (``input_ids`` [1, L] and the audio features: the audio parts are found, and encoded
-        without host syncs, from them: :mod:`.audio_encoder`). Audio parts that end before
+        on CUDA graphs, from them: :mod:`.audio_encoder`). Audio parts that end before
         ``start`` are not encoded (their positions keep the placeholder's embedding: the pass
         does not read them)."""
         model = self.thinker.model
@@ -142,10 +145,9 @@ class Thinker:
             spans = token_runs(host["input_ids"][0], self.thinker.config.audio_token_id)
             needed = [k for k, (_, end) in enumerate(spans) if end > start]
             if needed:
-                audio = encode_audio(
-                    model.audio_tower, host["input_features"][needed], host["feature_attention_mask"][needed],
-                    embeds.dtype, embeds.device,
-                )
+                assert self.audio is not None
+                features, lengths = host["input_features"][needed], host["feature_attention_mask"][needed]
+                audio = self.audio(features, lengths).to(embeds.dtype)
                 at = torch.cat([torch.arange(*spans[k]) for k in needed])  # the parts' positions, in order
                 embeds[0, upload(at, embeds.device)] = audio
         deepstack = embeds.new_zeros((self.deepstack, ids.shape[1], embeds.shape[-1]))

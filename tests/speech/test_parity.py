@@ -163,19 +163,30 @@ def test_sampled_path_with_top_p_near_zero_equals_generate(pipeline, hf_model) -
     assert log.tokens["s"] == expected
 
 
-def test_audio_encoded_from_host_lengths_equals_get_audio_features(pipeline) -> None:
-    """The audio parts encoded from their host lengths (:mod:`omnirt.stages.speech.audio_encoder`:
-    chunks, valid positions and attention windows computed on the host) give the prompt
-    embeddings transformers builds (``get_audio_features``, then ``masked_scatter`` at the
-    placeholders) bit for bit: two parts of different lengths around text, several chunks each."""
-    parts = (AudioPart(tone(1.3)), TextPart("and then"), AudioPart(tone(2.7, 330.0, seed=1)))
-    request = GenerationRequest("enc", [ContextMessage("user", parts)])
+@pytest.mark.parametrize(
+    "seconds",
+    [(1.3, 2.7), (9.5, 0.4, 2.0), (0.6,), (0.35, 0.8)],
+    ids=["two-parts", "windows", "short", "all-short"],
+)
+def test_windowed_audio_encoder_equals_get_audio_features(pipeline, seconds) -> None:
+    """The audio encoder over static windows (:mod:`omnirt.stages.speech.audio_encoder`: chunks
+    padded into windows, keys masked, the convolutions' outputs zeroed past the call's longest
+    chunk) gives the prompt embeddings transformers builds (``get_audio_features``, then
+    ``masked_scatter`` at the placeholders), to fp32 rounding: parts of several windows, parts
+    under a second beside longer ones, and calls whose chunks are all short (transformers pads
+    them to the longest, which the convolutions read)."""
+    parts: list = []
+    for k, length in enumerate(seconds):
+        parts += [AudioPart(tone(length, 220.0 + 55 * k, seed=k)), TextPart(f"part {k}")]
+    request = GenerationRequest("enc", [ContextMessage("user", tuple(parts))])
     prompt = pipeline.prepare(request).prompt
     thinker = pipeline.thinker
     model = thinker.thinker.model
     host = prompt.model_kwargs()
     ids = prompt.input_ids
-    assert host["input_features"].shape[0] == 2
+    assert host["input_features"].shape[0] == len(seconds)
+    plan = thinker.audio.plan(host["input_features"], host["feature_attention_mask"])
+    assert plan.windows >= len(seconds) + (seconds[0] > 8)  # the long part takes several windows
     with torch.no_grad():
         got, _ = thinker._prompt_embeds(ids, {}, 0, {**host, "input_ids": ids})
         embeds = model.get_input_embeddings()(ids)
@@ -183,4 +194,6 @@ def test_audio_encoded_from_host_lengths_equals_get_audio_features(pipeline) -> 
         features = host["input_features"].to(thinker.dtype)
         audio = model.get_audio_features(features, host["feature_attention_mask"], None, return_dict=True)
         want = embeds.masked_scatter(mask, audio.last_hidden_state)[0]
-    assert torch.equal(got, want)
+    placed = (got != embeds[0]).any(dim=-1).sum()
+    assert got.shape == want.shape and placed == audio.last_hidden_state.shape[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

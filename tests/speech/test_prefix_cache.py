@@ -171,11 +171,11 @@ def test_a_conversation_turn_reads_only_what_is_new(pipes, monkeypatch: pytest.M
     history = [first, ContextMessage("assistant", (TextPart(text1),))]
     second = [*history, ContextMessage("user", (AudioPart(tone(0.6, 330.0, seed=3)), TextPart("and this?")))]
     encoded: list[int] = []
-    from omnirt.stages.speech import thinker
+    from omnirt.stages.speech.audio_encoder import AudioEncoder
 
-    original = thinker.encode_audio
+    original = AudioEncoder.plan
     monkeypatch.setattr(
-        thinker, "encode_audio", lambda tower, f, *a: encoded.append(f.shape[0]) or original(tower, f, *a)
+        AudioEncoder, "plan", lambda self, f, *a: encoded.append(f.shape[0]) or original(self, f, *a)
     )
     got, tokens, outs = run(cached, [turn("t2", second)])
     assert encoded == [1]  # the new audio part only

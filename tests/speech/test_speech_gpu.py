@@ -15,7 +15,15 @@ from omnirt.codecs.audio import float_to_int16
 from omnirt.stages.graphs import CudaGraphRunner
 from omnirt.stages.speech.code2wav import StreamingVocoder, make_vocoder
 from omnirt.stages.speech.loader import load_speech_pipeline
-from omnirt.stages.types import AudioDelta, ContextMessage, Finished, GenerationRequest, TextDelta, TextPart
+from omnirt.stages.types import (
+    AudioDelta,
+    AudioPart,
+    ContextMessage,
+    Finished,
+    GenerationRequest,
+    TextDelta,
+    TextPart,
+)
 
 from .conftest import TokenLog, audio_request, drain, of, tone
 
@@ -313,7 +321,7 @@ def test_every_norm_and_decode_attention_of_the_steps_is_a_kernel(
 
 @pytest.mark.parametrize("kind", ["text", "audio"])
 def test_prompt_prefill_never_syncs_with_the_host(demo_dir: Path, kind: str) -> None:
-    """A prompt's whole prefill (inputs, RoPE index, the audio encoder from host lengths, thinker
+    """A prompt's whole prefill (inputs, RoPE index, the audio encoder's windows, thinker
     pass, first token, talker prompt, talker pass, first code; graphed and eager) is enqueued
     without one host sync, so the host never waits for the GPU's queue while it reads a prompt."""
     pipe = load_speech_pipeline(demo_dir, device="cuda", max_slots=4, max_audio_frames=20)
@@ -338,6 +346,47 @@ def test_prompt_prefill_never_syncs_with_the_host(demo_dir: Path, kind: str) -> 
         done = active.job.result()  # re-raises what the sync check raised inside the job
         assert done.talker is not None
         pipe.remove("t")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_audio_encoder_windows_replay_equal_eager_and_transformers(
+    demo_dir: Path, no_tf32, dtype: torch.dtype
+) -> None:
+    """The audio encoder over static windows replays its graph (window buckets 1 to 16; 20
+    windows run as 16 + 4) equal to its eager step at the bucket bitwise, and in fp32 gives
+    ``get_audio_features``' values (the GPU's other kernel choices allowed for)."""
+    pipe = load_speech_pipeline(demo_dir, device="cuda", dtype=dtype, max_slots=2, max_audio_frames=20)
+    pipe.capture()
+    encoder = pipe.thinker.audio
+    assert encoder.runner.captured_buckets == [1, 2, 4, 8, 16]
+    model = pipe.thinker.thinker.model
+    for seconds in [(1.0,), (0.35, 2.6, 4.1), (0.8, 75.0)]:
+        parts: list = []
+        for k, length in enumerate(seconds):
+            parts += [AudioPart(tone(length, 200.0 + 40 * k, seed=k)), TextPart(f"part {k}")]
+        request = GenerationRequest("e", [ContextMessage("user", tuple(parts))])
+        host = pipe.prepare(request).prompt.model_kwargs()
+        features, mask = host["input_features"], host["feature_attention_mask"]
+        plan = encoder.plan(features, mask)
+        with torch.no_grad():
+            got = encoder.encode(plan)
+            assert encoder.runner.last_path == "graph"
+            eager = []
+            for first in range(0, plan.windows, 16):
+                rows = slice(first, first + 16)
+                count = plan.chunks[rows].shape[0]
+                bucket = encoder.runner.bucket_for(count)
+                inputs = encoder._example(bucket)
+                inputs["chunks"][:count] = plan.chunks[rows].to(inputs["chunks"])
+                inputs["frames"][:count] = plan.frames[rows].to(inputs["frames"])
+                inputs["tokens"][:count] = plan.tokens[rows].to(inputs["tokens"])
+                eager.append(encoder._step(inputs)["hidden"][:count])
+            want = torch.cat(eager).flatten(0, 1)[plan.index.cuda()]
+            assert torch.equal(got, want), f"{seconds}: graph != eager"
+            if dtype == torch.float32:
+                hf = model.get_audio_features(features.cuda(), mask.cuda(), None, return_dict=True)
+                torch.testing.assert_close(got, hf.last_hidden_state, rtol=1e-4, atol=1e-4)
+        print(f"[gpu] {dtype}: audio of {seconds} s in {plan.windows} windows: graph == eager bitwise")
 
 
 def test_decode_steps_never_sync_with_the_host(demo_dir: Path) -> None:
