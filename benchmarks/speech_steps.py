@@ -345,6 +345,24 @@ def main() -> None:
 
     pipe.use_prefix_cache(False)  # prompts read whole: the same prompt is timed again and again
     prefill_ms = _timed(prefill, device, max(3, args.iters // 4))
+    other = GenerationRequest("q", [ContextMessage("user", (AudioPart(pcm[::-1].copy()), TextPart("yes?")))],
+                              max_output_tokens=8)
+    other_prepared = pipe.prepare(other)
+
+    def prefill_two() -> None:  # two new turns of one tick: their passes batched
+        for req, prep in ((request, prepared), (other, other_prepared)):
+            pipe.add(req, prep)
+        actives = [pipe._active["p"], pipe._active["q"]]
+        for active in actives:
+            pipe._start_prefill(active)
+        while not all(a.job.done() for a in actives):
+            pipe._prefiller.advance([a.job for a in actives])
+        for active in actives:
+            pipe._load_prefill(active, [])
+        pipe.remove("p")
+        pipe.remove("q")
+
+    prefill_two_ms = _timed(prefill_two, device, max(3, args.iters // 4))
     long = _long_prompt(pipe, args, device) if args.long_prompt else None
     pipe.use_prefix_cache(True)
     following = _next_turn(pipe, args, device, parts) if args.long_prompt else None
@@ -371,7 +389,8 @@ def main() -> None:
     print(f"- start-up (build/load + capture of {graphs} decode graphs): {startup:.1f} s; "
           f"peak GPU memory {mem:.1f} GiB; {slots} slots x {args.max_context} context tokens")
     print(f"- prefill of one turn ({args.audio_seconds:.1f} s audio + text; thinker with audio encoder, "
-          f"then talker): {prefill_ms:.1f} ms")
+          f"then talker): {prefill_ms:.1f} ms; of two turns at once (their thinker and talker passes "
+          f"batched): {prefill_two_ms:.1f} ms")
     if long is not None:
         tokens, pieces = long
         print(f"- a long prompt of {tokens} tokens read in {len(pieces)} pieces of at most "

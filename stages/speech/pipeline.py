@@ -639,7 +639,8 @@ class SpeechPipeline:
 
     def _advance_prefills(self, reading: list[_Active]) -> None:
         """Inline prefill, one tick: the ``prefills_per_step`` prompts with the fewest pieces left
-        (the oldest first among equals) each read one more, so a short turn never queues behind
+        (the oldest first among equals) each read one more (the first pieces of new prompts in
+        one batched pass of the thinker, then of the talker), so a short turn never queues behind
         long prompts. A long prompt (more than one tick left) waits while a turn is being read
         or a reply awaits its first audio, the latency-critical ticks of the other sessions, for
         at most ``long_prefill_wait`` ticks in a row; then it reads its piece anyway."""
@@ -650,6 +651,7 @@ class SpeechPipeline:
             for a in self._active.values()
         )
         waited = False
+        chosen = []
         for active in jobs:
             job = active.job
             assert job is not None
@@ -661,7 +663,8 @@ class SpeechPipeline:
                 continue
             critical |= not long  # a short turn read now: its reply is the critical one
             lanes -= 1
-            job.advance()
+            chosen.append(job)
+        self._prefiller.advance(chosen)  # the first pieces of a pass in one batched pass
         self._long_waits = self._long_waits + 1 if waited else 0
 
     def _load_prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:

@@ -13,7 +13,7 @@ prompt is read over several ticks and never stalls the running sessions for more
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 
 from ..pipeline import CallCounter, RequestRejected
 from .prompt import PromptInputs
+from .slots import PieceCall, PromptPass
 from .talker import HEADER_MAX, Talker, TalkerPrefill
 from .talker_prompt import TalkerPrompt, build_talker_prompt, talker_rope_index
 from .thinker import Thinker, ThinkerPrefill
@@ -42,13 +43,21 @@ class Prefilled:
             torch.cuda.current_stream(device).wait_event(self.event)
 
 
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 class PrefillJob:
-    """One prompt's prefill as a sequence of pieces: :meth:`advance` runs the next piece (on the
-    engine thread, inline), :meth:`run` all of them (on the worker); :attr:`future` holds the
-    :class:`Prefilled`, or the error that fails this request only."""
+    """One prompt's prefill as a sequence of pieces: :func:`advance` runs the next tick's pieces
+    of several jobs (on the engine thread, inline), :meth:`run` all of one job's (on the
+    worker); :attr:`future` holds the :class:`Prefilled`, or the error that fails this request
+    only."""
 
     def __init__(
-        self, pieces: Generator[None, None, Prefilled], stream: torch.cuda.Stream | None, estimate: int
+        self,
+        pieces: Generator[PieceCall | None, dict[str, torch.Tensor] | None, Prefilled],
+        stream: torch.cuda.Stream | None,
+        estimate: int,
     ) -> None:
         self._pieces = pieces
         self._stream = stream
@@ -64,29 +73,64 @@ class PrefillJob:
         return self.future.result()
 
     def advance(self) -> None:
-        """Runs the next piece; the last one sets the result."""
-        if self.future.done():
-            return
+        """Runs the next tick's pieces; the last one sets the result."""
+        advance([self])
+
+    def _resume(self, answer: dict[str, torch.Tensor] | None) -> PieceCall | None:
+        """Resumes the pieces with ``answer`` (the outputs of the piece it asked for): the next
+        piece it asks for, or None at the end of its tick (or of the prefill, or on an error)."""
         try:
-            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-            with torch.no_grad(), stream:
-                next(self._pieces)
-            self.ticks_left = max(1, self.ticks_left - 1)
+            with torch.no_grad(), _on(self._stream):
+                call = self._pieces.send(answer)
         except StopIteration as stop:
             self.future.set_result(stop.value)
+            return None
         except Exception as exc:
             self.future.set_exception(exc)
+            return None
+        if call is None:
+            self.ticks_left = max(1, self.ticks_left - 1)
+        return call
+
+    def _fail(self, exc: BaseException) -> None:
+        self.future.set_exception(exc)
+        self._pieces.close()
 
     def run(self) -> None:
         if not self.future.set_running_or_notify_cancel():
             return  # cancelled before it started
         while not self.future.done():
-            self.advance()
+            advance([self])
 
     def cancel(self) -> None:
         """Drops the pieces not run yet; a job running on the worker runs on, its result dropped."""
         if not self.future.done() and self.future.cancel():
             self._pieces.close()
+
+
+def advance(jobs: Sequence[PrefillJob], passed: Callable[[PromptPass, int], None] | None = None) -> None:
+    """One tick of each of ``jobs``: runs each to the end of its tick, the prompt pieces they
+    ask for at once run together (:meth:`~.slots.PromptPass.execute`: the first pieces of one
+    pass, the thinker's or the talker's, in one batched pass that reads the weights once;
+    ``passed(pass, pieces)`` is told of each). A failing pass fails the jobs whose pieces it
+    ran, not the others."""
+    asked = {job: job._resume(None) for job in jobs if not job.done()}
+    while pending := [(job, call) for job, call in asked.items() if call is not None]:
+        asked = {}
+        for owner in {id(call.owner): call.owner for _, call in pending}.values():
+            group = [(job, call) for job, call in pending if call.owner is owner]
+            stream = group[0][0]._stream
+            try:
+                with torch.no_grad(), _on(stream):
+                    outs = owner.execute([call for _, call in group])
+            except Exception as exc:
+                for job, _ in group:
+                    job._fail(exc)
+                continue
+            if passed is not None:
+                passed(owner, len(group))
+            for (job, _), out in zip(group, outs, strict=True):
+                asked[job] = job._resume(out)
 
 
 class Prefiller:
@@ -100,6 +144,16 @@ class Prefiller:
         self.device = thinker.device
         self.worker = futures.ThreadPoolExecutor(1, thread_name_prefix="omnirt-prefill") if worker else None
         self.stream = torch.cuda.Stream(self.device) if worker and self.device.type == "cuda" else None
+
+    def advance(self, jobs: Sequence[PrefillJob]) -> None:
+        """One tick of each of ``jobs`` (:func:`advance`), counting the batched passes by their
+        rows in ``calls`` (``thinker_prompt`` / ``talker_prompt``: prompts in the pass)."""
+
+        def passed(owner: PromptPass, pieces: int) -> None:
+            name = "thinker_prompt" if owner is self.thinker.prompt else "talker_prompt"
+            self.calls[name, pieces] += 1
+
+        advance(jobs, passed)
 
     def start(
         self,
@@ -131,7 +185,7 @@ class Prefiller:
         speaker_id: int | None,
         mask: torch.Tensor | None,
         reused: tuple[int, int],
-    ) -> Generator[None, None, Prefilled]:
+    ) -> Generator[PieceCall | None, dict[str, torch.Tensor] | None, Prefilled]:
         start, talker_reused = reused
         self.calls["thinker_prefill", 1] += 1
         thinker = yield from self.thinker.forward_prompt(slot, prompt, allowed=mask, start=start)

@@ -35,6 +35,7 @@ at that position; it is computed with the model's own rotary module, exactly as 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -154,11 +155,30 @@ def _add_norm(
     return x, norm(x)
 
 
+@dataclass
+class PieceCall:
+    """A prompt piece that :meth:`PromptPass.run` asks its driver to run (it yields one and is
+    sent the piece's outputs): alone, or in one pass with other prompts' first pieces of the same
+    :class:`PromptPass` (:meth:`PromptPass.execute`), so their weights are read once."""
+
+    owner: PromptPass
+    embeds: torch.Tensor  # [count, H] the piece
+    positions: torch.Tensor  # [3, 1, count]
+    slot: int
+    per_token: dict[str, torch.Tensor]  # each [n, count, H]
+    start: int | None  # where a later piece begins in the slot; None for a first piece
+
+    @property
+    def count(self) -> int:
+        return int(self.embeds.shape[0])
+
+
 class PromptPass:
     """A prompt pass read in pieces of ``chunk`` tokens, so that a long prompt never takes a
     whole tick: the first piece of a prompt read from its start through ``first`` (graphs per
-    piece-length bucket up to ``chunk``), every other piece through ``later`` (graphs per
-    piece-length bucket and attention-length bucket): the later pieces of a long prompt, and
+    piece-length bucket up to ``chunk``, and per batch of up to ``batch`` prompts read
+    together), every other piece through ``later`` (graphs per piece-length bucket and
+    attention-length bucket, one prompt at a time): the later pieces of a long prompt, and
     every piece of a prompt read after a prefix already in the slot (a reused prefix: see
     :mod:`.prefix_cache`). ``step(inputs, n)`` runs one piece (``n``: the bucket: the piece's
     length for the first, the attention length for later ones, whose inputs hold ``start``);
@@ -174,24 +194,26 @@ class PromptPass:
         max_len: int,
         graphs: bool,
         pool: object | None,
+        batch: int = 2,
     ) -> None:
         self.chunk = min(chunk, max_len)
         self.max_len = max_len
+        self.batch = batch
 
-        def runner(lengths: list[int], piece: int | None) -> LengthBucketedRunner:
-            # One prompt at a time; outputs live in the shared pool, so they are cloned.
+        def runner(lengths: list[int], piece: int | None, batches: list[int]) -> LengthBucketedRunner:
+            # Outputs live in the shared pool, so they are cloned.
             return LengthBucketedRunner(
-                step, lambda batch, n: example(batch, n, piece), batch_buckets=[1], length_buckets=lengths,
-                enabled=graphs, pool=pool, clone_outputs=True,
+                step, lambda batch, n: example(batch, n, piece), batch_buckets=batches,
+                length_buckets=lengths, enabled=graphs, pool=pool, clone_outputs=True,
             )
 
         pieces = length_buckets(self.chunk, smallest=64)
-        #: First pieces, per piece-length bucket from 64 tokens to ``chunk``.
-        self.first = runner(pieces, None)
+        #: First pieces, per piece-length bucket from 64 tokens to ``chunk``, per batch.
+        self.first = runner(pieces, None, list(range(1, batch + 1)))
         #: Later pieces, per piece-length bucket (the same as ``first``), each per
         #: attention-length bucket from ``2 * chunk`` to ``max_len``.
         attend = length_buckets(max_len, smallest=2 * self.chunk)
-        self.later = {piece: runner([n for n in attend if n >= piece], piece) for piece in pieces}
+        self.later = {piece: runner([n for n in attend if n >= piece], piece, [1]) for piece in pieces}
 
     @property
     def runners(self) -> list[LengthBucketedRunner]:
@@ -207,12 +229,13 @@ class PromptPass:
         slot: int,
         per_token: dict[str, torch.Tensor] | None = None,
         start: int = 0,
-    ) -> Generator[None, None, dict[str, torch.Tensor]]:
+    ) -> Generator[PieceCall | None, dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
         """Reads the prompt ``embeds`` [L, H] at ``positions`` [3, 1, L] into ``slot`` from
         position ``start`` on (the slot holds the first ``start`` entries already), a piece per
-        resumption (it yields between pieces); ``per_token`` tensors [n, L, H] go in sliced
-        like the prompt. Returns the last piece's outputs, with ``accepted`` (when the step
-        keeps a layer's output) joined over the pieces [L - start, H]."""
+        resumption: it yields each piece as a :class:`PieceCall` (its driver runs it and sends
+        back its outputs), and None between pieces (a tick ends). ``per_token`` tensors
+        [n, L, H] go in sliced like the prompt. Returns the last piece's outputs, with
+        ``accepted`` (when the step keeps a layer's output) joined over the pieces [L - start, H]."""
         length = embeds.shape[0]
         if length > self.max_len:
             raise ValueError(f"prompt of {length} positions exceeds the slot length {self.max_len}")
@@ -222,24 +245,47 @@ class PromptPass:
         out: dict[str, torch.Tensor] = {}
         for n, (at, count) in enumerate(prompt_pieces(length - start, self.chunk)):
             if n:
-                yield
+                yield None
             at += start
             piece = slice(at, at + count)
-            if at == 0:
-                runner, offset, key = self.first, None, count
-                bucket = runner.length_for(count)
-            else:
-                bucket = self.first.length_for(count)
-                runner, offset, key = self.later[bucket], at, at + count
-            inputs = prompt_inputs(embeds[piece], positions[..., piece], slot, bucket, offset)
-            for name, value in (per_token or {}).items():
-                inputs[name] = F.pad(value[:, piece], (0, 0, 0, bucket - count))[None]
-            out = runner(inputs, key)
+            sliced = {name: value[:, piece] for name, value in (per_token or {}).items()}
+            call = PieceCall(self, embeds[piece], positions[..., piece], slot, sliced, at or None)
+            got = yield call
+            assert got is not None, "a PieceCall is answered with its outputs"
+            out = got
             if "accepted" in out:
                 kept.append(out["accepted"][0, :count])
         if kept:
             out["accepted"] = torch.cat(kept)
         return out
+
+    def execute(self, calls: Sequence[PieceCall]) -> list[dict[str, torch.Tensor]]:
+        """Runs ``calls`` (pieces of this pass, other prompts'), returning each one's outputs
+        (leading dimension 1): first pieces in passes of up to ``batch`` prompts, padded to the
+        longest one's bucket; later pieces one by one."""
+        if any(c.owner is not self for c in calls):
+            raise ValueError("a PromptPass runs its own pieces only")
+        outs: dict[int, dict[str, torch.Tensor]] = {}
+        first = [k for k, c in enumerate(calls) if c.start is None]
+        for k, call in enumerate(calls):
+            if call.start is not None:
+                bucket = self.first.length_for(call.count)
+                outs[k] = self.later[bucket](self._inputs(call, bucket), call.start + call.count)
+        for group in (first[i : i + self.batch] for i in range(0, len(first), self.batch)):
+            bucket = self.first.length_for(max(calls[k].count for k in group))
+            parts = [self._inputs(calls[k], bucket) for k in group]
+            inputs = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+            out = self.first(inputs, bucket)
+            for row, k in enumerate(group):
+                outs[k] = {name: value[row : row + 1] for name, value in out.items()}
+        return [outs[k] for k in range(len(calls))]
+
+    @staticmethod
+    def _inputs(call: PieceCall, bucket: int) -> dict[str, torch.Tensor]:
+        inputs = prompt_inputs(call.embeds, call.positions, call.slot, bucket, call.start)
+        for name, value in call.per_token.items():
+            inputs[name] = F.pad(value, (0, 0, 0, bucket - call.count))[None]
+        return inputs
 
 
 class SlotDecoder:
@@ -382,28 +428,31 @@ class SlotDecoder:
         keep: int | None = None,
         deepstack: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A prompt piece through the layers into one slot, at a static length bucket ``P``:
-        ``embeds`` [P, H] (the piece, then padding), ``positions`` [3, P] (multimodal) or [P],
-        ``slot`` and ``length`` (the piece's tokens) 1-element device tensors.
+        """Prompt pieces through the layers, each into its slot, at a static length bucket ``P``:
+        ``embeds`` [B, P, H] (each piece, then padding), ``positions`` [B, 3, P] (multimodal) or
+        [B, P], ``slot`` and ``length`` (each piece's tokens) [B] device tensors.
 
-        The first piece (``start`` None) writes its keys/values into the slot's first ``P``
-        cache entries and attends causally to itself. A later piece (``start``: a 1-element
-        device tensor, where it begins) writes them at ``start..start + P - 1`` (the scratch
-        column past ``max_len`` for padding beyond it) and attends to the slot's first
+        First pieces (``start`` None) write their keys/values into their slots' first ``P``
+        cache entries and attend causally to themselves; ``B`` of them (other prompts) share
+        the pass, so the weights are read once for all. A later piece (``B`` = 1; ``start``: a
+        1-element device tensor, where it begins) writes them at ``start..start + P - 1`` (the
+        scratch column past ``max_len`` for padding beyond it) and attends to the slot's first
         ``attend`` entries, each query to the entries up to its own position: the prompt read so
         far and the piece itself. Entries past the prompt are padding, beyond the slot's length
         and overwritten later; the slot's length is the caller's to set (:meth:`set_length`), so
-        this writes nothing a decode step of other slots touches. ``deepstack`` [n, P, H] is
+        this writes nothing a decode step of other slots touches. ``deepstack`` [B, n, P, H] is
         added to the output of layers ``0..n-1`` (Qwen3-Omni's visual features; zeros elsewhere).
-        Returns the final-norm hidden state at ``length - 1`` [H] and, with ``keep = j``, the
-        output of layer ``j - 1`` [P, H] (``j = 0``: the embeddings; what transformers records
-        as hidden state ``j``)."""
-        count = embeds.shape[0]
-        x = embeds.unsqueeze(0)
-        pos = positions.view(3, 1, count) if self.multimodal_rope else positions.view(1, count)
+        Returns each piece's final-norm hidden state at ``length - 1`` [B, H] and, with
+        ``keep = j``, the output of layer ``j - 1`` [B, P, H] (``j = 0``: the embeddings; what
+        transformers records as hidden state ``j``)."""
+        batch, count = embeds.shape[:2]
+        if start is not None and batch != 1:
+            raise ValueError(f"a later piece runs alone, got {batch}")
+        x = embeds
+        pos = positions.transpose(0, 1) if self.multimodal_rope else positions.reshape(batch, count)
         cos, sin = self.model.rotary_emb(x, pos)
         table = table_from_halves(cos, sin) if cos.is_cuda else None
-        kept = x[0] if keep == 0 else None
+        kept = x if keep == 0 else None
         gqa = self.num_kv_heads != self.num_heads
         if start is not None:
             at = start + self._columns[:count]  # [P] the piece's positions in the slot
@@ -415,7 +464,7 @@ class SlotDecoder:
             attn = layer.self_attn
             x, h = _add_norm(layer.input_layernorm, x, pending)
             q, k = _norm_rope(attn, h, cos, sin, table, self.head_dim)
-            v = attn.v_proj(h).view(1, count, -1, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(batch, count, -1, self.head_dim).transpose(1, 2)
             cache_k, cache_v = self.keys[i], self.values[i]
             if start is None:
                 cache_k[:, :, :count].index_copy_(0, slot, k.to(cache_k.dtype))
@@ -431,21 +480,22 @@ class SlotDecoder:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=visible, scale=self.scaling, enable_gqa=gqa
                 )
-            attended = attn.o_proj(out.transpose(1, 2).reshape(1, count, -1))
+            attended = attn.o_proj(out.transpose(1, 2).reshape(batch, count, -1))
             x, h = _add_norm(layer.post_attention_layernorm, x, attended)
             pending = layer.mlp(h)
-            visual = deepstack is not None and i < deepstack.shape[0]
+            visual = deepstack is not None and i < deepstack.shape[1]
             if keep == i + 1 or visual:
                 x, pending = x + pending, None
             if keep == i + 1:
-                kept = x[0]
+                kept = x
             if visual:
-                x = x + deepstack[i].unsqueeze(0).to(x.dtype)
-        # Only the last position's state is read: its row of the sum, then the final norm.
-        last = x[0].index_select(0, length - 1)
+                x = x + deepstack[:, i].to(x.dtype)
+        # Only each piece's last position is read: its row of the sum, then the final norm.
+        rows = torch.arange(batch, device=x.device)
+        last = x[rows, length - 1]
         if pending is not None:
-            pending = pending[0].index_select(0, length - 1)
-        return _add_norm(self.model.norm, last, pending)[1][0], kept
+            pending = pending[rows, length - 1]
+        return _add_norm(self.model.norm, last, pending)[1], kept
 
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         """Copies the first ``length`` cache entries of slot ``source`` into slot ``target`` (a

@@ -15,7 +15,7 @@ from torch import nn
 from ..draws import PREDICTOR_STREAM, TALKER_STREAM, SlotSampling
 from ..graphs import upload
 from ..sampling import apply_repetition_penalty
-from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example
+from .slots import PieceCall, PromptPass, SlotDecoder, decode_runner, prompt_example
 from .talker_prompt import TalkerPrompt
 
 #: The talker's sampling when the request samples (its generation defaults in ``generate``).
@@ -180,7 +180,7 @@ class Talker:
         first_text: torch.Tensor,
         speaker_id: int,
         rope: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> Generator[None, None, TalkerPrefill]:
+    ) -> Generator[PieceCall | None, dict[str, torch.Tensor] | None, TalkerPrefill]:
         """Runs the talker prompt into ``slot``'s cache entries in static-length pieces (a
         generator that yields between them, as :meth:`Thinker.forward_prompt`) and draws its
         first group-0 code with the slot's sampling row. Writes only entries no decode step
@@ -211,10 +211,10 @@ class Talker:
 
     def _prompt_step(self, inputs: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
         last, _ = self.kv.prompt_step(
-            inputs["embeds"][0], inputs["positions"][0], inputs["slot"], inputs["length"],
+            inputs["embeds"], inputs["positions"], inputs["slot"], inputs["length"],
             start=inputs.get("start"), attend=bucket,
         )
-        return {"last": last[None]}
+        return {"last": last}
 
     def load(self, slot: int, prefill: TalkerPrefill) -> None:
         """Ends a prefill in ``slot`` (on the engine thread, in stream order)."""

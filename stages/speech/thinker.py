@@ -24,7 +24,7 @@ from ..graphs import upload
 from .audio_encoder import AudioEncoder
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
-from .slots import PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs
+from .slots import PieceCall, PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs
 from .token_masks import SlotMasks
 
 
@@ -95,7 +95,7 @@ class Thinker:
 
     def forward_prompt(
         self, slot: int, prompt: PromptInputs, allowed: torch.Tensor | None = None, start: int = 0
-    ) -> Generator[None, None, ThinkerPrefill]:
+    ) -> Generator[PieceCall | None, dict[str, torch.Tensor] | None, ThinkerPrefill]:
         """Reads a prompt into ``slot``'s cache entries and draws the first reply token with the
         slot's sampling row (and the bitmask ``allowed``, [words] int32 on the host, when the
         reply is constrained): the audio and vision encoders and the embedding merge eagerly (as
@@ -174,18 +174,18 @@ class Thinker:
 
     def _prompt_step(self, inputs: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
         last, accepted = self.kv.prompt_step(
-            inputs["embeds"][0],
-            inputs["positions"][0],
+            inputs["embeds"],
+            inputs["positions"],
             inputs["slot"],
             inputs["length"],
             start=inputs.get("start"),
             attend=bucket,
             keep=self.accept_layer or None,
-            deepstack=inputs["deepstack"][0],
+            deepstack=inputs["deepstack"],
         )
-        out = {"last": last[None]}
+        out = {"last": last}
         if accepted is not None:
-            out["accepted"] = accepted[None]
+            out["accepted"] = accepted
         return out
 
     def load(self, slot: int, prefill: ThinkerPrefill) -> None:

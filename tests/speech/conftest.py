@@ -83,13 +83,16 @@ def drain(pipeline: SpeechPipeline, max_steps: int = 500) -> list[tuple[str, Out
 
 
 def run_pieces(pieces):
-    """Runs a prompt pass's pieces (a generator, as ``Thinker.forward_prompt``) to the end."""
+    """Runs a prompt pass's pieces (a generator, as ``Thinker.forward_prompt``) to the end,
+    running each piece it asks for alone (``prefill.advance`` batches them across prompts)."""
+    answer = None
     with torch.no_grad():
         while True:
             try:
-                next(pieces)
+                call = pieces.send(answer)
             except StopIteration as stop:
                 return stop.value
+            answer = call.owner.execute([call])[0] if call is not None else None
 
 
 def of(outs: list[tuple[str, Output]], rid: str) -> list[Output]:

@@ -60,6 +60,70 @@ def test_concurrent_requests_equal_each_alone(demo_dir: Path) -> None:
     assert alone["a"][1].size > 0 and alone["t"][1].size == 0
 
 
+def test_new_turns_of_a_tick_are_read_in_one_batched_pass(demo_dir: Path) -> None:
+    """Two turns that arrive together are read in one thinker pass and one talker pass of two
+    rows (the weights read once for both), and reply as each does read alone: the same tokens,
+    the same frames, the same PCM to int16 rounding (other matmul shapes); a third waits for
+    the next tick's lane and its pass has one row."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    requests = [
+        lambda: audio_request("a", tone(1.0), max_output_tokens=10),
+        lambda: audio_request("b", tone(0.6, 330.0, seed=3), text="and this?", max_output_tokens=12),
+        lambda: audio_request("c", tone(1.4, 180.0, seed=4), text="why?", max_output_tokens=8),
+    ]
+    log = TokenLog(pipe)
+    alone = {}
+    for make in requests:
+        req = make()
+        pipe.add(req)
+        alone[req.request_id] = _summary(of(drain(pipe), req.request_id))
+    assert pipe.calls["thinker_prompt", 1] == 3 and pipe.calls["talker_prompt", 1] == 3
+    alone_tokens = dict(log.tokens)
+    log.tokens.clear()
+    pipe.calls.clear()
+    for make in requests:
+        pipe.add(make())
+    together = drain(pipe)
+    assert pipe.calls["thinker_prompt", 2] == 1 and pipe.calls["talker_prompt", 2] == 1
+    assert pipe.calls["thinker_prompt", 1] == 1 and pipe.calls["talker_prompt", 1] == 1  # "c"
+    assert pipe.calls["thinker_prefill", 1] == 3  # prompts read
+    assert log.tokens == alone_tokens
+    for rid, (text, audio, reason, frames) in alone.items():
+        t2, a2, r2, f2 = _summary(of(together, rid))
+        assert (t2, r2, f2) == (text, reason, frames)
+        assert a2.shape == audio.shape and audio.size > 0
+        assert np.abs(a2.astype(np.int32) - audio.astype(np.int32)).max(initial=0) <= 2
+
+
+def test_a_failing_batched_pass_fails_its_turns_only(demo_dir: Path) -> None:
+    """A prompt pass that fails fails the turns it read (both rows of a batched pass), not the
+    session already speaking nor the turn that arrives next; their slots come back."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    pipe.add(audio_request("s", tone(1.0), max_output_tokens=12))
+    for _ in range(3):
+        pipe.step()
+    original = pipe.talker.prompt.execute
+
+    def broken(calls):
+        if len(calls) == 2:
+            raise RuntimeError("the pass broke")
+        return original(calls)
+
+    pipe.talker.prompt.execute = broken
+    pipe.add(audio_request("a", tone(1.0), max_output_tokens=6))
+    pipe.add(audio_request("b", tone(0.6, 330.0, seed=3), max_output_tokens=6))
+    outs = pipe.step()
+    pipe.add(audio_request("c", tone(0.8, 250.0, seed=5), max_output_tokens=6))
+    outs += drain(pipe)
+    for rid in ("a", "b"):
+        end = of(outs, rid)[-1]
+        assert isinstance(end, Finished) and end.reason == "error" and "the pass broke" in (end.error or "")
+    for rid in ("s", "c"):
+        end = of(outs, rid)[-1]
+        assert end.reason == "length" and any(isinstance(o, AudioDelta) for o in of(outs, rid))
+    assert pipe.free_slots == 4 and not pipe.has_work()
+
+
 def test_output_order_and_usage(pipeline) -> None:
     pipeline.add(audio_request("r", tone(1.0), max_output_tokens=6))
     outs = of(drain(pipeline), "r")

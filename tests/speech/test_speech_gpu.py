@@ -231,8 +231,9 @@ def _graphs_equal_eager(pipe, requests) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.dtype) -> None:
     """Every captured decode step (thinker token, talker frame with its code-predictor loop and
-    sampling) replays to the eager step's results bitwise: the same turns (greedy and sampled,
-    6 at once, so several batch and length buckets) with graphs and with ``use_graphs(False)``
+    sampling) and prompt pass (two prompts at once) replays to the eager step's results
+    bitwise: the same turns (greedy and sampled, 6 at once, so several batch and length
+    buckets) with graphs and with ``use_graphs(False)``
     give identical tokens and PCM, and the paths taken are all graph / all eager."""
     pipe = load_speech_pipeline(demo_dir, device="cuda", dtype=dtype, max_slots=8, max_audio_frames=40)
     captured = pipe.capture()
@@ -246,9 +247,11 @@ def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
         ]
 
     _graphs_equal_eager(pipe, requests)
+    # The turns arrive together: their prompts were read two to a pass, graphed and eager.
+    assert pipe.calls["thinker_prompt", 2] >= 4 and pipe.calls["talker_prompt", 2] >= 4
     graphs = sum(r.graphs for r in pipe.runners)
     print(f"\n[gpu] {dtype}: {graphs} decode graphs captured in {captured:.1f} s; 6 turns "
-          "(greedy + sampled): tokens and PCM graph == eager bitwise")
+          "(greedy + sampled; prompts two to a pass): tokens and PCM graph == eager bitwise")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
