@@ -19,7 +19,8 @@ session has heard audio (the ramp) and lasts ``--seconds``; a level ends after
 - **frame p50/p99**: wall time of the ticks in which a talker frame was produced (all stages of
   the tick: admission, prefill, thinker, talker, code predictor, code2wav), against the 80 ms of
   audio a frame holds; a turn's ``prepare`` (tokens, audio features) runs before the tick, as
-  the server runs it on its prompt threads, and counts in the turn's first audio;
+  the server runs it on its prompt threads, and counts in the turn's first audio (making the
+  turn's request, the client's audio, counts in neither);
 - **frames/tick**: talker frames per such tick (counted at the vocoder's ``push``, where each
   talker frame goes; audio-delta frames if the pipeline has no such vocoder);
 - **RTF p50/p99 over sessions**: per session, wall time of the ticks in which it got a frame
@@ -299,12 +300,13 @@ class Driver:
             if phase != "tail":
                 for s in sessions:
                     if s.request_id is None and tick >= s.start_tick and pipeline.can_add():
-                        request = self._request(s)
+                        made = time.perf_counter()
+                        request = self._request(s)  # the client's part: synthesising its audio
                         s.added_at = time.perf_counter()
                         # The server prepares prompts (tokens, audio features) on threads of
                         # its own (stages/engine.py): that work is in first audio, not the tick.
                         prepared = pipeline.prepare(request) if prepare else None
-                        t0 += time.perf_counter() - s.added_at
+                        t0 += time.perf_counter() - made
                         pipeline.add(request, prepared) if prepare else pipeline.add(request)
                         s.request_id, s.heard, s.in_window = request.request_id, False, phase == "window"
                         s.turns += 1

@@ -8,8 +8,8 @@ set -uo pipefail
 out=${OUT:-.}
 config=benchmarks/models/qwen3-omni-30b-a3b-instruct
 export PYTHONUNBUFFERED=1
-timeout 180 python -m pytest -m gpu -s -q -p no:cacheprovider tests/speech/test_speech_gpu.py \
-    tests/gpu/test_rms_norm_gpu.py >"$out/tests.log" 2>&1
+timeout 240 python -m pytest -m gpu -s -q -p no:cacheprovider tests/speech/test_speech_gpu.py \
+    tests/gpu/test_rms_norm_gpu.py tests/gpu/test_moe_route_gpu.py >"$out/tests.log" 2>&1
 grep -E "passed|failed|\[gpu\]|FAILED|^E  " "$out/tests.log" | head -60
 timeout 180 python benchmarks/speech_steps.py --load-format dummy --model "$config" --batches 1 32 128 \
     --iters 8 --eager-iters 2 --kernels-baseline --prefill-phases >"$out/steps.md" 2>/dev/null

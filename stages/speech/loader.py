@@ -19,6 +19,7 @@ import torch
 
 from ..types import ModelInfo
 from .dummy import DEFAULT_SEED, LOAD_FORMATS
+from .experts import IMPLEMENTATION as EXPERTS
 from .memory import plan_slots
 from .pipeline import SpeechPipeline
 from .prompt import PromptBuilder
@@ -212,7 +213,8 @@ def load_speech_pipeline(
     predictor's loop and sampling) and the streaming code2wav vocoder capture their CUDA graphs
     here, for every batch and attention-length bucket, and replay them (bitwise the same output
     as eager); ``False`` runs them all eagerly. Ignored on CPU. MoE layers run transformers'
-    ``grouped_mm`` experts (no host sync, capturable; ``batched_mm`` for fp32 on CUDA).
+    ``grouped_mm`` experts with one launch grouping the pairs by expert (:mod:`.experts`; no host
+    sync, capturable; ``batched_mm`` for fp32 on CUDA).
     ``prefill_worker``: read prompts on a thread and CUDA stream beside the decode steps (see
     :class:`~.pipeline.SpeechPipeline`; off by default). ``prefill_chunk``: prompt tokens a
     prompt pass reads per tick (a longer prompt is read over several ticks). ``prefix_cache``:
@@ -238,9 +240,10 @@ def load_speech_pipeline(
             random_weights = marker.is_file() and bool(json.loads(marker.read_text()).get("random_weights"))
         what = "RANDOM WEIGHTS (demo)" if random_weights else "weights"
     # grouped_mm needs no host sync and can be captured, but only in bf16 on CUDA: in fp32 there
-    # it falls back to a path that copies from the host, so fp32 CUDA runs batched_mm.
+    # it falls back to a path that copies from the host, so fp32 CUDA runs batched_mm. Ours is
+    # grouped_mm with the pairs grouped by expert in one launch (.experts).
     fp32_cuda = device.type == "cuda" and dtype == torch.float32
-    model.set_experts_implementation("batched_mm" if fp32_cuda else "grouped_mm")
+    model.set_experts_implementation("batched_mm" if fp32_cuda else EXPERTS)
     cfg = model.config
     limit = int(cfg.thinker_config.text_config.max_position_embeddings)
     # The slots' KV caches, planned against what the GPU has free once the weights are in.
