@@ -73,7 +73,7 @@ def group_by_expert(ids: torch.Tensor, experts: int) -> Grouping:
         raise ValueError(f"ids must be flat [S], got {tuple(ids.shape)}")
     if not kernel_applies(ids):
         return group_by_expert_reference(ids, experts)
-    return group_by_expert_triton(ids, experts)
+    return torch.ops.omnirt.group_by_expert(ids, experts)
 
 
 def group_by_expert_triton(ids: torch.Tensor, experts: int) -> Grouping:
@@ -90,3 +90,15 @@ def group_by_expert_triton(ids: torch.Tensor, experts: int) -> Grouping:
         BINS=triton.next_power_of_2(experts), BLOCK=block, num_warps=4 if block <= 1024 else 8,
     )
     return perm, inverse, ends
+
+
+@torch.library.custom_op("omnirt::group_by_expert", mutates_args=())
+def _group_by_expert_op(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return group_by_expert_triton(ids, experts)
+
+
+@_group_by_expert_op.register_fake
+def _group_by_expert_fake(ids, experts):
+    pairs = ids.shape[0]
+    return (ids.new_empty(pairs, dtype=torch.int64), ids.new_empty(pairs, dtype=torch.int64),
+            ids.new_empty(experts, dtype=torch.int32))

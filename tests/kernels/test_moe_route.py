@@ -49,6 +49,16 @@ def test_experts_no_pair_chose_end_where_the_last_group_ends() -> None:
     assert perm.tolist() == [2, 5, 0, 1, 4, 3]
 
 
+@interpreted
+def test_the_custom_op_schema_and_fake() -> None:
+    ids = torch.randint(0, 8, (40,))
+    torch.library.opcheck(
+        torch.ops.omnirt.group_by_expert.default, (ids, 8), test_utils=("test_schema", "test_faketensor")
+    )
+    perm, inverse, ends = torch.ops.omnirt.group_by_expert(ids, 8)
+    _check(ids, 8, (perm, inverse, ends))
+
+
 def test_the_dispatcher_sorts_on_the_cpu_and_refuses_what_the_kernel_cannot_take() -> None:
     ids = torch.randint(0, 16, (64,))
     assert not kernel_applies(ids)  # CPU tensors never reach the kernel from the dispatcher
