@@ -37,8 +37,11 @@ eagerly (``--modes graphs eager``), and ``whole``: graphs with the prompt prefix
 off (``use_prefix_cache(False)``: every prompt read whole); otherwise it runs once in the
 pipeline's own mode and the table says so. ``--profile N`` profiles ``--profile-ticks``
 ticks at N sessions with ``torch.profiler`` and prints the GPU busy share of the tick wall
-time (union of kernel and copy intervals / tick wall; the profiler's own overhead lowers it a
-little) and the top kernels.
+time (union of kernel and copy intervals / tick wall; the profiler slows the host, which lowers
+it, so the GPU time a tick is also given as a share of the same level's unprofiled tick, when
+the run measured that level), the GPU time of the work
+each phase of the step launched (the pipeline's ``phases``, as profiler ranges), and the top
+kernels.
 
 On the H200, real size (``--model`` takes the published config file itself, or a folder holding
 it as ``config.json``), bf16; ``--time-budget`` skips the levels that might not end within it
@@ -441,7 +444,12 @@ def phases_table(levels: Sequence[Level]) -> str:
 
 
 def profile_report(
-    prof: Any, tick_walls: list[float], device: torch.device, top: int, phases: Sequence[str] = ()
+    prof: Any,
+    tick_walls: list[float],
+    device: torch.device,
+    top: int,
+    phases: Sequence[str] = (),
+    unprofiled_tick: float | None = None,
 ) -> str:
     from torch.autograd import DeviceType
 
@@ -471,6 +479,13 @@ def profile_report(
         f"GPU busy {busy / 1e3:.1f} ms of {wall_us / 1e3:.1f} ms: **{share:.0%}** of the tick wall time; "
         f"{len(kernels) / max(1, len(tick_walls)):.0f} kernels and copies per tick"
     )
+    if unprofiled_tick and tick_walls:
+        per_tick = busy / 1e3 / len(tick_walls)
+        lines.append(
+            f"GPU work {per_tick:.1f} ms a tick: **{per_tick / (unprofiled_tick * 1e3):.0%}** of the same "
+            f"level's unprofiled tick ({unprofiled_tick * 1e3:.1f} ms; profiled ticks "
+            f"{wall_us / 1e3 / len(tick_walls):.1f} ms)"
+        )
     phases = [name for name in phases if any(r.name == name for r in ranges)]
     if phases:
         starts = [a for a, _ in merged]
@@ -634,7 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"(the ramp did not complete within {args.level_timeout:g} s: nothing profiled)")
         else:
             names = list(level.phases) if level.phases else []
-            print(profile_report(prof, level.window_walls, device, args.profile_top, names))
+            same = [lv for lv in levels if lv.sessions == args.profile and lv.mode == modes[0]]
+            same_walls = [w for lv in same for w in lv.window_walls]
+            unprofiled = float(np.mean(same_walls)) if same_walls else None
+            print(profile_report(prof, level.window_walls, device, args.profile_top, names, unprofiled))
     return 0
 
 

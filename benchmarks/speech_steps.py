@@ -177,7 +177,8 @@ class _Phases:
         thinker.thinker_rope_index = lambda model: self.call("thinker RoPE index", rope(model))
         prefill.talker_rope_index = self.call("talker RoPE index", prefill.talker_rope_index)
         prefill.build_talker_prompt = self.call("talker prompt", prefill.build_talker_prompt)
-        pipe.thinker._prompt_embeds = self.call("thinker embeds (audio encoder)", pipe.thinker._prompt_embeds)
+        pipe.thinker.audio.execute = self.call("audio encoder", pipe.thinker.audio.execute)
+        pipe.thinker._prompt_embeds = self.call("thinker embeds", pipe.thinker._prompt_embeds)
         pipe.thinker.prompt.run = self.generator("thinker pass (graphs)", pipe.thinker.prompt.run)
         pipe.talker.prompt.run = self.generator("talker pass (graphs)", pipe.talker.prompt.run)
         pipe.talker.prefill_inputs = self.call("talker inputs", pipe.talker.prefill_inputs)
@@ -362,7 +363,7 @@ def main() -> None:
         pipe.remove("p")
         pipe.remove("q")
 
-    prefill_two_ms = _timed(prefill_two, device, max(3, args.iters // 4))
+    prefill_two_ms = _timed(prefill_two, device, max(3, args.iters // 4)) if pipe.free_slots >= 2 else None
     long = _long_prompt(pipe, args, device) if args.long_prompt else None
     pipe.use_prefix_cache(True)
     following = _next_turn(pipe, args, device, parts) if args.long_prompt else None
@@ -388,9 +389,10 @@ def main() -> None:
     print(f"# Speech steps: {pipe.info.id} ({params:.2f} B parameters), {device}, {pipe.dtype}\n")
     print(f"- start-up (build/load + capture of {graphs} decode graphs): {startup:.1f} s; "
           f"peak GPU memory {mem:.1f} GiB; {slots} slots x {args.max_context} context tokens")
+    two = f"{prefill_two_ms:.1f} ms" if prefill_two_ms is not None else "- (one slot)"
     print(f"- prefill of one turn ({args.audio_seconds:.1f} s audio + text; thinker with audio encoder, "
-          f"then talker): {prefill_ms:.1f} ms; of two turns at once (their thinker and talker passes "
-          f"batched): {prefill_two_ms:.1f} ms")
+          f"then talker): {prefill_ms:.1f} ms; of two turns at once (their audio, thinker and talker "
+          f"passes batched): {two}")
     if long is not None:
         tokens, pieces = long
         print(f"- a long prompt of {tokens} tokens read in {len(pieces)} pieces of at most "

@@ -56,6 +56,16 @@ class AudioPlan:
         return int(self.chunks.shape[0])
 
 
+@dataclass
+class AudioCall:
+    """A prompt's audio to encode, yielded by ``Thinker.forward_prompt`` as its prompt passes
+    yield their pieces: the driver (``prefill.advance``) runs the calls of the prompts it reads
+    at once in one :meth:`AudioEncoder.execute`, their windows as one batch."""
+
+    owner: AudioEncoder
+    plan: AudioPlan
+
+
 class AudioEncoder:
     """``tower`` (a ``Qwen3OmniMoeAudioEncoder``) over static windows (see the module docstring);
     ``runner`` holds its graphs (``capture()`` at start-up with the other steps)."""
@@ -110,18 +120,36 @@ class AudioEncoder:
         return self.encode(self.plan(features, mask))
 
     def encode(self, plan: AudioPlan) -> torch.Tensor:
+        return self.execute([AudioCall(self, plan)])[0]
+
+    def execute(self, calls: list[AudioCall]) -> list[torch.Tensor]:
+        """The audio tokens of each call's plan (several prompts' audio): their windows run as
+        one batch, in replays of up to the largest bucket."""
+        if any(c.owner is not self for c in calls):
+            raise ValueError("an AudioEncoder encodes its own calls only")
+        plans = [c.plan for c in calls]
+        chunks = torch.cat([p.chunks for p in plans])
+        frames = torch.cat([p.frames for p in plans])
+        tokens = torch.cat([p.tokens for p in plans])
         group = WINDOW_BUCKETS[-1]
         outs = []
-        for first in range(0, plan.windows, group):
+        for first in range(0, chunks.shape[0], group):
             rows = slice(first, first + group)
             inputs = {
-                "chunks": upload(plan.chunks[rows].to(self.dtype), self.device),
-                "frames": upload(plan.frames[rows], self.device),
-                "tokens": upload(plan.tokens[rows], self.device),
+                "chunks": upload(chunks[rows].to(self.dtype), self.device),
+                "frames": upload(frames[rows], self.device),
+                "tokens": upload(tokens[rows], self.device),
             }
             outs.append(self.runner(inputs)["hidden"])
-        hidden = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return hidden.flatten(0, 1)[upload(plan.index, self.device)]
+        hidden = (torch.cat(outs) if len(outs) > 1 else outs[0]).flatten(0, 1)
+        # Each plan's tokens, by its index shifted past the windows before it: one gather.
+        grid, shift = self.window_tokens, 0
+        index = []
+        for plan in plans:
+            index.append(plan.index + shift * grid)
+            shift += plan.windows
+        flat = hidden[upload(torch.cat(index), self.device)]
+        return list(flat.split([int(p.index.shape[0]) for p in plans]))
 
     def _example(self, windows: int) -> dict[str, torch.Tensor]:
         return {

@@ -22,10 +22,9 @@ import torch
 
 from ..pipeline import CallCounter, RequestRejected
 from .prompt import PromptInputs
-from .slots import PieceCall, PromptPass
 from .talker import HEADER_MAX, Talker, TalkerPrefill
 from .talker_prompt import TalkerPrompt, build_talker_prompt, talker_rope_index
-from .thinker import Thinker, ThinkerPrefill
+from .thinker import Answer, Call, Thinker, ThinkerPrefill
 
 
 @dataclass
@@ -55,7 +54,7 @@ class PrefillJob:
 
     def __init__(
         self,
-        pieces: Generator[PieceCall | None, dict[str, torch.Tensor] | None, Prefilled],
+        pieces: Generator[Call | None, Answer | None, Prefilled],
         stream: torch.cuda.Stream | None,
         estimate: int,
     ) -> None:
@@ -76,9 +75,10 @@ class PrefillJob:
         """Runs the next tick's pieces; the last one sets the result."""
         advance([self])
 
-    def _resume(self, answer: dict[str, torch.Tensor] | None) -> PieceCall | None:
-        """Resumes the pieces with ``answer`` (the outputs of the piece it asked for): the next
-        piece it asks for, or None at the end of its tick (or of the prefill, or on an error)."""
+    def _resume(self, answer: Answer | None) -> Call | None:
+        """Resumes the pieces with ``answer`` (the outputs of the call it asked for: a prompt
+        piece, its audio): the next call, or None at the end of its tick (or of the prefill, or
+        on an error)."""
         try:
             with torch.no_grad(), _on(self._stream):
                 call = self._pieces.send(answer)
@@ -108,12 +108,13 @@ class PrefillJob:
             self._pieces.close()
 
 
-def advance(jobs: Sequence[PrefillJob], passed: Callable[[PromptPass, int], None] | None = None) -> None:
-    """One tick of each of ``jobs``: runs each to the end of its tick, the prompt pieces they
-    ask for at once run together (:meth:`~.slots.PromptPass.execute`: the first pieces of one
-    pass, the thinker's or the talker's, in one batched pass that reads the weights once;
-    ``passed(pass, pieces)`` is told of each). A failing pass fails the jobs whose pieces it
-    ran, not the others."""
+def advance(jobs: Sequence[PrefillJob], passed: Callable[[Any, int], None] | None = None) -> None:
+    """One tick of each of ``jobs``: runs each to the end of its tick, the calls they ask for at
+    once run together by their owner: their audio in one batch of windows
+    (:meth:`~.audio_encoder.AudioEncoder.execute`), the first pieces of one prompt pass, the
+    thinker's or the talker's, in one batched pass that reads the weights once
+    (:meth:`~.slots.PromptPass.execute`); ``passed(owner, calls)`` is told of each run. A failing
+    run fails the jobs whose calls it ran, not the others."""
     asked = {job: job._resume(None) for job in jobs if not job.done()}
     while pending := [(job, call) for job, call in asked.items() if call is not None]:
         asked = {}
@@ -146,12 +147,15 @@ class Prefiller:
         self.stream = torch.cuda.Stream(self.device) if worker and self.device.type == "cuda" else None
 
     def advance(self, jobs: Sequence[PrefillJob]) -> None:
-        """One tick of each of ``jobs`` (:func:`advance`), counting the batched passes by their
-        rows in ``calls`` (``thinker_prompt`` / ``talker_prompt``: prompts in the pass)."""
+        """One tick of each of ``jobs`` (:func:`advance`), counting the batched runs by the
+        prompts in each in ``calls`` (``audio_encoder``, ``thinker_prompt``, ``talker_prompt``)."""
 
-        def passed(owner: PromptPass, pieces: int) -> None:
-            name = "thinker_prompt" if owner is self.thinker.prompt else "talker_prompt"
-            self.calls[name, pieces] += 1
+        names = {id(self.thinker.prompt): "thinker_prompt", id(self.thinker.audio): "audio_encoder"}
+        if self.talker is not None:
+            names[id(self.talker.prompt)] = "talker_prompt"
+
+        def passed(owner: Any, calls: int) -> None:
+            self.calls[names[id(owner)], calls] += 1
 
         advance(jobs, passed)
 
@@ -185,7 +189,7 @@ class Prefiller:
         speaker_id: int | None,
         mask: torch.Tensor | None,
         reused: tuple[int, int],
-    ) -> Generator[PieceCall | None, dict[str, torch.Tensor] | None, Prefilled]:
+    ) -> Generator[Call | None, Answer | None, Prefilled]:
         start, talker_reused = reused
         self.calls["thinker_prefill", 1] += 1
         thinker = yield from self.thinker.forward_prompt(slot, prompt, allowed=mask, start=start)

@@ -21,11 +21,15 @@ from torch import nn
 
 from ..draws import THINKER_STREAM, SlotSampling
 from ..graphs import upload
-from .audio_encoder import AudioEncoder
+from .audio_encoder import AudioCall, AudioEncoder, AudioPlan
 from .hf_compat import thinker_rope_index, thinker_text_model
 from .prompt import PromptInputs
 from .slots import PieceCall, PromptPass, SlotDecoder, decode_runner, prompt_example, token_runs
 from .token_masks import SlotMasks
+
+#: What a prefill's pieces ask their driver to run (``prefill.advance``), and its answers.
+Call = PieceCall | AudioCall
+Answer = dict[str, torch.Tensor] | torch.Tensor
 
 
 @dataclass
@@ -95,13 +99,14 @@ class Thinker:
 
     def forward_prompt(
         self, slot: int, prompt: PromptInputs, allowed: torch.Tensor | None = None, start: int = 0
-    ) -> Generator[PieceCall | None, dict[str, torch.Tensor] | None, ThinkerPrefill]:
+    ) -> Generator[Call | None, Answer | None, ThinkerPrefill]:
         """Reads a prompt into ``slot``'s cache entries and draws the first reply token with the
         slot's sampling row (and the bitmask ``allowed``, [words] int32 on the host, when the
-        reply is constrained): the audio and vision encoders and the embedding merge eagerly (as
-        transformers does), then the layers in static-length pieces of ``prompt_chunk`` tokens
-        (CUDA graphs per length bucket, :class:`~.slots.PromptPass`); a generator that yields
-        between pieces, so a long prompt is read over several ticks. With ``start``, the slot
+        reply is constrained): the audio encoder (an :class:`~.audio_encoder.AudioCall` it
+        yields), the vision encoder and the embedding merge, then the layers in static-length
+        pieces of ``prompt_chunk`` tokens (:class:`~.slots.PromptPass`, whose pieces it yields as
+        :class:`~.slots.PieceCall`); a generator that yields None between pieces, so a long prompt
+        is read over several ticks (``prefill.advance`` drives it). With ``start``, the slot
         holds the prompt's first ``start`` entries already (a reused prefix): only the rest is
         read, and audio parts that end before it are not encoded. Writes only the slot's own
         cache entries, which no decode step touches while the slot waits for its prompt;
@@ -120,7 +125,12 @@ class Thinker:
             prompt.input_ids, host.get("image_grid_thw"), None, mask, False, audio_lengths, None
         )
         positions = upload(positions, self.device)
-        embeds, deepstack = self._prompt_embeds(ids, extra, start, {**host, "input_ids": prompt.input_ids})
+        audio = None
+        plan, at = self.audio_parts(prompt.input_ids, host, start)
+        if plan is not None:  # encoded by the driver, with the audio of prompts read beside it
+            assert self.audio is not None
+            audio = ((yield AudioCall(self.audio, plan)), at)
+        embeds, deepstack = self._prompt_embeds(ids, extra, audio)
         out = yield from self.prompt.run(embeds, positions, slot, {"deepstack": deepstack}, start)
         logits = self.lm_head(out["last"])
         if allowed is not None:
@@ -129,27 +139,36 @@ class Thinker:
         accepted = out["accepted"] if self.accept_layer else None
         return ThinkerPrefill(ids.shape[1], positions.max() + 1, token, ids[0], embeds, accepted)
 
+    def audio_parts(
+        self, input_ids: torch.Tensor, host: dict[str, Any], start: int = 0
+    ) -> tuple[AudioPlan | None, torch.Tensor]:
+        """The windows of the prompt's audio parts that end after ``start`` (those before it are
+        in the slot already: their positions keep the placeholder's embedding, which the pass
+        does not read), and the positions [N] of their tokens in the prompt; (None, empty) when
+        none is needed. From the host tensors (``input_ids`` [1, L], the audio features)."""
+        none = (None, torch.empty(0, dtype=torch.long))
+        if "input_features" not in host:
+            return none
+        spans = token_runs(input_ids[0], self.thinker.config.audio_token_id)
+        needed = [k for k, (_, end) in enumerate(spans) if end > start]
+        if not needed:
+            return none
+        assert self.audio is not None
+        plan = self.audio.plan(host["input_features"][needed], host["feature_attention_mask"][needed])
+        return plan, torch.cat([torch.arange(*spans[k]) for k in needed])  # the parts' positions, in order
+
     def _prompt_embeds(
-        self, ids: torch.Tensor, extra: dict[str, Any], start: int = 0, host: dict[str, Any] | None = None
+        self, ids: torch.Tensor, extra: dict[str, Any], audio: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt's input embeddings [L, H] with the audio and image features merged in, and
-        the visual deepstack features placed at the image positions [n, L, H] (zeros elsewhere),
-        as ``Qwen3OmniMoeThinkerModel.forward`` builds them. ``host``: the prompt's host tensors
-        (``input_ids`` [1, L] and the audio features: the audio parts are found, and encoded
-        on CUDA graphs, from them: :mod:`.audio_encoder`). Audio parts that end before
-        ``start`` are not encoded (their positions keep the placeholder's embedding: the pass
-        does not read them)."""
+        """The prompt's input embeddings [L, H] with the audio tokens (``audio``: the encoded
+        tokens [N, H] and their positions [N], see :meth:`audio_parts`) and image features merged
+        in, and the visual deepstack features placed at the image positions [n, L, H] (zeros
+        elsewhere), as ``Qwen3OmniMoeThinkerModel.forward`` builds them."""
         model = self.thinker.model
         embeds = model.get_input_embeddings()(ids)
-        if host is not None and "input_features" in host:
-            spans = token_runs(host["input_ids"][0], self.thinker.config.audio_token_id)
-            needed = [k for k, (_, end) in enumerate(spans) if end > start]
-            if needed:
-                assert self.audio is not None
-                features, lengths = host["input_features"][needed], host["feature_attention_mask"][needed]
-                audio = self.audio(features, lengths).to(embeds.dtype)
-                at = torch.cat([torch.arange(*spans[k]) for k in needed])  # the parts' positions, in order
-                embeds[0, upload(at, embeds.device)] = audio
+        if audio is not None:
+            tokens, at = audio
+            embeds[0, upload(at, embeds.device)] = tokens.to(embeds.dtype)
         deepstack = embeds.new_zeros((self.deepstack, ids.shape[1], embeds.shape[-1]))
         if "pixel_values" in extra:
             image = model.get_image_features(extra["pixel_values"], extra["image_grid_thw"], return_dict=True)

@@ -185,10 +185,11 @@ def test_windowed_audio_encoder_equals_get_audio_features(pipeline, seconds) -> 
     host = prompt.model_kwargs()
     ids = prompt.input_ids
     assert host["input_features"].shape[0] == len(seconds)
-    plan = thinker.audio.plan(host["input_features"], host["feature_attention_mask"])
-    assert plan.windows >= len(seconds) + (seconds[0] > 8)  # the long part takes several windows
+    plan, _ = thinker.audio_parts(ids, host)
+    assert plan is not None and plan.windows >= len(seconds) + (seconds[0] > 8)  # a long part: windows
     with torch.no_grad():
-        got, _ = thinker._prompt_embeds(ids, {}, 0, {**host, "input_ids": ids})
+        plan, at = thinker.audio_parts(ids, host)
+        got, _ = thinker._prompt_embeds(ids, {}, (thinker.audio.encode(plan), at))
         embeds = model.get_input_embeddings()(ids)
         _, _, mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
         features = host["input_features"].to(thinker.dtype)
@@ -197,3 +198,23 @@ def test_windowed_audio_encoder_equals_get_audio_features(pipeline, seconds) -> 
     placed = (got != embeds[0]).any(dim=-1).sum()
     assert got.shape == want.shape and placed == audio.last_hidden_state.shape[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_audio_of_several_prompts_encodes_as_one_batch(pipeline) -> None:
+    """Prompts read at once have their audio encoded in one batch of windows
+    (``AudioEncoder.execute``): each prompt gets its own tokens, as encoded alone (to rounding:
+    other matmul shapes)."""
+    from omnirt.stages.speech.audio_encoder import AudioCall
+
+    encoder = pipeline.thinker.audio
+    plans = []
+    for k, seconds in enumerate((1.0, 9.5, 0.4)):
+        request = GenerationRequest(f"p{k}", [ContextMessage("user", (AudioPart(tone(seconds, seed=k)),))])
+        host = pipeline.prepare(request).prompt.model_kwargs()
+        plans.append(encoder.plan(host["input_features"], host["feature_attention_mask"]))
+    with torch.no_grad():
+        together = encoder.execute([AudioCall(encoder, p) for p in plans])
+        for plan, got in zip(plans, together, strict=True):
+            alone = encoder.encode(plan)
+            assert got.shape == alone.shape == (plan.index.shape[0], alone.shape[-1])
+            torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)

@@ -61,8 +61,9 @@ def test_concurrent_requests_equal_each_alone(demo_dir: Path) -> None:
 
 
 def test_new_turns_of_a_tick_are_read_in_one_batched_pass(demo_dir: Path) -> None:
-    """Two turns that arrive together are read in one thinker pass and one talker pass of two
-    rows (the weights read once for both), and reply as each does read alone: the same tokens,
+    """Two turns that arrive together have their audio encoded in one batch and are read in one
+    thinker pass and one talker pass of two rows (the weights read once for both), and reply as
+    each does read alone: the same tokens,
     the same frames, the same PCM to int16 rounding (other matmul shapes); a third waits for
     the next tick's lane and its pass has one row."""
     pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
@@ -78,6 +79,7 @@ def test_new_turns_of_a_tick_are_read_in_one_batched_pass(demo_dir: Path) -> Non
         pipe.add(req)
         alone[req.request_id] = _summary(of(drain(pipe), req.request_id))
     assert pipe.calls["thinker_prompt", 1] == 3 and pipe.calls["talker_prompt", 1] == 3
+    assert pipe.calls["audio_encoder", 1] == 3
     alone_tokens = dict(log.tokens)
     log.tokens.clear()
     pipe.calls.clear()
@@ -85,6 +87,7 @@ def test_new_turns_of_a_tick_are_read_in_one_batched_pass(demo_dir: Path) -> Non
         pipe.add(make())
     together = drain(pipe)
     assert pipe.calls["thinker_prompt", 2] == 1 and pipe.calls["talker_prompt", 2] == 1
+    assert pipe.calls["audio_encoder", 2] == 1 and pipe.calls["audio_encoder", 1] == 1
     assert pipe.calls["thinker_prompt", 1] == 1 and pipe.calls["talker_prompt", 1] == 1  # "c"
     assert pipe.calls["thinker_prefill", 1] == 3  # prompts read
     assert log.tokens == alone_tokens

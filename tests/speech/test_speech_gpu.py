@@ -249,6 +249,7 @@ def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
     _graphs_equal_eager(pipe, requests)
     # The turns arrive together: their prompts were read two to a pass, graphed and eager.
     assert pipe.calls["thinker_prompt", 2] >= 4 and pipe.calls["talker_prompt", 2] >= 4
+    assert pipe.calls["audio_encoder", 2] >= 4  # and their audio in one batch of windows
     graphs = sum(r.graphs for r in pipe.runners)
     print(f"\n[gpu] {dtype}: {graphs} decode graphs captured in {captured:.1f} s; 6 turns "
           "(greedy + sampled; prompts two to a pass): tokens and PCM graph == eager bitwise")
