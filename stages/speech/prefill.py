@@ -108,30 +108,38 @@ class PrefillJob:
             self._pieces.close()
 
 
-def advance(jobs: Sequence[PrefillJob], passed: Callable[[Any, int], None] | None = None) -> None:
+def advance(
+    jobs: Sequence[PrefillJob],
+    passed: Callable[[Any, int], None] | None = None,
+    order: Sequence[Any] = (),
+) -> None:
     """One tick of each of ``jobs``: runs each to the end of its tick, the calls they ask for at
     once run together by their owner: their audio in one batch of windows
     (:meth:`~.audio_encoder.AudioEncoder.execute`), the first pieces of one prompt pass, the
     thinker's or the talker's, in one batched pass that reads the weights once
-    (:meth:`~.slots.PromptPass.execute`); ``passed(owner, calls)`` is told of each run. A failing
-    run fails the jobs whose calls it ran, not the others."""
+    (:meth:`~.slots.PromptPass.execute`). ``order``: the owners in the order a prefill calls
+    them; a call waits while another job has one for an earlier owner, so a text prompt's
+    thinker piece waits for an audio prompt's encoding and joins its pass. ``passed(owner,
+    calls)`` is told of each run. A failing run fails the jobs whose calls it ran, not the
+    others."""
+    rank = {id(owner): k for k, owner in enumerate(order)}
     asked = {job: job._resume(None) for job in jobs if not job.done()}
     while pending := [(job, call) for job, call in asked.items() if call is not None]:
-        asked = {}
-        for owner in {id(call.owner): call.owner for _, call in pending}.values():
-            group = [(job, call) for job, call in pending if call.owner is owner]
-            stream = group[0][0]._stream
-            try:
-                with torch.no_grad(), _on(stream):
-                    outs = owner.execute([call for _, call in group])
-            except Exception as exc:
-                for job, _ in group:
-                    job._fail(exc)
-                continue
-            if passed is not None:
-                passed(owner, len(group))
-            for (job, _), out in zip(group, outs, strict=True):
-                asked[job] = job._resume(out)
+        owner = min((call.owner for _, call in pending), key=lambda o: rank.get(id(o), len(rank)))
+        group = [(job, call) for job, call in pending if call.owner is owner]
+        for job, _ in group:
+            del asked[job]
+        try:
+            with torch.no_grad(), _on(group[0][0]._stream):
+                outs = owner.execute([call for _, call in group])
+        except Exception as exc:
+            for job, _ in group:
+                job._fail(exc)
+            continue
+        if passed is not None:
+            passed(owner, len(group))
+        for (job, _), out in zip(group, outs, strict=True):
+            asked[job] = job._resume(out)
 
 
 class Prefiller:
@@ -150,14 +158,17 @@ class Prefiller:
         """One tick of each of ``jobs`` (:func:`advance`), counting the batched runs by the
         prompts in each in ``calls`` (``audio_encoder``, ``thinker_prompt``, ``talker_prompt``)."""
 
-        names = {id(self.thinker.prompt): "thinker_prompt", id(self.thinker.audio): "audio_encoder"}
+        owners: list[tuple[Any, str]] = [(self.thinker.prompt, "thinker_prompt")]
+        if self.thinker.audio is not None:
+            owners.insert(0, (self.thinker.audio, "audio_encoder"))
         if self.talker is not None:
-            names[id(self.talker.prompt)] = "talker_prompt"
+            owners.append((self.talker.prompt, "talker_prompt"))
+        names = {id(owner): name for owner, name in owners}
 
         def passed(owner: Any, calls: int) -> None:
             self.calls[names[id(owner)], calls] += 1
 
-        advance(jobs, passed)
+        advance(jobs, passed, [owner for owner, _ in owners])
 
     def start(
         self,

@@ -87,6 +87,20 @@ def test_new_turns_of_a_tick_are_read_in_one_batched_pass(demo_dir: Path) -> Non
     assert all(reply[1].size > 0 for reply in alone.values())
 
 
+def test_a_text_turn_waits_for_an_audio_turns_encoding_and_joins_its_passes(demo_dir: Path) -> None:
+    """A text turn and an audio turn arriving together: the text one's thinker piece waits for
+    the audio's encoding in the same tick, so the two are read in one thinker pass and one talker
+    pass, and each replies as it does alone."""
+    pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    _, calls = _alone_then_together(pipe, [
+        lambda: text_request("t", "tell me a story", output_audio=True, max_output_tokens=10),
+        lambda: audio_request("a", tone(1.0), max_output_tokens=10),
+    ])
+    assert calls["audio_encoder", 1] == 1 and calls["thinker_prompt", 1] == 2
+    assert pipe.calls["audio_encoder", 1] == 1  # the audio turn's alone
+    assert pipe.calls["thinker_prompt", 2] == 1 and pipe.calls["talker_prompt", 2] == 1
+
+
 def test_a_failing_batched_pass_fails_its_turns_only(demo_dir: Path) -> None:
     """A prompt pass that fails fails the turns it read (both rows of a batched pass), not the
     session already speaking nor the turn that arrives next; their slots come back."""
