@@ -43,6 +43,11 @@ the run measured that level), the GPU time of the work
 each phase of the step launched (the pipeline's ``phases``, as profiler ranges), and the top
 kernels.
 
+``--host-profile N`` runs the level of N sessions once more under ``cProfile`` and prints the
+functions that hold the host longest per tick (where a host-bound phase spends its time).
+``--slots`` plans more slots than the largest level (spare slots keep the prompts of ended
+turns for reuse, as a server's do).
+
 On the H200, real size (``--model`` takes the published config file itself, or a folder holding
 it as ``config.json``), bf16; ``--time-budget`` skips the levels that might not end within it
 (each level can take up to ``--level-timeout`` seconds)::
@@ -510,6 +515,30 @@ def profile_report(
     return "\n".join(lines)
 
 
+def host_report(prof: Any, ticks: int, top: int) -> str:
+    """The functions holding the host longest per tick (cProfile: inclusive and own time; the
+    profiler's own overhead inflates both, the most for the functions called most)."""
+    import pstats
+
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    ticks = max(1, ticks)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
+        where = f"{Path(path).name}:{line} {name}" if line else name
+        rows.append((cumulative, own, calls, where))
+    lines = [
+        f"cProfile over {ticks} ticks; per tick:\n",
+        "| function | calls | inclusive (ms) | own (ms) |\n|---|---|---|---|",
+    ]
+    for cumulative, own, calls, where in sorted(rows, reverse=True)[: 2 * top]:
+        per_tick = f"{calls / ticks:.1f} | {cumulative / ticks * 1e3:.2f} | {own / ticks * 1e3:.2f}"
+        lines.append(f"| `{where[:90]}` | {per_tick} |")
+    lines.append("\nby own time:\n\n| function | calls | own (ms) |\n|---|---|---|")
+    for _, own, calls, where in sorted(rows, key=lambda r: r[1], reverse=True)[:top]:
+        lines.append(f"| `{where[:90]}` | {calls / ticks:.1f} | {own / ticks * 1e3:.2f} |")
+    return "\n".join(lines)
+
+
 # -- main --------------------------------------------------------------------------------------------
 
 
@@ -553,9 +582,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile ticks at N sessions")
     parser.add_argument("--profile-ticks", type=int, default=8)
     parser.add_argument("--profile-top", type=int, default=15, help="rows of the kernel table")
+    parser.add_argument(
+        "--host-profile", type=int, default=0, metavar="N",
+        help="profile the host (cProfile) over the measured window at N sessions, first mode",
+    )
+    parser.add_argument(
+        "--slots", type=int, default=0,
+        help="slots the pipeline plans (default: the largest level); spare slots keep prompt prefixes",
+    )
     args = parser.parse_args(argv)
-    if min(args.sessions) < 1 or args.profile < 0 or args.max_context < 64:
-        parser.error("--sessions must be >= 1, --profile >= 0, --max-context >= 64")
+    if min(args.sessions) < 1 or args.profile < 0 or args.host_profile < 0 or args.max_context < 64:
+        parser.error("--sessions must be >= 1, --profile and --host-profile >= 0, --max-context >= 64")
+    if args.slots and args.slots < max([*args.sessions, args.profile, args.host_profile]):
+        parser.error("--slots must hold the largest level")
     return args
 
 
@@ -563,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device)
-    max_slots = max([*args.sessions, args.profile])
+    max_slots = args.slots or max([*args.sessions, args.profile, args.host_profile])
     pipeline, startup = build(args, max_slots)
     gc.collect()
     gc.freeze()  # as the server does after start-up: no full collections of the model's objects
@@ -653,6 +692,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             same_walls = [w for lv in same for w in lv.window_walls]
             unprofiled = float(np.mean(same_walls)) if same_walls else None
             print(profile_report(prof, level.window_walls, device, args.profile_top, names, unprofiled))
+    if args.host_profile and over_budget():
+        print(f"\n(host profile skipped: --time-budget {args.time_budget:g} s would be exceeded)")
+    elif args.host_profile:
+        import cProfile
+
+        if can_switch:
+            pipeline.use_graphs(modes[0] != "eager")
+            if hasattr(pipeline, "use_prefix_cache"):
+                pipeline.use_prefix_cache(modes[0] != "whole")
+        level, prof = driver.run(modes[0], args.host_profile, args.seconds, on_window=cProfile.Profile)
+        print(f"\n## Host profile: {args.host_profile} sessions, mode {modes[0]}\n")
+        if prof is None:
+            print(f"(the ramp did not complete within {args.level_timeout:g} s: nothing profiled)")
+        else:
+            print(host_report(prof, len(level.window_walls), args.profile_top))
     return 0
 
 

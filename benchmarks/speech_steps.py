@@ -175,7 +175,7 @@ class _Phases:
 
         rope = thinker.thinker_rope_index
         thinker.thinker_rope_index = lambda model: self.call("thinker RoPE index", rope(model))
-        prefill.talker_rope_index = self.call("talker RoPE index", prefill.talker_rope_index)
+        pipe._prefiller.talker_rope = self.call("talker RoPE index", pipe._prefiller.talker_rope)
         prefill.build_talker_prompt = self.call("talker prompt", prefill.build_talker_prompt)
         pipe.thinker.audio.execute = self.call("audio encoder", pipe.thinker.audio.execute)
         pipe.thinker._prompt_embeds = self.call("thinker embeds", pipe.thinker._prompt_embeds)

@@ -92,7 +92,7 @@ class Code2WavStreamer:
         for slot in frames:
             self._check_slot(slot)
         rows = sorted(frames)
-        codes = torch.stack([self._check_codes(slot, frames[slot]) for slot in rows])
+        codes = self._check_codes(rows, [frames[slot] for slot in rows])
         batch = next(b for b in self.buckets if b > rows[-1])
         exec_mask = torch.zeros(batch, dtype=torch.bool)
         exec_mask[rows] = True
@@ -113,17 +113,24 @@ class Code2WavStreamer:
         if not isinstance(slot, int) or isinstance(slot, bool) or slot not in self._frames:
             raise ValueError(f"unknown code2wav slot {slot!r} (not acquired, or already released)")
 
-    def _check_codes(self, slot: int, codes: Tensor) -> Tensor:
-        codes = torch.as_tensor(codes)
+    def _check_codes(self, slots: Sequence[int], frames: Sequence[Tensor]) -> Tensor:
+        """The frames of ``slots`` as one [N, num_quantizers] int64 host tensor, checked."""
         q = self.model.num_quantizers
-        if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
-            raise ValueError(f"code2wav codes for slot {slot} must be integers, got {codes.dtype}")
-        if codes.shape != (q,):
-            raise ValueError(f"code2wav expects {q} codebooks per frame for slot {slot}, got shape "
-                             f"{tuple(codes.shape)}")
-        codes = codes.to("cpu", torch.int64)
-        low, high = int(codes.min()), int(codes.max())
-        if low < 0 or high >= self.model.codebook_size:
-            raise ValueError(f"code2wav codes for slot {slot} must lie in [0, {self.model.codebook_size}), "
+        checked = []
+        for slot, codes in zip(slots, frames, strict=True):
+            codes = torch.as_tensor(codes)
+            if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+                raise ValueError(f"code2wav codes for slot {slot} must be integers, got {codes.dtype}")
+            if codes.shape != (q,):
+                raise ValueError(f"code2wav expects {q} codebooks per frame for slot {slot}, got shape "
+                                 f"{tuple(codes.shape)}")
+            checked.append(codes.to("cpu", torch.int64))
+        stacked = torch.stack(checked)
+        bad = (stacked < 0) | (stacked >= self.model.codebook_size)
+        if bool(bad.any()):
+            row = int(bad.any(dim=1).nonzero()[0])
+            low, high = int(stacked[row].min()), int(stacked[row].max())
+            size = self.model.codebook_size
+            raise ValueError(f"code2wav codes for slot {slots[row]} must lie in [0, {size}), "
                              f"got values in [{low}, {high}]")
-        return codes
+        return stacked

@@ -795,6 +795,7 @@ class SpeechPipeline:
         # One copy (it waits for the talker step): each slot's next group-0 code, then the frame
         # its last step made; a copy, since vocoders may keep the frames.
         host = torch.cat((self.talker.next_code.unsqueeze(1), self.talker.frames), dim=1).cpu()
+        next_codes = host[:, 0].tolist()
         stepped = {id(a) for a in stepped_rows}
         for a in started:
             t = a.talker
@@ -806,7 +807,7 @@ class SpeechPipeline:
                 if self.talker.kv.length(a.slot) >= self.talker.kv.max_len:
                     t.done = True
             if not t.done:
-                t.next_code = int(host[a.slot, 0])
+                t.next_code = next_codes[a.slot]
                 self._check_code(a)
 
     def _check_code(self, active: _Active) -> None:

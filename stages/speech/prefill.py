@@ -23,7 +23,7 @@ import torch
 from ..pipeline import CallCounter, RequestRejected
 from .prompt import PromptInputs
 from .talker import HEADER_MAX, Talker, TalkerPrefill
-from .talker_prompt import TalkerPrompt, build_talker_prompt, talker_rope_index
+from .talker_prompt import TalkerPrompt, TalkerRope, build_talker_prompt
 from .thinker import Answer, Call, Thinker, ThinkerPrefill
 
 
@@ -153,6 +153,7 @@ class Prefiller:
         self.device = thinker.device
         self.worker = futures.ThreadPoolExecutor(1, thread_name_prefix="omnirt-prefill") if worker else None
         self.stream = torch.cuda.Stream(self.device) if worker and self.device.type == "cuda" else None
+        self.talker_rope = TalkerRope(model) if talker is not None else None
 
     def advance(self, jobs: Sequence[PrefillJob]) -> None:
         """One tick of each of ``jobs`` (:func:`advance`), counting the batched runs by the
@@ -234,7 +235,10 @@ class Prefiller:
         audio_lengths = prompt.feature_attention_mask.sum(-1) if audio else None
         grid = prompt.image_grid_thw
 
+        talker_rope = self.talker_rope
+        assert talker_rope is not None
+
         def rope(ids: torch.Tensor) -> torch.Tensor:
-            return talker_rope_index(self.model, ids[None], grid, audio_lengths)
+            return talker_rope(ids[None], grid, audio_lengths)
 
         return rope

@@ -28,6 +28,7 @@ import hashlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -89,6 +90,54 @@ def plan_reuse(
     return Reuse(slot, length, talker) if length > 0 else None
 
 
+class HeldPrefixes(dict[int, Prefix]):
+    """The prefix each slot holds (a dict), indexed by its first :data:`MIN_REUSE` keys: a
+    prompt can reuse only the prefixes that begin as it does, so :meth:`SlotPool.best` reads
+    those alone, not every slot's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_head: dict[bytes, dict[int, None]] = {}
+
+    @staticmethod
+    def head(keys: np.ndarray) -> bytes | None:
+        return keys[:MIN_REUSE].tobytes() if keys.shape[0] >= MIN_REUSE else None
+
+    def beginning(self, keys: np.ndarray) -> list[int]:
+        """The slots whose prefix has ``keys``' first :data:`MIN_REUSE` keys (oldest first)."""
+        head = self.head(keys)
+        return list(self._by_head.get(head, ())) if head is not None else []
+
+    def __setitem__(self, slot: int, prefix: Prefix) -> None:
+        self._unindex(slot)
+        super().__setitem__(slot, prefix)
+        head = self.head(prefix.keys)
+        if head is not None:
+            self._by_head.setdefault(head, {})[slot] = None
+
+    def __delitem__(self, slot: int) -> None:
+        self._unindex(slot)
+        super().__delitem__(slot)
+
+    def pop(self, slot: int, *default: Any) -> Any:  # type: ignore[override]
+        self._unindex(slot)
+        return super().pop(slot, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self._by_head.clear()
+
+    def _unindex(self, slot: int) -> None:
+        prefix = self.get(slot)
+        head = self.head(prefix.keys) if prefix is not None else None
+        if head is None:
+            return
+        bucket = self._by_head[head]
+        del bucket[slot]
+        if not bucket:
+            del self._by_head[head]
+
+
 class SlotPool:
     """Slot numbers handed out lowest first, and the prefix each slot holds (busy slots once
     their prompt is read, free slots after their request ended). ``move(source, target,
@@ -97,7 +146,7 @@ class SlotPool:
     def __init__(self, count: int, move: Callable[[int, int, Prefix], None]) -> None:
         self._slots = SlotAllocator(count)
         self._move = move
-        self.held: dict[int, Prefix] = {}
+        self.held = HeldPrefixes()
         self._used: dict[int, int] = {}  # slot -> tick of its prefix's last use (LRU)
         self._clock = itertools.count()
 
@@ -191,10 +240,12 @@ class SlotPool:
         """The longest prefix of the prompt ``keys``, of ``at_least`` positions, that a slot
         holds (see :func:`plan_reuse`); marks it used."""
         best: Reuse | None = None
-        for slot, held in self.held.items():
-            if held.keys.shape[0] == 0 or held.keys[0] != keys[0]:
-                continue
-            reuse = plan_reuse(keys, user, slot, held)
+        if at_least < MIN_REUSE:
+            candidates = [s for s, p in self.held.items() if p.keys.shape[0] and p.keys[0] == keys[0]]
+        else:
+            candidates = self.held.beginning(keys)
+        for slot in candidates:
+            reuse = plan_reuse(keys, user, slot, self.held[slot])
             if reuse is None or reuse.thinker < at_least:
                 continue
             if best is None or reuse.thinker > best.thinker:

@@ -319,8 +319,11 @@ class SlotDecoder:
         self.max_len = max_len
         # One more column than max_len: idle rows write their key/value there (never attended).
         shape = (num_slots, self.num_kv_heads, max_len + 1, self.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+        #: Every layer's keys and values in one tensor [2, layers, *shape], so that a slot's
+        #: entries move between slots in one copy (a reused prefix: :meth:`copy_prefix`).
+        self.cache = torch.zeros((2, len(self.layers), *shape), device=device, dtype=dtype)
+        self.keys = [self.cache[0, i] for i in range(len(self.layers))]
+        self.values = [self.cache[1, i] for i in range(len(self.layers))]
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.host_lengths = [0] * num_slots  # the same, on the host: no device sync to read it
         self._rows = torch.arange(num_slots, device=device)
@@ -339,7 +342,7 @@ class SlotDecoder:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self.cache.numel() * self.cache.element_size()
 
     def reset(self, slot: int) -> None:
         """Empties ``slot`` (no device sync)."""
@@ -357,6 +360,7 @@ class SlotDecoder:
         for slot in slots:
             self.host_lengths[slot] += 1
 
+    @torch.no_grad()
     def step(
         self, inputs_embeds: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, attend: int
     ) -> torch.Tensor:
@@ -416,6 +420,7 @@ class SlotDecoder:
         lengths.add_(active.long())
         return _add_norm(self.model.norm, x, pending)[1][:, 0]
 
+    @torch.no_grad()
     def prompt_step(
         self,
         embeds: torch.Tensor,
@@ -505,8 +510,7 @@ class SlotDecoder:
             raise ValueError(f"a prefix of {length} entries exceeds the slot length {self.max_len}")
         if source == target or length <= 0:
             return
-        for cache in (*self.keys, *self.values):
-            cache[target, :, :length].copy_(cache[source, :, :length])
+        self.cache[:, :, target, :, :length].copy_(self.cache[:, :, source, :, :length])
 
     def move(self, source: int, target: int, *, swap: bool = False) -> None:
         """Slot ``target`` takes slot ``source``'s entries and length (the whole row: a step's
@@ -515,11 +519,10 @@ class SlotDecoder:
         sync."""
         if source == target:
             return
-        for cache in (*self.keys, *self.values):
-            kept = cache[target].clone() if swap else None
-            cache[target].copy_(cache[source])
-            if kept is not None:
-                cache[source].copy_(kept)
+        kept = self.cache[:, :, target].clone() if swap else None
+        self.cache[:, :, target].copy_(self.cache[:, :, source])
+        if kept is not None:
+            self.cache[:, :, source].copy_(kept)
         self.lengths[target] = self.lengths[source]
         self.host_lengths[target] = self.host_lengths[source]
         self.reset(source)

@@ -103,29 +103,36 @@ def build_talker_prompt(
     )
 
 
-def talker_rope_index(
-    model: nn.Module,
-    ids: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
-    audio_lengths: torch.Tensor | None,
-) -> torch.Tensor:
-    """Multimodal RoPE positions [3, 1, L] of a talker prompt, as ``generate`` computes them.
+class TalkerRope:
+    """Multimodal RoPE positions of talker prompts, as ``generate`` computes them; the
+    configuration it reads is built once per model.
 
     transformers' talker ``get_rope_index`` reads ``config.audio_config.n_window``, which the
     talker config lacks, whenever a prompt holds an image *and* audio (it raises
     AttributeError there). The window is the thinker audio encoder's, so this runs the same
     function with the talker's config plus that one value.
     """
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-        Qwen3OmniMoePreTrainedModelForConditionalGeneration as Base,
-    )
 
-    talker = model.talker
-    config = SimpleNamespace(**talker.config.to_dict())
-    config.audio_config = SimpleNamespace(n_window=model.config.thinker_config.audio_config.n_window)
-    merge = getattr(talker, "spatial_merge_size", None) or talker.config.spatial_merge_size
-    shim = SimpleNamespace(config=config, spatial_merge_size=merge)
-    shim.get_llm_pos_ids_for_vision = lambda *args: Base.get_llm_pos_ids_for_vision(shim, *args)
-    mask = torch.ones_like(ids)
-    positions, _ = Base.get_rope_index(shim, ids, image_grid_thw, None, mask, False, audio_lengths, None)
-    return positions
+    def __init__(self, model: nn.Module) -> None:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoePreTrainedModelForConditionalGeneration as Base,
+        )
+
+        talker = model.talker
+        config = SimpleNamespace(**talker.config.to_dict())
+        config.audio_config = SimpleNamespace(n_window=model.config.thinker_config.audio_config.n_window)
+        merge = getattr(talker, "spatial_merge_size", None) or talker.config.spatial_merge_size
+        shim = SimpleNamespace(config=config, spatial_merge_size=merge)
+        shim.get_llm_pos_ids_for_vision = lambda *args: Base.get_llm_pos_ids_for_vision(shim, *args)
+        self._shim = shim
+        self._get_rope_index = Base.get_rope_index
+
+    def __call__(
+        self, ids: torch.Tensor, image_grid_thw: torch.Tensor | None, audio_lengths: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The positions [3, 1, L] of the talker prompt ``ids`` [1, L] (host tensors)."""
+        mask = torch.ones_like(ids)
+        positions, _ = self._get_rope_index(
+            self._shim, ids, image_grid_thw, None, mask, False, audio_lengths, None
+        )
+        return positions

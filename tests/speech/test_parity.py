@@ -139,12 +139,12 @@ def test_audio_reply_waveform_equals_generate(demo_dir: Path, hf_model, vocoder:
 
 
 def test_talker_rope_index_matches_transformers_and_covers_audio_with_image(pipeline, hf_model) -> None:
-    from omnirt.stages.speech.talker_prompt import talker_rope_index
+    from omnirt.stages.speech.talker_prompt import TalkerRope
 
     prompt = pipeline.prompts.build(_request("image", "r").messages)
     ids, grid = prompt.input_ids, prompt.image_grid_thw
     expected, _ = hf_model.talker.get_rope_index(ids, grid, None, torch.ones_like(ids), False, None, None)
-    assert torch.equal(talker_rope_index(hf_model, ids, grid, None), expected)
+    assert torch.equal(TalkerRope(hf_model)(ids, grid, None), expected)
     # audio + image: transformers raises here; the pipeline speaks
     pipeline.add(_conversation("both", output_audio=True, max_output_tokens=4))
     outs = of(drain(pipeline), "both")

@@ -8,7 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from omnirt.stages.speech.loader import load_speech_pipeline
-from omnirt.stages.speech.prefix_cache import Prefix, SlotPool, common_prefix, media_key, plan_reuse
+from omnirt.stages.speech.prefix_cache import (
+    MIN_REUSE,
+    Prefix,
+    SlotPool,
+    common_prefix,
+    media_key,
+    plan_reuse,
+)
 from omnirt.stages.types import (
     AudioDelta,
     AudioPart,
@@ -112,6 +119,47 @@ def test_pool_moves_over_the_least_recently_used_prefix() -> None:
     assert pool.best(keys(7, 7, 1), None, at_least=1).slot == 2
     assert pool.best(keys(5, 5, 1), None, at_least=1) is None
     assert pool.best(keys(6, 6, 1), None, at_least=1).slot == 1
+
+
+def test_the_pool_reads_only_the_prefixes_that_begin_as_the_prompt_and_finds_what_a_scan_finds() -> None:
+    """``best`` looks up the held prefixes by their first ``MIN_REUSE`` keys; through takes,
+    gives, moves, parks and drops it answers as reading every held prefix would."""
+    rng = np.random.default_rng(7)
+    heads = [rng.integers(0, 50, MIN_REUSE) for _ in range(3)]
+
+    def prompt() -> np.ndarray:
+        tail = rng.integers(0, 50, int(rng.integers(0, 40)))
+        if rng.random() < 0.2:  # too short to be reused
+            return rng.integers(0, 50, int(rng.integers(1, MIN_REUSE)))
+        return np.concatenate([heads[int(rng.integers(3))], tail]).astype(np.int64)
+
+    pool = SlotPool(12, lambda s, t, p: None)
+    busy: list[int] = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.35 and len(pool):
+            slot = pool.take()
+            pool.vacate(slot)
+            busy.append(slot)
+        elif op < 0.7 and busy:
+            held = Prefix(prompt()) if rng.random() < 0.9 else None
+            pool.give(busy.pop(int(rng.integers(len(busy)))), held)
+        elif op < 0.8 and busy:
+            slot = busy[int(rng.integers(len(busy)))]
+            moved = pool.park(slot) if rng.random() < 0.5 else pool.unpark(slot)
+            if moved is not None:
+                busy[busy.index(slot)] = moved[0]
+        elif op < 0.85:
+            pool.clear()
+        query = prompt()
+        scan = [plan_reuse(query, None, slot, held) for slot, held in pool.held.items()]
+        longest = max((r.thinker for r in scan if r is not None and r.thinker >= MIN_REUSE), default=None)
+        found = pool.best(query, None)
+        assert (found.thinker if found else None) == longest
+        if found is not None:
+            assert common_prefix(query, pool.held[found.slot].keys) >= found.thinker
+        index = {s for slots in pool.held._by_head.values() for s in slots}
+        assert index == {s for s, held in pool.held.items() if held.keys.shape[0] >= MIN_REUSE}
 
 
 # -- the pipeline --------------------------------------------------------------------------------
