@@ -598,6 +598,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def use_mode(pipeline: Any, mode: str) -> None:
+    """Graphs off for ``eager``, the prompt prefix cache off for ``whole`` (where the pipeline can)."""
+    if callable(getattr(pipeline, "use_graphs", None)):
+        pipeline.use_graphs(mode != "eager")
+        if hasattr(pipeline, "use_prefix_cache"):
+            pipeline.use_prefix_cache(mode != "whole")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -650,10 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if over_budget():
                 print(f"| {mode} | {n} | skipped: --time-budget {args.time_budget:g} s would be exceeded |")
                 continue
-            if can_switch:
-                pipeline.use_graphs(mode != "eager")
-                if hasattr(pipeline, "use_prefix_cache"):
-                    pipeline.use_prefix_cache(mode != "whole")
+            use_mode(pipeline, mode)
             level, _ = driver.run(mode, n, args.seconds)
             levels.append(level)
             print(row(level), flush=True)
@@ -671,10 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        if can_switch:
-            pipeline.use_graphs(modes[0] != "eager")
-            if hasattr(pipeline, "use_prefix_cache"):
-                pipeline.use_prefix_cache(modes[0] != "whole")
+        use_mode(pipeline, modes[0])
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         level, prof = driver.run(
             modes[0],
@@ -697,10 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.host_profile:
         import cProfile
 
-        if can_switch:
-            pipeline.use_graphs(modes[0] != "eager")
-            if hasattr(pipeline, "use_prefix_cache"):
-                pipeline.use_prefix_cache(modes[0] != "whole")
+        use_mode(pipeline, modes[0])
         level, prof = driver.run(modes[0], args.host_profile, args.seconds, on_window=cProfile.Profile)
         print(f"\n## Host profile: {args.host_profile} sessions, mode {modes[0]}\n")
         if prof is None:

@@ -175,7 +175,7 @@ class _Phases:
 
         rope = thinker.thinker_rope_index
         thinker.thinker_rope_index = lambda model: self.call("thinker RoPE index", rope(model))
-        pipe._prefiller.talker_rope = self.call("talker RoPE index", pipe._prefiller.talker_rope)
+        pipe.reader.prefiller.talker_rope = self.call("talker RoPE index", pipe.reader.prefiller.talker_rope)
         prefill.build_talker_prompt = self.call("talker prompt", prefill.build_talker_prompt)
         pipe.thinker.audio.execute = self.call("audio encoder", pipe.thinker.audio.execute)
         pipe.thinker._prompt_embeds = self.call("thinker embeds", pipe.thinker._prompt_embeds)
@@ -234,7 +234,7 @@ def _long_prompt(pipe, args: argparse.Namespace, device: torch.device) -> tuple[
     for _ in range(2):
         pipe.add(request, prepared)
         active = pipe._active["long"]
-        pipe._start_prefill(active)
+        pipe.reader.start(active, pipe._active.values())
         job = active.job
         pieces = []
         while not job.done():
@@ -271,7 +271,7 @@ def _next_turn(
         active = pipe._active["n"]
         _sync(device)
         t0 = time.perf_counter()
-        pipe._start_prefill(active)  # the copy of a reused prefix included
+        pipe.reader.start(active, pipe._active.values())  # the copy of a reused prefix included
         job = active.job
         pieces = 0
         while not job.done():
@@ -339,7 +339,7 @@ def main() -> None:
     def prefill() -> None:  # the prefill of one new turn (thinker, then talker), then loaded
         pipe.add(request, prepared)
         active = pipe._active["p"]
-        pipe._start_prefill(active)
+        pipe.reader.start(active, pipe._active.values())
         active.job.run()
         pipe._load_prefill(active, [])
         pipe.remove("p")
@@ -355,9 +355,9 @@ def main() -> None:
             pipe.add(req, prep)
         actives = [pipe._active["p"], pipe._active["q"]]
         for active in actives:
-            pipe._start_prefill(active)
+            pipe.reader.start(active, pipe._active.values())
         while not all(a.job.done() for a in actives):
-            pipe._prefiller.advance([a.job for a in actives])
+            pipe.reader.prefiller.advance([a.job for a in actives])
         for active in actives:
             pipe._load_prefill(active, [])
         pipe.remove("p")

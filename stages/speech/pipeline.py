@@ -44,7 +44,7 @@ bucket, as do the prompt pieces (per piece-length or attention-length bucket) an
 A request holds one slot, the same in every pool (and one code2wav stream), from ``add`` until it
 finishes or is removed; the lowest free slot is taken, so the busy slots stay packed low. Held
 (its client behind reading), it moves to a free slot above the others and back down once
-released (:meth:`_repack`), so a held request never widens the others' steps.
+released (:meth:`.reading.PromptReader.repack`), so a held request never widens the others' steps.
 ``prepare`` (validation, the prompt's tokens and audio / image features) runs before ``add``, on
 the engine's prompt threads.
 
@@ -60,13 +60,12 @@ keyed by the request's seed (:mod:`.draws`), so a seed gives the same reply what
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,9 +89,9 @@ from ..types import (
 )
 from .code2wav import Vocoder, make_vocoder
 from .constrain import Constrainer, GrammarConstraint, ReplyConstraint
-from .prefill import Prefilled, Prefiller, PrefillJob
-from .prefix_cache import Prefix, Reuse, SlotPool, common_prefix
+from .prefill import Prefilled
 from .prompt import PromptBuilder, PromptInputs
+from .reading import PromptReader
 from .talker import (
     TEXT_EOS,
     TEXT_HEADER,
@@ -101,10 +100,10 @@ from .talker import (
     Talker,
     TalkerState,
 )
-from .talker_prompt import user_positions
 from .text_out import TextOut
 from .thinker import Thinker
 from .tool_calls import CallSplitter, Piece
+from .turn import Turn
 
 log = logging.getLogger(__name__)
 
@@ -119,31 +118,6 @@ class SpeechPrompt:
     constraint: ReplyConstraint | None = None
     #: The reply is spoken (audio requested, and the reply is not calls only).
     speak: bool = True
-
-
-@dataclass(eq=False)
-class _Active:
-    request: GenerationRequest
-    slot: int
-    prompt: PromptInputs
-    usage: Usage
-    max_tokens: int
-    text: TextOut
-    prefilled: bool = False
-    thinker_done: bool = False
-    reason: str = "stop"
-    reply: list[int] = field(default_factory=list)  # reply token ids for the talker (its text)
-    reply_at: list[int] = field(default_factory=list)  # each one's index among the reply's tokens
-    spoken: int = 0  # reply tokens of text (outside tool calls)
-    constraint: ReplyConstraint | None = None
-    splitter: CallSplitter | None = None  # with tools: which tokens are calls
-    job: PrefillJob | None = None  # the prompt's prefill, once started
-    talker: TalkerState | None = None
-    audio_frames_sent: int = 0  # frames whose audio has gone out in AudioDeltas
-    audio_seconds: float = 0.0  # of audio gone out
-    audio_started: float | None = None  # time.monotonic() when its first audio went out
-    held: bool = False  # no decode steps while held (its client is behind; ``hold``)
-    drawn: list[int] = field(default_factory=list)  # every reply token drawn (the slot feeds them)
 
 
 class SpeechPipeline:
@@ -184,7 +158,6 @@ class SpeechPipeline:
         self.max_slots = max_slots
         self.max_context = max_context
         self.max_audio_frames = max_audio_frames
-        self.prefills_per_step = prefills_per_step
         #: Once the text is complete, speech stops after ``base + per_token * reply tokens`` frames
         #: even without the talker's end code (a runaway talker, or random demo weights).
         self.audio_frames_per_token = audio_frames_per_token
@@ -239,25 +212,27 @@ class SpeechPipeline:
             self.speakers = {k.lower(): int(v) for k, v in (cfg.talker_config.speaker_id or {}).items()}
         #: Called with (request_id, token_id) for every thinker token drawn (tests, tracing).
         self.token_observer: Callable[[str, int], None] | None = None
-        #: Slots, and the prompt prefix each one's caches hold for later requests (``prefix_cache``).
-        self.prefix_cache = prefix_cache
-        self._slots = SlotPool(max_slots, self._move_prefix)
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, Turn] = {}
         #: Rows of each batched model call (``calls[name, rows]``), read by the engine's stats.
         self.calls: CallCounter = collections.Counter()
-        #: Prompt tokens ``read`` and ``cached`` (a reused prefix), read by the engine's stats.
-        self.prompt_tokens: collections.Counter[str] = collections.Counter()
         # Prompts are read inline, up to ``prefills_per_step`` per tick, or with
         # ``prefill_worker`` on a thread (and CUDA stream) beside the decode steps. Off by default:
         # prefill is Python-bound (eager encoders), and on the H200 the worker thread and the
         # engine thread starved each other of the GIL (docs/benchmarks.md).
-        self._prefiller = Prefiller(
-            model, self.thinker, self.talker if self.has_talker else None, self.calls, worker=prefill_worker
+        self.reader = PromptReader(
+            model,
+            self.thinker,
+            self.talker if self.has_talker else None,
+            self.calls,
+            max_slots=max_slots,
+            prefix_cache=prefix_cache,
+            prefills_per_step=prefills_per_step,
+            long_prefill_wait=long_prefill_wait,
+            worker=prefill_worker,
         )
+        #: Prompt tokens ``read`` and ``cached`` (a reused prefix), read by the engine's stats.
+        self.prompt_tokens = self.reader.prompt_tokens
         self._retired: list[Prefilled] = []
-        #: Ticks a long prompt may wait in a row for the latency-critical ticks of other turns.
-        self.long_prefill_wait = long_prefill_wait
-        self._long_waits = 0
         self.step_timer = StepTimer()
         #: Host time of the steps by phase (prompts, thinker, tokens, talker, text, frames, audio).
         self.phases = PhaseTimes()
@@ -301,9 +276,7 @@ class SpeechPipeline:
     def use_prefix_cache(self, enabled: bool) -> None:
         """Switches the prompt prefix cache on or off (off: every prompt read whole, and the
         prefixes held so far forgotten)."""
-        self.prefix_cache = enabled
-        if not enabled:
-            self._slots.clear()
+        self.reader.use_prefix_cache(enabled)
 
     def warm_up(self) -> None:
         """Runs one tiny audio turn end to end (lazy initialisation, allocator warm-up) and
@@ -328,10 +301,10 @@ class SpeechPipeline:
     # -- Pipeline protocol -----------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        return len(self._slots)
+        return len(self.reader.slots)
 
     def can_add(self) -> bool:
-        return bool(self._slots)
+        return bool(self.reader.slots)
 
     def has_work(self) -> bool:
         return any(not a.held for a in self._active.values())
@@ -342,28 +315,7 @@ class SpeechPipeline:
         active = self._active.get(request_id)
         if active is not None:
             active.held = held
-            self._repack(active)
-
-    def _repack(self, active: _Active) -> None:
-        """Keeps the slots that step packed low: a step runs the first rows up to the bucket that
-        covers the highest stepping slot, so a request held in a low slot (for as long as its
-        client is behind: up to ``max_held_seconds``) would make every step of the others run
-        rows it does not need. Held, the request moves to the highest free slot above its own (a
-        prefix there swaps places with it); released, to the lowest free slot below it. Only once
-        its prompt is loaded (a prefill under way writes its slot). Its reply goes on unchanged:
-        every per-slot state moves."""
-        if not active.prefilled:
-            return
-        source = active.slot
-        planned = self._slots.park(source) if active.held else self._slots.unpark(source)
-        if planned is None:
-            return
-        target, swap = planned
-        self.thinker.move(source, target, swap=swap)
-        if self.has_talker:
-            self.talker.move(source, target, swap=swap)
-        active.slot = target
-        self.calls["move", 1] += 1
+            self.reader.repack(active)
 
     def accepts(self, request: object) -> bool:
         return isinstance(request, GenerationRequest)
@@ -419,7 +371,7 @@ class SpeechPipeline:
         """Takes a slot; ``prepared`` defaults to ``self.prepare(request)``, run here."""
         if request.request_id in self._active:
             raise RequestRejected(f"request id {request.request_id!r} is already active")
-        if not self._slots:
+        if not self.reader.slots:
             raise RequestRejected("no free slot")
         if prepared is None:
             prepared = self.prepare(request)
@@ -430,13 +382,13 @@ class SpeechPipeline:
             input_audio_tokens=prompt.audio_tokens,
             input_image_tokens=prompt.image_tokens,
         )
-        slot = self._slots.take()
+        slot = self.reader.slots.take()
         seed = fresh_seed(request.seed)
         self.thinker.sampling.set(
             slot, temperature=request.temperature, top_k=0, top_p=request.top_p, seed=seed
         )
         tags = self.constrainer.tags if request.tools else None
-        active = _Active(
+        active = Turn(
             request=request,
             slot=slot,
             prompt=prompt,
@@ -498,7 +450,7 @@ class SpeechPipeline:
             tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
         phase("tokens")
         # 3. the new tokens on the host (one sync), then the talker.
-        drawn: list[tuple[_Active, int]] = []
+        drawn: list[tuple[Turn, int]] = []
         if first_tokens or tokens is not None:
             parts = [torch.stack([t for _, t in first_tokens])] if first_tokens else []
             host = torch.cat([*parts, *([tokens] if tokens is not None else [])]).tolist()
@@ -511,7 +463,7 @@ class SpeechPipeline:
                 texts.append((a, tok, self._take_token(a, tok, out)))
         phase("talker")
         frames = None
-        talking: list[_Active] = []
+        talking: list[Turn] = []
         if self.has_talker:
             talking = [a for a in self._active.values() if self._talker_ready(a)]
             if talking:
@@ -537,7 +489,7 @@ class SpeechPipeline:
         self.step_timer.record(time.perf_counter() - t0)
         return out
 
-    def _batched(self, rows: list[_Active], out: list[tuple[str, Output]], what: str, fn: Any) -> Any:
+    def _batched(self, rows: list[Turn], out: list[tuple[str, Output]], what: str, fn: Any) -> Any:
         """Runs one batched step; a failure fails its rows, not the engine."""
         try:
             return fn(rows, self._bucket(max(a.slot for a in rows) + 1))
@@ -553,7 +505,7 @@ class SpeechPipeline:
         return next(b for b in self._buckets if b >= rows)
 
     # -- thinker ------------------------------------------------------------------------------------
-    def _take_prefills(self, out: list[tuple[str, Output]], idle: bool) -> list[tuple[_Active, torch.Tensor]]:
+    def _take_prefills(self, out: list[tuple[str, Output]], idle: bool) -> list[tuple[Turn, torch.Tensor]]:
         """Starts the prefill of every new request (after the prefix it reuses, copied into its
         slots) and loads those that are done; returns their first tokens (on the device).
         Inline (the default), the ``prefills_per_step`` prompts with the fewest pieces left each
@@ -562,10 +514,11 @@ class SpeechPipeline:
         wait for them, except on a tick with nothing else to do."""
         for active in self._active.values():
             if active.job is None:
-                self._start_prefill(active)
+                self.reader.start(active, self._active.values())
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
-        if self._prefiller.worker is None:
-            self._advance_prefills([a for a in pending if not a.job.done()])  # type: ignore[union-attr]
+        if self.reader.prefiller.worker is None:
+            reading = [a for a in pending if not a.job.done()]  # type: ignore[union-attr]
+            self.reader.advance(reading, self._active.values())
         elif idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
             futures.wait([a.job.future for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)  # type: ignore[union-attr]
         first = []
@@ -576,98 +529,7 @@ class SpeechPipeline:
                     first.append((active, token))
         return first
 
-    def _start_prefill(self, active: _Active) -> None:
-        """Starts the request's prefill (``active.job``) after the prefix it reuses, copied into
-        its slots; or nothing yet, while it waits for a prompt being read (:meth:`_reuse`)."""
-        reuse = self._reuse(active)
-        if reuse is False:
-            return
-        moved = self._slots.vacate(active.slot)
-        if reuse is not None and reuse.slot == active.slot and moved is not None:
-            reuse = dataclasses.replace(reuse, slot=moved)  # reused from where it went
-        speaker = active.talker.speaker_id if active.talker is not None else None
-        mask = active.constraint.first if active.constraint is not None else None
-        reused = (0, 0)
-        if reuse is not None:
-            self._copy_prefix(active, reuse)
-            reused = (reuse.thinker, reuse.talker)
-        self.prompt_tokens["cached"] += reused[0]
-        self.prompt_tokens["read"] += active.prompt.length - reused[0]
-        active.job = self._prefiller.start(active.slot, active.prompt, speaker, mask, reused)
-
-    def _reuse(self, active: _Active) -> Reuse | None | bool:
-        """The longest prefix of the request's prompt that a slot holds (None: none), or False
-        when a prompt still being read shares at least a piece more of it: the request then
-        waits for that one instead of reading the same tokens beside it (out-of-band responses
-        over one context, asked at once)."""
-        keys = active.prompt.fingerprint
-        if not self.prefix_cache or keys is None:
-            return None
-        user = None
-        if active.talker is not None:
-            cfg = self.model.config
-            ids = active.prompt.input_ids[0]
-            user = user_positions(ids, cfg.im_start_token_id, cfg.user_token_id).numpy()
-        best = self._slots.best(keys, user)
-        got = best.thinker if best is not None else 0
-        for other in self._active.values():
-            theirs = other.prompt.fingerprint
-            if other.job is None or other.prefilled or theirs is None or other is active:
-                continue
-            if min(common_prefix(keys, theirs), keys.shape[0] - 1) >= got + self.thinker.prompt.chunk:
-                return False
-        return best
-
-    def _copy_prefix(self, active: _Active, reuse: Reuse) -> None:
-        """Copies a reused prefix into the request's slots (unless it is there already); counts
-        it in the request's usage."""
-        self._copy_entries(reuse.slot, active.slot, reuse.thinker, reuse.talker)
-        ids = active.prompt.input_ids[0, : reuse.thinker]
-        thinker = self.model.config.thinker_config
-        audio = int((ids == thinker.audio_token_id).sum())
-        image = int((ids == thinker.image_token_id).sum())
-        active.usage.cached_audio_tokens, active.usage.cached_image_tokens = audio, image
-        active.usage.cached_text_tokens = reuse.thinker - audio - image
-
-    def _move_prefix(self, source: int, target: int, prefix: Prefix) -> None:
-        self._copy_entries(source, target, prefix.keys.shape[0], prefix.talker_user)
-
-    def _copy_entries(self, source: int, target: int, thinker: int, talker: int) -> None:
-        self.thinker.kv.copy_prefix(source, target, thinker)
-        if self.has_talker:
-            self.talker.kv.copy_prefix(source, target, talker)
-
-    def _advance_prefills(self, reading: list[_Active]) -> None:
-        """Inline prefill, one tick: the ``prefills_per_step`` prompts with the fewest pieces left
-        (the oldest first among equals) each read one more (the first pieces of new prompts in
-        one batched pass of the thinker, then of the talker), so a short turn never queues behind
-        long prompts. A long prompt (more than one tick left) waits while a turn is being read
-        or a reply awaits its first audio, the latency-critical ticks of the other sessions, for
-        at most ``long_prefill_wait`` ticks in a row; then it reads its piece anyway."""
-        jobs = sorted(reading, key=lambda a: a.job.ticks_left)  # type: ignore[union-attr]
-        lanes = self.prefills_per_step
-        critical = any(
-            a.prefilled and a.audio_started is None and a.talker is not None and not (a.talker.done or a.held)
-            for a in self._active.values()
-        )
-        waited = False
-        chosen = []
-        for active in jobs:
-            job = active.job
-            assert job is not None
-            if lanes == 0:
-                break
-            long = job.ticks_left > 1
-            if long and critical and self._long_waits < self.long_prefill_wait:
-                waited = True
-                continue
-            critical |= not long  # a short turn read now: its reply is the critical one
-            lanes -= 1
-            chosen.append(job)
-        self._prefiller.advance(chosen)  # the first pieces of a pass in one batched pass
-        self._long_waits = self._long_waits + 1 if waited else 0
-
-    def _load_prefill(self, active: _Active, out: list[tuple[str, Output]]) -> torch.Tensor:
+    def _load_prefill(self, active: Turn, out: list[tuple[str, Output]]) -> torch.Tensor:
         """Loads a finished prefill into the request's slots (engine thread, stream order)."""
         assert active.job is not None
         done = active.job.result()  # re-raises the prefill's error: it fails this request only
@@ -682,15 +544,15 @@ class SpeechPipeline:
             t.prompt = done.talker_prompt
             self.talker.load(active.slot, done.talker)
             t.started = True
-        self._slots.hold(active.slot, self._held(active))
+        self.reader.slots.hold(active.slot, self.reader.held(active))
         return done.thinker.token
 
-    def _thinker_step(self, rows: list[_Active], batch: int) -> torch.Tensor:
+    def _thinker_step(self, rows: list[Turn], batch: int) -> torch.Tensor:
         self.calls["thinker", len(rows)] += 1
         self.calls["thinker_rows", batch] += 1  # rows computed: the bucket (as duplex's "lm_rows")
         return self.thinker.decode([a.slot for a in rows], batch)
 
-    def _take_token(self, active: _Active, token: int, out: list[tuple[str, Output]]) -> Piece | None:
+    def _take_token(self, active: Turn, token: int, out: list[tuple[str, Output]]) -> Piece | None:
         """Counts a drawn token; the cheap checks (stop token, length, call tags) that the
         talker's next input depends on; advances the reply's grammar. Returns what the token is
         (text or part of a call) if it is still to be sent."""
@@ -714,7 +576,7 @@ class SpeechPipeline:
             active.thinker_done, active.reason = True, "length"
         return piece
 
-    def _next_mask(self, active: _Active) -> None:
+    def _next_mask(self, active: Turn) -> None:
         """The mask of the request's next token, into its slot's host row (uploaded before the
         next thinker step)."""
         assert isinstance(active.constraint, GrammarConstraint)
@@ -722,7 +584,7 @@ class SpeechPipeline:
         active.constraint.fill(self.thinker.masks.host[active.slot], remaining)
         self.thinker.masks.changed(active.slot)
 
-    def _send_text(self, active: _Active, token: int, piece: Piece, out: list[tuple[str, Output]]) -> None:
+    def _send_text(self, active: Turn, token: int, piece: Piece, out: list[tuple[str, Output]]) -> None:
         outputs, stopped = active.text.push(token, piece)
         out.extend((active.request.request_id, o) for o in outputs)
         if stopped:
@@ -731,7 +593,7 @@ class SpeechPipeline:
             self._end_text(active, "length", out)
 
     def _end_text(
-        self, active: _Active, reason: str, out: list[tuple[str, Output]], flush: bool = True
+        self, active: Turn, reason: str, out: list[tuple[str, Output]], flush: bool = True
     ) -> None:
         active.thinker_done = True
         active.reason = reason
@@ -753,7 +615,7 @@ class SpeechPipeline:
             )
         return speaker
 
-    def _text_input(self, active: _Active, index: int) -> tuple[int, int] | None:
+    def _text_input(self, active: Turn, index: int) -> tuple[int, int] | None:
         """The talker's text input at assistant-sequence position ``index`` as (kind, value):
         a header position, a reply token, the end of the text, or padding; None when the thinker
         has not got there yet."""
@@ -769,13 +631,13 @@ class SpeechPipeline:
             return None
         return (TEXT_EOS, 0) if k == len(active.reply) else (TEXT_PAD, 0)
 
-    def _talker_ready(self, active: _Active) -> bool:
+    def _talker_ready(self, active: Turn) -> bool:
         t = active.talker
         if t is None or not t.started or t.done or active.held:
             return False
         return self._text_input(active, 4 + t.step) is not None
 
-    def _talker_step(self, rows: list[_Active], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _talker_step(self, rows: list[Turn], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls["talker", len(rows)] += 1
         self.calls["talker_rows", batch] += 1
         text = []
@@ -786,7 +648,7 @@ class SpeechPipeline:
             text.append(item)
         return self.talker.step([a.slot for a in rows], text, batch)
 
-    def _take_frames(self, stepped_rows: list[_Active]) -> None:
+    def _take_frames(self, stepped_rows: list[Turn]) -> None:
         """Pushes the frames of the rows the talker stepped to the vocoder and reads back every
         started talker's next code."""
         started = [a for a in self._active.values() if a.talker is not None and a.talker.started]
@@ -810,7 +672,7 @@ class SpeechPipeline:
                 t.next_code = next_codes[a.slot]
                 self._check_code(a)
 
-    def _check_code(self, active: _Active) -> None:
+    def _check_code(self, active: Turn) -> None:
         t = active.talker
         assert t is not None
         limit = t.max_frames
@@ -820,7 +682,7 @@ class SpeechPipeline:
         if t.next_code == self.talker.eos or t.step >= limit:  # one frame per talker step
             t.done = True
 
-    def _text_chars(self, active: _Active, frames: int) -> int:
+    def _text_chars(self, active: Turn, frames: int) -> int:
         """Reply characters whose speech the first ``frames`` frames carry.
 
         Frame ``f``'s group-0 code is drawn after the talker has read assistant position
@@ -849,20 +711,20 @@ class SpeechPipeline:
             out.append((rid, AudioDelta(pcm16, chars, frames)))
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    def _finish(self, active: _Active, out: list[tuple[str, Output]]) -> None:
+    def _finish(self, active: Turn, out: list[tuple[str, Output]]) -> None:
         self._end(active, out, Finished(active.reason, active.usage))  # type: ignore[arg-type]
 
-    def _fail(self, active: _Active, out: list[tuple[str, Output]], message: str) -> None:
+    def _fail(self, active: Turn, out: list[tuple[str, Output]], message: str) -> None:
         self._end(active, out, Finished("error", active.usage, message))
 
-    def _end(self, active: _Active, out: list[tuple[str, Output]], finished: Finished) -> None:
+    def _end(self, active: Turn, out: list[tuple[str, Output]], finished: Finished) -> None:
         rid = active.request.request_id
         if self._active.get(rid) is active:  # whoever takes it out of _active frees its slot, once
             del self._active[rid]
             self._release(active, keep=finished.reason != "error")
         out.append((rid, finished))
 
-    def _guard(self, active: _Active, out: list[tuple[str, Output]], fn: Any, *args: Any) -> Any:
+    def _guard(self, active: Turn, out: list[tuple[str, Output]], fn: Any, *args: Any) -> Any:
         """Runs one request's own work; an error fails that request only."""
         try:
             return fn(*args)
@@ -873,28 +735,16 @@ class SpeechPipeline:
             self._fail(active, out, f"internal error: {exc}")
         return None
 
-    def _held(self, active: _Active, fed: int = 0) -> Prefix | None:
-        """What the request's slots hold once its prompt is read: the prompt and its first
-        ``fed`` reply tokens (thinker), the prompt's user turns (talker)."""
-        keys = active.prompt.fingerprint
-        if not self.prefix_cache or keys is None or not active.prefilled:
-            return None
-        if fed:
-            keys = np.concatenate([keys, np.asarray(active.drawn[:fed], dtype=np.int64)])
-        t = active.talker
-        talker_user = t.prompt.user_embeds.shape[0] if t is not None and t.prompt is not None else 0
-        return Prefix(keys, talker_user)
-
-    def _release(self, active: _Active, keep: bool = True) -> None:
+    def _release(self, active: Turn, keep: bool = True) -> None:
         """Frees the request's slots; with ``keep`` (not after an error) they hold its prompt and
         reply for later requests (:mod:`.prefix_cache`)."""
         fed = self.thinker.kv.length(active.slot) - active.prompt.length
-        held = self._held(active, fed) if keep else None
+        held = self.reader.held(active, fed) if keep else None
         if keep and active.job is None:  # never started: what the slot held is still there
-            held = self._slots.held.get(active.slot)
+            held = self.reader.slots.held.get(active.slot)
         self.thinker.kv.reset(active.slot)
         self.thinker.masks.reset(active.slot)
         if self.has_talker:
             self.talker.kv.reset(active.slot)
             self.vocoder.close(active.request.request_id)
-        self._slots.give(active.slot, held)
+        self.reader.slots.give(active.slot, held)

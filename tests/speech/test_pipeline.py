@@ -319,7 +319,7 @@ def test_prefill_worker_reads_prompts_beside_the_decode_steps(demo_dir: Path) ->
 
     inline = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40)
     worker = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40, prefill_worker=True)
-    assert worker._prefiller.worker is not None
+    assert worker.reader.prefiller.worker is not None
     threads: set[str] = set()
     release = threading.Event()
     forward = worker.thinker.forward_prompt
@@ -396,7 +396,7 @@ def test_a_short_turn_is_read_before_long_prompts_queued_ahead_of_it(demo_dir: P
     """Prompts with the fewest pieces left go first: three long prompts admitted before a short
     turn (with one prefill a tick) do not hold it up; the long ones are read after it."""
     pipe = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=40, prefill_chunk=64)
-    pipe.prefills_per_step = 1
+    pipe.reader.prefills_per_step = 1
     words = " ".join(f"word{i}" for i in range(60))
     for i in range(3):
         pipe.add(text_request(f"long{i}", words, max_output_tokens=2))
@@ -415,7 +415,7 @@ def test_a_long_prompt_waits_while_a_reply_awaits_its_first_audio(demo_dir: Path
     ticks that make its latency), at most ``long_prefill_wait`` ticks in a row; then (or once
     the audio is out) it reads a piece every tick."""
     pipe = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40, prefill_chunk=64)
-    pipe.long_prefill_wait = wait
+    pipe.reader.long_prefill_wait = wait
     words = " ".join(f"word{i}" for i in range(60))
     pipe.add(audio_request("a", tone(0.5), max_output_tokens=20))
     pipe.add(GenerationRequest("b", [ContextMessage("user", (TextPart(words),))], max_output_tokens=4))

@@ -292,10 +292,10 @@ def test_a_prefix_moved_out_of_the_way_is_still_reused(demo_dir: Path) -> None:
     whole = load_speech_pipeline(demo_dir, max_slots=3, max_audio_frames=20, prefix_cache=False)
     first = ContextMessage("user", (TextPart("tell me about the sea " * 10),))
     text1 = run(cached, [turn("c1", [first])])[0]["c1"][0]
-    assert set(cached._slots.held) == {0}
+    assert set(cached.reader.slots.held) == {0}
     cached.add(turn("x", [ContextMessage("user", (TextPart("something else"),))], max_output_tokens=30))
     outs = cached.step()  # x holds slot 0 now: c1's prefix moved to the highest free slot
-    assert set(cached._slots.held) == {0, 2} and len(cached._slots.held[2].keys) > 60
+    assert set(cached.reader.slots.held) == {0, 2} and len(cached.reader.slots.held[2].keys) > 60
     reply = ContextMessage("assistant", (TextPart(text1),))
     second = [first, reply, ContextMessage("user", (TextPart("more"),))]
     cached.add(turn("c2", second))  # slot 1, beside x
@@ -322,10 +322,10 @@ def test_a_held_request_swaps_places_with_a_prefix_and_both_stay_whole(demo_dir:
     while not cached._active["h"].prefilled:
         outs += cached.step()
     outs += cached.step()
-    assert set(cached._slots.held) == {0, 1} and len(cached._slots.held[1].keys) > 60
+    assert set(cached.reader.slots.held) == {0, 1} and len(cached.reader.slots.held[1].keys) > 60
     cached.hold("h", True)
     assert cached._active["h"].slot == 1  # swapped: c1's prefix is in slot 0 now
-    assert len(cached._slots.held[0].keys) > 60
+    assert len(cached.reader.slots.held[0].keys) > 60
     reply = ContextMessage("assistant", (TextPart(text1),))
     second = [first, reply, ContextMessage("user", (TextPart("more"),))]
     cached.add(turn("c2", second))  # slot 0, over the prefix it reuses

@@ -216,7 +216,7 @@ def _graphs_equal_eager(pipe, requests) -> None:
     sampled): the paths taken are all graph / all eager, the tokens and PCM equal bitwise."""
     tokens_g, pcm_g, paths_g = _turns(pipe, requests("g"))
     pipe.use_graphs(False)
-    pipe._slots.clear()  # the eager turns read what the graph turns read, prefixes reused alike
+    pipe.reader.slots.clear()  # the eager turns read what the graph turns read, prefixes reused alike
     tokens_e, pcm_e, paths_e = _turns(pipe, requests("e"))
     assert paths_g == {"graph"} and paths_e == {"eager"}
     differ = []
@@ -278,7 +278,7 @@ def test_prompt_pieces_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.d
         ]
 
     _graphs_equal_eager(pipe, requests)
-    assert pipe._slots.held and max(len(p.keys) for p in pipe._slots.held.values()) > 64
+    assert pipe.reader.slots.held and max(len(p.keys) for p in pipe.reader.slots.held.values()) > 64
     print(f"\n[gpu] {dtype}: prompts of 4 to 9 pieces, one after a reused prefix: tokens and PCM "
           "graph == eager bitwise")
 
@@ -340,7 +340,7 @@ def test_prompt_prefill_never_syncs_with_the_host(demo_dir: Path, kind: str) -> 
         pipe.use_graphs(graphs)
         pipe.add(request, prepared)
         active = pipe._active["t"]
-        pipe._start_prefill(active)
+        pipe.reader.start(active, pipe._active.values())
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
