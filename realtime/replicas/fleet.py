@@ -55,11 +55,15 @@ class FleetStats:
         self._videos: dict[str, tuple[SharedJobs, float]] = {}
 
     def report(self, report: ReplicaReport) -> None:
+        """Keeps ``report`` unless a later one of that replica came first (by the replica's own
+        clock: Ray runs these calls on a pool of threads, so two may land out of order)."""
         if report.videos is not None:
             self.share_videos(report.videos)
             report = ReplicaReport(report.replica, report.load, report.metrics, report.at)
         with self._lock:
-            self._reports[report.replica] = report
+            held = self._reports.get(report.replica)
+            if held is None or held.at <= report.at:
+                self._reports[report.replica] = report
 
     def forget(self, replica: str) -> None:
         with self._lock:

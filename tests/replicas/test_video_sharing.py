@@ -59,6 +59,16 @@ def test_the_fleet_keeps_the_latest_share_of_each_replica_and_forgets_silent_one
     assert [s.replica for s in fleet.videos()] == ["c"]  # a stopped sharing
 
 
+def test_the_fleet_keeps_the_latest_report_of_each_replica() -> None:
+    fleet = FleetStats()
+    now = time.time()
+    fleet.report(ReplicaReport("a", ReplicaLoad(2, 1, 0), at=now))
+    fleet.report(ReplicaReport("a", ReplicaLoad(2, 0, 0), at=now - 0.5))  # sent earlier, came later
+    assert [r.load.sessions_active for r in fleet.reports()] == [1]
+    fleet.report(ReplicaReport("a", ReplicaLoad(2, 2, 0), at=now + 0.5))
+    assert [r.load.sessions_active for r in fleet.reports()] == [2]
+
+
 class FakeFleet:
     """The two methods of the ``OmnirtFleet`` handle a replica calls, with a FleetStats of its own."""
 
