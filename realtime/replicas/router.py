@@ -21,14 +21,16 @@ chosen one has room (``max_ongoing_requests``) and sends the request there. What
 Free slots come from what each replica reports (:class:`~.load.ReplicaLoad`, refreshed every
 ``request_routing_stats_period_s``), corrected by what this router itself saw since the report (a
 report is up to a period old): sessions it opened count at once, sessions of its own that ended
-after the report are taken off. Ties are broken at random.
+after the report are taken off. Ties are broken in turn: each ranking starts one replica further
+along (by replica id), so a burst of requests ranked before any of them is reported routed still
+alternates between equally loaded replicas.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
-import random
 import time
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass
@@ -103,6 +105,7 @@ class SessionAwareRouter(RequestRouter):
         #: the result's done-callback, scheduled on the loop, and the routing once the replica's
         #: acceptance is read: a quick request's end can come first). Not counted when routed.
         self._ended_first: OrderedDict[tuple[ReplicaID, str], None] = OrderedDict()
+        self._turns = itertools.count()
 
     # -- what a replica has ------------------------------------------------------------------
     def load(self, replica: RunningReplica) -> ReplicaLoad:
@@ -150,8 +153,11 @@ class SessionAwareRouter(RequestRouter):
                 # Serve's loop asks again after a backoff (without this flag, at once: a busy loop).
                 pending_request.routing_context.should_backoff = True  # type: ignore[union-attr]
                 return [owner]
-        order = list(candidate_replicas)
-        random.shuffle(order)  # ties at random: the sorts below are stable
+        # Ties in turn: the candidates by id, rotated one further each ranking (the sorts below
+        # are stable).
+        order = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        turn = next(self._turns) % len(order)
+        order = order[turn:] + order[:turn]
         loads = {r.replica_id: self.load(r) for r in order}
         if kind.websocket:
             ranked = sorted(

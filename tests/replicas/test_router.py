@@ -113,6 +113,20 @@ def test_other_requests_go_to_the_least_loaded_and_draining_replicas_last() -> N
     assert rank(r, fleet, request("websocket")) == [["a"]]
 
 
+def test_a_burst_ranked_before_any_is_routed_alternates_between_equal_replicas() -> None:
+    """Ray Serve may rank a whole burst before it reports any of it routed: ties go in turn, so
+    equally loaded replicas share the burst (and sessions alike) evenly, not by coin flips."""
+    r = router()
+    fleet = [replica("a", 0), replica("b", 0), replica("c", 0)]
+    firsts = [rank(r, fleet, request("http"))[0][0] for _ in range(9)]
+    assert sorted(firsts) == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    sessions = [rank(r, fleet, request("websocket"))[0][0] for _ in range(6)]
+    assert sorted(sessions) == ["a", "a", "b", "b", "c", "c"]
+    # Load still comes first: the less loaded replica wins every ranking.
+    loaded = [replica("a", 0, queue=1), replica("b", 0)]
+    assert {rank(r, loaded, request("http"))[0][0] for _ in range(4)} == {"b"}
+
+
 def test_a_video_jobs_requests_name_its_replica_and_nothing_else_does() -> None:
     video = job_id("k3x9q2ab")
     assert len(video) == 32 and video.startswith("video_k3x9q2ab_")
