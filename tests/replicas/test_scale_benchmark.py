@@ -1,8 +1,13 @@
 """benchmarks/scale.py's pure parts: the percentiles, the player's gaps, when a level passes and
-how the ramp picks its levels and the sessions served (no server, no timing)."""
+how the ramp picks its levels and the sessions served; the round trips' table (answer sizes, the
+added latency per one-way event), how a reply frame is awaited, the 80 ms audio item and the
+session slots the round trips need (no server, no timing)."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import math
 from collections.abc import Iterator
 from types import ModuleType
@@ -89,3 +94,44 @@ def test_the_ramp_stops_at_the_first_failure_and_bisects_below_it(bench: ModuleT
     tried = [level(bench, 1, [2.0] * 5)]
     assert bench.next_level(tried, levels, rule, 3) is None
     assert bench.sessions_served(tried, rule) is None
+
+
+def test_round_trip_table_gives_answer_sizes_and_half_the_added_round_trip(bench: ModuleType) -> None:
+    single = [0.0003] * 10
+    ray = [0.0018] * 9 + [0.0100]  # p50 1.8 ms, p99 (the slowest of 10) 10 ms
+    r = bench.RoundTripRow(single, ray, answer_bytes=5381)
+    assert bench.added_one_way(r) == pytest.approx(0.00075)  # (1.8 - 0.3) / 2 ms
+    table = bench.latency_table({bench.AUDIO_PROBE: r}, "Ray Serve, 1 replica").splitlines()
+    assert table[0].startswith("| event | answer (bytes) | n |")
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells[:3] == [bench.AUDIO_PROBE, "5381", "10"]
+    assert cells[3:] == ["0.300", "0.300", "1.800", "10.000", "1.500", "9.700", "0.750"]
+    assert set(bench.WS_PROBES) == {bench.CLEAR_PROBE, bench.UPDATE_PROBE, bench.AUDIO_PROBE}
+
+
+class FakeSocket:
+    def __init__(self, frames: list[str]) -> None:
+        self.frames = frames
+
+    async def recv(self) -> str:
+        return self.frames.pop(0)
+
+
+def test_until_frame_skips_other_events_and_raises_on_an_error(bench: ModuleType) -> None:
+    wanted = json.dumps({"type": "conversation.item.retrieved", "item": {"id": "item_1"}})
+    ws = FakeSocket([json.dumps({"type": "conversation.item.added"}), wanted, "{}"])
+    assert asyncio.run(bench.until_frame(ws, "conversation.item.retrieved", 5)) == wanted  # as sent
+    assert ws.frames == ["{}"]
+    error = json.dumps({"type": "error", "error": {"code": "resource_exhausted", "message": "full"}})
+    with pytest.raises(bench.TurnFailed, match="resource_exhausted"):
+        asyncio.run(bench.until(FakeSocket([error, wanted]), "conversation.item.retrieved", 5))
+
+
+def test_the_audio_item_holds_80_ms_and_the_round_trips_have_their_sessions(bench: ModuleType) -> None:
+    item = json.loads(bench.AUDIO_ITEM)["item"]
+    (part,) = item["content"]
+    assert part["type"] == "input_audio"
+    assert len(base64.b64decode(part["audio"])) == bench.SAMPLE_RATE * 2 * 80 // 1000  # PCM16
+    assert bench.parse_args(["--levels", "1"]).max_sessions == bench.ROUND_TRIP_SESSIONS == 2
+    assert bench.parse_args(["--levels", "1", "8"]).max_sessions == 8
+    assert bench.parse_args(["--levels", "1", "--max-sessions", "1"]).max_sessions == 1
