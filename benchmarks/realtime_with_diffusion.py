@@ -2,14 +2,18 @@
 
 Builds the speech pipeline (as ``speech_capacity.py`` does) and the image (Z-Image) and video (Wan)
 diffusion pipelines, puts them under one :class:`~omnirt.stages.scheduler.Scheduler` (what the
-engine thread runs: realtime steps first, then one batch step per tick while realtime work has no
+engine thread runs: realtime steps when due, batch steps in the time before the next realtime
 deadline) and drives ``Scheduler.tick()`` in a loop in this process: no server, no engine thread.
+The speech pipeline's deadlines keep each playing reply ahead of its playback and bring each first
+audio within its ``first_audio_target`` of the turn's admission (``--first-audio-targets``).
 Prompt work (``prepare``) runs inline between ticks, outside the timed tick, as the engine's prompt
 threads do it beside the engine thread.
 
 Load: ``--sessions`` N sessions speaking in turns (each turn ``--audio-seconds`` of a speech-like
-tone, audio out, replies capped as in ``speech_capacity.py``; the next turn starts when one
-ends), and a stream of image jobs (``--image-size``, ``--image-steps``, ``--image-n``) and of
+tone, audio out, replies capped as in ``speech_capacity.py``; a person listens to the reply
+and then asks again: the next turn's prompt arrives once the reply has played and
+``--audio-seconds`` more have passed, the next question spoken; ``--back-to-back``: as soon as the
+reply is made), and a stream of image jobs (``--image-size``, ``--image-steps``, ``--image-n``) and of
 video jobs (``--video-size``, ``--video-frames``, ``--video-steps``), ``--image-jobs`` and
 ``--video-jobs`` of each kept in flight (a new one is submitted when one finishes).
 
@@ -19,21 +23,26 @@ turn until the window's turns have their first audio (diffusion load goes on thr
 
 1. **realtime alone**: the sessions only;
 2. **diffusion alone**: the image and video jobs only;
-3. **both** together.
+3. **both** together (one such phase per ``--first-audio-targets`` value).
 
 Measured per phase (window only):
 
-- **frame p50/p99**: wall time of the scheduler ticks in which a talker frame was produced. A tick
-  is the realtime step plus the batch step that follows it, so under diffusion load this is the
-  time from one frame to the next (80 ms of audio each);
+- **frame p50/p99**: for each speech step that produced a talker frame, the time from when it was
+  due (the speech pipeline's ``next_deadline()``, or at once when it has none; not before the
+  speech step before it ended) or from its start, whichever came first, to its end: the step
+  itself plus any wait behind diffusion steps past its deadline. Alone, speech runs at once and
+  this is the step's time;
+- **tick p50/p99**: wall time of the scheduler ticks in which a talker frame was produced: the
+  speech step and the batch steps that ran after it in the same tick, before the next deadline
+  (the frame time of the runs before 2026-12-03, when one batch step followed each speech step);
 - **first audio p50/p99**: from a turn's ``prepare`` to the end of the tick that returned its
   first ``AudioDelta`` (turns started in the window);
-- **audio late p99 / late deltas**: what a listener hears. Each reply plays from its first
-  ``AudioDelta`` on at real time, so every later delta is due when the audio before it has
-  played; its lateness is how long after that it arrived (0 when early). Late deltas are gaps in
-  the playback. With diffusion beside it the speech pipeline keeps its replies just ahead of
-  playback (its ``next_deadline``) and lets diffusion steps run in the slack, so the frame time
-  grows by design while the lateness must stay at 0;
+- **audio late p99 / late deltas**: what a listener hears. Each reply plays from ``--player-delay``
+  (0.2 s) after its first ``AudioDelta`` on at real time, so every later delta is due when the
+  audio before it has played; its lateness is how long after that it arrived (0 when early). Late
+  deltas are gaps in the playback. With diffusion beside it the speech pipeline keeps its replies
+  just ahead of playback (its ``next_deadline``) and lets diffusion steps run in the slack, so the
+  tick time grows by design while the lateness must stay at 0;
 - **diffusion throughput**: images finished per second, video jobs finished per second, and
   denoising steps per second of each kind (one ``Progress``: one step of one request, all its
   images; the CFG branches of a step count once). The throughput goal is checked on steps/s
@@ -73,6 +82,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import sys
 import time
 from collections import Counter, defaultdict
@@ -137,6 +147,8 @@ class TimedPipeline:
         self._pipeline = pipeline
         self._device = device
         self._record = record
+        #: ``time.monotonic()`` at the start and end of the last step (the pipelines' clock).
+        self.last_step: tuple[float, float] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipeline, name)
@@ -145,11 +157,19 @@ class TimedPipeline:
         p = self._pipeline
         # Diffusion steps by call and rows; every speech step is one "tick" (all its sessions).
         call, rows = (p.next_call() or ("idle", 0)) if isinstance(p, DiffusionPipeline) else ("tick", 0)
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), time.monotonic()
         out = p.step()
         _sync(self._device)
         self._record((p.kind, call, rows), time.perf_counter() - t0)
+        self.last_step = (m0, time.monotonic())
         return out
+
+
+@dataclass
+class Speaker(Session):
+    """A session and the utterance it says each turn."""
+
+    audio: np.ndarray | None = None
 
 
 # -- diffusion load -----------------------------------------------------------------------------
@@ -230,6 +250,11 @@ class Phase:
     name: str
     ramp_s: float | None = None  # None: the ramp did not complete
     window_s: float = 0.0
+    #: Per speech step that made a talker frame: from when the step was due (its deadline, or at
+    #: once) or began, whichever came first, to its end.
+    frame_latency: list[float] = field(default_factory=list)
+    #: Wall time of the scheduler ticks that made a talker frame (the speech step and the batch
+    #: steps after it in the same tick).
     frame_walls: list[float] = field(default_factory=list)
     first_audio: list[float] = field(default_factory=list)
     #: Each audio delta's lateness against its reply's real-time playback (0: in time).
@@ -246,6 +271,9 @@ class Phase:
         return counts[kind] / self.window_s if self.window_s else None
 
     def frame_p(self, q: float) -> float | None:
+        return float(np.percentile(self.frame_latency, q)) if self.frame_latency else None
+
+    def tick_p(self, q: float) -> float | None:
         return float(np.percentile(self.frame_walls, q)) if self.frame_walls else None
 
     def first_audio_p(self, q: float) -> float | None:
@@ -275,9 +303,11 @@ class Bench:
         self.warm_up: dict[str, dict[CallKey, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.recording: dict[CallKey, list[float]] | None = None
         pipelines: list[Pipeline[Any, Any]] = []
+        self.timed_speech: TimedPipeline | None = None
         if speech is not None:
             self.counter = FrameCounter(speech)
-            pipelines.append(TimedPipeline(speech, self.device, self._record))  # type: ignore[arg-type]
+            self.timed_speech = TimedPipeline(speech, self.device, self._record)
+            pipelines.append(self.timed_speech)  # type: ignore[arg-type]
         pipelines += [TimedPipeline(s.pipeline, self.device, self._record) for s in streams]  # type: ignore[misc]
         self.scheduler = Scheduler(pipelines)
         self.turn_seq = 0
@@ -305,7 +335,7 @@ class Bench:
         if self.recording is not None:
             self.recording[key].append(seconds)
 
-    def _turn(self, session: Session) -> GenerationRequest:
+    def _turn(self, session: Speaker) -> GenerationRequest:
         self.turn_seq += 1
         a = self.args
         parts = (AudioPart(session.audio), TextPart("Please answer briefly."))
@@ -346,10 +376,10 @@ class Bench:
         phase = Phase(name)
         n = args.sessions if speech and self.speech is not None else 0
         sessions = [
-            Session(i, (i * args.ramp_ticks) // max(n, 1), speechlike_tone(args.audio_seconds, seed=i))
+            Speaker(i, (i * args.ramp_ticks) // max(n, 1), audio=speechlike_tone(args.audio_seconds, seed=i))
             for i in range(n)
         ]
-        owner: dict[str, Session] = {}
+        owner: dict[str, Speaker] = {}
         streams = self.streams if diffusion else []
         stream_of: dict[str, JobStream] = {}
         for s in streams:
@@ -361,6 +391,8 @@ class Bench:
         begin = time.perf_counter()
         stage, window_start, window_end, tick = "ramp", 0.0, 0.0, 0
         playback: dict[str, tuple[float, float]] = {}  # reply -> (first audio at, seconds sent)
+        resume: dict[int, float] = {}  # session -> when its next turn's prompt arrives
+        due = math.inf  # when the next speech step was first due (time.monotonic())
         while True:
             now = time.perf_counter()
             if now - begin > args.phase_timeout:
@@ -375,7 +407,9 @@ class Bench:
             if stage == "tail" and not any(s.request_id and s.in_window and not s.heard for s in sessions):
                 break
             for s in sessions:
-                if stage != "tail" and s.request_id is None and tick >= s.start_tick:
+                if stage != "tail" and s.request_id is None and tick >= s.start_tick and now >= resume.get(
+                    s.index, 0.0
+                ):
                     request = self._turn(s)
                     s.added_at = time.perf_counter()
                     prepared = self.speech.prepare(request)
@@ -388,10 +422,19 @@ class Bench:
                 before = set(stream.submitted)
                 stream.top_up(scheduler)
                 stream_of.update(dict.fromkeys(set(stream.submitted) - before, stream))
+            if n and self.speech.has_work():
+                deadline = self.speech.next_deadline()
+                due = min(due, time.monotonic() if deadline is None else deadline)
+            stepped = self.timed_speech.last_step if n else None
             t0 = time.perf_counter()
             outs = scheduler.tick()
             _sync(self.device)
             t1 = time.perf_counter()
+            step = self.timed_speech.last_step if n else None
+            latency = None
+            if step is not None and step is not stepped:
+                ready = stepped[1] if stepped is not None else -math.inf  # the step before it ended
+                latency, due = step[1] - max(ready, min(step[0], due)), math.inf
             frames = 0
             for rid, out in outs:
                 if (s := owner.get(rid)) is not None and s.request_id == rid:
@@ -399,7 +442,7 @@ class Bench:
                         frames += out.frames
                         start, played = playback.get(rid, (t1, 0.0))
                         if stage == "window":
-                            phase.audio_late.append(max(0.0, t1 - (start + played)))
+                            phase.audio_late.append(max(0.0, t1 - (start + args.player_delay + played)))
                         playback[rid] = (start, played + len(out.pcm) / SAMPLE_RATE)
                         if not s.heard:
                             s.heard = s.ever_heard = True
@@ -411,6 +454,9 @@ class Bench:
                         elif stage == "window":
                             phase.turns_done += 1
                         s.request_id = None
+                        if not args.back_to_back:  # the reply is heard out, then the next question
+                            start, played = playback.get(rid, (t1, 0.0))
+                            resume[s.index] = max(t1, start + played) + args.audio_seconds
                 elif (stream := stream_of.get(rid)) is not None:
                     self._diffusion_output(phase, stream, rid, out, stage == "window", t1)
             if n:  # talker frames as speech_capacity counts them: at the vocoder, else audio deltas
@@ -421,6 +467,8 @@ class Bench:
                 frames = counted if self.counter.exact else frames
             if stage == "window" and frames:
                 phase.frame_walls.append(t1 - t0)
+                if latency is not None:
+                    phase.frame_latency.append(latency)
             if stage == "ramp" and all(s.ever_heard for s in sessions) and all(s.progressed for s in streams):
                 stage, window_start, phase.ramp_s = "window", t1, t1 - begin
                 self.recording = phase.calls
@@ -525,6 +573,7 @@ def pct(value: float | None) -> str:
 
 def phase_header(kinds: list[str]) -> str:
     cells = ["phase", "ramp (s)", "window (s)", "frame ticks", "frame p50 (ms)", "frame p99 (ms)"]
+    cells += ["tick p50 (ms)", "tick p99 (ms)"]
     cells += [
         "first audio p50 (ms)",
         "first audio p99 (ms)",
@@ -547,6 +596,8 @@ def phase_row(p: Phase, kinds: list[str]) -> str:
         str(len(p.frame_walls)),
         ms(p.frame_p(50)),
         ms(p.frame_p(99)),
+        ms(p.tick_p(50)),
+        ms(p.tick_p(99)),
         ms(p.first_audio_p(50)) + f" (n={len(p.first_audio)})",
         ms(p.first_audio_p(99)),
         ms(p.late_p(99)),
@@ -754,6 +805,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--temperature", type=float, default=0.7)
     add("--top-p", type=float, default=0.9)
     add("--ramp-ticks", type=int, default=16, help="ticks over which first turns start")
+    add(
+        "--player-delay",
+        type=float,
+        default=0.2,
+        help="the listener's player starts this many seconds after a reply's first audio (a jitter "
+        "buffer, as benchmarks/scale.py's): audio late = after that playback needed it",
+    )
+    add(
+        "--back-to-back",
+        action="store_true",
+        help="a session's next turn starts as soon as its reply is made (default: once the reply has "
+        "played and the next question has been spoken, --audio-seconds)",
+    )
+    add(
+        "--first-audio-targets",
+        nargs="+",
+        default=["0.25"],
+        metavar="SECONDS|none",
+        help="the speech pipeline's first_audio_target for the 'both' phase; more than one: a 'both' phase "
+        "per target (the first one is checked against the goals). none: at once, every other tick",
+    )
     add("--image-size", type=parse_size, default=None, help="WxH; default: the model's")
     add("--image-steps", type=int, default=None, help="default: the model's")
     add("--image-n", type=int, default=1, help="images per image job")
@@ -775,6 +847,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     add("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for the floor (H200 SXM: 989)")
     args = parser.parse_args(argv)
+    try:
+        args.first_audio_targets = [
+            None if t == "none" else float(t) for t in args.first_audio_targets
+        ]
+    except ValueError:
+        parser.error("--first-audio-targets takes seconds or none")
     if args.sessions < 0 or args.image_jobs < 0 or args.video_jobs < 0 or args.image_n < 1:
         parser.error("--sessions, --image-jobs and --video-jobs must be >= 0, --image-n >= 1")
     return args
@@ -867,28 +945,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"- speech: {info.id} ({'RANDOM WEIGHTS' if info.random_weights else 'checkpoint weights'}, "
             f"{speech.dtype}, {device}); load {startup.load_s:.1f} s + warm-up {startup.warm_up_s:.1f} s; "
             f"{args.sessions} sessions speaking in turns ({args.audio_seconds:g} s of audio in, up to "
-            f"{args.max_output_tokens} thinker tokens and {args.max_audio_frames} talker frames out)"
+            f"{args.max_output_tokens} thinker tokens and {args.max_audio_frames} talker frames out; "
+            + (
+                "the next turn as soon as the reply is made)"
+                if args.back_to_back
+                else f"the next turn once the reply has played and {args.audio_seconds:g} s more, the next "
+                "question spoken)"
+            )
         )
+        targets = ", ".join("none" if t is None else f"{t * 1000:g} ms" for t in args.first_audio_targets)
+        print(f"- the speech pipeline's first-audio target (phase 'both' and after): {targets}")
     for stream in streams:
         print(f"- {describe_job(stream)}")
     print(
         f"- each phase: ramp, {args.seconds:g} s measured, tail (limit {args.phase_timeout:g} s); one "
-        "scheduler: the speech step, then one diffusion step (image and video in turn) per tick; "
+        "scheduler: the speech step when due, then the diffusion steps (image and video in turn) that fit "
+        "before the speech pipeline's next deadline; "
         f"{torch.get_num_threads()} torch CPU threads"
     )
     first_jobs = bench.first_jobs()
     print("\n## Phases\n")
     print(phase_header(kinds), flush=True)
     phases: list[Phase] = []
-    plan = [("realtime alone", True, False), ("diffusion alone", False, True), ("both", True, True)]
+    plan: list[tuple[str, bool, bool, float | None]] = [
+        ("realtime alone", True, False, None),
+        ("diffusion alone", False, True, None),
+    ]
+    for i, target in enumerate(args.first_audio_targets):
+        label = "none" if target is None else f"{target * 1000:g} ms"
+        plan.append(("both" if i == 0 else f"both, first-audio target {label}", True, True, target))
     skipped = []
-    for name, with_speech, with_diffusion in plan:
+    for name, with_speech, with_diffusion, target in plan:
         if (with_speech and speech is None) or (with_diffusion and not streams):
             continue
         elapsed = time.perf_counter() - started
         if args.time_budget and elapsed + args.phase_timeout > args.time_budget:
             skipped.append(name)
             continue
+        if speech is not None and hasattr(speech, "first_audio_target"):
+            speech.first_audio_target = target if name != "realtime alone" else args.first_audio_targets[0]
         phases.append(bench.run(name, with_speech, with_diffusion))
         print(phase_row(phases[-1], kinds), flush=True)
     by = {p.name: p for p in phases}

@@ -55,6 +55,7 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
         _configure_step_caches(pipelines, config)
     except ValueError as exc:
         raise BuildError(f"step cache: {exc}") from exc
+    _configure_speech(pipelines, config)
     info = pipelines[0].info
     try:
         voices = VoiceCatalog.for_model(tuple(info.voices), config.voice_aliases)
@@ -78,6 +79,13 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
         weights = ", RANDOM weights" if model.random_weights else ""
         log.info("%s pipeline: %s (%s, from %s%s)", kind, model.id, model.architecture, model.source, weights)
     return create_app(EngineClient(engine), config)
+
+
+def _configure_speech(pipelines: Sequence[object], config: ServerConfig) -> None:
+    """The speech pipeline's first-audio deadline (``SpeechPipeline.next_deadline``)."""
+    for pipeline in pipelines:
+        if hasattr(pipeline, "first_audio_target"):
+            pipeline.first_audio_target = config.first_audio_target_ms / 1000
 
 
 def _configure_step_caches(pipelines: Sequence[object], config: ServerConfig) -> None:

@@ -93,6 +93,16 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, not {text!r}")
 
 
+def _first_audio_target(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 60_000:
+        raise argparse.ArgumentTypeError(f"expected whole milliseconds from 0 to 60000, not {text!r}")
+    return value
+
+
 def _prefill_chunk(text: str) -> int:
     try:
         value = int(text)
@@ -255,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="prompt tokens a speech prompt pass reads per engine tick (default %(default)s): a longer "
         "prompt is read over several ticks, so it never stalls the sessions already speaking",
+    )
+    serve.add_argument(
+        "--first-audio-target-ms",
+        type=_first_audio_target,
+        default=ServerConfig.first_audio_target_ms,
+        metavar="MS",
+        help="while image or video jobs wait, a spoken reply's first audio is due this long after the "
+        "speech pipeline takes it (default %(default)s); diffusion steps run in the slack, and speech "
+        "that is playing always keeps ahead of its playback. 0: first audio before any diffusion step",
     )
     serve.add_argument(
         "--no-prefix-cache",
@@ -448,6 +467,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         cuda_graphs=not args.no_cuda_graphs,
         prefill_chunk=args.prefill_chunk,
         prefix_cache=not args.no_prefix_cache,
+        first_audio_target_ms=args.first_audio_target_ms,
         fused_kernels=args.fused_kernels,
         vae_fast=args.vae_fast,
         quantization=args.quantization,

@@ -38,6 +38,10 @@ class ServerConfig:
     #: turn of a conversation, out-of-band responses over one context): only the rest of their
     #: prompt is read (``--no-prefix-cache``: every prompt read whole).
     prefix_cache: bool = True
+    #: While image or video work waits, a spoken reply's first audio is due this many
+    #: milliseconds after the speech pipeline takes it; diffusion steps run in the slack
+    #: (``--first-audio-target-ms``; 0: first audio before any diffusion step).
+    first_audio_target_ms: int = 250
     #: The fused Triton kernels of ``kernels/`` (QK norm + RoPE, AdaLN) on CUDA: ``auto`` where
     #: their exact preset is bitwise equal to eager, ``on`` wherever supported, ``off``
     #: (``--fused-kernels``).

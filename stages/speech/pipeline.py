@@ -107,6 +107,13 @@ from .turn import Turn
 
 log = logging.getLogger(__name__)
 
+#: Seconds from a spoken reply's admission by which its first audio is due while batch work
+#: (diffusion) waits: the server's default (``--first-audio-target``).
+FIRST_AUDIO_TARGET = 0.25
+#: Ticks from admission to first audio assumed before any was measured.
+FIRST_AUDIO_TICKS = 4.0
+
+
 @dataclass(frozen=True)
 class SpeechPrompt:
     """What :meth:`SpeechPipeline.prepare` makes of a request, off the engine thread."""
@@ -150,6 +157,7 @@ class SpeechPipeline:
         prefix_cache: bool = True,
         tool_call_budget: int = 1024,
         playback_margin: float = 0.15,
+        first_audio_target: float | None = FIRST_AUDIO_TARGET,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -238,6 +246,13 @@ class SpeechPipeline:
         self.phases = PhaseTimes()
         #: Seconds of audio kept ahead of playback beyond one tick (network and clock jitter).
         self.playback_margin = playback_margin
+        if first_audio_target is not None and not 0 <= first_audio_target <= 60:
+            raise ValueError(f"first_audio_target must be from 0 to 60 seconds, got {first_audio_target}")
+        #: Seconds from a spoken reply's admission by which its first audio is due while batch work
+        #: waits (None: at once, every other tick; see :meth:`next_deadline`).
+        self.first_audio_target = first_audio_target
+        #: Ticks from admission to first audio (moving average): how many a waiting reply still needs.
+        self.first_audio_ticks = StepTimer()
 
     # -- graphs and warm-up ------------------------------------------------------------------------
     @property
@@ -321,25 +336,43 @@ class SpeechPipeline:
         return isinstance(request, GenerationRequest)
 
     def next_deadline(self) -> float | None:
-        """When the next tick must start so that no reply's audio runs dry: each speaking reply
-        plays from its first audio on at real time, so its audio sent so far lasts until
-        ``audio_started + audio_seconds``; the tick must begin ``step_cost() +
-        playback_margin`` before the earliest of those. None (at once) while any request has
-        no audio playing yet (a prompt to read, text-only work, a reply before its first audio):
-        latency is what counts there. The pipeline ``runs_early``: with no batch work waiting
-        the scheduler steps it at once, so replies still come as fast as the model can make them."""
+        """When the next tick must start, so that no reply's audio runs dry and each spoken
+        reply's first audio comes within ``first_audio_target`` of its admission:
+
+        - a playing reply plays at real time from its first audio on, so the audio sent so far
+          lasts until ``audio_started + audio_seconds``; the tick must begin ``step_cost() +
+          playback_margin`` before that;
+        - a spoken reply not playing yet is due at once until its first tick (its prompt is read
+          at once), then ``(left + 1) * step_cost()`` before ``admitted + first_audio_target``,
+          where ``left`` is how many ticks its first audio still needs (the moving average of
+          ticks from admission to first audio, at least one) and one more is a margin;
+        - a text-only reply, or a spoken one while ``first_audio_target`` is None: no deadline
+          (None: at once; the scheduler then runs a batch step between two ticks).
+
+        The earliest of these; None as soon as one reply asks for at once, or when every reply's
+        audio is made (finish them now). Held replies are ignored. The pipeline ``runs_early``:
+        with no batch work waiting the scheduler steps it at once, so replies come as fast as the
+        model can make them; the deadlines only say how long batch work may hold it back."""
         earliest = math.inf
+        cost = self.step_timer.seconds
         for a in self._active.values():
             if a.held:
                 continue
             t = a.talker
-            if t is None or a.audio_started is None:
+            if t is None:
                 return None
-            if not t.done:
-                earliest = min(earliest, a.audio_started + a.audio_seconds)
-        if earliest == math.inf:
-            return None  # only replies whose audio is all made: finish them now
-        return earliest - self.step_timer.seconds - self.playback_margin
+            if a.audio_started is None:
+                if self.first_audio_target is None:
+                    return None
+                if not a.ticks:
+                    earliest = min(earliest, a.admitted)
+                    continue
+                expected = self.first_audio_ticks.seconds or FIRST_AUDIO_TICKS
+                left = max(1.0, expected - a.ticks) + 1  # a tick more: the prompt ticks cost more
+                earliest = min(earliest, a.admitted + self.first_audio_target - left * cost)
+            elif not t.done:
+                earliest = min(earliest, a.audio_started + a.audio_seconds - cost - self.playback_margin)
+        return None if earliest == math.inf else earliest
 
     def step_cost(self) -> float:
         return self.step_timer.seconds
@@ -431,6 +464,8 @@ class SpeechPipeline:
         phase = self.phases.begin
         phase("prompts")
         out: list[tuple[str, Output]] = []
+        for a in self._active.values():
+            a.ticks += not a.held
         self._retired.clear()  # prefill results the last tick loaded: its sync has passed
         # 1. start new prompts' prefills, load the finished ones; 2. a thinker token for every
         # prefilled request, the new ones included (their first token is fed at once, so their
@@ -706,6 +741,7 @@ class SpeechPipeline:
             active.audio_seconds += pcm.size / SAMPLE_RATE
             if active.audio_started is None:
                 active.audio_started = time.monotonic()
+                self.first_audio_ticks.record(active.ticks)
             pcm16 = float_to_int16(pcm)
             chars = self._text_chars(active, active.audio_frames_sent)
             out.append((rid, AudioDelta(pcm16, chars, frames)))

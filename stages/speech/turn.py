@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ..types import GenerationRequest, Usage
@@ -36,3 +37,5 @@ class Turn:
     audio_started: float | None = None  # time.monotonic() when its first audio went out
     held: bool = False  # no decode steps while held (its client is behind; ``hold``)
     drawn: list[int] = field(default_factory=list)  # every reply token drawn (the slot feeds them)
+    admitted: float = field(default_factory=time.monotonic)  # when the pipeline took it
+    ticks: int = 0  # steps of the pipeline since, while not held

@@ -124,6 +124,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert quantized.quantization == "fp8" and defaults.quantization == "none"
     vae = config_from_args(build_parser().parse_args(["serve", "--vae-fast", "fast"]), {})
     assert vae.vae_fast == "fast" and defaults.vae_fast == "exact"
+    target = config_from_args(build_parser().parse_args(["serve", "--first-audio-target-ms", "0"]), {})
+    assert target.first_audio_target_ms == 0 and defaults.first_audio_target_ms == 250
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 
@@ -281,3 +283,11 @@ def test_a_voice_alias_onto_a_voice_the_model_lacks_stops_the_server(
         code = main(["serve", "--voice-alias", "alloy=nobody", "--device", "cpu", "--port", str(free_port())])
     assert code == 1
     assert "bad --voice-alias" in caplog.text and "no voice 'nobody'" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["-1", "60001", "0.5", "soon"])
+def test_a_bad_first_audio_target_is_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--first-audio-target-ms", value])
+    assert "expected whole milliseconds from 0 to 60000" in capsys.readouterr().err
+

@@ -439,14 +439,30 @@ def test_a_long_prompt_waits_while_a_reply_awaits_its_first_audio(demo_dir: Path
     assert of(drain(pipe), "b")[-1].reason == "length"
 
 
-def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(pipeline) -> None:
-    """No deadline (at once) until a reply's audio plays; then the tick is due one step and the
-    margin before the earliest playing reply runs out of audio; a text-only request beside it
-    asks for at once again."""
+def _deadline_of_playing(pipe, active) -> float:
+    return active.audio_started + active.audio_seconds - pipe.step_timer.seconds - pipe.playback_margin
+
+
+def _deadline_of_first_audio(pipe, active, expected: float) -> float:
+    left = max(1.0, expected - active.ticks) + 1
+    return active.admitted + pipe.first_audio_target - left * pipe.step_timer.seconds
+
+
+def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(demo_dir: Path) -> None:
+    """A spoken reply is due at once until its first tick (its prompt is read), then so that its
+    first audio comes ``first_audio_target`` after its admission (the ticks it still needs by the
+    moving average of ticks to first audio, at the measured step cost); playing, the tick is due
+    one step and the margin before its audio runs out, also while another reply awaits its first
+    audio; a text-only request beside them asks for at once."""
     import time
 
+    from omnirt.stages.speech.pipeline import FIRST_AUDIO_TARGET, FIRST_AUDIO_TICKS
+
+    pipeline = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    assert pipeline.first_audio_target == FIRST_AUDIO_TARGET
     pipeline.add(audio_request("a", tone(1.0), max_output_tokens=12))
-    assert pipeline.next_deadline() is None
+    active = pipeline._active["a"]
+    assert pipeline.next_deadline() == active.admitted <= time.monotonic()
     first_audio = None
     for _ in range(64):
         before = time.monotonic()
@@ -454,19 +470,40 @@ def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(pipeline) -> 
         if any(isinstance(o, AudioDelta) for o in outs):
             first_audio = before
             break
+        deadline = pipeline.next_deadline()  # nothing measured yet: FIRST_AUDIO_TICKS
+        assert deadline == pytest.approx(_deadline_of_first_audio(pipeline, active, FIRST_AUDIO_TICKS))
+        assert deadline < active.admitted + pipeline.first_audio_target
     assert first_audio is not None and pipeline.has_work()
-    active = pipeline._active["a"]
+    assert pipeline.first_audio_ticks.seconds == active.ticks > 1
     heard = active.audio_seconds
     assert heard > 0
-    deadline = pipeline.next_deadline()
-    assert deadline is not None
-    playback_end = active.audio_started + heard
-    assert deadline == pytest.approx(playback_end - pipeline.step_timer.seconds - pipeline.playback_margin)
+    assert pipeline.next_deadline() == pytest.approx(_deadline_of_playing(pipeline, active))
     assert first_audio <= active.audio_started <= time.monotonic()
+
+    pipeline.add(audio_request("b", tone(1.0, seed=1), max_output_tokens=12))
+    other = pipeline._active["b"]
+    assert pipeline.next_deadline() == other.admitted  # its prompt, at once
+    pipeline.step()
+    assert other.audio_started is None and not active.talker.done
+    expected = pipeline.first_audio_ticks.seconds
+    assert pipeline.next_deadline() == pytest.approx(
+        min(_deadline_of_playing(pipeline, active), _deadline_of_first_audio(pipeline, other, expected))
+    )
     pipeline.add(text_request("t", "hello", max_output_tokens=2))
     assert pipeline.next_deadline() is None
     drain(pipeline)
     assert pipeline.next_deadline() is None and not pipeline.has_work()
+
+
+def test_without_a_first_audio_target_a_reply_is_due_at_once_until_its_audio_plays(demo_dir: Path) -> None:
+    pipeline = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    pipeline.first_audio_target = None
+    pipeline.add(audio_request("a", tone(1.0), max_output_tokens=12))
+    while pipeline._active["a"].audio_started is None:
+        assert pipeline.next_deadline() is None
+        pipeline.step()
+    assert pipeline.next_deadline() == pytest.approx(_deadline_of_playing(pipeline, pipeline._active["a"]))
+    drain(pipeline)
 
 
 def test_a_held_request_takes_no_steps_and_then_goes_on_unchanged(demo_dir: Path) -> None:
