@@ -160,31 +160,37 @@ def split_blocks(denoiser: Denoiser) -> int:
 
 class SplitDecoder(Protocol):
     """A denoiser whose VAE decode also runs in pieces (a video VAE decoding one latent frame at a
-    time with a feature cache), the decode's state kept in between:
-    ``finish_decode(decode_frames(start_decode(latents), total))`` (in any grouping of the frames)
-    is bitwise :meth:`Denoiser.decode`. Each state owns its cache: decodes of several batches may
-    be under way at once on one model.
+    time with a feature cache, each frame's decoder call in stages), the decode's state kept in
+    between: ``finish_decode(decode_parts(start_decode(latents), total))`` (in any grouping of the
+    parts) is bitwise :meth:`Denoiser.decode`. Each state owns its cache: decodes of several
+    batches may be under way at once on one model.
 
-    The runtime calls ``start_decode``, then ``decode_frames`` until ``decode_frames_total`` frames
+    The runtime calls ``start_decode``, then ``decode_parts`` until ``decode_parts_total`` parts
     ran, then ``finish_decode``."""
 
     #: Whether decodes can run in pieces now (False: e.g. the VAE's tiling is on).
     decode_splits: bool
 
-    def decode_frames_total(self, shape: Shape) -> int:
-        """The frames (decoder calls) of the decode of rows of ``shape``."""
+    def decode_parts_total(self, shape: Shape) -> int:
+        """The parts (stages of the decoder calls, frame after frame) of a decode of ``shape``."""
+        ...
+
+    def decode_part_kinds(self, shape: Shape) -> int:
+        """The parts cycle through this many kinds of different cost (a latent frame's decoder
+        stages): the runtime measures each kind apart to size the pieces (optional: without it,
+        one kind)."""
         ...
 
     def start_decode(self, latents: torch.Tensor) -> Any:
-        """The decode's state, before its first frame (the latents prepared for the decoder)."""
+        """The decode's state, before its first part (the latents prepared for the decoder)."""
         ...
 
-    def decode_frames(self, state: Any, n: int) -> Any:
-        """The next ``n`` frames over ``state`` (fewer when fewer are left); returns the state."""
+    def decode_parts(self, state: Any, n: int) -> Any:
+        """The next ``n`` parts over ``state`` (fewer when fewer are left); returns the state."""
         ...
 
     def finish_decode(self, state: Any) -> torch.Tensor:
-        """The pixels once every frame ran: uint8 ``[rows, frames, H, W, 3]``, as ``decode``."""
+        """The pixels once every part ran: uint8 ``[rows, frames, H, W, 3]``, as ``decode``."""
         ...
 
     def decode_keep_rows(self, state: Any, rows: Sequence[int]) -> Any:
@@ -194,7 +200,7 @@ class SplitDecoder(Protocol):
 
 def split_decode(denoiser: Denoiser) -> bool:
     """Whether ``denoiser`` can run its VAE decode in pieces now."""
-    names = ("start_decode", "decode_frames", "finish_decode", "decode_frames_total")
+    names = ("start_decode", "decode_parts", "finish_decode", "decode_parts_total")
     if not all(callable(getattr(denoiser, name, None)) for name in names):
         return False
     return bool(getattr(denoiser, "decode_splits", False))

@@ -34,12 +34,13 @@ The pieces give bitwise the prediction of the whole call.
 Long decodes: a video VAE decode at real size takes seconds (Wan 1.3B at 832x480, 81 frames:
 about 2.9 s on an H200). When the denoiser also splits its decode
 (:class:`~.denoiser.SplitDecoder`) and splitting is on, the decode runs as pieces the same way:
-its start with the first latent frame, then groups of latent frames (one decoder call each, the
-decoder's feature cache kept in the decode's own state), then its finish (the pixels, then the
-results); a decode under way is continued before any other work but the pieces of a transformer
-call. The pixels are bitwise those of the whole decode. The latent frames themselves do not split:
-a piece is at least one of them (at 480p on an H200 about 140 ms: 2.86 s over 21 latent frames).
-The finish also encodes the results (PNG, MP4) on the CPU.
+its start with the first part, then groups of parts (a part: one stage of a latent frame's
+decoder call, e.g. one up block; the decoder's feature cache and the frame's activations kept in
+the decode's own state), then its finish (the pixels, then the results); a decode under way is
+continued before any other work but the pieces of a transformer call. The pixels are bitwise
+those of the whole decode (a latent frame at 480p on an H200 took about 92 ms whole, over one
+80 ms realtime frame; its stages split it). The finish also encodes the results (PNG, MP4) on the
+CPU.
 
 Rows: a request of ``n`` images has ``n`` rows, seeded ``seed, seed + 1, ...`` (one CPU
 ``torch.Generator`` each: diffusers' results for ``generator=[Generator().manual_seed(seed + i)
@@ -195,7 +196,7 @@ class _Call:
 @dataclass(eq=False)
 class _Decoding:
     """A split VAE decode under way: the denoiser's decode state between two pieces. Its "blocks"
-    are the frames after the first (the start piece decodes frame 0, cheaper than the others)."""
+    are the parts after the first (the start piece runs the first, with the decode's start)."""
 
     jobs: list[tuple[_Job, int]]  # each job with the offset of its rows in the state
     shape: Shape
@@ -282,7 +283,7 @@ class DiffusionPipeline:
         self._call: _Call | None = None
         self._decoding: _Decoding | None = None
         #: Measured seconds of the start, one block and the finish of a call (or of a decode: its
-        #: start with frame 0, one frame, its finish), per ("transformer" | "vae", shape, rows).
+        #: start with its first part, one part, its finish), per ("transformer" | "vae", shape, rows).
         self._part_costs: dict[tuple[str, Shape, int], dict[str, StepTimer]] = {}
         self._sync = cuda  # steps are timed to the end of their GPU work
         #: Set by the engine: wakes its thread (an encoded output is ready to be released).
@@ -543,7 +544,7 @@ class DiffusionPipeline:
                     batch.append(job)
                     rows += job.rows
             if self.split_calls and split_decode(self.denoiser):
-                blocks = self.denoiser.decode_frames_total(shape) - 1  # type: ignore[attr-defined]
+                blocks = self.denoiser.decode_parts_total(shape) - 1  # type: ignore[attr-defined]
                 piece, cost = self._next_piece(("vae", shape, rows), blocks, 0, started=False)
                 return _Work("decode", batch, rows, shape, piece, cost)
             return _Work("decode", batch, rows, shape)
@@ -578,7 +579,7 @@ class DiffusionPipeline:
         """The next piece of a call or decode (``done`` blocks run, its start run or not; ``key``:
         what, shape, rows) and its estimated seconds: as many parts as fit ``max_step_seconds``
         by their measured costs, at least one; a part never measured at this shape and row count
-        runs alone (estimate None)."""
+        runs alone (estimate None). Blocks are measured by class (:meth:`_block_class`)."""
         costs = self._part_costs.get(key, {})
         budget = self.max_step_seconds * (1 + 1e-9)  # parts that add up to it exactly fit
         spent = 0.0
@@ -587,14 +588,16 @@ class DiffusionPipeline:
                 return _Piece(True, 0, 0, False), None
             spent = costs["start"].seconds
         stop = done
-        block = costs.get("block")
-        if block is None:
-            if started and done < blocks:
-                return _Piece(False, done, done + 1, False), None
-        else:
-            while stop < blocks and ((started and stop == done) or spent + block.seconds <= budget):
-                spent += block.seconds
-                stop += 1
+        while stop < blocks:
+            block = costs.get(self._block_class(key, stop))
+            if block is None:
+                if started and stop == done:
+                    return _Piece(False, done, done + 1, False), None
+                break
+            if not ((started and stop == done) or spent + block.seconds <= budget):
+                break
+            spent += block.seconds
+            stop += 1
         finish = False
         if stop == blocks:
             empty = started and stop == done
@@ -606,19 +609,21 @@ class DiffusionPipeline:
                 spent += costs["finish"].seconds
         return _Piece(not started, done, stop, finish), spent
 
+    def _block_class(self, key: tuple[str, Shape, int], index: int) -> str:
+        """The cost class of block ``index``: one for a transformer call's blocks; a decode's
+        parts cycle through the denoiser's ``decode_part_kinds(shape)`` classes (the stages of a
+        latent frame's decoder call, which cost differently), block ``i`` being part ``i + 1``."""
+        kinds = getattr(self.denoiser, "decode_part_kinds", None)
+        count = kinds(key[1]) if key[0] == "vae" and callable(kinds) else 1
+        return "block" if count <= 1 else f"block{(index + 1) % count}"
+
     def _record_parts(self, key: tuple[str, Shape, int], piece: _Piece, seconds: float) -> None:
         """Attributes a piece's measured time to its parts: all of it to a part that ran alone,
         else in proportion to the parts' estimates."""
         costs = self._part_costs.setdefault(key, {})
-        parts = [
-            (name, n)
-            for name, n in (
-                ("start", int(piece.start)),
-                ("block", piece.blocks),
-                ("finish", int(piece.finish)),
-            )
-            if n
-        ]
+        counts = collections.Counter(self._block_class(key, i) for i in range(piece.first, piece.stop))
+        named = (("start", int(piece.start)), *counts.items(), ("finish", int(piece.finish)))
+        parts = [(name, n) for name, n in named if n]
         if len(parts) == 1:
             name, n = parts[0]
             costs.setdefault(name, StepTimer()).record(seconds / n)
@@ -723,14 +728,14 @@ class DiffusionPipeline:
             assert self._decoding is None
             latents, offsets = self._decode_inputs(work.jobs)
             self.calls["vae", work.rows] += 1
-            state = den.decode_frames(den.start_decode(latents), 1)
-            blocks = den.decode_frames_total(work.shape) - 1
+            state = den.decode_parts(den.start_decode(latents), 1)
+            blocks = den.decode_parts_total(work.shape) - 1
             self._decoding = _Decoding(offsets, work.shape, work.rows, blocks, state)
         dec = self._decoding
         assert dec is not None
         self.pieces["vae", dec.rows] += 1
         if piece.blocks:
-            dec.state = den.decode_frames(dec.state, piece.blocks)
+            dec.state = den.decode_parts(dec.state, piece.blocks)
             dec.done = piece.stop
         if piece.finish:
             self._decoding = None

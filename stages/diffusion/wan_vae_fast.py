@@ -182,22 +182,95 @@ def _decoder_forward(
     first_chunk: bool = False,
 ) -> torch.Tensor:
     """diffusers' ``WanDecoder3d.forward`` and ``WanMidBlock.forward`` (0.42) with ``conv_in``'s
-    padding and the head's norm + SiLU + padding fused; the attention (diffusers' own) reads NCDHW
-    frames, as in diffusers (its norm sums them in ATen's order for that layout), and the output
-    is contiguous."""
+    padding and the head's norm + SiLU + padding fused, as :func:`decoder_stage`'s in turn; the
+    attention (diffusers' own) reads NCDHW frames, as in diffusers (its norm sums them in ATen's
+    order for that layout), and the output is contiguous."""
     feat_idx = [0] if feat_idx is None else feat_idx
-    if feat_cache is None or not _applies(x) or not _norm_applies(self.norm_out, x):
+    if feat_cache is None or not fast_decode_applies(self, x):
         return type(self).forward(self, x, feat_cache, feat_idx, first_chunk)
-    x = _causal_conv(self.conv_in, x, None, feat_cache, feat_idx)
-    mid = self.mid_block
-    x = mid.resnets[0](x, feat_cache=feat_cache, feat_idx=feat_idx)
-    for attn, resnet in zip(mid.attentions, mid.resnets[1:], strict=True):
-        if attn is not None:
-            x = attn(x.contiguous())
-        x = resnet(x, feat_cache=feat_cache, feat_idx=feat_idx)
-    for up_block in self.up_blocks:
-        x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
-    return _causal_conv(self.conv_out, x, self.norm_out, feat_cache, feat_idx).contiguous()
+    for stage in range(decoder_stages(self)):
+        x = _fast_stage(self, stage, x, feat_cache, feat_idx, first_chunk)
+    return x
+
+
+def fast_decode_applies(decoder: nn.Module, frame: torch.Tensor) -> bool:
+    """Whether a decoder call on the latent frame ``frame`` takes the fast path (installed, and
+    the kernels apply to it)."""
+    installed = getattr(decoder, _ATTR, "off") != "off"
+    return installed and _applies(frame) and _norm_applies(decoder.norm_out, frame)
+
+
+def decoder_stages(decoder: nn.Module) -> int:
+    """The stages of one call of a diffusers ``WanDecoder3d`` (:func:`decoder_stage`): one per
+    up block; the first also runs ``conv_in`` and the middle block, the last the head."""
+    return max(1, len(decoder.up_blocks))
+
+
+def decoder_stage(
+    decoder: nn.Module,
+    stage: int,
+    x: torch.Tensor,
+    feat_cache: list[Any],
+    feat_idx: list[int],
+    first_chunk: bool,
+    fast: bool,
+) -> torch.Tensor:
+    """Stage ``stage`` of one decoder call with a feature cache (``WanDecoder3d.forward`` cut
+    between its up blocks): the stages run in turn over one latent frame give bitwise what the
+    whole call gives, on diffusers' path and on the fast one. ``x``: the latent frame at stage 0,
+    else the previous stage's output; ``fast``: :func:`fast_decode_applies` of the latent frame."""
+    if fast:
+        return _fast_stage(decoder, stage, x, feat_cache, feat_idx, first_chunk)
+    return _diffusers_stage(decoder, stage, x, feat_cache, feat_idx, first_chunk)
+
+
+def _fast_stage(
+    self: Any, stage: int, x: torch.Tensor, feat_cache: Any, feat_idx: list, first_chunk: bool
+) -> torch.Tensor:
+    if stage == 0:
+        x = _causal_conv(self.conv_in, x, None, feat_cache, feat_idx)
+        mid = self.mid_block
+        x = mid.resnets[0](x, feat_cache=feat_cache, feat_idx=feat_idx)
+        for attn, resnet in zip(mid.attentions, mid.resnets[1:], strict=True):
+            if attn is not None:
+                x = attn(x.contiguous())
+            x = resnet(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    if self.up_blocks:
+        x = self.up_blocks[stage](x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+    if stage == decoder_stages(self) - 1:
+        x = _causal_conv(self.conv_out, x, self.norm_out, feat_cache, feat_idx).contiguous()
+    return x
+
+
+def _cached_conv(
+    conv: nn.Module, x: torch.Tensor, feat_cache: list[Any], feat_idx: list[int]
+) -> torch.Tensor:
+    """diffusers' ``WanDecoder3d.forward`` around ``conv_in`` and ``conv_out`` (0.42): the causal
+    convolution over the cached frames, the cache refreshed with the last ``CACHE_T`` frames."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T
+
+    idx = feat_idx[0]
+    cache_x = x[:, :, -CACHE_T:, :, :].clone()
+    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    x = conv(x, feat_cache[idx])
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    return x
+
+
+def _diffusers_stage(
+    self: Any, stage: int, x: torch.Tensor, feat_cache: list[Any], feat_idx: list[int], first_chunk: bool
+) -> torch.Tensor:
+    if stage == 0:
+        x = _cached_conv(self.conv_in, x, feat_cache, feat_idx)
+        x = self.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    if self.up_blocks:
+        x = self.up_blocks[stage](x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+    if stage == decoder_stages(self) - 1:
+        x = self.nonlinearity(self.norm_out(x))
+        x = _cached_conv(self.conv_out, x, feat_cache, feat_idx)
+    return x
 
 
 def _conv_kinds(decoder: nn.Module) -> dict[nn.Module, str]:

@@ -1,6 +1,7 @@
-"""The Wan VAE decode split into pieces (start, groups of latent frames, finish): bitwise the one-call
-decode, each decode owning its feature cache (two decodes interleaved on one VAE), the runtime
-running a decode over several steps (still WanPipeline's video), and cancellation mid-decode."""
+"""The Wan VAE decode split into pieces (start, groups of parts: the stages of each latent frame's
+decoder call, finish): bitwise the one-call decode, each decode owning its feature cache (two
+decodes interleaved on one VAE), the runtime running a decode over several steps (still
+WanPipeline's video), and cancellation mid-decode."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from omnirt.stages.types import Finished
 from .conftest import run_to_end
 from .test_wan import gens
 
-#: Small enough that every piece holds one part: start (with frame 0), one frame, or finish.
+#: Small enough that every piece holds one part: start (with the first part), one part, or finish.
 TINY = 1e-9
-#: 13 frames: 4 latent frames, so a decode has a start, 3 frames and a finish.
+#: 13 frames: 4 latent frames of 4 stages (the demo decoder's up blocks): 16 parts.
 SIZE = {"width": 32, "height": 32, "num_frames": 13}
 SHAPE = Shape(width=32, height=32, frames=13)
 
@@ -48,13 +49,15 @@ def _latents(den: WanDenoiser, seeds: list[int]) -> torch.Tensor:
 def _pieces(den: WanDenoiser, latents: torch.Tensor, grouping: list[int]) -> torch.Tensor:
     state = den.start_decode(latents)
     for n in grouping:
-        state = den.decode_frames(state, n)
+        state = den.decode_parts(state, n)
     return den.finish_decode(state)
 
 
-@pytest.mark.parametrize("grouping", [[4], [1, 1, 1, 1], [2, 0, 5]], ids=["whole", "single", "uneven"])
+@pytest.mark.parametrize(
+    "grouping", [[16], [1] * 16, [2, 0, 5, 3, 7], [4, 4, 4, 4]], ids=["whole", "single", "uneven", "frames"]
+)
 def test_pieces_are_bitwise_the_one_call_decode(wan: WanDenoiser, grouping: list[int]) -> None:
-    assert split_decode(wan) and wan.decode_frames_total(SHAPE) == 4
+    assert split_decode(wan) and wan.decode_parts_total(SHAPE) == 16
     latents = _latents(wan, [1, 2])
     whole = wan.decode(latents)
     assert whole.shape == (2, 13, 32, 32, 3) and whole.dtype == torch.uint8 and whole.float().std() > 5
@@ -66,9 +69,9 @@ def test_each_decode_owns_its_cache(wan: WanDenoiser) -> None:
     whole_a, whole_b = wan.decode(a), wan.decode(b)
     module_cache = wan.vae._feat_map
     sa, sb = wan.start_decode(a), wan.start_decode(b)
-    for _ in range(4):  # interleaved frame by frame through one VAE module
-        wan.decode_frames(sa, 1)
-        wan.decode_frames(sb, 1)
+    for _ in range(16):  # interleaved part by part through one VAE module
+        wan.decode_parts(sa, 1)
+        wan.decode_parts(sb, 1)
         mid = wan.decode(b)  # a one-call decode in between uses (and clears) the module's cache
         assert torch.equal(mid, whole_b)
     assert torch.equal(wan.finish_decode(sa), whole_a)
@@ -77,17 +80,18 @@ def test_each_decode_owns_its_cache(wan: WanDenoiser) -> None:
 
 
 def test_finish_before_the_last_frame_is_an_error(wan: WanDenoiser) -> None:
-    state = wan.decode_frames(wan.start_decode(_latents(wan, [1])), 3)
-    with pytest.raises(ValueError, match="3 of 4"):
+    state = wan.decode_parts(wan.start_decode(_latents(wan, [1])), 15)
+    with pytest.raises(ValueError, match="15 of 16"):
         wan.finish_decode(state)
 
 
 def test_keep_rows_continues_the_kept_rows(wan: WanDenoiser) -> None:
     latents = _latents(wan, [5, 6, 7])
-    state = wan.decode_frames(wan.start_decode(latents), 2)
+    state = wan.decode_parts(wan.start_decode(latents), 6)  # frame 1, in its stages
     kept = wan.decode_keep_rows(state, [2, 0])
     assert kept.latents.shape[0] == 2 and all(f.shape[0] == 2 for f in kept.frames)
-    pixels = wan.finish_decode(wan.decode_frames(kept, 2))
+    assert kept.hidden is not None and kept.hidden.shape[0] == 2 and kept.stage == 2
+    pixels = wan.finish_decode(wan.decode_parts(kept, 10))
     expected = wan.decode(latents[[2, 0]])
     assert (pixels.int() - expected.int()).abs().max() <= 1
 
@@ -148,8 +152,8 @@ def test_runtime_decodes_in_pieces_as_wan_pipeline(wan: WanDenoiser, wan_dir: Pa
     spy = _FinishSpy(wan)
     p = DiffusionPipeline(spy, split_calls=True, max_step_seconds=TINY, max_decode_rows=2)  # type: ignore[arg-type]
     out = run_to_end(p, _requests(prompts))
-    # start + frame 0, frames 1..3 one by one, finish: 5 steps, one decode call.
-    assert p.calls["vae", 2] == 1 and p.pieces["vae", 2] == 5
+    # start + part 0, parts 1..15 one by one, finish: 17 steps, one decode call.
+    assert p.calls["vae", 2] == 1 and p.pieces["vae", 2] == 17
     (latents,), (pixels,) = spy.latents, spy.pixels
     assert torch.equal(pixels, wan.decode(latents))
     videos = [o for o in out["v0"] + out["v1"] if isinstance(o, GeneratedVideo)]
@@ -169,11 +173,14 @@ def test_runtime_decodes_in_pieces_as_wan_pipeline(wan: WanDenoiser, wan_dir: Pa
     assert np.abs(pixels.numpy().astype(np.int16) - np.round(ref * 255).astype(np.int16)).max() <= 1
 
 
-def test_decode_pieces_group_frames_by_measured_cost(wan: WanDenoiser) -> None:
+def test_decode_pieces_group_parts_by_measured_cost(wan: WanDenoiser) -> None:
+    """Each kind of part (a latent frame's decoder stage) is measured alone once, then the pieces
+    group parts by their own costs to at most ``max_step_seconds``, ``step_cost`` saying what the
+    next piece takes."""
     from ..stages.pipelines import FakeClock
 
     clock = FakeClock()
-    costs = {"start_decode": 0.01, "decode_frame": 0.02, "finish_decode": 0.01}
+    stage_cost = [0.005, 0.01, 0.02, 0.03]  # the demo decoder's 4 stages, as at 480p: rising
     groups: list[int] = []
 
     class Timed:
@@ -181,22 +188,24 @@ def test_decode_pieces_group_frames_by_measured_cost(wan: WanDenoiser) -> None:
             return getattr(wan, name)
 
         def start_decode(self, latents: torch.Tensor) -> Any:
-            clock.spend(costs["start_decode"])
+            clock.spend(0.01)
             return wan.start_decode(latents)
 
-        def decode_frames(self, state: Any, n: int) -> Any:
-            clock.spend(costs["decode_frame"] * n)
+        def decode_parts(self, state: Any, n: int) -> Any:
+            first = state.parts_done
+            clock.spend(sum(stage_cost[part % 4] for part in range(first, first + n)))
             groups.append(n)
-            return wan.decode_frames(state, n)
+            return wan.decode_parts(state, n)
 
         def finish_decode(self, state: Any) -> torch.Tensor:
-            clock.spend(costs["finish_decode"])
+            clock.spend(0.01)
             return wan.finish_decode(state)
 
     den = Timed()
+    assert wan.decode_part_kinds(SHAPE) == 4
     p = DiffusionPipeline(den, clock=clock.now, split_calls=True, max_step_seconds=0.05)  # type: ignore[arg-type]
     seen: list[tuple[float, float]] = []  # (step_cost before, seconds) of every decode piece
-    size = {**SIZE, "num_frames": 33}  # 9 latent frames
+    size = {**SIZE, "num_frames": 9}  # 3 latent frames of 4 parts
     for rid in ("a", "b"):
         r = VideoRequest(rid, "a boat", num_inference_steps=1, seed=1, **size)
         p.add(r, p.prepare(r))
@@ -205,16 +214,14 @@ def test_decode_pieces_group_frames_by_measured_cost(wan: WanDenoiser) -> None:
             p.step()
             if p.pieces["vae", 1] > before:
                 seen.append((expected, clock.t - t0))
-    first, later = seen[:7], seen[7:]
-    # Decode 1 measures its parts alone: start with frame 0, one frame, then pairs of frames, the
-    # last frame, the finish.
-    assert [round(s, 3) for _, s in first] == [0.03, 0.02, 0.04, 0.04, 0.04, 0.02, 0.01]
-    # Decode 2: start with frames 0 and 1, pairs of frames, the last frame with the finish; each at
-    # most 50 ms, step_cost saying what it takes before it runs.
-    assert [round(s, 3) for _, s in later] == [0.05, 0.04, 0.04, 0.04, 0.03]
+    first, later = seen[:9], seen[9:]
+    # Decode 1: its start with part 0, parts 1-4 alone (one of each kind), then groups, the finish.
+    assert [round(s, 3) for _, s in first] == [0.015, 0.01, 0.02, 0.03, 0.005, 0.03, 0.045, 0.05, 0.01]
+    # Decode 2: every kind known: each piece at most 50 ms, step_cost saying what it takes.
+    assert [round(s, 3) for _, s in later] == [0.045, 0.045, 0.05, 0.035, 0.04]
     for expected, seconds in later:
         assert expected == pytest.approx(seconds)
-    assert groups[-6:] == [1, 1, 2, 2, 2, 1] and sum(groups) == 2 * 9
+    assert groups[-6:] == [1, 2, 3, 2, 3, 1] and sum(groups) == 2 * 12
 
 
 def test_cancelling_mid_decode_frees_its_rows_then_the_decode(wan: WanDenoiser) -> None:
@@ -225,10 +232,10 @@ def test_cancelling_mid_decode_frees_its_rows_then_the_decode(wan: WanDenoiser) 
     p = DiffusionPipeline(spy, split_calls=True, max_step_seconds=TINY, max_decode_rows=2)  # type: ignore[arg-type]
     for r in _requests(prompts):
         p.add(r, p.prepare(r))
-    while not p.pieces["vae", 2] == 2:  # the decode's start and its frame 1
+    while not p.pieces["vae", 2] == 5:  # the decode's start (part 0), parts 1-4: into frame 1
         p.step()
     dec = p._decoding
-    assert dec is not None and dec.rows == 2 and dec.done == 1
+    assert dec is not None and dec.rows == 2 and dec.state.done == 1 and dec.state.stage == 1
     held = weakref.ref(dec.state.frames[0])
     p.remove("v0")
     gc.collect()
@@ -242,7 +249,8 @@ def test_cancelling_mid_decode_frees_its_rows_then_the_decode(wan: WanDenoiser) 
     # The last request of a decode removed in the middle of it: the decode and its state go at once.
     (r,) = _requests(prompts[:1])
     p.add(r, p.prepare(r))
-    while not p.pieces["vae", 1] > 3:
+    before = p.pieces["vae", 1]  # the pieces of the decode above after "v0" left it count here too
+    while not p.pieces["vae", 1] > before + 3:
         p.step()
     assert p._decoding is not None
     held = weakref.ref(p._decoding.state.cache[0])

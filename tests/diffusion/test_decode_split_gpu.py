@@ -1,7 +1,8 @@
 """The Wan VAE decode in pieces on CUDA, at real size: the published Wan2.1 1.3B configuration
 (random weights) at 832x480 with 81 frames (21 latent frames, about 2.9 s as one call on an H200)
-decodes one latent frame per piece, each piece well under the whole decode, and the pixels are
-bitwise those of the one-call decode (same kernels on the same shapes in the same order)."""
+decodes in parts (each latent frame's decoder call in its 4 stages), each part under one 80 ms
+realtime frame, and the pixels are bitwise those of the one-call decode (same kernels on the same
+shapes in the same order)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from .test_wan import PUBLISHED, gens  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-#: The most one piece of frames may take (a latent frame at 480p: about 140 ms on an H200).
-MAX_PIECE_SECONDS = 0.15
+#: The most one part may take (a latent frame at 480p: about 92 ms whole on an H200; an 80 ms
+#: realtime frame is the bound).
+MAX_PART_SECONDS = 0.08
 
 
 @pytest.fixture(scope="module")
@@ -45,27 +47,30 @@ def test_480p_decode_pieces_are_short_and_bitwise_the_whole_decode(wan_1_3b: Wan
     den = wan_1_3b
     shape = den.check(VideoRequest(request_id="r", prompt="a cat"))
     assert (shape.width, shape.height, shape.frames) == (832, 480, 81)
-    assert den.decode_frames_total(shape) == 21
+    assert den.decode_parts_total(shape) == 21 * 4
     latents = den.init_latents(shape, gens([0]))
     den.decode(latents)  # warm-up (kernel selection, allocator)
     whole, whole_s = _timed(den.decode, latents)
-    state, start_s = _timed(lambda: den.decode_frames(den.start_decode(latents), 1))
-    frame_s = []
-    for _ in range(20):
-        state, seconds = _timed(den.decode_frames, state, 1)
-        frame_s.append(seconds)
+    state, start_s = _timed(lambda: den.decode_parts(den.start_decode(latents), 1))
+    part_s = []
+    for _ in range(21 * 4 - 1):
+        state, seconds = _timed(den.decode_parts, state, 1)
+        part_s.append(seconds)
     pixels, finish_s = _timed(den.finish_decode, state)
+    later = [sum(part_s[i : i + 4]) for i in range(3, len(part_s), 4)]  # latent frames 1-20
+    stages = [[round(part_s[i + k] * 1e3) for i in range(3, len(part_s), 4)] for k in range(4)]
     print(
-        f"\n[gpu] Wan 1.3B VAE decode 480p x81 ({den.vae.dtype}): whole {whole_s:.2f} s; pieces: start + "
-        f"frame 0 {start_s * 1e3:.0f} ms, frames {min(frame_s) * 1e3:.0f}-{max(frame_s) * 1e3:.0f} ms, "
-        f"finish {finish_s * 1e3:.0f} ms"
+        f"\n[gpu] Wan 1.3B VAE decode 480p x81 ({den.vae.dtype}): whole {whole_s:.2f} s; parts: start + "
+        f"part 0 {start_s * 1e3:.0f} ms, parts {min(part_s) * 1e3:.0f}-{max(part_s) * 1e3:.0f} ms (a latent "
+        f"frame's 4 stages, p50 ms: {[sorted(t)[len(t) // 2] for t in stages]}; a frame in all "
+        f"{min(later) * 1e3:.0f}-{max(later) * 1e3:.0f} ms), finish {finish_s * 1e3:.0f} ms"
     )
     assert pixels.shape == whole.shape == (1, 81, 480, 832, 3)
     assert torch.equal(pixels, whole)
-    assert max([start_s, finish_s, *frame_s]) < MAX_PIECE_SECONDS
+    assert max([start_s, *part_s]) < MAX_PART_SECONDS
 
 
-def test_runtime_decodes_a_480p_video_in_frame_pieces(wan_1_3b: WanDenoiser) -> None:
+def test_runtime_decodes_a_480p_video_in_pieces_under_a_realtime_frame(wan_1_3b: WanDenoiser) -> None:
     p = DiffusionPipeline(wan_1_3b)  # splits by default on CUDA
     durations: list[float] = []
     step = p.step
@@ -82,12 +87,12 @@ def test_runtime_decodes_a_480p_video_in_frame_pieces(wan_1_3b: WanDenoiser) -> 
     out = run_to_end(p, [request])["v"]
     (video,) = [o for o in out if isinstance(o, GeneratedVideo)]
     assert video.frames == 81 and p.calls["vae", 1] == 1
-    # start + frame 0, 20 frames one by one (each over max_step_seconds at ~140 ms), the finish
-    # (pixels to the CPU and the MP4 encoding, on the CPU: reported, not bounded here).
-    assert len(durations) == p.pieces["vae", 1] >= 12
-    frames = durations[:-1]
+    # start + part 0, the parts in groups of about max_step_seconds (50 ms), the finish (pixels to
+    # the CPU and the MP4 encoding, on the CPU: reported, not bounded here).
+    assert len(durations) == p.pieces["vae", 1] >= 21
+    pieces = durations[:-1]
     print(
-        f"\n[gpu] runtime decode 480p x81: {len(durations)} pieces, frames "
-        f"{min(frames) * 1e3:.0f}-{max(frames) * 1e3:.0f} ms, finish (with MP4) {durations[-1] * 1e3:.0f} ms"
+        f"\n[gpu] runtime decode 480p x81: {len(durations)} pieces, parts "
+        f"{min(pieces) * 1e3:.0f}-{max(pieces) * 1e3:.0f} ms, finish (with MP4) {durations[-1] * 1e3:.0f} ms"
     )
-    assert max(frames[1:]) < MAX_PIECE_SECONDS  # the first decode's first piece includes warm-up
+    assert max(pieces[1:]) < MAX_PART_SECONDS  # the first decode's first piece includes warm-up

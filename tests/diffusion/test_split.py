@@ -156,7 +156,7 @@ def test_a_cached_transformer_runs_whole(wan_dir: Path) -> None:
     request = VideoRequest("v", "a cat", num_inference_steps=2, guidance_scale=1.0, seed=1, **WAN_SIZE)
     run_to_end(p, [request])
     assert p.calls["transformer", 1] == 2 and not p.pieces["transformer", 1]
-    assert p.pieces["vae", 1] == 3  # its VAE decode still runs in pieces (2 latent frames)
+    assert p.pieces["vae", 1] == 9  # its VAE decode still runs in pieces (2 latent frames of 4 parts)
 
 
 # -- the runtime --------------------------------------------------------------------------------

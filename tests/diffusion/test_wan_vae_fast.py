@@ -270,8 +270,10 @@ def test_the_wan_denoiser_decodes_in_pieces_through_the_hooks(tmp_path_factory, 
         wan_vae_fast.conv_input, "causal_conv_input", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
     state = hooked.start_decode(latents)
-    for _ in range(2):
-        state = hooked.decode_frames(state, 1)
+    assert state.fast and hooked.decode_parts_total(Shape(width=32, height=32, frames=5)) == 8
+    for _ in range(8):  # 2 latent frames, each in its 4 stages
+        state = hooked.decode_parts(state, 1)
     got = hooked.finish_decode(state)
     assert got.shape == want.shape == (1, 5, 32, 32, 3) and calls  # the kernels ran
     assert (got.int() - want.int()).abs().max() <= 1  # pixels; on the CPU the SiLU is within an ulp
+    assert torch.equal(got, hooked.decode(latents))  # the stages are the hooked call's, bitwise
