@@ -6,7 +6,9 @@ session is one, for its whole life) and then kills it; ``__del__`` only runs onc
 has ended. So the replica asks Ray Serve's controller, every ``poll_seconds``, for the state of
 its own replica (the controller's deployment details, as the dashboard reads them): once it is
 ``STOPPING`` the replica drains (``RealtimeService.drain``), so its live sessions end cleanly
-(1001) within the timeout instead of being cut by the kill.
+(1001) within the timeout instead of being cut by the kill. The controller's handle is looked up
+once, on a thread (``ray.get_actor`` blocks, and the replica's app runs on Ray's main event loop:
+``SERVE_ENV``), and again only after a poll failed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import ray
 
@@ -23,11 +26,15 @@ log = logging.getLogger(__name__)
 LEAVING = frozenset({"STOPPING", "STOPPED"})
 
 
-async def own_state(app_name: str, deployment: str, replica_id: str) -> str | None:
-    """This replica's state as Ray Serve's controller has it (None: not listed)."""
+def serve_controller() -> Any:
+    """The handle of Ray Serve's controller actor (a blocking lookup)."""
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+
+
+async def own_state(controller: Any, app_name: str, deployment: str, replica_id: str) -> str | None:
+    """This replica's state as Ray Serve's controller has it (None: not listed)."""
     details = await controller.get_deployment_details.remote(app_name, deployment)
     for replica in details.replicas:
         if replica.replica_id == replica_id:
@@ -44,12 +51,16 @@ async def watch_for_removal(
     poll_seconds: float = 1.0,
 ) -> None:
     """Poll until this replica is being removed, then await ``on_removal()`` (once)."""
+    controller = None
     while True:
         await asyncio.sleep(poll_seconds)
         try:
-            state = await own_state(app_name, deployment, replica_id)
-        except Exception as exc:  # the controller restarting: ask again
+            if controller is None:
+                controller = await asyncio.to_thread(serve_controller)
+            state = await own_state(controller, app_name, deployment, replica_id)
+        except Exception as exc:  # the controller restarting: look it up and ask again
             log.debug("cannot read the replica's state: %s", exc)
+            controller = None
             continue
         if state in LEAVING:
             log.info("replica %s is being removed (%s): draining", replica_id, state)
