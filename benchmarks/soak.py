@@ -31,6 +31,13 @@ Hostile clients, in turn one of:
 - ``huge``: a text item of ``--huge-mib`` MiB every few seconds (refused: context length), six
   times, then an audio append over the frame limit (the server closes the connection).
 
+The hostile clients run in a process of their own (as they would on another machine): in the
+measuring process, their 4 MiB frames and fuzz would delay the well-behaved sessions' event loop
+and so their measured latencies. That loop's own lag (how late a 50 ms sleep wakes, p99) is in the
+table: a latency is only as good as it. So are the CPU cores the server (with its VAD worker) and
+the hostile clients' process used on average: on a 2-core machine the attackers' own CPU is
+taken from the server.
+
 The server's RSS (the serve process, and with its children: the VAD worker) is sampled every
 ``--rss-every`` seconds; the table gives it at the start (the server up, no session yet), at the
 end of warm-up, in the middle of what follows and at the end, and the growth after warm-up. The
@@ -54,6 +61,7 @@ import contextlib
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import random
 import shlex
@@ -131,6 +139,9 @@ class Phase:
     refused_sessions: int = 0
     hostile_events: int = 0
     hostile_connections: int = 0
+    loop_lag: list[float] = field(default_factory=list)  # how late each 50 ms sleep woke (s)
+    server_cpu: float = 0.0  # the server's CPU seconds (with its VAD worker) per second of the phase
+    hostile_cpu: float = 0.0  # the hostile clients' process's, likewise
     rss: list[tuple[float, int, int]] = field(default_factory=list)  # (t, serve, with children)
 
     def fail(self, kind: str, why: str) -> None:
@@ -168,6 +179,16 @@ def server(args: argparse.Namespace, log_path: Path) -> Iterator[tuple[str, psut
         proc,
     ):
         yield base.replace("http://", "ws://"), psutil.Process(proc.pid)
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    """CPU seconds of ``proc`` and its children (user and system)."""
+    total = 0.0
+    for p in (proc, *proc.children(recursive=True)):
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def rss(proc: psutil.Process) -> tuple[int, int]:
@@ -424,6 +445,20 @@ async def huge_client(url: str, rng: random.Random, args: argparse.Namespace, ph
 HOSTILE_KINDS = {"fuzz": fuzz_client, "slow": slow_client, "huge": huge_client}
 
 
+async def hostile_clients(url: str, args: argparse.Namespace, end: float) -> tuple[int, int]:
+    """Every hostile client until ``end`` (``time.monotonic``); (connections, events)."""
+    phase = Phase("hostile clients")
+    await asyncio.gather(*(hostile(i, url, args, phase, end) for i in range(args.hostile)))
+    return phase.hostile_connections, phase.hostile_events
+
+
+def hostile_process(url: str, args: argparse.Namespace, end: float, counts: Any) -> None:
+    """The hostile clients' process (``multiprocessing``, spawned): sends back their counts and
+    its CPU seconds."""
+    connections, events = asyncio.run(hostile_clients(url, args, end))
+    counts.send((connections, events, time.process_time()))
+
+
 async def hostile(index: int, url: str, args: argparse.Namespace, phase: Phase, end: float) -> None:
     rng = random.Random(args.seed * 7919 + index)
     kinds = args.hostile_kinds.split(",")
@@ -446,26 +481,49 @@ async def sample_rss(proc: psutil.Process, phase: Phase, every: float, t0: float
         await asyncio.sleep(every)
 
 
+async def measure_lag(phase: Phase, end: float, every: float = 0.05) -> None:
+    while time.monotonic() < end:
+        t = time.monotonic()
+        await asyncio.sleep(every)
+        phase.loop_lag.append(time.monotonic() - t - every)
+
+
 async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes]) -> Phase:
     phase = Phase(name)
     log_path = Path(args.log_dir) / f"soak-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with server(args, log_path) as (base, proc):
         url = f"{base}/v1/realtime"
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), cpu_seconds(proc)
         end = t0 + args.minutes * 60
         tasks = [
             asyncio.create_task(well_behaved(i, url, args, phase, speech, end)) for i in range(args.sessions)
         ]
-        if name.startswith("hostile"):
-            tasks += [asyncio.create_task(hostile(i, url, args, phase, end)) for i in range(args.hostile)]
+        attackers, counts = None, None
+        if name.startswith("hostile") and args.hostile:
+            mp = multiprocessing.get_context("spawn")
+            counts, sent = mp.Pipe(duplex=False)
+            attackers = mp.Process(target=hostile_process, args=(url, args, end, sent), daemon=True)
+            attackers.start()
         sampler = asyncio.create_task(sample_rss(proc, phase, args.rss_every, t0, end))
         progress = asyncio.create_task(report_progress(phase, t0, end))
+        lag = asyncio.create_task(measure_lag(phase, end))
         await asyncio.gather(*tasks)
-        sampler.cancel()
-        progress.cancel()
+        for task in (sampler, progress, lag):
+            task.cancel()
         own, total = rss(proc)
         phase.rss.append((time.monotonic() - t0, own, total))
+        phase.server_cpu = (cpu_seconds(proc) - cpu0) / (time.monotonic() - t0)
+        if attackers is not None and counts is not None:
+            await asyncio.to_thread(attackers.join, 30)
+            if counts.poll():
+                phase.hostile_connections, phase.hostile_events, cpu = counts.recv()
+                phase.hostile_cpu = cpu / (time.monotonic() - t0)
+            else:
+                ended = attackers.exitcode
+                phase.failures.append(f"the hostile clients' process ended ({ended}) with no counts")
+            if attackers.is_alive():
+                attackers.kill()
     tracebacks = log_path.read_text().count("Traceback")
     if tracebacks:
         phase.failures.append(f"server log: {tracebacks} traceback(s), see {log_path}")
@@ -511,8 +569,9 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
     lines = [
         "| phase | turns (text/audio/barge-in) | failed | sessions opened | p50 (ms) | p99 (ms) | "
         "p99 text / audio / barge-in (ms) | RSS at start (MiB) | after warm-up | middle | end | growth | "
-        "with VAD worker: warm-up / end (MiB) | growth |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "with VAD worker: warm-up / end (MiB) | growth | client loop lag p99 (ms) | "
+        "server CPU (cores) | hostile clients' CPU (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in phases:
         every = [x for v in p.latencies.values() for x in v]
@@ -525,7 +584,8 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
             f"{' / '.join(ms(p99(p.latencies[k])) for k in ('text', 'audio', 'barge-in'))} | "
             f"{p.rss[0][1] / 2**20:.0f} | "
             f"{r0 / 2**20:.0f} | {r1 / 2**20:.0f} | {r2 / 2**20:.0f} | {(r2 - r0) / r0:+.1%} | "
-            f"{c0 / 2**20:.0f} / {c2 / 2**20:.0f} | {(c2 - c0) / c0:+.1%} |"
+            f"{c0 / 2**20:.0f} / {c2 / 2**20:.0f} | {(c2 - c0) / c0:+.1%} | {ms(p99(p.loop_lag))} | "
+            f"{p.server_cpu:.2f} | {p.hostile_cpu:.2f} |"
         )
     by = {p.name: p for p in phases}
     if "calm" in by and "hostile" in by:

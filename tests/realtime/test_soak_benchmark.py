@@ -1,0 +1,44 @@
+"""``benchmarks/soak.py`` end to end at a tiny size: a real ``omnirt serve`` per phase, a few
+well-behaved sessions taking text, audio and barge-in turns, and in the hostile phase every
+hostile kind in a process of its own. Every phase must take turns with none failed, report its
+RSS and its client loop lag, and the hostile process must have connected and sent events (the
+script had no test; a broken hostile process would otherwise read as a calm phase)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.scripts import BENCHMARKS
+from tests.vad.speech import require_espeak
+
+
+def _row(out: str, phase: str) -> dict[str, str]:
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("| phase |"))
+    row = next(line for line in lines if line.startswith(f"| {phase} |"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    return dict(zip(cells, [c.strip() for c in row.strip("|").split("|")], strict=True))
+
+
+def test_the_soak_runs_calm_and_hostile_phases(tmp_path) -> None:
+    require_espeak()
+    argv = [
+        "--sessions", "3", "--minutes", "0.4", "--hostile", "3", "--think", "1", "3",
+        "--lifetime", "8", "12", "--mix", "0.4", "0.4", "0.2", "--reply-tokens", "4",
+        "--fuzz-rate", "5", "--huge-mib", "1", "--rss-every", "2", "--log-dir", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "soak.py"), *argv], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for phase in ("calm", "hostile"):
+        row = _row(done.stdout, phase)
+        turns = [int(n) for n in row["turns (text/audio/barge-in)"].split("/")]
+        assert sum(turns) >= 3 and row["failed"] == "0", row
+        assert int(row["RSS at start (MiB)"]) > 0 and re.fullmatch(r"[+-][\d.]+%", row["growth"]), row
+        assert row["client loop lag p99 (ms)"].isdigit() and float(row["server CPU (cores)"]) > 0, row
+    assert float(_row(done.stdout, "hostile")["hostile clients' CPU (cores)"]) > 0
+    hostile = re.search(r"hostile: (\d+) connections, (\d+) events", done.stdout)
+    assert hostile and int(hostile[1]) >= 3 and int(hostile[2]) > 10, done.stdout[-2000:]
