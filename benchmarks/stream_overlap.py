@@ -9,13 +9,18 @@ stream of its own, and prints the speech frame times and the DiT call time again
 - ``DiT thread, low priority``: the DiT on a low-priority stream, speech on a high-priority one;
 - ``DiT thread, same priority``: both streams at the default priority;
 - ``DiT inline``: the DiT launched from the speech thread after each speech step (no wait), on
-  the low-priority stream, when the one before it has finished.
+  the low-priority stream, when the one before it has finished;
+- ``DiT thread, green N SMs`` (``--green``): the DiT on a stream of a CUDA green context holding N
+  of the GPU's SMs (``torch.cuda.green_contexts``), speech on a high-priority stream of the primary
+  context (every SM: those outside the partition are always free for it); "DiT alone" is then
+  also timed in each partition.
 
 The speech levels are ``speech_capacity.py``'s (turns of 1 s of audio in, up to 16 thinker tokens
 and 48 talker frames out), its device-wide sync replaced by a wait on the speech stream. On the
 H200, 2026-12-03 (docs/benchmarks.md)::
 
     python benchmarks/stream_overlap.py --sessions 8 32
+    python benchmarks/stream_overlap.py --sessions 8 --green 116 100 84 --skip-streams
 """
 
 from __future__ import annotations
@@ -42,19 +47,46 @@ def _stream_sync(device: torch.device) -> None:
 
 
 class Background(threading.Thread):
-    """Calls ``fn`` in a loop on ``stream``, timing each call to its stream's end."""
+    """Calls ``fn`` in a loop (``calls`` times, or until stopped) on a stream or in a green context,
+    timing each call to its stream's end."""
 
-    def __init__(self, fn: Callable[[], None], stream: torch.cuda.Stream) -> None:
+    def __init__(
+        self, fn: Callable[[], None], on: torch.cuda.Stream | Green, calls: int | None = None
+    ) -> None:
         super().__init__(daemon=True)
-        self.fn, self.stream, self.stop, self.times = fn, stream, False, []
+        self.fn, self.on, self.calls, self.stop, self.times = fn, on, calls, False, []
 
     def run(self) -> None:
-        torch.cuda.set_stream(self.stream)
-        while not self.stop:
+        if isinstance(self.on, Green):
+            stream = self.on.enter()
+        else:
+            stream = self.on
+            torch.cuda.set_stream(stream)
+        while not self.stop and (self.calls is None or len(self.times) < self.calls):
             t0 = time.perf_counter()
             self.fn()
-            self.stream.synchronize()
+            stream.synchronize()
             self.times.append(time.perf_counter() - t0)
+
+
+class Green:
+    """A CUDA green context of ``sms`` SMs of the current device (``torch.cuda.green_contexts``):
+    :meth:`enter` makes the calling thread's current stream one whose kernels run on those SMs
+    only (the context's own stream where torch has ``GreenContext.Stream``, else its default
+    stream, current once the context is)."""
+
+    def __init__(self, sms: int) -> None:
+        from torch.cuda.green_contexts import GreenContext
+
+        self.sms = sms
+        self.context = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+
+    def enter(self) -> torch.cuda.Stream:
+        if hasattr(self.context, "Stream"):
+            torch.cuda.set_stream(self.context.Stream())
+        else:
+            self.context.set_context()
+        return torch.cuda.current_stream()
 
 
 def p(values: Sequence[float], q: float) -> float:
@@ -67,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--green", type=int, nargs="*", default=[], help="DiT green contexts of these SMs")
+    parser.add_argument("--skip-streams", action="store_true", help="only alone and the green cases")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
@@ -108,7 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             dit()
             low.synchronize()
             alone.append(time.perf_counter() - t0)
-    print(f"DiT call alone: p50 {p(alone, 50):.1f} ms\n")
+    print(f"DiT call alone: p50 {p(alone, 50):.1f} ms")
+    greens = [Green(sms) for sms in args.green]
+    for green in greens:
+        timed = Background(dit, green, calls=12)
+        timed.start()
+        timed.join()
+        print(f"DiT call alone in a green context of {green.sms} SMs: p50 {p(timed.times[2:], 50):.1f} ms")
+    print()
     driver = sc.Driver(pipe, sargs)
     print("| case | sessions | frame p50 (ms) | frame p99 (ms) | first audio p50 (ms) | first audio p99 (ms) "
           "| frame ticks | DiT calls: p50 (ms), count |")
@@ -155,9 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for n in args.sessions:
         level("alone", n, high)
-        level("DiT thread, low priority", n, high, low)
-        level("DiT thread, same priority", n, normal, low)
-        level("DiT inline, low priority", n, high, low, inline=True)
+        if not args.skip_streams:
+            level("DiT thread, low priority", n, high, low)
+            level("DiT thread, same priority", n, normal, low)
+            level("DiT inline, low priority", n, high, low, inline=True)
+        for green in greens:
+            level(f"DiT thread, green {green.sms} SMs", n, high, green)
         level("alone (again)", n, high)
     return 0
 
