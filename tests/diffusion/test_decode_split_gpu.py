@@ -72,6 +72,8 @@ def test_480p_decode_pieces_are_short_and_bitwise_the_whole_decode(wan_1_3b: Wan
 
 def test_runtime_decodes_a_480p_video_in_pieces_under_a_realtime_frame(wan_1_3b: WanDenoiser) -> None:
     p = DiffusionPipeline(wan_1_3b)  # splits by default on CUDA
+    p.warm_up()  # as the server does at start-up: the first decode at a size builds its kernels
+    warm_pieces = p.pieces["vae", 1]
     durations: list[float] = []
     step = p.step
 
@@ -86,13 +88,13 @@ def test_runtime_decodes_a_480p_video_in_pieces_under_a_realtime_frame(wan_1_3b:
     request = VideoRequest("v", "a cat", num_inference_steps=1, guidance_scale=1.0, seed=0)
     out = run_to_end(p, [request])["v"]
     (video,) = [o for o in out if isinstance(o, GeneratedVideo)]
-    assert video.frames == 81 and p.calls["vae", 1] == 1
+    assert video.frames == 81 and p.calls["vae", 1] == 2  # the warm-up's and this one
     # start + part 0, the parts in groups of about max_step_seconds (50 ms), the finish (pixels to
     # the CPU and the MP4 encoding, on the CPU: reported, not bounded here).
-    assert len(durations) == p.pieces["vae", 1] >= 21
+    assert len(durations) == p.pieces["vae", 1] - warm_pieces >= 21
     pieces = durations[:-1]
     print(
         f"\n[gpu] runtime decode 480p x81: {len(durations)} pieces, parts "
         f"{min(pieces) * 1e3:.0f}-{max(pieces) * 1e3:.0f} ms, finish (with MP4) {durations[-1] * 1e3:.0f} ms"
     )
-    assert max(pieces[1:]) < MAX_PART_SECONDS  # the first decode's first piece includes warm-up
+    assert max(pieces) < MAX_PART_SECONDS
