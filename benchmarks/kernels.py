@@ -15,7 +15,10 @@ Three tables (markdown), each measured in this run:
    480p, 81 frames) built from the published configs with random bf16 weights, with the fused
    paths installed and without.
 
-    python benchmarks/kernels.py [--variants] [--dit-step] [--quick]
+4. **Modulated RMSNorm** (``--rms``, ``--rms-warps``): ``kernels/rms_norm.py``'s
+   ``rms_norm_modulate`` at Z-Image's shapes, as table 2 (``--rms-warps``: at each warp count).
+
+    python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps]
 """
 
 from __future__ import annotations
@@ -223,6 +226,58 @@ def speed(quick: bool) -> list[str]:
     return rows
 
 
+#: Z-Image 1024x1024's modulated RMSNorms: (name, batch, tokens, width, residual)
+RMS_SHAPES = [
+    ("Z-Image norm * scale (4128 x 3840)", 1, 4128, 3840, False),
+    ("Z-Image x + gate * norm (4128 x 3840)", 1, 4128, 3840, True),
+    ("Z-Image x + gate * norm, CFG batch 2", 2, 4128, 3840, True),
+]
+
+
+def rms_speed(sweep: bool) -> list[str]:
+    """``rms_norm_modulate`` (``kernels/rms_norm.py``) against diffusers' eager chain and its
+    compile; with ``sweep``, the exact kernel at each number of warps."""
+    from omnirt.kernels import rms_norm
+    from omnirt.kernels.rms_norm import rms_norm_modulate_reference, rms_norm_modulate_triton
+
+    bw = copy_bandwidth()
+    compiled = torch.compile(rms_norm_modulate_reference, dynamic=False)
+    rows = [
+        "| kernel and shape | eager ms | compiled ms | fused exact ms | fused fast ms | exact vs compiled "
+        "| fast vs compiled | exact GB/s (share of copy) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    sweeps = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, b, t, c, residual in RMS_SHAPES:
+        x = torch.randn(b, t, c, device="cuda", generator=g).bfloat16()
+        w = torch.randn(c, device="cuda", generator=g).bfloat16()
+        mul = torch.randn(b, 1, c, device="cuda", generator=g).bfloat16()
+        res = torch.randn(b, t, c, device="cuda", generator=g).bfloat16() if residual else None
+        args = (x, w, 1e-5, mul, res)
+        eager = bench(functools.partial(rms_norm_modulate_reference, *args))
+        comp = bench(functools.partial(compiled, *args))
+        exact = bench(functools.partial(rms_norm_modulate_triton, *args))
+        fast = bench(functools.partial(rms_norm_modulate_triton, *args, preset="fast"))
+        moved = x.numel() * 2 * (3 if residual else 2)
+        rate = moved / exact * 1e3
+        rows.append(
+            f"| rms-norm-modulate {name} | {eager:.3f} | {comp:.3f} | {exact:.3f} | {fast:.3f} | "
+            f"{comp / exact:.2f}x | {comp / fast:.2f}x | {rate / 1e9:.0f} ({rate / bw:.0%}) |"
+        )
+        if sweep:
+            for warps in (1, 2, 4, 8):
+                rms_norm.WARPS = warps
+                try:
+                    ms = bench(functools.partial(rms_norm_modulate_triton, *args))
+                finally:
+                    rms_norm.WARPS = None
+                sweeps.append(f"| {name} | exact, {warps} warps | {ms:.3f} |")
+    if sweeps:
+        rows += ["", "| shape | kernel | ms |", "|---|---|---|", *sweeps]
+    return rows
+
+
 def variant_speed() -> list[str]:
     """Time per call of each way the exact kernels walk ATen's order (same bits)."""
     from omnirt.kernels.adaln import adaln_modulate_triton
@@ -316,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--variant-speed", action="store_true", help="time each variant of the exact kernels")
+    p.add_argument("--rms", action="store_true", help="the modulated RMSNorm at Z-Image's shapes")
+    p.add_argument("--rms-warps", action="store_true", help="and the exact kernel at 1, 2, 4, 8 warps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -325,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     settings.set_fused("on")
     torch._dynamo.config.recompile_limit = 64  # one compile per shape, never a fall-back to eager
     print(f"# Fused DiT kernels on {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
-    print("## Numerics (elements differing from eager, bf16)\n")
+    if args.rms or args.rms_warps:
+        print("## Modulated RMSNorm\n")
+        print("\n".join(rms_speed(args.rms_warps)), flush=True)
+    print("\n## Numerics (elements differing from eager, bf16)\n")
     print("\n".join(numerics(args.variants, args.quick)), flush=True)
     if args.variant_speed:
         print("\n## Exact kernel variants\n")

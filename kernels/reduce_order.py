@@ -98,10 +98,11 @@ def aten_vec4_config(width: int, rows: int) -> tuple[int, int] | None:
     elements, which it reads as 4-element vectors (``vectorize_input``; ``set_block_dimension(width
     / 4, rows)``: at most 512 threads, a warp's width first, then as many rows as fit, then the
     width widened into what is left): lane ``l`` of ``lanes`` folds the vectors ``l, l + lanes,
-    ...`` (``steps`` of them) into one accumulator per item. None where ATen does something else:
-    a width that is not a power of two, or enough values a thread that it splits a row over the
+    ...`` (``steps`` of them) into one accumulator per item. None where that is not the whole
+    walk: a width that is not a whole number of vectors for every lane (Z-Image's 3840 is: 30
+    vectors for each of 32 lanes), or enough values a thread that ATen splits a row over the
     block's warps too (``values_per_thread >= min(16 * height, 256)``)."""
-    if width < 128 or width & (width - 1) or rows < 1:
+    if width < 128 or width % 4 or rows < 1:
         return None
     vectors = width // 4
     dim0 = _last_pow2(vectors) if vectors < 512 else 512
@@ -109,7 +110,7 @@ def aten_vec4_config(width: int, rows: int) -> tuple[int, int] | None:
     lanes = min(dim0, REDUCE_LANES)
     height = min(dim1, 512 // lanes)
     lanes = min(dim0, 512 // height)
-    if -(-width // lanes) >= min(16 * height, 256):
+    if -(-width // lanes) >= min(16 * height, 256) or vectors % lanes:
         return None
     return vectors // lanes, lanes
 

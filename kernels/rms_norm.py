@@ -22,8 +22,15 @@ shuffles, both halving). Narrower rows (32 and 64: the embedded demo model) are 
 element. So the order depends on the number of rows of the call: the kernel takes it from its
 own input, which is what eager reduces (:func:`~.reduce_order.aten_mean_config`).
 
-Where the order is not modelled (W not a power of two, or ATen would split a row over warps), the
-dispatcher runs the eager chain. :func:`add_rms_norm` dispatches (the kernel on CUDA where it
+**Modulated** (:func:`rms_norm_modulate`, the DiT blocks of Z-Image): diffusers' ``RMSNorm`` of
+``x`` (the same chain), then times a per-sample vector and plus a residual, ``residual + mul *
+norm(x)``, each product and sum rounded where eager rounds it: ``norm(x) * scale`` and ``x + gate
+* norm(attn_out)`` in one launch each, where eagerly they are 9 and 11 (at 1024x1024 the norms and
+their products were about a quarter of a Z-Image step's GPU time).
+
+Where the order is not modelled (a width that is not a whole number of lanes' vectors, narrow
+widths that are not a power of two, or ATen would split a row over warps), the dispatcher runs
+the eager chain. :func:`add_rms_norm` dispatches (the kernel on CUDA where it
 applies and :data:`~.settings.FUSED` wants it), :func:`add_rms_norm_triton` runs the kernel on
 any device Triton runs on (CPU tensors under ``TRITON_INTERPRET=1`` in the tests), through the
 custom ops ``omnirt::add_rms_norm`` and ``omnirt::rms_norm`` (without a delta), which CUDA graphs
@@ -64,9 +71,10 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        X, D, W, XO, Y, SS, eps, factor,
+        X, D, W, XO, Y, SS, M, R, eps, factor, m_stride, tokens,
         WIDTH: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-        HAS_D: tl.constexpr, HAS_SS: tl.constexpr, EXACT: tl.constexpr, ATEN: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_SS: tl.constexpr, HAS_M: tl.constexpr, HAS_R: tl.constexpr,
+        EXACT: tl.constexpr, ATEN: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the row read as STEPS slices of LANES vectors of VEC elements.
         row = tl.program_id(0).to(tl.int64)
@@ -91,17 +99,28 @@ if triton is not None:
         if HAS_SS:
             tl.store(SS + row, ss)
         rstd = tl.math.rsqrt(ss * factor + eps)
-        # The row again (the sum recomputed, not read back: another thread may have stored it).
-        full = tl.arange(0, WIDTH)
-        v = tl.load(X + base + full)
-        if HAS_D:
-            v = (v.to(tl.float32) + tl.load(D + base + full).to(tl.float32)).to(DT)
-        w = tl.load(W + full).to(tl.float32)
-        if EXACT:
-            y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
-        else:
-            y = v.to(tl.float32) * rstd * w
-        tl.store(Y + base + full, y.to(DT))
+        # The row again, slice by slice (the sum recomputed, not read back: another thread may
+        # have stored it).
+        m_base = (row // tokens) * m_stride
+        for step in tl.static_range(STEPS):
+            at = step * LANES * VEC + piece
+            v = tl.load(X + base + at)
+            if HAS_D:
+                v = (v.to(tl.float32) + tl.load(D + base + at).to(tl.float32)).to(DT)
+            w = tl.load(W + at).to(tl.float32)
+            if EXACT:  # each product and sum rounded to the input dtype, as eager
+                y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
+                if HAS_M:
+                    y = y.to(DT).to(tl.float32) * tl.load(M + m_base + at).to(tl.float32)
+                if HAS_R:
+                    y = tl.load(R + base + at).to(tl.float32) + y.to(DT).to(tl.float32)
+            else:
+                y = v.to(tl.float32) * rstd * w
+                if HAS_M:
+                    y = y * tl.load(M + m_base + at).to(tl.float32)
+                if HAS_R:
+                    y = tl.load(R + base + at).to(tl.float32) + y
+            tl.store(Y + base + at, y.to(DT))
 
 
 def _check(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> str | None:
@@ -115,9 +134,18 @@ def _check(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) ->
     width = x.shape[-1]
     if weight.dtype != x.dtype or weight.shape != (width,) or not weight.is_contiguous():
         return "the weight must be contiguous [W], of x's dtype"
-    if width < 32 or width > 8192 or width & (width - 1):
-        return f"width {width} is not a power of two in 32..8192"
+    if width > 8192 or (width < 128 and (width < 32 or width & (width - 1))) or width % 4:
+        return f"width {width} is not a multiple of 4 in 128..8192 nor a power of two from 32"
     return None
+
+
+def _fast_config(width: int) -> tuple[int, int, int]:
+    """``(steps, lanes, vector)`` of the ``fast`` preset: 4-element vectors from 128 on, as many
+    lanes (a power of two dividing the row's vectors, at most 512) as fit."""
+    vec = 4 if width >= 128 else 1
+    vectors = width // vec
+    lanes = min(vectors & -vectors, 512)  # the largest power of two dividing it
+    return vectors // lanes, lanes, vec
 
 
 def _launch(
@@ -127,6 +155,8 @@ def _launch(
     eps: float,
     preset: str,
     sumsq: torch.Tensor | None = None,
+    mul: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     width = x.shape[-1]
     rows = x.numel() // width
@@ -136,15 +166,37 @@ def _launch(
         return summed, out
     exact = preset == "exact"
     config = aten_mean_config(width, rows) if exact else None
-    vec = 4 if width >= 128 else 1
-    steps, lanes, vec = config or (max(1, width // 2048), min(width, 2048) // vec, vec)
+    steps, lanes, vec = config or _fast_config(width)
+    m_stride, tokens = _mul_layout(x, mul) if mul is not None else (0, 1)
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, summed, out,
-        sumsq if sumsq is not None else out, eps, mean_factor(rows, width),
+        sumsq if sumsq is not None else out, mul if mul is not None else x,
+        residual if residual is not None else x, eps, mean_factor(rows, width), m_stride, tokens,
         WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
-        EXACT=exact, ATEN=config is not None, num_warps=4 if width <= 2048 else 8, enable_fp_fusion=not exact,
+        HAS_M=mul is not None, HAS_R=residual is not None, EXACT=exact, ATEN=config is not None,
+        num_warps=warps_for(lanes * vec), enable_fp_fusion=not exact,
     )  # fmt: skip
     return summed, out
+
+
+#: Overrides :func:`warps_for` (``benchmarks/kernels.py --rms-warps`` sweeps it).
+WARPS: int | None = None
+
+
+def warps_for(tile: int) -> int:
+    """Warps of a program whose row slices are ``tile`` elements: about 4 elements a thread
+    (one warp for a warp-wide slice of 32 lanes' vectors: a DiT's many rows run side by side),
+    up to 8 warps."""
+    return WARPS or max(1, min(8, tile // 512))
+
+
+def _mul_layout(x: torch.Tensor, mul: torch.Tensor) -> tuple[int, int]:
+    """``(stride, tokens)``: row ``r`` of ``x`` is multiplied by ``mul``'s row ``r // tokens``,
+    which starts ``stride`` elements after the one before (0: one vector for every row)."""
+    width = x.shape[-1]
+    if mul.numel() == width:
+        return 0, 1
+    return mul.stride(0), x.numel() // width // x.shape[0]
 
 
 def add_rms_norm_triton(
@@ -208,3 +260,102 @@ def add_rms_norm(
     if delta is None:  # a custom op may not return its input: the norm alone
         return x, torch.ops.omnirt.rms_norm(x, weight, eps, "exact")
     return torch.ops.omnirt.add_rms_norm(x, delta, weight, eps, "exact")
+
+
+# -- modulated: residual + mul * RMSNorm(x) (the DiT blocks) ------------------------------------
+def rms_norm_modulate_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    mul: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The eager chain: diffusers' ``RMSNorm`` of ``x``, times ``mul``, plus ``residual``."""
+    h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        h = h.to(weight.dtype)
+    h = h * weight
+    if mul is not None:
+        h = h * mul
+    return h if residual is None else residual + h
+
+
+def _check_modulation(x: torch.Tensor, mul: torch.Tensor | None, residual: torch.Tensor | None) -> str | None:
+    """Why the kernel cannot take this ``mul`` and ``residual`` for ``x``, or None."""
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+    ):
+        return "the residual must be contiguous, of x's shape and dtype"
+    if mul is None:
+        return None
+    width = x.shape[-1]
+    if mul.dtype != x.dtype or mul.stride(-1) != 1:
+        return "mul must have x's dtype and a contiguous last dim"
+    if mul.numel() == width:
+        return None  # one vector for every row: (C,), (1, C), (1, 1, C)
+    if x.ndim != 3 or mul.shape != (x.shape[0], 1, width):
+        return f"mul must be [C] or [B, 1, C] for x [B, L, C], not {tuple(mul.shape)} for {tuple(x.shape)}"
+    return None
+
+
+def rms_norm_modulate_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    mul: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    preset: Preset = "exact",
+    sumsq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel itself, on any device Triton runs on; raises ValueError for inputs it does not
+    support (``sumsq``: as :func:`add_rms_norm_triton`)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(x, None, weight) or _check_modulation(x, mul, residual)
+    if reason:
+        raise ValueError(reason)
+    return _launch(x, None, weight, eps, check_preset(preset), sumsq, mul, residual)[1]
+
+
+@torch.library.custom_op("omnirt::rms_norm_modulate", mutates_args=())
+def _rms_norm_modulate_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    preset: str,
+    mul: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    return _launch(x, None, weight, eps, preset, None, mul, residual)[1]
+
+
+@_rms_norm_modulate_op.register_fake
+def _rms_norm_modulate_fake(x, weight, eps, preset, mul, residual):
+    return x.new_empty(x.shape)
+
+
+def modulate_applies(
+    x: torch.Tensor, weight: torch.Tensor, mul: torch.Tensor | None, residual: torch.Tensor | None
+) -> bool:
+    """Whether :func:`rms_norm_modulate` runs the kernel for these inputs."""
+    if not settings.kernel_device(x, weight, mul, residual):
+        return False
+    if _check(x, None, weight) is not None or _check_modulation(x, mul, residual) is not None:
+        return False
+    width = x.shape[-1]
+    return settings.wanted(aten_mean_config(width, x.numel() // width) is not None)
+
+
+def rms_norm_modulate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    mul: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``residual + mul * RMSNorm(x)`` (either optional), as diffusers' eager chain computes it:
+    the kernel where it applies (:func:`modulate_applies`, ``exact``), else that chain."""
+    if not modulate_applies(x, weight, mul, residual):
+        return rms_norm_modulate_reference(x, weight, eps, mul, residual)
+    return torch.ops.omnirt.rms_norm_modulate(x, weight, eps, "exact", mul, residual)

@@ -3,7 +3,9 @@
 - **Z-Image** (``ZImageTransformer2DModel``): each ``ZSingleStreamAttnProcessor`` is replaced by
   :class:`ZImageFusedProcessor`, which normalises and rotates the queries and keys with
   ``qk_norm_rope`` (per-head composite RMSNorm, complex64 rotary) and otherwise does what the
-  original does, line for line.
+  original does, line for line. Each ``ZImageTransformerBlock`` runs :func:`zimage_block_forward`,
+  diffusers' block with each RMSNorm and the product and sum after it (``norm(x) * scale``,
+  ``x + gate * norm(out)``) as one ``rms_norm_modulate``.
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
@@ -26,6 +28,7 @@ import torch
 from ...kernels import settings
 from ...kernels.adaln import adaln_modulate
 from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
+from ...kernels.rms_norm import rms_norm_modulate
 from ...kernels.settings import Preset
 
 log = logging.getLogger(__name__)
@@ -154,17 +157,60 @@ def wan_block_forward(
     return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
 
 
+def zimage_block_forward(
+    self: Any,
+    x: torch.Tensor,
+    attn_mask: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    adaln_input: torch.Tensor | None = None,
+    noise_mask: torch.Tensor | None = None,
+    adaln_noisy: torch.Tensor | None = None,
+    adaln_clean: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """diffusers' ``ZImageTransformerBlock.forward`` (0.42) with each RMSNorm and the product and
+    sum that follow it as one :func:`~omnirt.kernels.rms_norm.rms_norm_modulate` (bound to a
+    block by :func:`install`); per-token modulation (``noise_mask``: the omni/edit path) runs the
+    original."""
+    if self.modulation and noise_mask is not None:
+        return type(self).forward(
+            self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean
+        )
+    n1, n2, f1, f2 = self.attention_norm1, self.attention_norm2, self.ffn_norm1, self.ffn_norm2
+    scale_msa = gate_msa = scale_mlp = gate_mlp = None
+    if self.modulation:
+        mod = self.adaLN_modulation(adaln_input)
+        scale_msa, gate_msa, scale_mlp, gate_mlp = mod.unsqueeze(1).chunk(4, dim=2)
+        gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
+        scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
+    attn_out = self.attention(
+        rms_norm_modulate(x, n1.weight, n1.eps, scale_msa), attention_mask=attn_mask, freqs_cis=freqs_cis
+    )
+    x = rms_norm_modulate(attn_out, n2.weight, n2.eps, gate_msa, x)
+    hidden = self.feed_forward(rms_norm_modulate(x, f1.weight, f1.eps, scale_mlp))
+    return rms_norm_modulate(hidden, f2.weight, f2.eps, gate_mlp, x)
+
+
 def install(transformer: torch.nn.Module, preset: Preset = "exact") -> int:
     """Puts the fused paths into ``transformer`` (a diffusers Z-Image or Wan DiT) unless
     ``kernels.settings.FUSED`` is ``off``; returns how many sites now use them (0: none
     recognised, or off)."""
     if settings.FUSED == "off":
         return 0
+    from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
-    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+    from diffusers.models.transformers.transformer_z_image import (
+        ZImageTransformerBlock,
+        ZSingleStreamAttnProcessor,
+    )
 
     sites = 0
     for module in transformer.modules():
+        if isinstance(module, ZImageTransformerBlock) and not getattr(module, "_omnirt_fused", False):
+            norms = (module.attention_norm1, module.attention_norm2, module.ffn_norm1, module.ffn_norm2)
+            if all(isinstance(n, RMSNorm) and n.weight is not None and n.bias is None for n in norms):
+                module.forward = types.MethodType(zimage_block_forward, module)
+                module._omnirt_fused = True
+                sites += 1
         if isinstance(module, WanTransformerBlock) and not getattr(module, "_omnirt_fused", False):
             if isinstance(module.norm1, torch.nn.LayerNorm) and isinstance(module.norm3, torch.nn.LayerNorm):
                 module.forward = types.MethodType(wan_block_forward, module)

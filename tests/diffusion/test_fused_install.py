@@ -1,4 +1,4 @@
-"""stages/diffusion/fused.py: the fused processors and Wan's block forward compute exactly what
+"""stages/diffusion/fused.py: the fused processors and the block forwards compute exactly what
 diffusers' own modules compute (on the CPU the kernels' eager chains run, so any difference would
 be the wiring's), install and uninstall, and the ``off`` setting."""
 
@@ -59,7 +59,7 @@ def test_installed_models_compute_what_diffusers_computes(dtype, fused_on):
             (
                 zimage,
                 lambda: torch.stack(zimage(latents, t, caption, return_dict=False)[0]),
-                4,
+                8,  # 4 attention processors, 4 block forwards (2 layers, 2 refiners)
                 ZImageFusedProcessor,
             ),
             (wan, lambda: wan(video, steps, text, return_dict=False)[0], 4, WanFusedProcessor),

@@ -9,7 +9,15 @@ import pytest
 import torch
 from omnirt.kernels import settings
 from omnirt.kernels.reduce_order import aten_mean_config
-from omnirt.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, kernel_applies
+from omnirt.kernels.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    kernel_applies,
+    rms_norm_modulate,
+    rms_norm_modulate_reference,
+    rms_norm_modulate_triton,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,6 +43,9 @@ def _orders_matching(squares: torch.Tensor, mean: torch.Tensor) -> list[str]:
         lanes = 1
         while lanes <= 512 and lanes * vec <= width:
             steps = width // (lanes * vec)
+            if steps * lanes * vec != width:
+                lanes *= 2
+                continue
             if vec == 1:  # lane l reads elements l, l + lanes, ...
                 parts = squares.view(rows, steps, lanes, 1)
             else:
@@ -92,3 +103,43 @@ def test_the_dispatcher_takes_the_kernel_on_cuda():
         assert not kernel_applies(x, x, w)
     finally:
         settings.set_fused(before)
+
+
+# (batch, tokens, width): Z-Image 1024x1024 (4096 image + 32 caption tokens; its refiners: 4096 and
+# 32), CFG batch 2, few rows; Wan 1.3B's and a power-of-two width
+DIT_SHAPES = [
+    (1, 4128, 3840), (2, 4128, 3840), (1, 4096, 3840), (1, 32, 3840), (2, 17, 3840), (1, 16, 3840),
+    (1, 3600, 1536), (2, 100, 512),
+]
+
+
+def test_modulated_exact_is_bitwise_diffusers_block_chain():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    differ, checked, skipped = [], 0, []
+    for batch, tokens, width in DIT_SHAPES:
+        rows = batch * tokens
+        if aten_mean_config(width, rows) is None:
+            skipped.append((batch, tokens, width))
+            continue
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(batch, tokens, width, device="cuda", generator=g) * 3).to(dtype)
+            w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).to(dtype)
+            scale = (1 + 0.1 * torch.randn(batch, 1, width, device="cuda", generator=g)).to(dtype)
+            gate = torch.tanh(torch.randn(batch, 1, width, device="cuda", generator=g)).to(dtype)
+            res = torch.randn(batch, tokens, width, device="cuda", generator=g).to(dtype)
+            for mul, residual in ((scale, None), (gate, res), (None, res), (None, None), (scale[:1], None)):
+                got = rms_norm_modulate_triton(x, w, 1e-5, mul, residual)
+                want = rms_norm_modulate_reference(x, w, 1e-5, mul, residual)
+                checked += 1
+                if not torch.equal(got, want):
+                    differ.append(
+                        f"{batch}x{tokens}x{width} {dtype} mul={None if mul is None else tuple(mul.shape)} "
+                        f"residual={residual is not None}: {int((got != want).sum())} of {got.numel()} differ"
+                    )
+    print(f"\n[gpu] rms_norm_modulate exact: {checked - len(differ)} of {checked} bitwise; eager: {skipped}")
+    assert not differ, "\n".join(differ)
+    x = torch.randn(1, 4128, 3840, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(3840, device="cuda", dtype=torch.bfloat16)
+    gate = torch.rand(1, 1, 3840, device="cuda", dtype=torch.bfloat16)
+    want = rms_norm_modulate_reference(x, w, 1e-5, gate, x)
+    assert torch.equal(rms_norm_modulate(x, w, 1e-5, gate, x), want)  # the dispatcher, auto

@@ -10,7 +10,16 @@ import pytest
 import torch
 from omnirt.kernels import settings
 from omnirt.kernels.reduce_order import aten_mean_config, mean_sumsq_reference
-from omnirt.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, kernel_applies
+from omnirt.kernels.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    kernel_applies,
+    modulate_applies,
+    rms_norm_modulate,
+    rms_norm_modulate_reference,
+    rms_norm_modulate_triton,
+)
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTextRMSNorm
 
 from .conftest import interpreted
@@ -50,7 +59,11 @@ def test_launch_configurations_follow_aten():
     assert all(aten_mean_config(128, rows) == (1, 32, 4) for rows in (1, 7, 64, 4096))
     assert aten_mean_config(64, 1) == (1, 64, 1) and aten_mean_config(64, 40) == (2, 32, 1)
     assert aten_mean_config(8192, 128) is None  # ATen would split a row over warps
-    assert aten_mean_config(1536, 4) is None
+    # Z-Image's 3840: 960 vectors, 30 for each lane of a warp; Wan's 1536 over 4 rows: 3 of 128
+    assert aten_mean_config(3840, 4128) == (30, 32, 4) and aten_mean_config(3840, 16) == (30, 32, 4)
+    assert aten_mean_config(1536, 4) == (3, 128, 4)
+    assert aten_mean_config(3840, 1) is None  # 512 lanes: some lanes read one vector fewer
+    assert aten_mean_config(1000, 20) is None and aten_mean_config(3842, 20) is None
 
 
 @interpreted
@@ -82,7 +95,8 @@ def test_without_a_delta_and_the_fast_preset():
 def test_unsupported_inputs_are_refused():
     x, d, w = _inputs(1024, 2)
     bad = [
-        (x[:, :1000].contiguous(), None, w[:1000], "power of two"),
+        (x[:, :1022].contiguous(), None, w[:1022], "multiple of 4"),
+        (x[:, :96].contiguous(), None, w[:96], "power of two"),
         (x.t(), None, torch.ones(2), "contiguous"),
         (x, d[:1], w, "contiguous"),
         (x, d.double(), w, "dtype"),
@@ -120,3 +134,88 @@ def test_the_dispatcher_runs_the_eager_chain_off_cuda():
         assert not kernel_applies(x, d, w)  # CPU tensors: never from the dispatcher
     finally:
         settings.set_fused(before)
+
+
+# -- modulated: residual + mul * RMSNorm(x) ------------------------------------------------------
+def _dit_inputs(batch: int, tokens: int, width: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tokens, width, generator=g) * 2
+    return (
+        x,
+        torch.randn(width, generator=g),  # the norm's weight
+        1 + torch.randn(batch, 1, width, generator=g) * 0.1,  # scale: 1 + adaLN's
+        torch.tanh(torch.randn(batch, 1, width, generator=g)),  # gate
+        torch.randn(batch, tokens, width, generator=g),  # the residual stream
+    )
+
+
+def test_the_modulated_reference_is_diffusers_block_chain():
+    from diffusers.models.normalization import RMSNorm
+
+    x, w, scale, gate, residual = _dit_inputs(2, 5, 256)
+    norm = RMSNorm(256, eps=1e-5)
+    norm.weight.data.copy_(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ns, sc, gt, res = x.to(dtype), norm.to(dtype), scale.to(dtype), gate.to(dtype), residual.to(dtype)
+        assert torch.equal(rms_norm_modulate_reference(xs, ns.weight, 1e-5, sc), ns(xs) * sc)
+        assert torch.equal(rms_norm_modulate_reference(xs, ns.weight, 1e-5, gt, res), res + gt * ns(xs))
+        assert torch.equal(rms_norm_modulate_reference(xs, ns.weight, 1e-5, None, res), res + ns(xs))
+
+
+# (batch, tokens, width): Z-Image's width at a few rows, two samples of per-sample modulation
+DIT_SHAPES = [(1, 16, 3840), (2, 9, 3840), (2, 20, 256), (1, 3, 1024)]
+
+
+@interpreted
+@pytest.mark.parametrize("shape", DIT_SHAPES, ids=[f"{b}x{t}x{w}" for b, t, w in DIT_SHAPES])
+def test_modulated_kernel_is_the_eager_chain_with_atens_sums(shape):
+    batch, tokens, width = shape
+    x, w, scale, gate, residual = _dit_inputs(batch, tokens, width)
+    rows = batch * tokens
+    for mul, res in ((scale, None), (gate, residual), (None, residual), (scale[:1, :, :], None)):
+        sums = torch.empty(rows)
+        out = rms_norm_modulate_triton(x, w, 1e-5, mul, res, sumsq=sums)
+        want = rms_norm_modulate_reference(x, w, 1e-5, mul, res)
+        order = aten_mean_config(width, rows)
+        if order is not None:
+            assert np.array_equal(sums.numpy(), mean_sumsq_reference(x.reshape(rows, width).numpy(), *order))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        # each sample's rows take that sample's vector: swapping the samples' vectors changes them
+        if mul is not None and mul.shape[0] == batch > 1:
+            swapped = rms_norm_modulate_triton(x, w, 1e-5, mul.flip(0).contiguous(), res)
+            torch.testing.assert_close(swapped, rms_norm_modulate_reference(x, w, 1e-5, mul.flip(0), res))
+            assert not torch.allclose(swapped, out)
+
+
+@interpreted
+def test_modulated_fast_preset_and_refusals():
+    x, w, scale, gate, residual = _dit_inputs(2, 4, 3840)
+    fast = rms_norm_modulate_triton(x, w, 1e-5, gate, residual, preset="fast")
+    torch.testing.assert_close(fast, rms_norm_modulate_reference(x, w, 1e-5, gate, residual))
+    bad = [
+        (x, scale.double(), None, "dtype"),
+        (x, scale.expand(2, 4, 3840), None, r"\[B, 1, C\]"),
+        (x, scale[:, :, :100], None, r"\[B, 1, C\]"),
+        (x, scale, residual[:1], "residual"),
+        (x, scale, residual.transpose(0, 1), "residual"),
+    ]
+    for xs, mul, res, words in bad:
+        with pytest.raises(ValueError, match=words):
+            rms_norm_modulate_triton(xs, w, 1e-5, mul, res)
+
+
+@interpreted
+def test_modulated_custom_op():
+    x, w, scale, gate, residual = _dit_inputs(2, 3, 256)
+    for args in ((x, w, 1e-5, "exact", scale, None), (x, w, 1e-5, "exact", gate, residual)):
+        torch.library.opcheck(
+            torch.ops.omnirt.rms_norm_modulate.default, args, test_utils=("test_schema", "test_faketensor")
+        )
+
+
+def test_the_modulated_dispatcher_runs_the_eager_chain_off_cuda():
+    x, w, scale, gate, residual = _dit_inputs(1, 16, 3840)
+    x, w, gate, residual = (t.bfloat16() for t in (x, w, gate, residual))
+    assert not modulate_applies(x, w, gate, residual)
+    assert torch.equal(rms_norm_modulate(x, w, 1e-5, gate, residual),
+                       rms_norm_modulate_reference(x, w, 1e-5, gate, residual))  # fmt: skip
