@@ -25,7 +25,10 @@
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--tiled] [--conv-input] [--conv-layouts]
-        [--norm-orders] [--skip-zimage]
+        [--norm-orders] [--skip-zimage] [--dit-profile]
+
+- **DiT profile** (``--dit-profile``): one Z-Image step's time under each SDPA backend, and its
+  CUDA kernel time by kind (GEMMs, attention, Triton kernels, elementwise) for bf16 and fp8.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import copy
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -79,7 +83,8 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
     return rows
 
 
-def zimage_rows() -> list[str]:
+def _zimage() -> tuple[torch.nn.Module, object]:
+    """The Z-Image DiT (random bf16 weights, published config) and a call of one 1024x1024 step."""
     from diffusers import ZImageTransformer2DModel
 
     cfg = json.loads((ROOT / "benchmarks/models/z-image-turbo/z-image-turbo.components.json").read_text())
@@ -91,8 +96,139 @@ def zimage_rows() -> list[str]:
     latents = [torch.randn(16, 1, 128, 128, device="cuda", dtype=torch.bfloat16, generator=g)]
     caption = [torch.randn(32, cfg["cap_feat_dim"], device="cuda", dtype=torch.bfloat16, generator=g)]
     t = torch.tensor([0.5], device="cuda", dtype=torch.bfloat16)
-    name = "Z-Image 6.15B 1024x1024"
-    return rows_for(name, model, lambda m: m(latents, t, caption, return_dict=False)[0][0])
+    return model, lambda m: m(latents, t, caption, return_dict=False)[0][0]
+
+
+def zimage_rows() -> list[str]:
+    model, call = _zimage()
+    return rows_for("Z-Image 6.15B 1024x1024", model, call)
+
+
+#: Kernel name fragments -> the category a DiT step's GPU time is reported under.
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn_generated")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "scaled_mm", "wgmma", "sm90", "Kernel2")),
+    ("ATen elementwise, copies, reductions", ("at::native",)),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for category, keys in CATEGORIES:
+        if any(k.lower() in low for k in keys):
+            return category
+    return "Triton (omnirt's kernels)" if name.startswith("_") else "other"
+
+
+def _layer_times(model: torch.nn.Module, call) -> tuple[float, float]:
+    """Milliseconds of Z-Image's main layers (``model.layers``) on one step's inputs: called
+    eagerly, and through ``BlockGraphs`` (one CUDA graph per layer, as ``ZImageDenoiser.run_blocks``
+    runs them)."""
+    from omnirt.stages.diffusion.block_graphs import BlockGraphs
+
+    seen: list[tuple] = []
+    hook = model.layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args) if not seen else None)
+    try:
+        call(model)
+    finally:
+        hook.remove()
+    hidden, *extra = seen[0]
+    extra = tuple(extra)[:4]  # mask, freqs, adaln input, noise mask (the rest are None)
+
+    def run_layer(layer, h, *rest):
+        return layer(h, *rest, None, None)
+
+    def eager() -> torch.Tensor:
+        h = hidden
+        for layer in model.layers:
+            h = run_layer(layer, h, *extra)
+        return h
+
+    graphs = BlockGraphs(run_layer)
+    graphed = functools.partial(graphs.run, model.layers, hidden, extra, 0, len(model.layers))
+    same = torch.equal(eager(), graphed())
+    print(f"{type(model).__name__}: per-layer graphs bitwise the eager layers: {same}", flush=True)
+    return bench(eager), bench(graphed)
+
+
+def dit_profile(top: int = 16) -> None:
+    """Where one Z-Image step's GPU time goes, per weight format and SDPA backend."""
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import quantize_model
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    model, call = _zimage()
+    fused.install(model)
+    backends = {
+        "default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }  # fmt: skip
+    print("\n| Z-Image step | SDPA backend | ms |\n|---|---|---|")
+    with torch.no_grad():
+        for name, backend in backends.items():
+            try:
+                if backend is None:
+                    ms = bench(lambda: call(model))
+                else:
+                    with sdpa_kernel([backend]):
+                        ms = bench(lambda: call(model))
+                print(f"| bf16 | {name} | {ms:.1f} |", flush=True)
+            except RuntimeError as e:
+                print(f"| bf16 | {name} | refused: {str(e).splitlines()[0][:80]} |", flush=True)
+        table = [
+            "| Z-Image step | weights | wall ms | host enqueue ms | CUDA graph replay ms "
+            "| main layers eager ms | main layers, per-layer graphs ms | step with per-layer graphs ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for kind in ("bf16", "fp8"):
+            m = model
+            if kind != "bf16":
+                m = copy.deepcopy(model)
+                quantize_model(m, kind)
+            call(m)
+            torch.cuda.synchronize()
+            wall = bench(functools.partial(call, m))
+            enqueue = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                call(m)  # returns once every kernel is queued
+                enqueue.append((time.perf_counter() - t0) * 1e3)
+                torch.cuda.synchronize()
+            import triton.testing
+
+            try:
+                graph = f"{triton.testing.do_bench_cudagraph(functools.partial(call, m), rep=100):.1f}"
+            except Exception as e:  # a host sync in the forward: not capturable as it is
+                graph = f"capture failed: {str(e).splitlines()[0][:60]}"
+                torch.cuda.synchronize()
+            eager_layers, graph_layers = _layer_times(m, call)
+            table.append(
+                f"| Z-Image 1024x1024 | {kind} | {wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph} | "
+                f"{eager_layers:.1f} | {graph_layers:.1f} | {wall - eager_layers + graph_layers:.1f} |"
+            )
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call(m)
+                torch.cuda.synchronize()
+            totals = {
+                e.key: (e.self_device_time_total, e.count)
+                for e in prof.key_averages()
+                if e.self_device_time_total
+            }
+            whole = sum(t for t, _ in totals.values())
+            by_cat: dict[str, float] = {}
+            for key, (t, _) in totals.items():
+                by_cat[_category(key)] = by_cat.get(_category(key), 0.0) + t
+            print(f"\n{kind}: CUDA kernel time of one step {whole / 1000:.1f} ms")
+            for cat, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+                print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% {cat}")
+            for key, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+                print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% x{n:<5d} {key[:110]}")
+            if m is not model:
+                del m
+                torch.cuda.empty_cache()
+    print("\n" + "\n".join(table), flush=True)
 
 
 def wan_rows(variant: str, size: str) -> list[str]:
@@ -358,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
     p.add_argument("--tiled", action="store_true", help="VAE: the tiled kernels for channels-last frames")
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
+    p.add_argument("--dit-profile", action="store_true", help="Z-Image step: GPU time by kind, SDPA backends")
     args = p.parse_args(argv)
     sizes = [s for s in args.vae.split(",") if s]
     if any(s not in SIZES for s in sizes):
@@ -378,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if args.wan:
         print("\n".join(wan_rows(args.wan, args.wan_size)), flush=True)
+        torch.cuda.empty_cache()
+    if args.dit_profile:
+        dit_profile()
         torch.cuda.empty_cache()
     if args.final:
         print("\n| final output | weights | PSNR vs bf16 (dB) |\n|---|---|---|")
