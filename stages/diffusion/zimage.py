@@ -36,7 +36,6 @@ import torch
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
 from . import fused
-from .block_graphs import BlockGraphs
 from .denoiser import Branch, Defaults, Shape
 from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, ImageRequest
@@ -92,17 +91,6 @@ class ZImageCallState:
     sizes: list[tuple[int, int, int]]  # per row (frames, height, width) of the latents
 
 
-def _run_layer(
-    layer: Any,
-    hidden: torch.Tensor,
-    mask: torch.Tensor | None,
-    freqs: torch.Tensor,
-    adaln_input: torch.Tensor,
-    noise: torch.Tensor | None,
-) -> torch.Tensor:
-    return layer(hidden, mask, freqs, adaln_input, noise, None, None)
-
-
 class ZImageDenoiser:
     family = "z-image"
     output: Literal["image"] = "image"
@@ -137,8 +125,6 @@ class ZImageDenoiser:
         self.latent_channels = int(transformer.config.in_channels)
         if self.device.type == "cuda":  # the fused QK-norm/RoPE kernel, where exact
             fused.install(transformer)
-        #: The main layers as CUDA graphs, one per layer (``run_blocks``; eager off CUDA).
-        self.block_graphs = BlockGraphs(_run_layer, enabled=self.device.type == "cuda")
 
     # -- requests ---------------------------------------------------------------------------
     def check(self, request: DiffusionRequest) -> Shape:
@@ -298,8 +284,8 @@ class ZImageDenoiser:
         if not 0 <= start <= stop <= len(self.transformer.layers):
             raise ValueError(f"blocks {start}:{stop} out of 0:{len(self.transformer.layers)}")
         s = state
-        extra = (s.mask, s.freqs, s.adaln_input, s.noise)
-        s.hidden = self.block_graphs.run(self.transformer.layers, s.hidden, extra, start, stop)
+        for layer in self.transformer.layers[start:stop]:
+            s.hidden = layer(s.hidden, s.mask, s.freqs, s.adaln_input, s.noise, None, None)
         return state
 
     @torch.no_grad()
