@@ -120,37 +120,6 @@ def _category(name: str) -> str:
     return "Triton (omnirt's kernels)" if name.startswith("_") else "other"
 
 
-def _layer_times(model: torch.nn.Module, call) -> tuple[float, float]:
-    """Milliseconds of Z-Image's main layers (``model.layers``) on one step's inputs: called
-    eagerly, and through ``BlockGraphs`` (one CUDA graph per layer, as ``ZImageDenoiser.run_blocks``
-    runs them)."""
-    from omnirt.stages.diffusion.block_graphs import BlockGraphs
-
-    seen: list[tuple] = []
-    hook = model.layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args) if not seen else None)
-    try:
-        call(model)
-    finally:
-        hook.remove()
-    hidden, *extra = seen[0]
-    extra = tuple(extra)[:4]  # mask, freqs, adaln input, noise mask (the rest are None)
-
-    def run_layer(layer, h, *rest):
-        return layer(h, *rest, None, None)
-
-    def eager() -> torch.Tensor:
-        h = hidden
-        for layer in model.layers:
-            h = run_layer(layer, h, *extra)
-        return h
-
-    graphs = BlockGraphs(run_layer)
-    graphed = functools.partial(graphs.run, model.layers, hidden, extra, 0, len(model.layers))
-    same = torch.equal(eager(), graphed())
-    print(f"{type(model).__name__}: per-layer graphs bitwise the eager layers: {same}", flush=True)
-    return bench(eager), bench(graphed)
-
-
 def dit_profile(top: int = 16) -> None:
     """Where one Z-Image step's GPU time goes, per weight format and SDPA backend."""
     from omnirt.stages.diffusion import fused
@@ -177,9 +146,8 @@ def dit_profile(top: int = 16) -> None:
             except RuntimeError as e:
                 print(f"| bf16 | {name} | refused: {str(e).splitlines()[0][:80]} |", flush=True)
         table = [
-            "| Z-Image step | weights | wall ms | host enqueue ms | CUDA graph replay ms "
-            "| main layers eager ms | main layers, per-layer graphs ms | step with per-layer graphs ms |",
-            "|---|---|---|---|---|---|---|---|",
+            "| Z-Image step | weights | wall ms | host enqueue ms | CUDA graph replay ms |",
+            "|---|---|---|---|---|",
         ]
         for kind in ("bf16", "fp8"):
             m = model
@@ -203,11 +171,7 @@ def dit_profile(top: int = 16) -> None:
             except Exception as e:  # a host sync in the forward: not capturable as it is
                 graph = f"capture failed: {str(e).splitlines()[0][:60]}"
                 torch.cuda.synchronize()
-            eager_layers, graph_layers = _layer_times(m, call)
-            table.append(
-                f"| Z-Image 1024x1024 | {kind} | {wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph} | "
-                f"{eager_layers:.1f} | {graph_layers:.1f} | {wall - eager_layers + graph_layers:.1f} |"
-            )
+            table.append(f"| Z-Image 1024x1024 | {kind} | {wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph} |")
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 call(m)
                 torch.cuda.synchronize()
