@@ -614,7 +614,7 @@ class DiffusionPipeline:
         parts cycle through the denoiser's ``decode_part_kinds(shape)`` classes (the stages of a
         latent frame's decoder call, which cost differently), block ``i`` being part ``i + 1``.
         The first latent frame's stages are classes of their own: a causal video VAE's first call
-        makes one frame, the others four (at 480p on the H200 its stages cost a quarter)."""
+        makes one frame, the others four (at 480p on the H200: 7-12 ms a stage against 8-45)."""
         kinds = getattr(self.denoiser, "decode_part_kinds", None)
         count = kinds(key[1]) if key[0] == "vae" and callable(kinds) else 1
         if count <= 1:
