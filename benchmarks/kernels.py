@@ -195,6 +195,13 @@ def _adaln_row(name, b, t, c, mod, bw, compiled) -> str:
     return _speed_row(f"adaln {name}", eager, comp, exact, fast, moved, bw)
 
 
+SPEED_HEADER = (
+    "| kernel and shape | eager ms | compiled ms | fused exact ms | fused fast ms | exact vs compiled "
+    "| fast vs compiled | exact GB/s (share of copy) |",
+    "|---|---|---|---|---|---|---|---|",
+)
+
+
 def _speed_row(name, eager, comp, exact, fast, moved, bw) -> str:
     rate = moved / (exact / 1e3)
     return (
@@ -211,9 +218,7 @@ def speed(quick: bool) -> list[str]:
     rows = [
         f"Device copy bandwidth (read + write, 2 GiB): {bw / 1e12:.2f} TB/s",
         "",
-        "| kernel and shape | eager ms | compiled ms | fused exact ms | fused fast ms | exact vs compiled "
-        "| fast vs compiled | exact GB/s (share of copy) |",
-        "|---|---|---|---|---|---|---|---|",
+        *SPEED_HEADER,
     ]
     compiled_qk = torch.compile(qk_norm_rope_reference, dynamic=False)
     compiled_ln = torch.compile(adaln_modulate_reference, dynamic=False)
@@ -242,11 +247,7 @@ def rms_speed(sweep: bool) -> list[str]:
 
     bw = copy_bandwidth()
     compiled = torch.compile(rms_norm_modulate_reference, dynamic=False)
-    rows = [
-        "| kernel and shape | eager ms | compiled ms | fused exact ms | fused fast ms | exact vs compiled "
-        "| fast vs compiled | exact GB/s (share of copy) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = list(SPEED_HEADER)
     sweeps = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, b, t, c, residual in RMS_SHAPES:
@@ -260,11 +261,7 @@ def rms_speed(sweep: bool) -> list[str]:
         exact = bench(functools.partial(rms_norm_modulate_triton, *args))
         fast = bench(functools.partial(rms_norm_modulate_triton, *args, preset="fast"))
         moved = x.numel() * 2 * (3 if residual else 2)
-        rate = moved / exact * 1e3
-        rows.append(
-            f"| rms-norm-modulate {name} | {eager:.3f} | {comp:.3f} | {exact:.3f} | {fast:.3f} | "
-            f"{comp / exact:.2f}x | {comp / fast:.2f}x | {rate / 1e9:.0f} ({rate / bw:.0%}) |"
-        )
+        rows.append(_speed_row(f"rms-norm-modulate {name}", eager, comp, exact, fast, moved, bw))
         if sweep:
             for warps in (1, 2, 4, 8):
                 rms_norm.WARPS = warps

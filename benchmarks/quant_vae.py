@@ -27,13 +27,15 @@
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--tiled] [--conv-input] [--conv-layouts]
         [--norm-orders] [--skip-zimage] [--dit-profile]
 
-- **DiT profile** (``--dit-profile``): one Z-Image step's time under each SDPA backend, and its
-  CUDA kernel time by kind (GEMMs, attention, Triton kernels, elementwise) for bf16 and fp8.
+- **DiT profile** (``--dit-profile``): one Z-Image step's time under each SDPA backend; for bf16
+  and fp8 its wall time, the host's time to queue it and its replay from one CUDA graph, and its
+  CUDA kernel time by kind (GEMMs, attention, Triton kernels, ATen's elementwise) and top kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -121,11 +123,12 @@ def _category(name: str) -> str:
 
 
 def dit_profile(top: int = 16) -> None:
-    """Where one Z-Image step's GPU time goes, per weight format and SDPA backend."""
+    """Where one Z-Image step's time goes: per SDPA backend (bf16); per weight format its wall
+    time, how long the host takes to queue it, its replay from one CUDA graph, and its kernels'
+    time by kind and the top kernels."""
     from omnirt.stages.diffusion import fused
     from omnirt.stages.diffusion.quant import quantize_model
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.profiler import ProfilerActivity, profile
 
     model, call = _zimage()
     fused.install(model)
@@ -134,65 +137,59 @@ def dit_profile(top: int = 16) -> None:
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
     }  # fmt: skip
     print("\n| Z-Image step | SDPA backend | ms |\n|---|---|---|")
+    table = [
+        "| Z-Image step | weights | wall ms | host enqueue ms | CUDA graph replay ms |",
+        "|---|---|---|---|---|",
+    ]
     with torch.no_grad():
         for name, backend in backends.items():
             try:
-                if backend is None:
+                with contextlib.nullcontext() if backend is None else sdpa_kernel([backend]):
                     ms = bench(lambda: call(model))
-                else:
-                    with sdpa_kernel([backend]):
-                        ms = bench(lambda: call(model))
                 print(f"| bf16 | {name} | {ms:.1f} |", flush=True)
             except RuntimeError as e:
                 print(f"| bf16 | {name} | refused: {str(e).splitlines()[0][:80]} |", flush=True)
-        table = [
-            "| Z-Image step | weights | wall ms | host enqueue ms | CUDA graph replay ms |",
-            "|---|---|---|---|---|",
-        ]
         for kind in ("bf16", "fp8"):
             m = model
             if kind != "bf16":
                 m = copy.deepcopy(model)
                 quantize_model(m, kind)
-            call(m)
-            torch.cuda.synchronize()
-            wall = bench(functools.partial(call, m))
-            enqueue = []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                call(m)  # returns once every kernel is queued
-                enqueue.append((time.perf_counter() - t0) * 1e3)
-                torch.cuda.synchronize()
-            import triton.testing
-
-            try:
-                graph = f"{triton.testing.do_bench_cudagraph(functools.partial(call, m), rep=100):.1f}"
-            except Exception as e:  # a host sync in the forward: not capturable as it is
-                graph = f"capture failed: {str(e).splitlines()[0][:60]}"
-                torch.cuda.synchronize()
-            table.append(f"| Z-Image 1024x1024 | {kind} | {wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph} |")
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                call(m)
-                torch.cuda.synchronize()
-            totals = {
-                e.key: (e.self_device_time_total, e.count)
-                for e in prof.key_averages()
-                if e.self_device_time_total
-            }
-            whole = sum(t for t, _ in totals.values())
-            by_cat: dict[str, float] = {}
+            table.append(_step_timings(m, call, kind))
+            totals = kernel_times(lambda m=m: call(m))
+            by_kind: dict[str, float] = {}
             for key, (t, _) in totals.items():
-                by_cat[_category(key)] = by_cat.get(_category(key), 0.0) + t
+                by_kind[_category(key)] = by_kind.get(_category(key), 0.0) + t
+            whole = sum(by_kind.values())
             print(f"\n{kind}: CUDA kernel time of one step {whole / 1000:.1f} ms")
-            for cat, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+            for cat, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
                 print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% {cat}")
-            for key, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-                print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% x{n:<5d} {key[:110]}")
+            print_top(totals, f"{kind}: the top kernels", top)
             if m is not model:
                 del m
                 torch.cuda.empty_cache()
     print("\n" + "\n".join(table), flush=True)
+
+
+def _step_timings(m: torch.nn.Module, call, kind: str) -> str:
+    """A table row: the step's wall time, host enqueue time (median of 5) and graph replay."""
+    import triton.testing
+
+    call(m)
+    torch.cuda.synchronize()
+    wall = bench(functools.partial(call, m))
+    enqueue = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call(m)  # returns once every kernel is queued
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    try:
+        graph = f"{triton.testing.do_bench_cudagraph(functools.partial(call, m), rep=100):.1f}"
+    except Exception as e:  # a host sync in the forward: not capturable as it is
+        graph = f"capture failed: {str(e).splitlines()[0][:60]}"
+        torch.cuda.synchronize()
+    return f"| Z-Image 1024x1024 | {kind} | {wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph} |"
 
 
 def wan_rows(variant: str, size: str) -> list[str]:
@@ -282,19 +279,28 @@ def _time_decode(vae: torch.nn.Module, z: torch.Tensor, repeats: int) -> tuple[f
     return sorted(times)[len(times) // 2], out
 
 
-def _profile(vae: torch.nn.Module, z: torch.Tensor, label: str, top: int = 14) -> None:
+def kernel_times(fn) -> dict[str, tuple[float, int]]:
+    """CUDA kernel time (microseconds) and launches of one ``fn()``, per kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        vae.decode(z[:, :, :5], return_dict=False)
+        fn()
         torch.cuda.synchronize()
-    totals = {
-        e.key: (e.self_device_time_total, e.count) for e in prof.key_averages() if e.self_device_time_total
-    }
+    events = prof.key_averages()
+    return {e.key: (e.self_device_time_total, e.count) for e in events if e.self_device_time_total}
+
+
+def print_top(totals: dict[str, tuple[float, int]], label: str, top: int) -> None:
+    """``label`` with the kernels' total, then the ``top`` kernels by time."""
     whole = sum(t for t, _ in totals.values())
-    print(f"\n{label}: CUDA kernels of a 5-latent-frame decode, {whole / 1000:.1f} ms")
+    print(f"\n{label}, {whole / 1000:.1f} ms")
     for key, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% x{n:<5d} {key[:100]}")
+        print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% x{n:<5d} {key[:110]}")
+
+
+def _profile(vae: torch.nn.Module, z: torch.Tensor, label: str, top: int = 14) -> None:
+    totals = kernel_times(lambda: vae.decode(z[:, :, :5], return_dict=False))
+    print_top(totals, f"{label}: CUDA kernels of a 5-latent-frame decode", top)
 
 
 def vae_rows(size: str, dtype: torch.dtype, repeats: int, profile_levels: bool) -> list[str]:

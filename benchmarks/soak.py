@@ -513,12 +513,13 @@ async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes]) ->
             task.cancel()
         own, total = rss(proc)
         phase.rss.append((time.monotonic() - t0, own, total))
-        phase.server_cpu = (cpu_seconds(proc) - cpu0) / (time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        phase.server_cpu = (cpu_seconds(proc) - cpu0) / seconds
         if attackers is not None and counts is not None:
             await asyncio.to_thread(attackers.join, 30)
             if counts.poll():
                 phase.hostile_connections, phase.hostile_events, cpu = counts.recv()
-                phase.hostile_cpu = cpu / (time.monotonic() - t0)
+                phase.hostile_cpu = cpu / seconds
             else:
                 ended = attackers.exitcode
                 phase.failures.append(f"the hostile clients' process ended ({ended}) with no counts")

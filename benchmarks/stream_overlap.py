@@ -71,9 +71,8 @@ class Background(threading.Thread):
 
 class Green:
     """A CUDA green context of ``sms`` SMs of the current device (``torch.cuda.green_contexts``):
-    :meth:`enter` makes the calling thread's current stream one whose kernels run on those SMs
-    only (the context's own stream where torch has ``GreenContext.Stream``, else its default
-    stream, current once the context is)."""
+    :meth:`enter` makes the context's own stream, whose kernels run on those SMs only, the calling
+    thread's current stream (``GreenContext.Stream``: torch 2.11 on the device, 2.13 here)."""
 
     def __init__(self, sms: int) -> None:
         from torch.cuda.green_contexts import GreenContext
@@ -82,11 +81,9 @@ class Green:
         self.context = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
 
     def enter(self) -> torch.cuda.Stream:
-        if hasattr(self.context, "Stream"):
-            torch.cuda.set_stream(self.context.Stream())
-        else:
-            self.context.set_context()
-        return torch.cuda.current_stream()
+        stream = self.context.Stream()
+        torch.cuda.set_stream(stream)
+        return stream
 
 
 def p(values: Sequence[float], q: float) -> float:
