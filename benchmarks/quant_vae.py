@@ -74,6 +74,7 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         for kind in ("int8", "fp8"):
             quantized = copy.deepcopy(model)
             done = quantize_model(quantized, kind)
+            fused.install(quantized)  # merges the layers that read one input, as the server does
             out = call(quantized)
             ms = bench(lambda q=quantized: call(q))
             rows.append(
@@ -154,7 +155,9 @@ def dit_profile(top: int = 16) -> None:
             if kind != "bf16":
                 m = copy.deepcopy(model)
                 quantize_model(m, kind)
+                fused.install(m)
             table.append(_step_timings(m, call, kind))
+            _host_profile(functools.partial(call, m), kind)
             totals = kernel_times(lambda m=m: call(m))
             by_kind: dict[str, float] = {}
             for key, (t, _) in totals.items():
@@ -168,6 +171,28 @@ def dit_profile(top: int = 16) -> None:
                 del m
                 torch.cuda.empty_cache()
     print("\n" + "\n".join(table), flush=True)
+
+
+def _host_profile(fn, kind: str, steps: int = 3, top: int = 22) -> None:
+    """Where the host's time goes while it queues ``steps`` steps (cProfile, by own time; the GPU
+    is behind the host only if the step is host-bound, so nothing here waits on it)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    print(f"\n{kind}: host time of {steps} steps, by function (own time)")
+    print("\n".join(lines[:top + 8]), flush=True)
 
 
 def _step_timings(m: torch.nn.Module, call, kind: str) -> str:

@@ -403,9 +403,10 @@ def adaln_modulate(
 ) -> torch.Tensor:
     """The fused kernel where it applies (:func:`kernel_applies`), else the eager chain."""
     if kernel_applies(x, scale, shift, weight, bias):
-        return torch.ops.omnirt.adaln_modulate(
-            x, scale, shift, weight, bias, eps, scale_offset, check_preset(preset)
-        )
+        return settings.dispatch(
+            torch.ops.omnirt.adaln_modulate, _launch,
+            x, scale, shift, weight, bias, eps, scale_offset, check_preset(preset),
+        )  # fmt: skip
     return adaln_modulate_reference(
         x, scale, shift, eps=eps, weight=weight, bias=bias, scale_offset=scale_offset
     )

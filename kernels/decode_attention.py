@@ -45,7 +45,7 @@ import functools
 import torch
 
 from .ring_attention import ring_attention_torch
-from .settings import kernel_device
+from .settings import dispatch, kernel_device
 from .w8a8 import quantize_rows, quantize_rows_triton
 
 try:  # Triton ships with CUDA builds of torch only
@@ -378,5 +378,6 @@ def decode_attention(
     if reason:
         raise ValueError(reason)
     if use_kernel and kernel_applies(q, keys, values, lengths, k_scale, v_scale):
-        return torch.ops.omnirt.decode_attention(q, keys, values, lengths, k_scale, v_scale, attend, scale)
+        op = torch.ops.omnirt.decode_attention
+        return dispatch(op, _launch, q, keys, values, lengths, k_scale, v_scale, attend, scale)
     return decode_attention_reference(q, keys, values, lengths, attend, scale, k_scale, v_scale)

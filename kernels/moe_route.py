@@ -73,7 +73,7 @@ def group_by_expert(ids: torch.Tensor, experts: int) -> Grouping:
         raise ValueError(f"ids must be flat [S], got {tuple(ids.shape)}")
     if not kernel_applies(ids):
         return group_by_expert_reference(ids, experts)
-    return torch.ops.omnirt.group_by_expert(ids, experts)
+    return settings.dispatch(torch.ops.omnirt.group_by_expert, group_by_expert_triton, ids, experts)
 
 
 def group_by_expert_triton(ids: torch.Tensor, experts: int) -> Grouping:

@@ -567,9 +567,10 @@ def fused_qk_norm_rope(
     preset: Preset = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The custom op, for a caller that has checked :func:`kernel_applies` itself."""
-    return torch.ops.omnirt.qk_norm_rope(
-        q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, check_preset(preset)
-    )
+    return settings.dispatch(
+        torch.ops.omnirt.qk_norm_rope, _launch,
+        q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, check_preset(preset),
+    )  # fmt: skip
 
 
 def qk_norm_rope(

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import settings
+from . import settings, w8a8
 from .reduce_order import aten_mean_config, mean_factor
 from .settings import Preset, check_preset
 
@@ -50,6 +50,7 @@ try:  # Triton ships with CUDA builds of torch only
     import triton.language as tl
 
     from .reduce_order import lanes_halving_sum, vec4_lanes_sum
+    from .w8a8 import quantize_values
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -70,15 +71,39 @@ def add_rms_norm_reference(
 if triton is not None:
 
     @triton.jit
+    def _normed(X, D, W, M, R, base, at, m_base, rstd, DT: tl.constexpr, HAS_D: tl.constexpr,
+                HAS_M: tl.constexpr, HAS_R: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+        """The output at ``at`` of a row (``residual + mul * weight * norm``) in fp32, before its
+        last rounding to the input dtype."""
+        v = tl.load(X + base + at)
+        if HAS_D:
+            v = (v.to(tl.float32) + tl.load(D + base + at).to(tl.float32)).to(DT)
+        w = tl.load(W + at).to(tl.float32)
+        if EXACT:  # each product and sum rounded to the input dtype, as eager
+            y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
+            if HAS_M:
+                y = y.to(DT).to(tl.float32) * tl.load(M + m_base + at).to(tl.float32)
+            if HAS_R:
+                y = tl.load(R + base + at).to(tl.float32) + y.to(DT).to(tl.float32)
+        else:
+            y = v.to(tl.float32) * rstd * w
+            if HAS_M:
+                y = y * tl.load(M + m_base + at).to(tl.float32)
+            if HAS_R:
+                y = tl.load(R + base + at).to(tl.float32) + y
+        return y
+
+    @triton.jit
     def _add_rms_norm_kernel(
-        X, D, W, XO, Y, SS, M, R, eps, factor, m_stride, tokens,
+        X, D, W, XO, Y, SS, M, R, QS, eps, factor, m_stride, tokens, INV_QMAX,
         WIDTH: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
         HAS_D: tl.constexpr, HAS_SS: tl.constexpr, HAS_M: tl.constexpr, HAS_R: tl.constexpr,
-        EXACT: tl.constexpr, ATEN: tl.constexpr,
+        EXACT: tl.constexpr, ATEN: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
+        QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the row read as STEPS slices of LANES vectors of VEC elements.
         row = tl.program_id(0).to(tl.int64)
-        DT: tl.constexpr = Y.dtype.element_ty
+        DT: tl.constexpr = X.dtype.element_ty
         base = row * WIDTH
         piece = tl.arange(0, LANES * VEC)
         acc = tl.zeros([LANES, VEC], tl.float32)
@@ -102,25 +127,23 @@ if triton is not None:
         # The row again, slice by slice (the sum recomputed, not read back: another thread may
         # have stored it).
         m_base = (row // tokens) * m_stride
-        for step in tl.static_range(STEPS):
-            at = step * LANES * VEC + piece
-            v = tl.load(X + base + at)
-            if HAS_D:
-                v = (v.to(tl.float32) + tl.load(D + base + at).to(tl.float32)).to(DT)
-            w = tl.load(W + at).to(tl.float32)
-            if EXACT:  # each product and sum rounded to the input dtype, as eager
-                y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
-                if HAS_M:
-                    y = y.to(DT).to(tl.float32) * tl.load(M + m_base + at).to(tl.float32)
-                if HAS_R:
-                    y = tl.load(R + base + at).to(tl.float32) + y.to(DT).to(tl.float32)
-            else:
-                y = v.to(tl.float32) * rstd * w
-                if HAS_M:
-                    y = y * tl.load(M + m_base + at).to(tl.float32)
-                if HAS_R:
-                    y = tl.load(R + base + at).to(tl.float32) + y
-            tl.store(Y + base + at, y.to(DT))
+        if QUANT:  # the output quantized per row (w8a8.quantize_rows of it): its peak, then the values
+            peak = tl.zeros([LANES * VEC], tl.float32)
+            for step in tl.static_range(STEPS):
+                at = step * LANES * VEC + piece
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, EXACT)
+                peak = tl.maximum(peak, tl.abs(y.to(DT).to(tl.float32)))
+            scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
+            tl.store(QS + row, scale)
+            for step in tl.static_range(STEPS):
+                at = step * LANES * VEC + piece
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, EXACT)
+                tl.store(Y + base + at, quantize_values(y.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8))
+        else:
+            for step in tl.static_range(STEPS):
+                at = step * LANES * VEC + piece
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, EXACT)
+                tl.store(Y + base + at, y.to(DT))
 
 
 def _check(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> str | None:
@@ -157,26 +180,36 @@ def _launch(
     sumsq: torch.Tensor | None = None,
     mul: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kind: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(x + delta, out, scale)``: ``out`` the norm's output, or with ``kind`` its 8-bit values
+    [rows, W] and ``scale`` their per-row scales [rows, 1]."""
     width = x.shape[-1]
     rows = x.numel() // width
-    out = torch.empty_like(x)
+    if kind is None:
+        out, scale = torch.empty_like(x), None
+    else:
+        out = torch.empty(rows, width, dtype=w8a8.STORAGE[kind], device=x.device)
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     summed = torch.empty_like(x) if delta is not None else x
     if rows == 0:
-        return summed, out
+        return summed, out, scale
     exact = preset == "exact"
     config = aten_mean_config(width, rows) if exact else None
     steps, lanes, vec = config or _fast_config(width)
     m_stride, tokens = _mul_layout(x, mul) if mul is not None else (0, 1)
+    q = kind or "int8"
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, summed, out,
         sumsq if sumsq is not None else out, mul if mul is not None else x,
-        residual if residual is not None else x, eps, mean_factor(rows, width), m_stride, tokens,
+        residual if residual is not None else x, scale if scale is not None else x, eps,
+        mean_factor(rows, width), m_stride, tokens, w8a8._INVERSE_QMAX[q],
         WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
         HAS_M=mul is not None, HAS_R=residual is not None, EXACT=exact, ATEN=config is not None,
-        num_warps=warps_for(lanes * vec), enable_fp_fusion=not exact,
+        QUANT=kind is not None, INT8=q == "int8", QMAX=w8a8.QMAX[q], MIN_PEAK=w8a8._MIN_PEAK,
+        ROUNDER=w8a8._ROUNDER, num_warps=warps_for(lanes * vec), enable_fp_fusion=not exact,
     )  # fmt: skip
-    return summed, out
+    return summed, out, scale
 
 
 #: Overrides :func:`warps_for` (``benchmarks/kernels.py --rms-warps`` sweeps it).
@@ -216,14 +249,21 @@ def add_rms_norm_triton(
     reason = _check(x, delta, weight)
     if reason:
         raise ValueError(reason)
-    return _launch(x, delta, weight, eps, check_preset(preset), sumsq)
+    return _launch(x, delta, weight, eps, check_preset(preset), sumsq)[:2]
+
+
+def _add_rms_norm_impl(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, preset: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed, out, _ = _launch(x, delta, weight, eps, preset)
+    return summed, out
 
 
 @torch.library.custom_op("omnirt::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, preset: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(x, delta, weight, eps, preset)
+    return _add_rms_norm_impl(x, delta, weight, eps, preset)
 
 
 @_add_rms_norm_op.register_fake
@@ -231,9 +271,13 @@ def _add_rms_norm_fake(x, delta, weight, eps, preset):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, preset: str) -> torch.Tensor:
+    return _launch(x, None, weight, eps, preset)[1]
+
+
 @torch.library.custom_op("omnirt::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, preset: str) -> torch.Tensor:
-    return _launch(x, None, weight, eps, preset)[1]
+    return _rms_norm_impl(x, weight, eps, preset)
 
 
 @_rms_norm_op.register_fake
@@ -258,8 +302,9 @@ def add_rms_norm(
     if not kernel_applies(x, delta, weight):
         return add_rms_norm_reference(x, delta, weight, eps)
     if delta is None:  # a custom op may not return its input: the norm alone
-        return x, torch.ops.omnirt.rms_norm(x, weight, eps, "exact")
-    return torch.ops.omnirt.add_rms_norm(x, delta, weight, eps, "exact")
+        return x, settings.dispatch(torch.ops.omnirt.rms_norm, _rms_norm_impl, x, weight, eps, "exact")
+    op = torch.ops.omnirt.add_rms_norm
+    return settings.dispatch(op, _add_rms_norm_impl, x, delta, weight, eps, "exact")
 
 
 # -- modulated: residual + mul * RMSNorm(x) (the DiT blocks) ------------------------------------
@@ -318,6 +363,17 @@ def rms_norm_modulate_triton(
     return _launch(x, None, weight, eps, check_preset(preset), sumsq, mul, residual)[1]
 
 
+def _modulate_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    preset: str,
+    mul: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    return _launch(x, None, weight, eps, preset, None, mul, residual)[1]
+
+
 @torch.library.custom_op("omnirt::rms_norm_modulate", mutates_args=())
 def _rms_norm_modulate_op(
     x: torch.Tensor,
@@ -327,7 +383,7 @@ def _rms_norm_modulate_op(
     mul: torch.Tensor | None,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _launch(x, None, weight, eps, preset, None, mul, residual)[1]
+    return _modulate_impl(x, weight, eps, preset, mul, residual)
 
 
 @_rms_norm_modulate_op.register_fake
@@ -358,4 +414,63 @@ def rms_norm_modulate(
     the kernel where it applies (:func:`modulate_applies`, ``exact``), else that chain."""
     if not modulate_applies(x, weight, mul, residual):
         return rms_norm_modulate_reference(x, weight, eps, mul, residual)
-    return torch.ops.omnirt.rms_norm_modulate(x, weight, eps, "exact", mul, residual)
+    op = torch.ops.omnirt.rms_norm_modulate
+    return settings.dispatch(op, _modulate_impl, x, weight, eps, "exact", mul, residual)
+
+
+# -- modulated and quantized: mul * RMSNorm(x) as a W8A8 product's input -----------------------
+def rms_norm_modulate_quantize_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    mul: torch.Tensor | None,
+    kind: w8a8.Kind,
+    *,
+    preset: Preset = "exact",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel writing ``w8a8.quantize_rows(mul * RMSNorm(x))``: ``(values, scale)``, values
+    [rows, W] 8-bit and scale [rows, 1] fp32, never the norm itself (ValueError for inputs it does
+    not take)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(x, None, weight) or _check_modulation(x, mul, None)
+    if reason:
+        raise ValueError(reason)
+    preset, kind = check_preset(preset), w8a8.check_kind(kind)
+    _, values, scale = _launch(x, None, weight, eps, preset, None, mul, None, kind)
+    assert scale is not None
+    return values, scale
+
+
+def _modulate_quantize_impl(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, preset: str, mul: torch.Tensor | None, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _, values, scale = _launch(x, None, weight, eps, preset, None, mul, None, kind)
+    assert scale is not None
+    return values, scale
+
+
+@torch.library.custom_op("omnirt::rms_norm_modulate_quantize", mutates_args=())
+def _rms_norm_modulate_quantize_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, preset: str, mul: torch.Tensor | None, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _modulate_quantize_impl(x, weight, eps, preset, mul, kind)
+
+
+@_rms_norm_modulate_quantize_op.register_fake
+def _rms_norm_modulate_quantize_fake(x, weight, eps, preset, mul, kind):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(rows, x.shape[-1], dtype=w8a8.STORAGE[kind]), x.new_empty(rows, 1, dtype=torch.float32)
+
+
+def rms_norm_modulate_quantize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mul: torch.Tensor | None, kind: w8a8.Kind
+) -> w8a8.QuantizedRows:
+    """``mul * RMSNorm(x)`` quantized per token for the W8A8 products that read it (one pass where
+    the kernel applies: :func:`modulate_applies`), else the eager chain and
+    :func:`~.w8a8.quantize`; the same bits either way."""
+    if not modulate_applies(x, weight, mul, None):
+        return w8a8.quantize(rms_norm_modulate_reference(x, weight, eps, mul), kind)
+    op = torch.ops.omnirt.rms_norm_modulate_quantize
+    values, scale = settings.dispatch(op, _modulate_quantize_impl, x, weight, eps, "exact", mul, kind)
+    return w8a8.QuantizedRows(values, scale, kind, tuple(x.shape), x.dtype)

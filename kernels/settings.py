@@ -20,7 +20,8 @@ a Triton kernel may run.
 from __future__ import annotations
 
 import os
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -41,6 +42,8 @@ FUSED: Fused = "auto"
 VaeLevel = Literal["exact", "fast", "off"]
 VAE_LEVELS: tuple[VaeLevel, ...] = ("exact", "fast", "off")
 VAE_FAST: VaeLevel = "exact"
+
+T = TypeVar("T")
 
 
 def set_fused(setting: str) -> None:
@@ -76,6 +79,15 @@ def kernel_device(*tensors: torch.Tensor | None) -> bool:
     if not HAVE_TRITON or not present or present[0].device.type != "cuda":
         return False
     return all(t.device == present[0].device for t in present)
+
+
+def dispatch(op: Callable[..., T], impl: Callable[..., T], *args: Any) -> T:
+    """A kernel's launch: through its custom op ``op`` while ``torch.compile`` traces (the op is
+    what it can trace), else ``impl`` (the op's body) directly, which CUDA graphs capture just the
+    same. The custom op's Python dispatch cost about 0.15 ms of host time a call on the H200
+    machine (2026-12-03): a Z-Image step's 170 calls were a quarter of the time its host took to
+    queue the step."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
 
 
 def interpreted() -> bool:

@@ -15,11 +15,15 @@ contraction into fused multiply-adds.
 
 :func:`w8a8_linear_reference` is the dequantized product (the quantized operands times their
 scales, multiplied in fp32): what the fast paths must equal up to fp32 rounding. Weights are
-quantized once (:func:`quantize_rows` of ``[out, in]``), activations on every call.
+quantized once (:func:`quantize_rows` of ``[out, in]``), activations on every call, or once
+for several products (:class:`QuantizedRows`: a kernel that makes the activations, such as a norm
+or the gated unit of ``kernels/swiglu.py``, can write them quantized; :func:`w8a8_linear` takes
+them as they are).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -72,6 +76,29 @@ def quantize_rows(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tens
     return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations quantized per token: ``values`` [rows, cols] 8-bit and ``scale`` [rows, 1] fp32
+    (:func:`quantize_rows`' pair) of a tensor of ``shape`` and ``dtype``, the shape and dtype a
+    product of them keeps (its last dim changed)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    kind: Kind
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def quantize(x: torch.Tensor, kind: Kind) -> QuantizedRows:
+    """``x`` [..., cols] per token: the Triton kernel on CUDA, else the eager chain (same bits)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if kernel_device(rows) and rows.stride(-1) == 1:
+        values, scale = quantize_rows_triton(rows, kind)
+    else:
+        values, scale = quantize_rows(rows, kind)
+    return QuantizedRows(values, scale, kind, tuple(x.shape), x.dtype)
+
+
 def _int8_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias, dtype):
     out = acc.float() * x_scale * weight_scale.t()
     if bias is not None:
@@ -94,6 +121,18 @@ def w8a8_linear_reference(
 if triton is not None:
 
     @triton.jit
+    def quantize_values(v, scale, QMAX: tl.constexpr, ROUNDER: tl.constexpr, INT8: tl.constexpr):
+        """fp32 ``v`` over its row's ``scale`` as :func:`quantize_rows` makes it: the IEEE
+        quotient, int8 rounded to the nearest integer (ties to even), clamped, cast."""
+        v = tl.math.div_rn(v, scale)
+        if INT8:  # (one return: Triton types every return of a function, even unreachable ones)
+            v = (v + ROUNDER) - ROUNDER  # to the nearest integer, ties to even (|v| <= 127)
+            q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.int8)
+        else:
+            q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.float8e4nv)
+        return q
+
+    @triton.jit
     def _quantize_rows_kernel(X, Q, S, cols, stride_x, stride_q, INV_QMAX, QMAX: tl.constexpr,
                               MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, INT8: tl.constexpr,
                               BLOCK: tl.constexpr):  # fmt: skip
@@ -110,13 +149,8 @@ if triton is not None:
         for start in range(0, cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             live = offs < cols
-            v = tl.math.div_rn(tl.load(src + offs, mask=live, other=0.0).to(tl.float32), scale)
-            if INT8:
-                v = (v + ROUNDER) - ROUNDER  # to the nearest integer, ties to even (|v| <= 127)
-                q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.int8)
-            else:
-                q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.float8e4nv)
-            tl.store(dst + offs, q, mask=live)
+            v = tl.load(src + offs, mask=live, other=0.0).to(tl.float32)
+            tl.store(dst + offs, quantize_values(v, scale, QMAX, ROUNDER, INT8), mask=live)
 
     @triton.jit
     def _int8_epilogue_kernel(ACC, XS, WS, BIAS, OUT, rows, cols, stride_acc, stride_out,
@@ -174,20 +208,28 @@ def int8_epilogue_triton(
 
 
 def w8a8_linear(
-    x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, kind: Kind
+    x: torch.Tensor | QuantizedRows,
+    qweight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: Kind,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W ~ qweight * weight_scale`` (``qweight`` [out, in] 8-bit,
-    ``weight_scale`` [out, 1] fp32) and ``x`` [..., in] quantized per token; returns ``x``'s dtype.
-    On CUDA the quantization and the int8 epilogue run as Triton kernels (same bits as eager)."""
-    rows = x.reshape(-1, x.shape[-1])
-    count = rows.shape[0]
-    kernels = kernel_device(rows, qweight) and rows.stride(-1) == 1
-    xq, x_scale = quantize_rows_triton(rows, kind) if kernels else quantize_rows(rows, kind)
+    ``weight_scale`` [out, 1] fp32) and ``x`` [..., in] quantized per token (or given quantized:
+    :class:`QuantizedRows` of ``kind``); returns ``x``'s dtype. On CUDA the quantization and the
+    int8 epilogue run as Triton kernels (same bits as eager)."""
+    if not isinstance(x, QuantizedRows):
+        x = quantize(x, kind)
+    elif x.kind != kind or x.values.shape[-1] != qweight.shape[1]:
+        cols, inputs = x.values.shape[-1], qweight.shape[1]
+        raise ValueError(f"{x.kind} activations of {cols} columns for a {kind} layer of {inputs} inputs")
+    xq, x_scale = x.values, x.scale
+    count = xq.shape[0]
     if kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:
             xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - count, xq.shape[1])])
         acc = torch._int_mm(xq, qweight.t())[:count]
-        if kernels:
+        if kernel_device(acc, qweight):
             out = int8_epilogue_triton(acc, x_scale, weight_scale, bias, x.dtype)
         else:
             out = _int8_epilogue(acc, x_scale, weight_scale, bias, x.dtype)

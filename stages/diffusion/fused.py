@@ -5,7 +5,13 @@
   ``qk_norm_rope`` (per-head composite RMSNorm, complex64 rotary) and otherwise does what the
   original does, line for line. Each ``ZImageTransformerBlock`` runs :func:`zimage_block_forward`,
   diffusers' block with each RMSNorm and the product and sum after it (``norm(x) * scale``,
-  ``x + gate * norm(out)``) as one ``rms_norm_modulate``.
+  ``x + gate * norm(out)``) as one ``rms_norm_modulate``, and each ``FeedForward`` runs
+  :func:`zimage_feed_forward` (``silu(w1(x)) * w3(x)`` in one ``swiglu`` launch). With W8A8 weights
+  whose shared-input layers :func:`install` merges (``quant.merge_projections``: ``to_qkv``, ``w13``) the norm
+  before the attention and the one before the feed-forward write their output quantized
+  (``rms_norm_modulate_quantize``), q, k and v come from one product, and the gated unit writes
+  ``w2``'s input quantized (``swiglu_quantize``): no activation is quantized in a pass of its own
+  but the attention's output.
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
@@ -28,8 +34,11 @@ import torch
 from ...kernels import settings
 from ...kernels.adaln import adaln_modulate
 from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
-from ...kernels.rms_norm import rms_norm_modulate
+from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_quantize
 from ...kernels.settings import Preset
+from ...kernels.swiglu import swiglu, swiglu_quantize
+from ...kernels.w8a8 import QuantizedRows
+from .quant import W8A8Linear, merge_projections
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +69,13 @@ class ZImageFusedProcessor(_FusedProcessor):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
-        key = attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
+        to_qkv = getattr(attn, "to_qkv", None)
+        if isinstance(to_qkv, W8A8Linear):  # merged W8A8 layers: one product (its input maybe quantized)
+            query, key, value = to_qkv(hidden_states).unflatten(-1, (3, attn.heads, -1)).unbind(-3)
+        else:
+            query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
+            key = attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1))
+            value = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
         query, key = qk_norm_rope(
             query, key, attn.norm_q.weight, attn.norm_k.weight, table_from_complex(freqs_cis),
             eps=attn.norm_q.eps, interleaved=True, per_head=True, norm="composite", rope="complex",
@@ -182,12 +195,57 @@ def zimage_block_forward(
         scale_msa, gate_msa, scale_mlp, gate_mlp = mod.unsqueeze(1).chunk(4, dim=2)
         gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
         scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
-    attn_out = self.attention(
-        rms_norm_modulate(x, n1.weight, n1.eps, scale_msa), attention_mask=attn_mask, freqs_cis=freqs_cis
-    )
+    kind = _quantized_inputs(self)
+    if kind is None:
+        attn_in = rms_norm_modulate(x, n1.weight, n1.eps, scale_msa)
+    else:
+        attn_in = rms_norm_modulate_quantize(x, n1.weight, n1.eps, scale_msa, kind)
+    attention = self.attention
+    if isinstance(attention.processor, ZImageFusedProcessor) and not (
+        attention._forward_hooks or attention._forward_pre_hooks
+    ):  # our processor called as ``Attention.forward`` calls it (which inspects it on every call)
+        attn_out = attention.processor(attention, attn_in, attention_mask=attn_mask, freqs_cis=freqs_cis)
+    else:
+        attn_out = attention(attn_in, attention_mask=attn_mask, freqs_cis=freqs_cis)
     x = rms_norm_modulate(attn_out, n2.weight, n2.eps, gate_msa, x)
-    hidden = self.feed_forward(rms_norm_modulate(x, f1.weight, f1.eps, scale_mlp))
+    if kind is None:
+        ffn_in = rms_norm_modulate(x, f1.weight, f1.eps, scale_mlp)
+    else:
+        ffn_in = rms_norm_modulate_quantize(x, f1.weight, f1.eps, scale_mlp, kind)
+    hidden = self.feed_forward(ffn_in)
     return rms_norm_modulate(hidden, f2.weight, f2.eps, gate_mlp, x)
+
+
+def _quantized_inputs(block: Any) -> str | None:
+    """The W8A8 kind in which a Z-Image block's two normed inputs go to their products already
+    quantized: where the attention's q, k and v and the feed-forward's ``w1`` and ``w3`` are merged
+    layers of one kind read by this module's processor and feed-forward; else None (the norms
+    write the model's dtype, and the layers quantize what they read)."""
+    attention, ffn = block.attention, block.feed_forward
+    to_qkv, w13 = getattr(attention, "to_qkv", None), getattr(ffn, "w13", None)
+    if (
+        isinstance(attention.processor, ZImageFusedProcessor)
+        and attention.norm_q is not None
+        and attention.norm_k is not None
+        and getattr(ffn, "_omnirt_fused", False)
+        and isinstance(to_qkv, W8A8Linear)
+        and isinstance(w13, W8A8Linear)
+        and to_qkv.kind == w13.kind
+    ):
+        return to_qkv.kind
+    return None
+
+
+def zimage_feed_forward(self: Any, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    """diffusers' Z-Image ``FeedForward.forward`` (0.42), ``w2(silu(w1(x)) * w3(x))``, with the gated
+    middle as one :func:`~omnirt.kernels.swiglu.swiglu`; with merged W8A8 ``w13`` one product for
+    ``w1`` and ``w3`` and the middle written quantized for ``w2``."""
+    w13 = getattr(self, "w13", None)
+    if isinstance(w13, W8A8Linear) and isinstance(self.w2, W8A8Linear):
+        gate_up = w13(x)
+        width = gate_up.shape[-1] // 2
+        return self.w2(swiglu_quantize(gate_up[..., :width], gate_up[..., width:], self.w2.kind))
+    return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 def install(transformer: torch.nn.Module, preset: Preset = "exact") -> int:
@@ -198,6 +256,7 @@ def install(transformer: torch.nn.Module, preset: Preset = "exact") -> int:
         return 0
     from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
+    from diffusers.models.transformers.transformer_z_image import FeedForward as ZImageFeedForward
     from diffusers.models.transformers.transformer_z_image import (
         ZImageTransformerBlock,
         ZSingleStreamAttnProcessor,
@@ -211,6 +270,10 @@ def install(transformer: torch.nn.Module, preset: Preset = "exact") -> int:
                 module.forward = types.MethodType(zimage_block_forward, module)
                 module._omnirt_fused = True
                 sites += 1
+        if isinstance(module, ZImageFeedForward) and not getattr(module, "_omnirt_fused", False):
+            module.forward = types.MethodType(zimage_feed_forward, module)
+            module._omnirt_fused = True
+            sites += 1
         if isinstance(module, WanTransformerBlock) and not getattr(module, "_omnirt_fused", False):
             if isinstance(module.norm1, torch.nn.LayerNorm) and isinstance(module.norm3, torch.nn.LayerNorm):
                 module.forward = types.MethodType(wan_block_forward, module)
@@ -224,7 +287,11 @@ def install(transformer: torch.nn.Module, preset: Preset = "exact") -> int:
         if isinstance(processor, ZSingleStreamAttnProcessor):
             module.set_processor(ZImageFusedProcessor(processor, preset))
             sites += 1
-    log.info("fused kernels in %s: %d sites (%s preset)", type(transformer).__name__, sites, preset)
+    merged = merge_projections(transformer)
+    log.info(
+        "fused kernels in %s: %d sites (%s preset), %d merged W8A8 layers",
+        type(transformer).__name__, sites, preset, merged,
+    )  # fmt: skip
     return sites
 
 

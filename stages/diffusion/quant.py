@@ -7,6 +7,14 @@ and out of the transformer, the timestep and caption paths, the modulation; the 
 feed-forward layers of the blocks (nearly all the parameters and FLOPs) are quantized. ``keep``
 adds name patterns (``fnmatch``: ``"layers.0.*"`` keeps the first block, if quality asks).
 
+Layers that read one input can be merged (:func:`merge_projections`; ``fused.install`` does it
+when the pipeline is built, so checkpoints and :func:`quantize_model` keep diffusers' layout): one
+activation quantization and one product where there were three (attention's q, k and v:
+``to_qkv``; Wan's cross-attention k and v: ``to_kv``) or two (Z-Image's gated feed-forward ``w1``
+and ``w3``: ``w13``). The old names stay as :class:`W8A8Slice` views of the merged weight, so
+diffusers' own processors still find them; ``stages/diffusion/fused.py``'s forwards use the merged
+layer.
+
 Quantizing online, each layer's weight goes to ``device``, is quantized there and the full-width
 copy is dropped before the next layer: on a model loaded on the CPU, peak device memory stays near
 the quantized model's size.
@@ -16,13 +24,13 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ...kernels.w8a8 import Kind, check_kind, quantize_rows, w8a8_linear
+from ...kernels.w8a8 import Kind, QuantizedRows, check_kind, quantize_rows, w8a8_linear
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +70,91 @@ class W8A8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().to(qweight.device)
         return cls(qweight, scale, bias, kind)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return w8a8_linear(x, self.qweight, self.weight_scale, self.bias, self.kind)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class W8A8Slice(nn.Module):
+    """Output channels ``start:stop`` of a merged :class:`W8A8Linear` (``to_q`` once q, k and v are
+    ``to_qkv``): the same product as the layer it replaced, on a view of the merged weight. It
+    holds no tensors (the merged layer, a submodule of the same parent, owns them), so moving or
+    counting the model sees each weight once."""
+
+    def __init__(self, merged: W8A8Linear, start: int, stop: int) -> None:
+        super().__init__()
+        self._merged = (merged,)  # a tuple: not registered as a submodule
+        self.start, self.stop = start, stop
+        self.kind = merged.kind
+        self.in_features = merged.in_features
+        self.out_features = stop - start
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        m, part = self._merged[0], slice(self.start, self.stop)
+        bias = None if m.bias is None else m.bias[part]
+        return w8a8_linear(x, m.qweight[part], m.weight_scale[part], bias, m.kind)
+
+    def extra_repr(self) -> str:
+        return f"out_features {self.start}:{self.stop} of a merged {self.kind} layer"
+
+
+def merge_layers(owner: nn.Module, names: Sequence[str], merged_name: str) -> W8A8Linear | None:
+    """``owner``'s W8A8 layers ``names`` (one input width and kind, all with a bias or none) as one
+    layer ``merged_name`` whose outputs are theirs side by side, the old names left as
+    :class:`W8A8Slice` views of it; None (nothing changed) where they are not such layers."""
+    layers = [getattr(owner, name, None) for name in names]
+    if not all(type(layer) is W8A8Linear for layer in layers):
+        return None
+    first = layers[0]
+    if any(
+        layer.kind != first.kind or layer.in_features != first.in_features
+        or layer.qweight.device != first.qweight.device or (layer.bias is None) != (first.bias is None)
+        for layer in layers
+    ):  # fmt: skip
+        return None
+    merged = W8A8Linear(
+        torch.cat([layer.qweight for layer in layers]),
+        torch.cat([layer.weight_scale for layer in layers]),
+        None if first.bias is None else torch.cat([layer.bias for layer in layers]),
+        first.kind,
+    )
+    setattr(owner, merged_name, merged)
+    start = 0
+    for name, layer in zip(names, layers, strict=True):
+        setattr(owner, name, W8A8Slice(merged, start, start + layer.out_features))
+        start += layer.out_features
+    return merged
+
+
+def merge_projections(model: nn.Module) -> int:
+    """Merges the W8A8 layers of ``model`` that read one input (the module docstring lists them);
+    returns how many merged layers were made."""
+    from diffusers.models.transformers.transformer_wan import WanAttention
+    from diffusers.models.transformers.transformer_z_image import FeedForward as ZImageFeedForward
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+    made = 0
+    for module in list(model.modules()):
+        if isinstance(module, ZImageTransformerBlock):
+            made += merge_layers(module.attention, ("to_q", "to_k", "to_v"), "to_qkv") is not None
+        elif isinstance(module, ZImageFeedForward):
+            made += merge_layers(module, ("w1", "w3"), "w13") is not None
+        elif (
+            isinstance(module, WanAttention)
+            and not getattr(module, "fused_projections", False)  # (set by diffusers' fuse only)
+            and module.add_k_proj is None
+        ):
+            # diffusers' own path reads the merged layers once ``fused_projections`` is set
+            if module.is_cross_attention:
+                merged = merge_layers(module, ("to_k", "to_v"), "to_kv")
+            else:
+                merged = merge_layers(module, ("to_q", "to_k", "to_v"), "to_qkv")
+            if merged is not None:
+                module.fused_projections = True
+                made += 1
+    return made
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def test_installed_models_compute_what_diffusers_computes(dtype, fused_on):
             (
                 zimage,
                 lambda: torch.stack(zimage(latents, t, caption, return_dict=False)[0]),
-                8,  # 4 attention processors, 4 block forwards (2 layers, 2 refiners)
+                12,  # 4 attention processors, 4 block forwards, 4 feed-forwards (2 layers, 2 refiners)
                 ZImageFusedProcessor,
             ),
             (wan, lambda: wan(video, steps, text, return_dict=False)[0], 4, WanFusedProcessor),

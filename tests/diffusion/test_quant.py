@@ -10,7 +10,7 @@ import pytest
 import torch
 from omnirt.stages.diffusion.quant import KEEP, W8A8Linear, quantize_model
 
-from .test_fused_install import _wan, _zimage
+from .test_fused_install import _wan, _zimage, fused_on  # noqa: F401 (a fixture used by name)
 
 
 def _snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -67,3 +67,58 @@ def test_loaders_quantize_and_report_it():
 
     with pytest.raises(WanLoadError, match="quantization"):
         load_wan(ensure_wan_demo(), device="cpu", quantization="int4")
+
+
+@pytest.mark.usefixtures("fused_on")
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_merged_layers_compute_what_the_separate_ones_compute(kind):
+    """``fused.install`` on a W8A8 model merges the layers that read one input (q, k, v; Z-Image's
+    w1 and w3; Wan's cross-attention k and v) and runs the quantized-input paths: on the CPU (the
+    kernels' eager chains) the same output as the unmerged model (int8: integer sums, the same
+    bits); the old names stay usable views; no weight is held twice."""
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import W8A8Slice, merge_layers
+
+    g = torch.Generator().manual_seed(5)
+    zimage, wan = _zimage(torch.bfloat16), _wan(torch.bfloat16)
+    latents = [torch.randn(16, 1, 16, 16, generator=g).bfloat16() for _ in range(2)]
+    caption = [torch.randn(n, 32, generator=g).bfloat16() for n in (5, 11)]
+    t = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
+    video = torch.randn(2, 16, 3, 8, 12, generator=g).bfloat16()
+    text = torch.randn(2, 16, 32, generator=g).bfloat16()
+    steps = torch.tensor([300.0, 700.0])
+    with torch.no_grad():
+        for model, call, merged in (
+            (zimage, lambda: torch.stack(zimage(latents, t, caption, return_dict=False)[0]), 8),
+            (wan, lambda: wan(video, steps, text, return_dict=False)[0], 4),
+        ):
+            quantize_model(model, kind)
+            want = call()
+            held = sum(b.numel() * b.element_size() for b in model.buffers())
+            probe = torch.ones(3, _width(model)).bfloat16()
+            q_before = model.get_submodule(_first_attention(model)).to_q(probe)
+            fused.install(model)
+            made = [m for m in model.modules() for n in ("to_qkv", "to_kv", "w13") if hasattr(m, n)]
+            assert len(made) == merged
+            if model is zimage:  # the norms write the quantized inputs of q, k, v and w1, w3
+                assert fused._quantized_inputs(model.layers[0]) == kind
+            assert sum(b.numel() * b.element_size() for b in model.buffers()) == held
+            attention = model.get_submodule(_first_attention(model))
+            assert isinstance(attention.to_q, W8A8Slice) and isinstance(attention.to_qkv, W8A8Linear)
+            assert torch.equal(attention.to_q(probe), q_before)
+            got = call()
+            if kind == "int8":
+                assert torch.equal(got, want)
+            else:  # the CPU's fp8 product blocks its sums by the operands' shapes
+                assert _snr_db(got, want) > 40
+            fused.uninstall(model)
+            assert torch.equal(call(), want) if kind == "int8" else _snr_db(call(), want) > 40
+            assert merge_layers(attention, ("to_q", "to_k", "to_v"), "again") is None  # slices now
+
+
+def _first_attention(model: torch.nn.Module) -> str:
+    return "layers.0.attention" if hasattr(model, "layers") else "blocks.0.attn1"
+
+
+def _width(model: torch.nn.Module) -> int:
+    return int(model.config.get("dim") or model.config.num_attention_heads * model.config.attention_head_dim)

@@ -185,7 +185,7 @@ def test_dit_models_with_the_kernels_installed_are_bitwise_unchanged():
     steps = torch.tensor([300.0, 700.0], device="cuda")
     with torch.no_grad():
         for model, call, sites in (
-            (zimage, lambda: torch.stack(zimage(latents, t, caption, return_dict=False)[0]), 2 * (2 + 1 + 1)),
+            (zimage, lambda: torch.stack(zimage(latents, t, caption, return_dict=False)[0]), 3 * (2 + 1 + 1)),
             (wan, lambda: wan(video, steps, text, return_dict=False)[0], 4),
         ):
             ref = call()

@@ -70,3 +70,39 @@ def test_quantized_wan_on_cuda(kind):
     assert done.layers == 20  # 10 per block: q, k, v, out of both attentions and the two of the FFN
     snr = 10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean())
     assert snr > (25 if kind == "int8" else 18), float(snr)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_merged_quantized_zimage_on_cuda(kind):
+    """A W8A8 Z-Image with the fused forwards and merged layers (q, k, v one product; w1, w3 one;
+    the norms and the gated unit writing quantized inputs) against the same model unmerged and
+    unfused: int8 sums are integers, so the same bits; fp8 within fp32 rounding of the sums."""
+    import copy
+
+    from diffusers import ZImageTransformer2DModel
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import quantize_model
+
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        zimage = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=768, n_layers=2,
+            n_refiner_layers=1, n_heads=6, n_kv_heads=6, norm_eps=1e-5, qk_norm=True, cap_feat_dim=64,
+            axes_dims=[32, 48, 48], axes_lens=[256, 128, 128],
+        ).to(torch.bfloat16).eval()  # fmt: skip (hidden 2048: fp8 products want multiples of 16)
+    quantize_model(zimage, kind)
+    merged = copy.deepcopy(zimage)
+    assert fused.install(merged) == 12
+    assert fused._quantized_inputs(merged.layers[0]) == kind
+    g = torch.Generator(device="cuda").manual_seed(1)
+    latents = [torch.randn(16, 1, 32, 32, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)]
+    caption = [torch.randn(n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for n in (7, 19)]
+    t = torch.tensor([0.3, 0.7], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = torch.stack(zimage(latents, t, caption, return_dict=False)[0]).float()
+        got = torch.stack(merged(latents, t, caption, return_dict=False)[0]).float()
+    if kind == "int8":
+        assert torch.equal(got, want)
+    else:
+        snr = 10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean())
+        assert snr > 35, float(snr)

@@ -219,3 +219,38 @@ def test_the_modulated_dispatcher_runs_the_eager_chain_off_cuda():
     assert not modulate_applies(x, w, gate, residual)
     assert torch.equal(rms_norm_modulate(x, w, 1e-5, gate, residual),
                        rms_norm_modulate_reference(x, w, 1e-5, gate, residual))  # fmt: skip
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [(2, 9, 3840), (1, 16, 3840), (2, 20, 256)], ids=str)
+def test_the_quantizing_kernel_writes_the_norms_rows_quantized(shape):
+    """``rms_norm_modulate_quantize``: the norm's output never stored, its rows quantized in the
+    kernel exactly as ``w8a8.quantize_rows`` quantizes the stored output (int8: the interpreter
+    has no fp8)."""
+    from omnirt.kernels.rms_norm import rms_norm_modulate_quantize, rms_norm_modulate_quantize_triton
+    from omnirt.kernels.w8a8 import quantize_rows
+
+    batch, tokens, width = shape
+    x, w, scale, _, _ = _dit_inputs(*shape)
+    x[0, 3] *= 50  # one row with an outlier: its own scale
+    for mul in (scale, None, scale[:1]):
+        values, row_scale = rms_norm_modulate_quantize_triton(x, w, 1e-5, mul, "int8")
+        want_values, want_scale = quantize_rows(
+            rms_norm_modulate_triton(x, w, 1e-5, mul).reshape(-1, width), "int8"
+        )
+        assert values.shape == (batch * tokens, width) and row_scale.shape == (batch * tokens, 1)
+        assert torch.equal(values, want_values) and torch.equal(row_scale, want_scale)
+    # off CUDA the dispatcher quantizes the eager chain's output
+    got = rms_norm_modulate_quantize(x, w, 1e-5, scale, "int8")
+    eager = rms_norm_modulate_reference(x, w, 1e-5, scale).reshape(-1, width)
+    want_values, want_scale = quantize_rows(eager, "int8")
+    assert torch.equal(got.values, want_values) and torch.equal(got.scale, want_scale)
+    assert got.shape == tuple(x.shape) and got.dtype == x.dtype and got.kind == "int8"
+    with pytest.raises(ValueError, match="int8, fp8"):
+        rms_norm_modulate_quantize_triton(x, w, 1e-5, scale, "int4")
+    with pytest.raises(ValueError, match=r"\[B, 1, C\]"):
+        rms_norm_modulate_quantize_triton(x, w, 1e-5, scale[:, :, :100], "int8")
+    torch.library.opcheck(
+        torch.ops.omnirt.rms_norm_modulate_quantize.default, (x, w, 1e-5, "exact", scale, "int8"),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip

@@ -71,3 +71,23 @@ def test_int8_epilogue_kernel_is_bitwise_the_eager_chain():
     for bias in (torch.randn(200, generator=g), None):
         got = int8_epilogue_triton(acc, x_scale, weight_scale, bias, torch.float32)
         assert torch.equal(got, _int8_epilogue(acc, x_scale, weight_scale, bias, torch.float32))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_products_of_activations_quantized_once(kind):
+    """``QuantizedRows`` (what a norm or gated-unit kernel writes) go into a product as they are:
+    the same output as quantizing inside; a kind or width the layer does not take is refused."""
+    from omnirt.kernels.w8a8 import quantize
+
+    g = torch.Generator().manual_seed(4)
+    qweight, scale = quantize_rows(torch.randn(24, 32, generator=g), kind)
+    x = torch.randn(2, 5, 32, generator=g).bfloat16()
+    rows = quantize(x, kind)
+    assert rows.shape == (2, 5, 32) and rows.values.shape == (10, 32) and rows.dtype == torch.bfloat16
+    got = w8a8_linear(rows, qweight, scale, None, kind)
+    assert got.shape == (2, 5, 24) and torch.equal(got, w8a8_linear(x, qweight, scale, None, kind))
+    other = "fp8" if kind == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"{other} activations of 32 columns for a {kind} layer"):
+        w8a8_linear(quantize(x, other), qweight, scale, None, kind)
+    with pytest.raises(ValueError, match="of 16 columns"):
+        w8a8_linear(quantize(x[..., :16], kind), qweight, scale, None, kind)

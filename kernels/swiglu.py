@@ -1,0 +1,182 @@
+"""A gated feed-forward's middle in one launch: ``silu(a) * b``, optionally quantized per token for
+the W8A8 product that follows (``kernels/w8a8.py``).
+
+Z-Image's ``FeedForward`` is ``w2(silu(w1(x)) * w3(x))``. Eagerly the middle is two elementwise
+kernels over the hidden width (10240 at 1024x1024: ``silu`` reads and writes 4128 x 10240, the
+product reads two and writes one) and, with W8A8 weights, a third pass that quantizes the product
+for ``w2``. :func:`swiglu` is one pass that writes the product; :func:`swiglu_quantize` is one pass
+(two reads of the row, the second from cache) that writes it quantized: the 8-bit values and the
+row's scale, never the bf16 product.
+
+**Bits.** The eager chain: ``silu`` in fp32 (``x / (1 + expf(-x))``, IEEE division), rounded to the
+input dtype; the product of two rounded values in fp32 (exact for bf16), rounded; then, quantizing,
+:func:`~.w8a8.quantize_rows`. In bf16 the SiLU of each of the 65536 values is ATen's own, looked up
+(:func:`~.conv_input.silu_table`); in fp16 and fp32 it is computed with libdevice's ``expf`` (the
+CUDA math library ATen's kernel calls). So the kernel is bitwise the eager chain on CUDA (the GPU
+tests check it); on the CPU under ``TRITON_INTERPRET=1`` (fp32, numpy's ``exp``) within an ulp.
+
+:func:`swiglu` and :func:`swiglu_quantize` dispatch: the kernel for CUDA tensors with Triton where
+:data:`~.settings.FUSED` is not ``off``, else the eager chain.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import settings
+from .conv_input import silu_table
+from .settings import interpreted
+from .w8a8 import _INVERSE_QMAX, _MIN_PEAK, _ROUNDER, QMAX, STORAGE, Kind, QuantizedRows, quantize
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    from .w8a8 import quantize_values
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The eager chain (diffusers' ``FeedForward._forward_silu_gating``)."""
+    return F.silu(a) * b
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gated(A, B, SILU, offs, live, TABLE: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """``silu(a) * b`` at ``offs`` of a row, rounded where eager rounds it, as fp32."""
+        a = tl.load(A + offs, mask=live, other=0.0)
+        b = tl.load(B + offs, mask=live, other=0.0).to(tl.float32)
+        dt = a.dtype
+        if TABLE:  # bf16: ATen's SiLU of the value, looked up by its bits
+            bits = a.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            s = tl.load(SILU + bits, mask=live, other=0.0).to(tl.float32)
+        else:
+            af = a.to(tl.float32)
+            if LIBDEVICE:
+                e = libdevice.exp(-af)
+            else:
+                e = tl.exp(-af)
+            s = tl.math.div_rn(af, 1.0 + e).to(dt).to(tl.float32)
+        return (s * b).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _swiglu_kernel(A, B, OUT, S, SILU, cols, stride_a, stride_b, stride_o, INV_QMAX,
+                       QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr,
+                       QUANT: tl.constexpr, INT8: tl.constexpr, TABLE: tl.constexpr,
+                       LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        a_row = A + row * stride_a
+        b_row = B + row * stride_b
+        o_row = OUT + row * stride_o
+        if QUANT:
+            peak = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, cols, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                y = _gated(a_row, b_row, SILU, offs, offs < cols, TABLE, LIBDEVICE)
+                peak = tl.maximum(peak, tl.abs(y))
+            scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
+            tl.store(S + row, scale)
+            for start in range(0, cols, BLOCK):  # the row again (from cache), quantized
+                offs = start + tl.arange(0, BLOCK)
+                live = offs < cols
+                y = _gated(a_row, b_row, SILU, offs, live, TABLE, LIBDEVICE)
+                tl.store(o_row + offs, quantize_values(y, scale, QMAX, ROUNDER, INT8), mask=live)
+        else:
+            for start in range(0, cols, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                live = offs < cols
+                y = _gated(a_row, b_row, SILU, offs, live, TABLE, LIBDEVICE)
+                tl.store(o_row + offs, y.to(OUT.dtype.element_ty), mask=live)
+
+
+def _check(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why the kernel cannot take ``a`` and ``b``, or None."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"a and b must have one shape and dtype: {a.dtype}{list(a.shape)}, {b.dtype}{list(b.shape)}"
+    if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"unsupported dtype {a.dtype}"
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        return "a and b must have a contiguous last dim"
+    try:  # rows of a uniform stride: [..., C] that reshapes to [rows, C] without a copy
+        a.view(-1, a.shape[-1]), b.view(-1, b.shape[-1])
+    except RuntimeError:
+        return "a and b must be rows of one stride (a view of [rows, C])"
+    return None
+
+
+def _block(cols: int) -> int:
+    """The slice of a row a step reads: the largest power of two dividing ``cols`` up to 2048 (no
+    masked tail), or the row rounded up to a power of two (at most 2048) for odd widths."""
+    exact = min(cols & -cols, 2048)
+    return exact if exact >= 256 else min(triton.next_power_of_2(cols), 2048)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, kind: Kind | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cols = a.shape[-1]
+    a2, b2 = a.view(-1, cols), b.view(-1, cols)
+    rows = a2.shape[0]
+    out = torch.empty(rows, cols, dtype=a.dtype if kind is None else STORAGE[kind], device=a.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=a.device) if kind is not None else None
+    if rows and cols:
+        table = a.dtype == torch.bfloat16
+        block = _block(cols)
+        _swiglu_kernel[(rows,)](
+            a2, b2, out, scale if scale is not None else out, silu_table(a.device) if table else a2,
+            cols, a2.stride(0), b2.stride(0), out.stride(0), _INVERSE_QMAX[kind or "int8"],
+            QMAX=QMAX[kind or "int8"], MIN_PEAK=_MIN_PEAK, ROUNDER=_ROUNDER, QUANT=kind is not None,
+            INT8=kind == "int8", TABLE=table, LIBDEVICE=not interpreted(), BLOCK=block,
+            num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False,
+        )  # fmt: skip
+    return out, scale
+
+
+def swiglu_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The kernel itself (any device Triton runs on); ValueError for inputs it does not take."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(a, b)
+    if reason:
+        raise ValueError(reason)
+    return _launch(a, b, None)[0].view(a.shape)
+
+
+def swiglu_quantize_triton(a: torch.Tensor, b: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizing kernel itself: ``quantize_rows(silu(a) * b)`` as ``(values, scale)``, values
+    [rows, C] and scale [rows, 1]."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(a, b)
+    if reason:
+        raise ValueError(reason)
+    values, scale = _launch(a, b, kind)
+    assert scale is not None
+    return values, scale
+
+
+def kernel_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether :func:`swiglu` and :func:`swiglu_quantize` run the kernel (bitwise wherever it
+    takes the inputs, so ``auto`` and ``on`` both want it)."""
+    return settings.kernel_device(a, b) and _check(a, b) is None and settings.wanted(True)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b``: the kernel where it applies, else the eager chain; the same bits."""
+    if not kernel_applies(a, b):
+        return swiglu_reference(a, b)
+    return _launch(a, b, None)[0].view(a.shape)
+
+
+def swiglu_quantize(a: torch.Tensor, b: torch.Tensor, kind: Kind) -> QuantizedRows:
+    """``silu(a) * b`` quantized per token for a W8A8 product: one kernel where it applies, else
+    the eager chain and :func:`~.w8a8.quantize`."""
+    if not kernel_applies(a, b):
+        return quantize(swiglu_reference(a, b), kind)
+    values, scale = _launch(a, b, kind)  # (checked by kernel_applies)
+    assert scale is not None
+    return QuantizedRows(values, scale, kind, tuple(a.shape), a.dtype)
+
