@@ -259,11 +259,7 @@ def _add_rms_norm_impl(
     return summed, out
 
 
-@torch.library.custom_op("omnirt::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, preset: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _add_rms_norm_impl(x, delta, weight, eps, preset)
+_add_rms_norm_op = torch.library.custom_op("omnirt::add_rms_norm", _add_rms_norm_impl, mutates_args=())
 
 
 @_add_rms_norm_op.register_fake
@@ -275,9 +271,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, preset: st
     return _launch(x, None, weight, eps, preset)[1]
 
 
-@torch.library.custom_op("omnirt::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, preset: str) -> torch.Tensor:
-    return _rms_norm_impl(x, weight, eps, preset)
+_rms_norm_op = torch.library.custom_op("omnirt::rms_norm", _rms_norm_impl, mutates_args=())
 
 
 @_rms_norm_op.register_fake
@@ -374,16 +368,7 @@ def _modulate_impl(
     return _launch(x, None, weight, eps, preset, None, mul, residual)[1]
 
 
-@torch.library.custom_op("omnirt::rms_norm_modulate", mutates_args=())
-def _rms_norm_modulate_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    preset: str,
-    mul: torch.Tensor | None,
-    residual: torch.Tensor | None,
-) -> torch.Tensor:
-    return _modulate_impl(x, weight, eps, preset, mul, residual)
+_rms_norm_modulate_op = torch.library.custom_op("omnirt::rms_norm_modulate", _modulate_impl, mutates_args=())
 
 
 @_rms_norm_modulate_op.register_fake
@@ -450,11 +435,9 @@ def _modulate_quantize_impl(
     return values, scale
 
 
-@torch.library.custom_op("omnirt::rms_norm_modulate_quantize", mutates_args=())
-def _rms_norm_modulate_quantize_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, preset: str, mul: torch.Tensor | None, kind: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _modulate_quantize_impl(x, weight, eps, preset, mul, kind)
+_rms_norm_modulate_quantize_op = torch.library.custom_op(
+    "omnirt::rms_norm_modulate_quantize", _modulate_quantize_impl, mutates_args=()
+)
 
 
 @_rms_norm_modulate_quantize_op.register_fake
