@@ -17,8 +17,12 @@ Three tables (markdown), each measured in this run:
 
 4. **Modulated RMSNorm** (``--rms``, ``--rms-warps``): ``kernels/rms_norm.py``'s
    ``rms_norm_modulate`` at Z-Image's shapes, as table 2 (``--rms-warps``: at each warp count).
+5. **The speech models' norms** (``--speech-rms``): ``add_rms_norm`` (the residual add and the
+   RMSNorm after it) at the Qwen3-Omni thinker's and talker's widths and decode batch rows, the
+   exact kernel at each warp count against the count it runs at (``rms_norm.warps_for``), and
+   eager.
 
-    python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps]
+    python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps] [--speech-rms]
 """
 
 from __future__ import annotations
@@ -275,6 +279,39 @@ def rms_speed(sweep: bool) -> list[str]:
     return rows
 
 
+#: The speech decoders' residual adds and norms: (name, width); rows are the decode batch.
+SPEECH_RMS = [("thinker 2048", 2048), ("talker and code predictor 1024", 1024)]
+SPEECH_ROWS = (1, 8, 32, 128)
+
+
+def speech_rms_speed() -> list[str]:
+    """``add_rms_norm`` at the speech models' shapes: eager, and the exact kernel at 1, 2, 4, 8 warps
+    (the count ``warps_for`` picks marked), each from a CUDA graph (``bench``)."""
+    from omnirt.kernels import rms_norm
+    from omnirt.kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton
+
+    rows = ["| shape | eager ms | exact ms at 1 / 2 / 4 / 8 warps | warps it runs |", "|---|---|---|---|"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, width in SPEECH_RMS:
+        for count in SPEECH_ROWS:
+            x = torch.randn(count, width, device="cuda", generator=g).bfloat16()
+            delta = torch.randn(count, width, device="cuda", generator=g).bfloat16()
+            w = torch.randn(width, device="cuda", generator=g).bfloat16()
+            eager = bench(functools.partial(add_rms_norm_reference, x, delta, w, 1e-6))
+            times = []
+            for warps in (1, 2, 4, 8):
+                rms_norm.WARPS = warps
+                try:
+                    times.append(bench(functools.partial(add_rms_norm_triton, x, delta, w, 1e-6)))
+                finally:
+                    rms_norm.WARPS = None
+            config = rms_norm.aten_mean_config(width, count) or rms_norm._fast_config(width)
+            picked = rms_norm.warps_for(config[1] * config[2])
+            cells = " / ".join(f"{t:.4f}" for t in times)
+            rows.append(f"| {name} x {count} rows | {eager:.4f} | {cells} | {picked} |")
+    return rows
+
+
 def variant_speed() -> list[str]:
     """Time per call of each way the exact kernels walk ATen's order (same bits)."""
     from omnirt.kernels.adaln import adaln_modulate_triton
@@ -370,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant-speed", action="store_true", help="time each variant of the exact kernels")
     p.add_argument("--rms", action="store_true", help="the modulated RMSNorm at Z-Image's shapes")
     p.add_argument("--rms-warps", action="store_true", help="and the exact kernel at 1, 2, 4, 8 warps")
+    p.add_argument("--speech-rms", action="store_true", help="add_rms_norm at the speech models' shapes")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -382,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rms or args.rms_warps:
         print("## Modulated RMSNorm\n")
         print("\n".join(rms_speed(args.rms_warps)), flush=True)
+    if args.speech_rms:
+        print("## The speech models' residual add and RMSNorm\n")
+        print("\n".join(speech_rms_speed()), flush=True)
     print("\n## Numerics (elements differing from eager, bf16)\n")
     print("\n".join(numerics(args.variants, args.quick)), flush=True)
     if args.variant_speed:

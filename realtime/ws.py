@@ -244,6 +244,16 @@ class RealtimeService:
             await websocket.close(close_code)
 
 
+def drop_traceback(task: asyncio.Task[Any]) -> None:
+    """Forget the frames a finished task's exception passed through. Each ``await task`` adds the
+    awaiting frame to the exception's traceback, and those frames hold the task (``run``'s and
+    ``_drain``'s ``writer``), which holds the exception: a cycle that would keep the whole
+    connection (session, conversation, audio buffers) until the garbage collector ran. The writer
+    fails so when the client vanishes while a frame is being sent."""
+    if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+        exc.__traceback__ = None
+
+
 class Connection:
     """One client connection: its session, reader and writer."""
 
@@ -538,6 +548,7 @@ class Connection:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await writer
+            drop_traceback(writer)
             self._run_task = None  # the task refers back to this connection: no cycle left behind
 
     async def _close(self, code: int, reason: str = "") -> None:

@@ -7,6 +7,7 @@ WebSockets or about model internals.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -118,6 +119,10 @@ class GenerationRequest:
     #: Nobody waits to hear it (input transcription): admitted after every waiting request that is
     #: not background, so it never delays a reply's start.
     background: bool = False
+    #: ``time.monotonic()`` when the reply was asked for (the request made): its first audio is
+    #: due ``first_audio_target`` after this, time spent waiting for a slot or behind a batch
+    #: step included.
+    asked_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass

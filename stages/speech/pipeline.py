@@ -107,7 +107,7 @@ from .turn import Turn
 
 log = logging.getLogger(__name__)
 
-#: Seconds from a spoken reply's admission by which its first audio is due while batch work
+#: Seconds from a spoken reply's request by which its first audio is due while batch work
 #: (diffusion) waits: the server's default (``--first-audio-target``).
 FIRST_AUDIO_TARGET = 0.25
 #: Ticks from admission to first audio assumed before any was measured.
@@ -248,7 +248,7 @@ class SpeechPipeline:
         self.playback_margin = playback_margin
         if first_audio_target is not None and not 0 <= first_audio_target <= 60:
             raise ValueError(f"first_audio_target must be from 0 to 60 seconds, got {first_audio_target}")
-        #: Seconds from a spoken reply's admission by which its first audio is due while batch work
+        #: Seconds from a spoken reply's request by which its first audio is due while batch work
         #: waits (None: at once, every other tick; see :meth:`next_deadline`).
         self.first_audio_target = first_audio_target
         #: Ticks from admission to first audio (moving average): how many a waiting reply still needs.
@@ -337,13 +337,14 @@ class SpeechPipeline:
 
     def next_deadline(self) -> float | None:
         """When the next tick must start, so that no reply's audio runs dry and each spoken
-        reply's first audio comes within ``first_audio_target`` of its admission:
+        reply's first audio comes within ``first_audio_target`` of when it was asked for
+        (``request.asked_at``: waiting for a slot, or for the tick that admits it, counts):
 
         - a playing reply plays at real time from its first audio on, so the audio sent so far
           lasts until ``audio_started + audio_seconds``; the tick must begin ``step_cost() +
           playback_margin`` before that;
         - a spoken reply not playing yet is due at once until its first tick (its prompt is read
-          at once), then ``(left + 1) * step_cost()`` before ``admitted + first_audio_target``,
+          at once), then ``(left + 1) * step_cost()`` before ``asked_at + first_audio_target``,
           where ``left`` is how many ticks its first audio still needs (the moving average of
           ticks from admission to first audio, at least one) and one more is a margin;
         - a text-only reply, or a spoken one while ``first_audio_target`` is None: no deadline
@@ -369,7 +370,7 @@ class SpeechPipeline:
                     continue
                 expected = self.first_audio_ticks.seconds or FIRST_AUDIO_TICKS
                 left = max(1.0, expected - a.ticks) + 1  # a tick more: the prompt ticks cost more
-                earliest = min(earliest, a.admitted + self.first_audio_target - left * cost)
+                earliest = min(earliest, a.request.asked_at + self.first_audio_target - left * cost)
             elif not t.done:
                 earliest = min(earliest, a.audio_started + a.audio_seconds - cost - self.playback_margin)
         return None if earliest == math.inf else earliest

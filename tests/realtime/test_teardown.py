@@ -126,3 +126,33 @@ def test_closed_sessions_leave_nothing_to_the_collector(server: Server, collecto
     run(main())
     found = left_to_the_collector()
     assert not found, f"left in reference cycles: {dict(found)}"
+
+
+def test_a_failed_writer_leaves_no_cycle(collector_off: None) -> None:
+    """The writer fails when the client vanishes mid-send; awaiting it put the awaiting frames,
+    which hold the task, into its exception's traceback: without ``drop_traceback`` the task (and
+    all that its frames hold: the connection) waited for the collector. Deterministic, where the
+    test above meets the race only sometimes."""
+    import weakref
+
+    from omnirt.realtime.ws import drop_traceback
+
+    async def fails() -> None:
+        raise ConnectionResetError("the client is gone")
+
+    async def owner(drop: bool) -> weakref.ref[asyncio.Task[None]]:
+        writer = asyncio.create_task(fails())
+        await asyncio.sleep(0)
+        try:
+            await writer
+        except ConnectionResetError:
+            pass
+        if drop:
+            drop_traceback(writer)
+        return weakref.ref(writer)
+
+    kept = asyncio.run(owner(drop=False))
+    assert kept() is not None  # the cycle: only the collector frees it
+    gc.collect()
+    freed = asyncio.run(owner(drop=True))
+    assert freed() is None

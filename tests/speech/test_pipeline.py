@@ -445,12 +445,12 @@ def _deadline_of_playing(pipe, active) -> float:
 
 def _deadline_of_first_audio(pipe, active, expected: float) -> float:
     left = max(1.0, expected - active.ticks) + 1
-    return active.admitted + pipe.first_audio_target - left * pipe.step_timer.seconds
+    return active.request.asked_at + pipe.first_audio_target - left * pipe.step_timer.seconds
 
 
 def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(demo_dir: Path) -> None:
     """A spoken reply is due at once until its first tick (its prompt is read), then so that its
-    first audio comes ``first_audio_target`` after its admission (the ticks it still needs by the
+    first audio comes ``first_audio_target`` after its request (the ticks it still needs by the
     moving average of ticks to first audio, at the measured step cost); playing, the tick is due
     one step and the margin before its audio runs out, also while another reply awaits its first
     audio; a text-only request beside them asks for at once."""
@@ -472,7 +472,7 @@ def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(demo_dir: Pat
             break
         deadline = pipeline.next_deadline()  # nothing measured yet: FIRST_AUDIO_TICKS
         assert deadline == pytest.approx(_deadline_of_first_audio(pipeline, active, FIRST_AUDIO_TICKS))
-        assert deadline < active.admitted + pipeline.first_audio_target
+        assert deadline < active.request.asked_at + pipeline.first_audio_target
     assert first_audio is not None and pipeline.has_work()
     assert pipeline.first_audio_ticks.seconds == active.ticks > 1
     heard = active.audio_seconds
@@ -493,6 +493,29 @@ def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(demo_dir: Pat
     assert pipeline.next_deadline() is None
     drain(pipeline)
     assert pipeline.next_deadline() is None and not pipeline.has_work()
+
+
+def test_the_first_audio_target_counts_from_the_request_not_its_admission(demo_dir: Path) -> None:
+    """A reply that waited before the pipeline took it (for a slot, or behind a batch step) is due
+    that much sooner: its first-audio deadline counts from ``request.asked_at``."""
+    from omnirt.stages.speech.pipeline import FIRST_AUDIO_TICKS
+
+    pipeline = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    waited = audio_request("waited", tone(1.0), max_output_tokens=12)
+    waited.asked_at -= 2.0  # asked for two seconds before it was admitted
+    pipeline.add(waited)
+    pipeline.add(audio_request("fresh", tone(1.0, seed=1), max_output_tokens=12))
+    pipeline.step()  # both prompts read: neither is due "at once" any more
+    first, second = pipeline._active["waited"], pipeline._active["fresh"]
+    assert first.audio_started is None and second.audio_started is None and first.ticks == second.ticks
+    late = _deadline_of_first_audio(pipeline, first, FIRST_AUDIO_TICKS)
+    fresh = _deadline_of_first_audio(pipeline, second, FIRST_AUDIO_TICKS)
+    assert late == pytest.approx(fresh - 2.0, abs=0.05)
+    assert pipeline.next_deadline() == pytest.approx(late)
+    assert late < first.admitted  # overdue: due now
+    pipeline.remove("waited")
+    assert pipeline.next_deadline() == pytest.approx(fresh)
+    drain(pipeline)
 
 
 def test_without_a_first_audio_target_a_reply_is_due_at_once_until_its_audio_plays(demo_dir: Path) -> None:
