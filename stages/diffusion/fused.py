@@ -6,12 +6,12 @@
   original does, line for line. Each ``ZImageTransformerBlock`` runs :func:`zimage_block_forward`,
   diffusers' block with each RMSNorm and the product and sum after it (``norm(x) * scale``,
   ``x + gate * norm(out)``) as one ``rms_norm_modulate``, and each ``FeedForward`` runs
-  :func:`zimage_feed_forward` (``silu(w1(x)) * w3(x)`` in one ``swiglu`` launch). With W8A8 weights
-  whose shared-input layers :func:`install` merges (``quant.merge_projections``: ``to_qkv``, ``w13``) the norm
-  before the attention and the one before the feed-forward write their output quantized
-  (``rms_norm_modulate_quantize``), q, k and v come from one product, and the gated unit writes
-  ``w2``'s input quantized (``swiglu_quantize``): no activation is quantized in a pass of its own
-  but the attention's output.
+  :func:`zimage_feed_forward` (``silu(w1(x)) * w3(x)`` in one ``swiglu`` launch). With W8A8
+  weights, whose layers that read one input :func:`install` merges (``quant.merge_projections``:
+  ``to_qkv``, ``w13``), the norm before the attention and the one before the feed-forward write
+  their output quantized (``rms_norm_modulate_quantize``), q, k and v come from one product, and
+  the gated unit writes ``w2``'s input quantized (``swiglu_quantize``): no activation is quantized
+  in a pass of its own but the attention's output.
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
