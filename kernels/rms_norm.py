@@ -198,16 +198,15 @@ def _launch(
     config = aten_mean_config(width, rows) if exact else None
     steps, lanes, vec = config or _fast_config(width)
     m_stride, tokens = _mul_layout(x, mul) if mul is not None else (0, 1)
-    q = kind or "int8"
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, summed, out,
         sumsq if sumsq is not None else out, mul if mul is not None else x,
         residual if residual is not None else x, scale if scale is not None else x, eps,
-        mean_factor(rows, width), m_stride, tokens, w8a8._INVERSE_QMAX[q],
+        mean_factor(rows, width), m_stride, tokens,
         WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
         HAS_M=mul is not None, HAS_R=residual is not None, EXACT=exact, ATEN=config is not None,
-        QUANT=kind is not None, INT8=q == "int8", QMAX=w8a8.QMAX[q], MIN_PEAK=w8a8._MIN_PEAK,
-        ROUNDER=w8a8._ROUNDER, num_warps=warps_for(lanes * vec), enable_fp_fusion=not exact,
+        QUANT=kind is not None, **w8a8.quantize_constants(kind), num_warps=warps_for(lanes * vec),
+        enable_fp_fusion=not exact,
     )  # fmt: skip
     return summed, out, scale
 

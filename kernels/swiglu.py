@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from . import settings
 from .conv_input import silu_table
 from .settings import interpreted
-from .w8a8 import _INVERSE_QMAX, _MIN_PEAK, _ROUNDER, QMAX, STORAGE, Kind, QuantizedRows, quantize
+from .w8a8 import STORAGE, Kind, QuantizedRows, quantize, quantize_constants
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -127,33 +127,33 @@ def _launch(a: torch.Tensor, b: torch.Tensor, kind: Kind | None) -> tuple[torch.
         block = _block(cols)
         _swiglu_kernel[(rows,)](
             a2, b2, out, scale if scale is not None else out, silu_table(a.device) if table else a2,
-            cols, a2.stride(0), b2.stride(0), out.stride(0), _INVERSE_QMAX[kind or "int8"],
-            QMAX=QMAX[kind or "int8"], MIN_PEAK=_MIN_PEAK, ROUNDER=_ROUNDER, QUANT=kind is not None,
-            INT8=kind == "int8", TABLE=table, LIBDEVICE=not interpreted(), BLOCK=block,
+            cols, a2.stride(0), b2.stride(0), out.stride(0), **quantize_constants(kind),
+            QUANT=kind is not None, TABLE=table, LIBDEVICE=not interpreted(), BLOCK=block,
             num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False,
         )  # fmt: skip
     return out, scale
 
 
-def swiglu_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The kernel itself (any device Triton runs on); ValueError for inputs it does not take."""
+def _checked_launch(
+    a: torch.Tensor, b: torch.Tensor, kind: Kind | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if triton is None:
         raise RuntimeError("Triton is not installed")
     reason = _check(a, b)
     if reason:
         raise ValueError(reason)
-    return _launch(a, b, None)[0].view(a.shape)
+    return _launch(a, b, kind)
+
+
+def swiglu_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The kernel itself (any device Triton runs on); ValueError for inputs it does not take."""
+    return _checked_launch(a, b, None)[0].view(a.shape)
 
 
 def swiglu_quantize_triton(a: torch.Tensor, b: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantizing kernel itself: ``quantize_rows(silu(a) * b)`` as ``(values, scale)``, values
     [rows, C] and scale [rows, 1]."""
-    if triton is None:
-        raise RuntimeError("Triton is not installed")
-    reason = _check(a, b)
-    if reason:
-        raise ValueError(reason)
-    values, scale = _launch(a, b, kind)
+    values, scale = _checked_launch(a, b, kind)
     assert scale is not None
     return values, scale
 

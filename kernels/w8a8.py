@@ -24,7 +24,7 @@ them as they are).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -62,6 +62,15 @@ _INVERSE_QMAX: dict[str, float] = {
     kind: float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(q, dtype=torch.float32))
     for kind, q in QMAX.items()
 }
+
+
+def quantize_constants(kind: Kind | None) -> dict[str, Any]:
+    """The launch arguments a kernel calling :func:`quantize_values` takes for ``kind``
+    (``INV_QMAX``, ``QMAX``, ``MIN_PEAK``, ``ROUNDER``, ``INT8``; None: a launch that does not
+    quantize, given int8's)."""
+    k = kind or "int8"
+    return {"INV_QMAX": _INVERSE_QMAX[k], "QMAX": QMAX[k], "MIN_PEAK": _MIN_PEAK, "ROUNDER": _ROUNDER,
+            "INT8": k == "int8"}  # fmt: skip
 
 
 def quantize_rows(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,8 +188,7 @@ def quantize_rows_triton(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, tor
     if rows:
         block = min(triton.next_power_of_2(max(cols, 16)), 4096)
         _quantize_rows_kernel[(rows,)](
-            x, q, scale, cols, x.stride(0), q.stride(0), _INVERSE_QMAX[kind], QMAX=QMAX[kind],
-            MIN_PEAK=_MIN_PEAK, ROUNDER=_ROUNDER, INT8=kind == "int8", BLOCK=block,
+            x, q, scale, cols, x.stride(0), q.stride(0), **quantize_constants(kind), BLOCK=block,
             num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
         )  # fmt: skip
     return q, scale

@@ -79,17 +79,12 @@ def test_merged_quantized_zimage_on_cuda(kind):
     unfused: int8 sums are integers, so the same bits; fp8 within fp32 rounding of the sums."""
     import copy
 
-    from diffusers import ZImageTransformer2DModel
     from omnirt.stages.diffusion import fused
     from omnirt.stages.diffusion.quant import quantize_model
 
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        zimage = ZImageTransformer2DModel(
-            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=768, n_layers=2,
-            n_refiner_layers=1, n_heads=6, n_kv_heads=6, norm_eps=1e-5, qk_norm=True, cap_feat_dim=64,
-            axes_dims=[32, 48, 48], axes_lens=[256, 128, 128],
-        ).to(torch.bfloat16).eval()  # fmt: skip (hidden 2048: fp8 products want multiples of 16)
+    from .dit_models import tiny_zimage
+
+    zimage = tiny_zimage(dim=768, heads=6)  # feed-forward 2048 wide: fp8 wants multiples of 16
     quantize_model(zimage, kind)
     merged = copy.deepcopy(zimage)
     assert fused.install(merged) == 12
