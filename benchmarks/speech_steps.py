@@ -18,7 +18,9 @@ random weights) and times, with ``torch.cuda.synchronize()`` around each call:
   speak (no prefill, no host work).
 
 Prints a markdown table (median of ``--iters`` calls; eager: of ``--eager-iters``) and the
-start-up time (load + graph capture).
+start-up time (load + graph capture). ``--profile-steps B`` adds the kernels of one thinker step
+and one talker step of B busy slots (run eagerly under ``torch.profiler``: calls and GPU time a
+step by kernel name), which says whether a graphed step is bound by its kernels' count.
 
 On the H200 at real size::
 
@@ -109,6 +111,55 @@ def _measure(
         vocoder.close(k)
     row["tick floor graphs"] = row["thinker graphs"] + row["talker graphs"] + row["code2wav"]
     return row
+
+
+def _profile_steps(pipe, batch: int, device: torch.device, top: int) -> str:
+    """The kernels of one thinker step and one talker frame step of ``batch`` busy slots, run
+    eagerly under ``torch.profiler`` (the graphs replay the same kernels): calls and GPU time per
+    step by kernel name, and the launches per step. Where a graphed step's time is far above its
+    kernels' sum, it is bound by the launches, not the work."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    busy = list(range(batch))
+    bucket = pipe._bucket(batch)
+    text = [(0, 100 + i) for i in busy]
+    steps = {
+        "thinker": lambda: pipe.thinker.decode(busy, bucket),
+        "talker": lambda: pipe.talker.step(busy, text, bucket),
+    }
+    lines = []
+    pipe.use_graphs(False)
+    try:
+        for name, fn in steps.items():
+            kv = pipe.thinker.kv if name == "thinker" else pipe.talker.kv
+            lengths, host = kv.lengths.clone(), list(kv.host_lengths)
+            fn()
+            _sync(device)
+            calls = 3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                _sync(device)
+            kv.lengths.copy_(lengths)
+            kv.host_lengths = host
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            totals: dict[str, list[float]] = {}
+            for e in kernels:
+                entry = totals.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.time_range.end - e.time_range.start
+            work = sum(us for _, us in totals.values()) / calls / 1e3
+            launches = len(kernels) / calls
+            lines.append(f"\n{name} step, batch {batch} (eager, profiled): {launches:.0f} kernels and copies "
+                         f"a step, {work:.2f} ms of GPU work\n")
+            lines.append("| kernel | calls a step | GPU ms a step |\n|---|---|---|")
+            ranked = sorted(totals.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+            for kernel, (n, us) in ranked:
+                lines.append(f"| `{kernel[:100]}` | {n / calls:.0f} | {us / calls / 1e3:.3f} |")
+    finally:
+        pipe.use_graphs(True)
+    return "\n".join(lines)
 
 
 def _kernels_off(pipe, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
@@ -305,6 +356,11 @@ def main() -> None:
         "--kernels-baseline", action="store_true",
         help="also time the decode graphs with the fused kernels off (recaptured), in the same run",
     )
+    ap.add_argument(
+        "--profile-steps", type=int, default=0, metavar="B",
+        help="list the kernels of one thinker and one talker step of B busy slots (eager, profiled)",
+    )
+    ap.add_argument("--profile-top", type=int, default=30, help="rows of each kernel table")
     args = ap.parse_args()
 
     from omnirt.stages.speech.demo import ensure_demo_checkpoint
@@ -384,6 +440,9 @@ def main() -> None:
     if args.kernels_baseline:
         _kernels_off(pipe, rows, args, device)
     phases = _prefill_phases(pipe, prefill, device, max(3, args.iters // 2)) if args.prefill_phases else None
+    profiled = None
+    if args.profile_steps:
+        profiled = _profile_steps(pipe, args.profile_steps, device, args.profile_top)
 
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     print(f"# Speech steps: {pipe.info.id} ({params:.2f} B parameters), {device}, {pipe.dtype}\n")
@@ -423,6 +482,8 @@ def main() -> None:
         speedup = (r["thinker eager"] + r["talker eager"]) / (r["thinker graphs"] + r["talker graphs"])
         cells = " | ".join(f"{r[c]:.2f}" for c in cols)
         print(f"| {r['batch']} | {r['bucket']} | {cells} | {speedup:.1f}x |")
+    if profiled is not None:
+        print(profiled)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import secrets
 
 import torch
 
-from .sampling import draw_rows, philox_uniform, sample_rows
+from .sampling import draw_rows, philox_uniforms, sample_rows
 
 #: The Philox stream of each model's draws.
 THINKER_STREAM, TALKER_STREAM, PREDICTOR_STREAM = 0, 1, 2
@@ -63,8 +63,7 @@ class SlotSampling:
         """``draws`` uniforms [B, draws] for slots ``0..B-1`` from one Philox call: draw ``j``
         uses counter ``counter * draws + j`` (for steps that draw several times per count, like
         the code predictor's groups of one frame)."""
-        counter = self.counter[:batch, None] * draws + torch.arange(draws, device=self.counter.device)
-        return philox_uniform(self.seed[:batch, None].expand(batch, draws), counter, stream)
+        return philox_uniforms(self.seed[:batch], self.counter[:batch], draws, stream)
 
     def draw_with(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits`` [B, V] (slots ``0..B-1``) with the uniforms given [B]."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import philox as philox_kernel
+
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """``transformers``' RepetitionPenaltyLogitsProcessor; ``seen`` is a bool mask shaped like ``logits``."""
@@ -92,6 +94,19 @@ def philox_uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int) -> to
         torch.zeros_like(counter),
     )
     return (word0 >> (32 - _UNIFORM_BITS)).float() * (2.0**-_UNIFORM_BITS)
+
+
+def philox_uniforms(seed: torch.Tensor, counter: torch.Tensor, draws: int, stream: int) -> torch.Tensor:
+    """float32 [B, draws] for rows of ``seed`` and ``counter`` ([B] int64): draw ``j`` of row ``i``
+    is :func:`philox_uniform` of ``seed[i]`` on counter ``counter[i] * draws + j`` (for steps that
+    draw several times per count, like the code predictor's groups of one frame). On CUDA one
+    Triton launch (``kernels/philox.py``: the same integers, so the same bits) where the tensor
+    chain takes about 90."""
+    if philox_kernel.kernel_applies(seed, counter, draws, stream):
+        return philox_kernel.philox_uniforms(seed, counter, draws, stream)
+    rows = seed.shape[0]
+    count = counter.long()[:, None] * draws + torch.arange(draws, device=counter.device)
+    return philox_uniform(seed[:, None].expand(rows, draws), count, stream)
 
 
 def _check_rows(logits: torch.Tensor, **params: tuple[torch.Tensor, bool]) -> None:
@@ -218,4 +233,5 @@ def sample_rows(
     and row draw the same token whatever the batch size or the row's position in it.
     """
     _check_rows(logits, seed=(seed, False), counter=(counter, False))
-    return draw_rows(logits, temperature, top_k, top_p, philox_uniform(seed, counter, stream))
+    uniform = philox_uniforms(seed.long(), counter.long(), 1, stream)[:, 0]
+    return draw_rows(logits, temperature, top_k, top_p, uniform)

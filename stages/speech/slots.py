@@ -47,6 +47,7 @@ from ...kernels.decode_attention import kernel_applies as decode_attention_appli
 from ...kernels.qk_norm_rope import fused_qk_norm_rope, kernel_applies, table_from_halves
 from ...kernels.rms_norm import add_rms_norm
 from ..graphs import LengthBucketedRunner, length_buckets, upload
+from .merged import MergedLayer, merge_layer
 
 
 def decode_runner(
@@ -122,25 +123,27 @@ def prompt_example(
 
 def _norm_rope(
     attn: nn.Module,
+    merged: MergedLayer,
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     table: torch.Tensor | None,
     head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and keys of ``h`` [B, T, hidden] for attention, [B, heads, T, D]: projected, each
-    head RMSNorm-ed and rotated. On CUDA one fused launch (``kernels/qk_norm_rope.py``, bitwise
-    transformers' chain) where it applies (``table``: the packed rotary table, None off CUDA);
-    elsewhere transformers' own ``q_norm``/``k_norm`` and ``apply_rotary_pos_emb``."""
-    batch, tokens = h.shape[:2]
-    q = attn.q_proj(h).view(batch, tokens, -1, head_dim)
-    k = attn.k_proj(h).view(batch, tokens, -1, head_dim)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values of ``h`` [B, T, hidden] for attention, [B, heads, T, D]: projected
+    (one product: :mod:`.merged`), each query and key head RMSNorm-ed and rotated. On CUDA one
+    fused launch (``kernels/qk_norm_rope.py``, bitwise transformers' chain) where it applies
+    (``table``: the packed rotary table, None off CUDA); elsewhere transformers' own
+    ``q_norm``/``k_norm`` and ``apply_rotary_pos_emb``."""
+    q, k, v = merged.project(attn, h, head_dim)
+    v = v.transpose(1, 2)
     qw, kw = attn.q_norm.weight, attn.k_norm.weight
     if table is not None and kernel_applies(q, k, qw, kw, table):
         eps = attn.q_norm.variance_epsilon
         q, k = fused_qk_norm_rope(q, k, qw, kw, table, eps=eps, interleaved=False)
-        return q.transpose(1, 2), k.transpose(1, 2)
-    return apply_rotary_pos_emb(attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2), cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v
+    q, k = apply_rotary_pos_emb(attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2), cos, sin)
+    return q, k, v
 
 def _add_norm(
     norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
@@ -153,6 +156,11 @@ def _add_norm(
     if delta is not None:
         x = x + delta
     return x, norm(x)
+
+
+#: A step's rotary tables: ``cos``, ``sin`` [B or 1, T, D] and the kernel's packed table (None off
+#: CUDA).
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass
@@ -309,6 +317,8 @@ class SlotDecoder:
                 raise ValueError(
                     f"layer {i} uses sliding-window attention, which SlotDecoder does not implement"
                 )
+        #: Each layer's q, k, v (and a dense MLP's gate, up) as one product (:mod:`.merged`).
+        self.merged = [merge_layer(layer) for layer in self.layers]
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_heads = attn.q_proj.out_features // self.head_dim
@@ -360,16 +370,37 @@ class SlotDecoder:
         for slot in slots:
             self.host_lengths[slot] += 1
 
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> Rope:
+        cos, sin = self.model.rotary_emb(x, positions)
+        return cos, sin, table_from_halves(cos, sin) if cos.is_cuda else None
+
+    @torch.no_grad()
+    def shared_rope(self, position: int) -> Rope:
+        """The rotary tables of one position for every row of a step (broadcast over the rows),
+        for a caller whose rows all stand at the same position (the code predictor's groups): a
+        :meth:`step` given them computes none. The same values :meth:`step` computes per row."""
+        weight = self.layers[0].input_layernorm.weight
+        x = torch.zeros((1, 1, weight.shape[-1]), dtype=weight.dtype, device=weight.device)
+        at = torch.full((1, 1), position, dtype=torch.long, device=weight.device)
+        return self._rope(x, at.expand(3, 1, 1) if self.multimodal_rope else at)
+
     @torch.no_grad()
     def step(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, attend: int
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        active: torch.Tensor,
+        attend: int,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         """One token for each active row of slots ``0..B-1``: ``inputs_embeds`` [B, H] at
         ``positions`` [B], ``active`` [B] bool; attention over the first ``attend`` cache
         entries, which must cover every active row's length + 1 (the caller checks on the host:
-        :meth:`longest`). Appends the active rows' key/value to their slots and returns the
-        final-norm hidden states [B, H] (idle rows: garbage). Never syncs with the host; the
-        host mirror is advanced by :meth:`advance_host`."""
+        :meth:`longest`). ``rope``: the rotary tables of ``positions`` where every row stands at
+        the same one (:meth:`shared_rope`), else computed here. Appends the active rows'
+        key/value to their slots and returns the final-norm hidden states [B, H] (idle rows:
+        garbage). Never syncs with the host; the host mirror is advanced by
+        :meth:`advance_host`."""
         batch = inputs_embeds.shape[0]
         # Idle rows compute on zeros and attend to nothing, so what they compute (and the MoE
         # routing of their garbage, which sizes the grouped expert matmuls that active rows
@@ -381,8 +412,7 @@ class SlotDecoder:
             if self.multimodal_rope
             else positions.view(batch, 1)
         )
-        cos, sin = self.model.rotary_emb(x, pos)
-        table = table_from_halves(cos, sin) if cos.is_cuda else None
+        cos, sin, table = rope if rope is not None else self._rope(x, pos)
         lengths = self.lengths[:batch]
         write_at = torch.where(active, lengths, self.max_len)
         rows = self._rows[:batch]
@@ -400,8 +430,7 @@ class SlotDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, h = _add_norm(layer.input_layernorm, x, pending)
-            q, k = _norm_rope(attn, h, cos, sin, table, self.head_dim)
-            v = attn.v_proj(h).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            q, k, v = _norm_rope(attn, self.merged[i], h, cos, sin, table, self.head_dim)
             cache_k, cache_v = self.keys[i], self.values[i]
             cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
             cache_v[rows, :, write_at] = v[:, :, 0].to(cache_v.dtype)
@@ -416,7 +445,7 @@ class SlotDecoder:
                 probs = torch.where(keep.view(batch, 1, 1, 1), probs, 0.0).to(values.dtype)
                 out = torch.matmul(probs, values).to(x.dtype)  # [B, kv_heads, group, head_dim]
             x, h = _add_norm(layer.post_attention_layernorm, x, attn.o_proj(out.reshape(batch, 1, -1)))
-            pending = layer.mlp(h)
+            pending = self.merged[i].mlp(layer.mlp, h)
         lengths.add_(active.long())
         return _add_norm(self.model.norm, x, pending)[1][:, 0]
 
@@ -455,8 +484,7 @@ class SlotDecoder:
             raise ValueError(f"a later piece runs alone, got {batch}")
         x = embeds
         pos = positions.transpose(0, 1) if self.multimodal_rope else positions.reshape(batch, count)
-        cos, sin = self.model.rotary_emb(x, pos)
-        table = table_from_halves(cos, sin) if cos.is_cuda else None
+        cos, sin, table = self._rope(x, pos)
         kept = x if keep == 0 else None
         gqa = self.num_kv_heads != self.num_heads
         if start is not None:
@@ -468,8 +496,7 @@ class SlotDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, h = _add_norm(layer.input_layernorm, x, pending)
-            q, k = _norm_rope(attn, h, cos, sin, table, self.head_dim)
-            v = attn.v_proj(h).view(batch, count, -1, self.head_dim).transpose(1, 2)
+            q, k, v = _norm_rope(attn, self.merged[i], h, cos, sin, table, self.head_dim)
             cache_k, cache_v = self.keys[i], self.values[i]
             if start is None:
                 cache_k[:, :, :count].index_copy_(0, slot, k.to(cache_k.dtype))
@@ -487,7 +514,7 @@ class SlotDecoder:
                 )
             attended = attn.o_proj(out.transpose(1, 2).reshape(batch, count, -1))
             x, h = _add_norm(layer.post_attention_layernorm, x, attended)
-            pending = layer.mlp(h)
+            pending = self.merged[i].mlp(layer.mlp, h)
             visual = deepstack is not None and i < deepstack.shape[1]
             if keep == i + 1 or visual:
                 x, pending = x + pending, None

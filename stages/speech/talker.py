@@ -120,6 +120,8 @@ class Talker:
         self.frames = torch.zeros((max_slots, self.num_groups), dtype=torch.long, device=device)
         self._rows = torch.arange(max_slots, device=device)
         self._group_positions = torch.arange(self.num_groups, device=device)
+        # Every row of a predictor step stands at the same group: its rotary tables, made once.
+        self._group_ropes = [self.predictor.shared_rope(g) for g in range(self.num_groups)]
         self.runner = decode_runner(
             self._step, self._example, batch_buckets=batch_buckets, max_len=max_len, graphs=graphs, pool=pool
         )
@@ -296,12 +298,13 @@ class Talker:
         lengths.copy_(torch.where(active, 0, lengths))
         predictor = self.talker.code_predictor
         groups = self._group_positions
-        self.predictor.step(self.hidden[:batch], groups[0].expand(batch), active, self.num_groups + 1)
+        ropes, span = self._group_ropes, self.num_groups + 1
+        self.predictor.step(self.hidden[:batch], groups[0].expand(batch), active, span, ropes[0])
         x = self.talker.get_input_embeddings()(first)
         codes, total = [first], x
         uniforms = self.predictor_sampling.uniforms(batch, self.num_groups - 1, PREDICTOR_STREAM)
         for group in range(self.num_groups - 1):
-            out = self.predictor.step(x, groups[group + 1].expand(batch), active, self.num_groups + 1)
+            out = self.predictor.step(x, groups[group + 1].expand(batch), active, span, ropes[group + 1])
             picked = self.predictor_sampling.draw_with(predictor.lm_head[group](out), uniforms[:, group])
             codes.append(picked)
             x = predictor.model.codec_embedding[group](picked)

@@ -116,3 +116,33 @@ def test_cuda_tokens_match_cpu_tokens():
         t, k, p, u = float(temperature[i]), int(top_k[i]), float(top_p[i]), float(uniforms[i])
         for token in (int(cpu[i]), int(cuda[i])):
             assert float64_draw_agrees(token, logits[i].cpu(), t, k, p, u, tol=1e-5), i
+
+
+def test_philox_kernel_is_the_tensor_chain_and_replays_from_a_graph():
+    """kernels/philox.py on CUDA: the samplers' dispatcher takes it, its uniforms are the tensor
+    chain's bits (negative seeds, counters past 2**62, the predictor's 15 draws a row), and a
+    captured launch reads new counters on replay."""
+    from omnirt.kernels.philox import kernel_applies
+    from omnirt.stages.sampling import philox_uniforms
+
+    gen = torch.Generator().manual_seed(11)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (128,), generator=gen, dtype=torch.int64).cuda()
+    counters = torch.randint(0, 2**40, (128,), generator=gen, dtype=torch.int64).cuda()
+    counters[0] = 2**62 + 5
+
+    def chain(draws: int, stream: int) -> torch.Tensor:
+        count = counters[:, None] * draws + torch.arange(draws, device="cuda")
+        return philox_uniform(seeds[:, None].expand(128, draws), count, stream)
+
+    for draws, stream in ((1, 0), (15, 2), (7, 2**32 - 1)):
+        assert kernel_applies(seeds, counters, draws, stream)
+        assert torch.equal(philox_uniforms(seeds, counters, draws, stream), chain(draws, stream))
+    philox_uniforms(seeds, counters, 15, 2)  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = philox_uniforms(seeds, counters, 15, 2)
+    for _ in range(3):
+        counters.add_(1)
+        graph.replay()
+        assert torch.equal(out, chain(15, 2))
