@@ -15,7 +15,7 @@ import secrets
 
 import torch
 
-from .sampling import draw_rows, philox_uniforms, sample_rows
+from .sampling import DrawParams, draw_params, draw_prepared, philox_uniforms
 
 #: The Philox stream of each model's draws.
 THINKER_STREAM, TALKER_STREAM, PREDICTOR_STREAM = 0, 1, 2
@@ -29,7 +29,9 @@ def fresh_seed(seed: int | None) -> int:
 
 
 class SlotSampling:
-    """Sampling parameters and counters of ``num_slots`` slots (device tensors, rows = slots)."""
+    """Sampling parameters and counters of ``num_slots`` slots (device tensors, rows = slots), and
+    what a draw derives from the parameters alone (:class:`~.sampling.DrawParams`, made once at
+    :meth:`set` instead of in every draw of a step)."""
 
     def __init__(self, num_slots: int, device: torch.device) -> None:
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
@@ -37,6 +39,7 @@ class SlotSampling:
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.counter = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self._derived = draw_params(self.temperature, self.top_k, self.top_p)
 
     def set(self, slot: int, *, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         """A new request's parameters in ``slot``; its counter starts at zero."""
@@ -45,19 +48,22 @@ class SlotSampling:
         self.top_p[slot] = float(top_p)
         self.seed[slot] = int(seed)
         self.counter[slot] = 0
+        row = slice(slot, slot + 1)
+        made = draw_params(self.temperature[row], self.top_k[row], self.top_p[row])
+        for name in ("sampled", "scale", "top_k", "cut"):  # in place: captured graphs read them
+            getattr(self._derived, name)[row] = getattr(made, name)
+
+    def params(self, rows: slice) -> DrawParams:
+        """The draw parameters of the slots ``rows`` (views)."""
+        d = self._derived
+        return DrawParams(d.sampled[rows], d.scale[rows], d.top_k[rows], d.cut[rows])
 
     def draw(self, logits: torch.Tensor, start: int, stream: int) -> torch.Tensor:
-        """One token per row of ``logits`` [B, V] for slots ``start..start+B-1``."""
+        """One token per row of ``logits`` [B, V] for slots ``start..start+B-1``: the token
+        :func:`~.sampling.sample_rows` draws with the slots' parameters, seeds and counters."""
         rows = slice(start, start + logits.shape[0])
-        return sample_rows(
-            logits,
-            self.temperature[rows],
-            self.top_k[rows],
-            self.top_p[rows],
-            self.seed[rows],
-            self.counter[rows],
-            stream,
-        )
+        uniform = philox_uniforms(self.seed[rows], self.counter[rows], 1, stream)[:, 0]
+        return draw_prepared(logits, self.params(rows), uniform)
 
     def uniforms(self, batch: int, draws: int, stream: int) -> torch.Tensor:
         """``draws`` uniforms [B, draws] for slots ``0..B-1`` from one Philox call: draw ``j``
@@ -66,9 +72,9 @@ class SlotSampling:
         return philox_uniforms(self.seed[:batch], self.counter[:batch], draws, stream)
 
     def draw_with(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-        """One token per row of ``logits`` [B, V] (slots ``0..B-1``) with the uniforms given [B]."""
-        rows = slice(0, logits.shape[0])
-        return draw_rows(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], uniform)
+        """One token per row of ``logits`` [B, V] (slots ``0..B-1``) with the uniforms given [B]:
+        :func:`~.sampling.draw_rows` of the slots' parameters, which are prepared already."""
+        return draw_prepared(logits, self.params(slice(0, logits.shape[0])), uniform)
 
     def advance(self, active: torch.Tensor) -> None:
         """Counts one draw for each active row of slots ``0..B-1``."""
@@ -80,5 +86,6 @@ class SlotSampling:
     def copy_row(self, source: int, target: int) -> None:
         """Slot ``target`` takes slot ``source``'s parameters, seed and counter (on the device, no
         sync), so its draws continue where ``source``'s would have."""
-        for row in (self.temperature, self.top_k, self.top_p, self.seed, self.counter):
+        d = self._derived
+        for row in (self.temperature, self.top_k, self.top_p, self.seed, self.counter, *vars(d).values()):
             row[target] = row[source]

@@ -3,6 +3,8 @@ penalty, and a batched sampler (temperature, top-k, top-p per row) that a CUDA g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels import philox as philox_kernel
@@ -130,20 +132,40 @@ def _check_rows(logits: torch.Tensor, **params: tuple[torch.Tensor, bool]) -> No
             raise SamplerInputError(f"{name} is on {tensor.device}, logits on {logits.device}")
 
 
-def _top_p_removed(cdf: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """How many sorted positions (from the worst up) top-p removes, per row: [B, 1] int64.
+@dataclass(frozen=True)
+class DrawParams:
+    """What a draw derives from its rows' temperature, top-k and top-p alone (:func:`draw_params`):
+    computed once per request (``draws.SlotSampling`` keeps them per slot) rather than in every
+    draw, where they were about 15 small kernels of each of the code predictor's 15 draws a frame."""
+
+    sampled: torch.Tensor  # [B] bool: temperature > 0 (else greedy)
+    scale: torch.Tensor  # [B, 1] float32: the temperature where sampled, else 1
+    top_k: torch.Tensor  # [B] int64 (<= 0: off)
+    cut: torch.Tensor  # [B, 1] int64: top-p's cut in the CDF's fixed point (-1: off; see _top_p_cut)
+
+
+def _top_p_cut(top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p's cut per row, [B, 1] int64: the sorted positions whose fixed-point cumulative
+    probability is ``<= cut`` are removed.
 
     ``transformers`` removes a sorted token when its float32 cumulative probability is
     ``<= 1 - top_p``. With ``lim = 1 - top_p`` in float32 (the value ``transformers`` gets from the
     same float32 top_p), a cumulative ``c`` rounds to at most ``lim`` iff ``c`` is below the
     midpoint to the next float32, or equal to it when ``lim`` has an even mantissa (ties to even).
-    That midpoint is exact in the fixed point of ``cdf``; top_p >= 1 removes nothing."""
+    That midpoint is exact in the fixed point of the CDF; top_p >= 1 removes nothing (-1)."""
     lim = (1.0 - top_p.float()).clamp(0.0, 2.0)
     above = torch.nextafter(lim, torch.full_like(lim, float("inf")))
     midpoint = (lim.double() + above.double()) * 0.5
     cut = (midpoint * 2.0**_CDF_BITS).long() - (lim.view(torch.int32) & 1).long()
-    cut = torch.where(top_p < 1.0, cut, -1).unsqueeze(-1)
-    return torch.searchsorted(cdf, cut, right=True)  # the cdf positions <= cut
+    return torch.where(top_p < 1.0, cut, -1).unsqueeze(-1)
+
+
+def draw_params(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> DrawParams:
+    """:class:`DrawParams` of rows with these ``temperature`` (float), ``top_k`` (integer) and
+    ``top_p`` (float) [B] tensors: elementwise, so a row's values do not depend on the others."""
+    temperature = temperature.float()
+    scale = torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)  # float32: scores are float32
+    return DrawParams(temperature > 0, scale, top_k.long(), _top_p_cut(top_p))
 
 
 def _scale_by_uniform(span: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -154,19 +176,17 @@ def _scale_by_uniform(span: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _filtered_cdf(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, params: DrawParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scores sorted once, ascending: (order [B, V] with token id ``V - 1 - order``, cdf [B, V] int64
     fixed-point cumulative probabilities after top-k, first [B, 1] the first kept sorted position).
     The kept set is the tokens of ``order[:, first:]``: TopKLogitsWarper then TopPLogitsWarper of
     ``transformers`` (where tied scores straddle the top-p cut, the lower token ids are kept)."""
     vocab = logits.shape[1]
-    temperature = temperature.float()
-    scale = torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)  # float32: scores are float32
     # Sorting the reversed row stably puts tied scores in decreasing token id, so among ties the
     # lower id counts as the better token (as argmax prefers it); ``order`` indexes the reversed row.
-    ascending, order = torch.sort(logits.flip(-1) / scale, dim=-1, stable=True)
-    top_k = top_k.long()
+    ascending, order = torch.sort(logits.flip(-1) / params.scale, dim=-1, stable=True)
+    top_k = params.top_k
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(-1)
     kth = ascending.gather(1, vocab - k)  # the k-th best score; ties with it are kept
     cut_k = torch.searchsorted(ascending, kth)  # how many scores are below it
@@ -175,7 +195,7 @@ def _filtered_cdf(
     cdf = probs.mul_(2.0**_CDF_BITS).long()  # exact fixed point of the float32 probabilities >= 2**-37
     del probs
     cdf.cumsum_(dim=-1)  # integer sums: the same whatever the scan order
-    cut_p = _top_p_removed(cdf, top_p)
+    cut_p = torch.searchsorted(cdf, params.cut, right=True)  # top-p: the positions <= its cut
     first = torch.maximum(cut_k, cut_p).clamp_(max=vocab - 1)  # the best token is always kept
     return order, cdf, first
 
@@ -196,12 +216,22 @@ def draw_rows(
         top_p=(top_p, True),
         uniform=(uniform, True),
     )
+    return draw_prepared(logits, draw_params(temperature, top_k, top_p), uniform)
+
+
+def draw_prepared(logits: torch.Tensor, params: DrawParams, uniform: torch.Tensor) -> torch.Tensor:
+    """:func:`draw_rows` with its rows' parameters prepared (:func:`draw_params`); the same tokens."""
+    if params.sampled.shape != (logits.shape[0],) or uniform.shape != (logits.shape[0],):
+        raise SamplerInputError(
+            f"draw parameters of {tuple(params.sampled.shape)} rows and uniforms {tuple(uniform.shape)} "
+            f"for logits of {logits.shape[0]} rows"
+        )
     # bf16/fp16 -> float32 is exact: argmax and the scores in float32 need no float32 copy of logits
     narrow = logits if logits.dtype in (torch.float16, torch.bfloat16, torch.float32) else logits.float()
     greedy = torch.argmax(narrow, dim=-1)
     if logits.shape[0] == 0:
         return greedy
-    order, cdf, first = _filtered_cdf(narrow, temperature, top_k, top_p)
+    order, cdf, first = _filtered_cdf(narrow, params)
     # Inverse CDF over the kept suffix, in integers: target = base + floor(u * span), u = m / 2**24.
     base = torch.where(first > 0, cdf.gather(1, (first - 1).clamp(min=0)), 0)
     span = cdf[:, -1:] - base
@@ -209,7 +239,7 @@ def draw_rows(
     target = base + _scale_by_uniform(span, m)  # < base + span: always a kept position
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[1] - 1)
     sampled = logits.shape[1] - 1 - order.gather(1, pick).squeeze(-1)
-    return torch.where(temperature > 0, sampled, greedy)
+    return torch.where(params.sampled, sampled, greedy)
 
 
 def sample_rows(

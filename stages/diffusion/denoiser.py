@@ -159,10 +159,11 @@ def split_blocks(denoiser: Denoiser) -> int:
 
 
 class SplitDecoder(Protocol):
-    """A denoiser whose VAE decode also runs in pieces (a video VAE decoding one latent frame at a
-    time with a feature cache, each frame's decoder call in stages), the decode's state kept in
-    between: ``finish_decode(decode_parts(start_decode(latents), total))`` (in any grouping of the
-    parts) is bitwise :meth:`Denoiser.decode`. Each state owns its cache: decodes of several
+    """A denoiser whose VAE decode also runs in pieces (Wan's video VAE decoding one latent frame
+    at a time with a feature cache, each frame's decoder call in stages; Z-Image's image VAE in the
+    stages of its one decoder call), the decode's state kept in between:
+    ``finish_decode(decode_parts(start_decode(latents), total))`` (in any grouping of the parts) is
+    bitwise :meth:`Denoiser.decode`. Each state owns its cache: decodes of several
     batches may be under way at once on one model.
 
     The runtime calls ``start_decode``, then ``decode_parts`` until ``decode_parts_total`` parts

@@ -9,7 +9,9 @@ from omnirt.stages.sampling import (
     SamplerInputError,
     _filtered_cdf,
     _scale_by_uniform,
-    _top_p_removed,
+    _top_p_cut,
+    draw_params,
+    draw_prepared,
     draw_rows,
     philox4x32,
     philox_uniform,
@@ -167,6 +169,35 @@ def test_same_token_alone_and_anywhere_in_a_batch():
         assert torch.equal(shuffled, batch[perm])
 
 
+def test_slot_sampling_draws_what_sample_rows_draws():
+    """``SlotSampling`` prepares each slot's draw parameters at ``set`` (and moves them with
+    ``copy_row``): its draws are ``sample_rows``' and ``draw_rows``' tokens with the raw ones."""
+    from omnirt.stages.draws import SlotSampling
+
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 16, 300
+    temperature, top_k, top_p, seed, _ = mixed_params(rows, gen)
+    slots = SlotSampling(rows + 1, torch.device("cpu"))
+    for i in range(rows):
+        slots.set(i, temperature=float(temperature[i]), top_k=int(top_k[i]), top_p=float(top_p[i]),
+                  seed=int(seed[i]))  # fmt: skip
+    slots.counter[:rows] = torch.arange(rows) * 7
+    for _ in range(3):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        want = sample_rows(logits, temperature, top_k, top_p, seed, slots.counter[:rows], 2)
+        assert torch.equal(slots.draw(logits, 0, 2), want)
+        uniform = torch.rand(rows, generator=gen)
+        want = draw_rows(logits, temperature, top_k, top_p, uniform)
+        assert torch.equal(slots.draw_with(logits, uniform), want)
+        slots.advance(torch.ones(rows, dtype=torch.bool))
+    slots.copy_row(3, rows)  # the spare slot takes row 3: parameters, seed, counter and all
+    logits = torch.randn(rows + 1, vocab, generator=gen)
+    drawn = slots.draw(logits[[3, 3]].contiguous(), 3, 2), slots.draw(logits[[3]], rows, 2)
+    assert int(drawn[0][0]) == int(drawn[1][0])
+    with pytest.raises(SamplerInputError, match="rows"):
+        draw_prepared(logits, slots.params(slice(0, 2)), torch.rand(rows + 1))
+
+
 def test_counters_seeds_and_streams_change_the_draw():
     vocab = 1000
     logits = torch.zeros(1000, vocab)
@@ -219,8 +250,13 @@ def test_greedy_rows_are_argmax():
 # --- the kept set ------------------------------------------------------------------------------------
 
 
+def _top_p_removed(cdf: torch.Tensor, top_p: torch.Tensor) -> list[int]:
+    """How many sorted positions (from the worst up) top-p removes, per row."""
+    return torch.searchsorted(cdf, _top_p_cut(top_p), right=True)[:, 0].tolist()
+
+
 def _kept_from_sampler(logits, temperature, top_k, top_p):
-    order, _, first = _filtered_cdf(logits, temperature, top_k, top_p)
+    order, _, first = _filtered_cdf(logits, draw_params(temperature, top_k, top_p))
     positions = torch.arange(logits.shape[1]).expand_as(order)
     kept = torch.zeros_like(order, dtype=torch.bool)
     return kept.scatter_(1, logits.shape[1] - 1 - order, positions >= first)
@@ -320,11 +356,11 @@ def test_top_p_rule_mirrors_float32_rounding_of_the_cumulative():
         mid = lim_int + step // 2
         rows.append([lim_int - 1, lim_int, mid - 1, mid, mid + 1, lim_int + step])
     cdf = torch.tensor(rows, dtype=torch.int64)
-    removed = _top_p_removed(cdf, top_p)[:, 0].tolist()
+    removed = _top_p_removed(cdf, top_p)
     for row, value, count in zip(rows, lim.tolist(), removed, strict=True):
         want = sum(_round_to_float32(c) <= int(value * 2**60) for c in row)
         assert count == want
-    assert _top_p_removed(cdf, torch.ones(len(rows)))[:, 0].tolist() == [0] * len(rows)
+    assert _top_p_removed(cdf, torch.ones(len(rows))) == [0] * len(rows)
 
 
 def test_scale_by_uniform_is_exact():
