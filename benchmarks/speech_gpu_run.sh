@@ -9,10 +9,11 @@ out=${OUT:-.}
 config=benchmarks/models/qwen3-omni-30b-a3b-instruct
 export PYTHONUNBUFFERED=1
 timeout 240 python -m pytest -m gpu -s -q -p no:cacheprovider tests/speech/test_speech_gpu.py \
-    tests/gpu/test_rms_norm_gpu.py tests/gpu/test_moe_route_gpu.py >"$out/tests.log" 2>&1
+    tests/gpu/test_rms_norm_gpu.py tests/gpu/test_moe_route_gpu.py tests/gpu/test_sampler_gpu.py \
+    >"$out/tests.log" 2>&1
 grep -E "passed|failed|\[gpu\]|FAILED|^E  " "$out/tests.log" | head -60
 timeout 180 python benchmarks/speech_steps.py --load-format dummy --model "$config" --batches 1 32 128 \
-    --iters 8 --eager-iters 2 --kernels-baseline --prefill-phases >"$out/steps.md" 2>/dev/null
+    --iters 8 --eager-iters 2 --kernels-baseline --prefill-phases --profile-steps 32 >"$out/steps.md" 2>/dev/null
 cat "$out/steps.md"
 timeout 260 python benchmarks/speech_capacity.py --load-format dummy --model "$config" --sessions 1 32 64 128 \
     --seconds 4 --modes graphs --level-timeout 45 --time-budget 200 --profile 128 --profile-ticks 8 \
