@@ -29,34 +29,32 @@ def fresh_seed(seed: int | None) -> int:
 
 
 class SlotSampling:
-    """Sampling parameters and counters of ``num_slots`` slots (device tensors, rows = slots), and
-    what a draw derives from the parameters alone (:class:`~.sampling.DrawParams`, made once at
-    :meth:`set` instead of in every draw of a step)."""
+    """Sampling parameters and counters of ``num_slots`` slots (device tensors, rows = slots). The
+    parameters are kept as what a draw derives from them (:class:`~.sampling.DrawParams`: made once
+    at :meth:`set`, not in every draw of a step)."""
 
     def __init__(self, num_slots: int, device: torch.device) -> None:
-        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.counter = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self._derived = draw_params(self.temperature, self.top_k, self.top_p)
+        greedy = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self._params = draw_params(greedy, torch.zeros_like(self.seed), torch.ones_like(greedy))
 
     def set(self, slot: int, *, temperature: float, top_k: int, top_p: float, seed: int) -> None:
-        """A new request's parameters in ``slot``; its counter starts at zero."""
-        self.temperature[slot] = float(temperature)
-        self.top_k[slot] = int(top_k)
-        self.top_p[slot] = float(top_p)
+        """A new request's parameters in ``slot``; its counter starts at zero. The draw parameters
+        are made on the host (the same elementwise arithmetic as on the device) and written as
+        scalars: no copy that would wait for the device."""
+        made = draw_params(
+            torch.tensor([float(temperature)]), torch.tensor([int(top_k)]), torch.tensor([float(top_p)])
+        )
+        for name, row in vars(self._params).items():
+            row[slot] = getattr(made, name).reshape(-1)[0].item()
         self.seed[slot] = int(seed)
         self.counter[slot] = 0
-        row = slice(slot, slot + 1)
-        made = draw_params(self.temperature[row], self.top_k[row], self.top_p[row])
-        for name in ("sampled", "scale", "top_k", "cut"):  # in place: captured graphs read them
-            getattr(self._derived, name)[row] = getattr(made, name)
 
     def params(self, rows: slice) -> DrawParams:
         """The draw parameters of the slots ``rows`` (views)."""
-        d = self._derived
-        return DrawParams(d.sampled[rows], d.scale[rows], d.top_k[rows], d.cut[rows])
+        p = self._params
+        return DrawParams(p.sampled[rows], p.scale[rows], p.top_k[rows], p.cut[rows])
 
     def draw(self, logits: torch.Tensor, start: int, stream: int) -> torch.Tensor:
         """One token per row of ``logits`` [B, V] for slots ``start..start+B-1``: the token
@@ -86,6 +84,5 @@ class SlotSampling:
     def copy_row(self, source: int, target: int) -> None:
         """Slot ``target`` takes slot ``source``'s parameters, seed and counter (on the device, no
         sync), so its draws continue where ``source``'s would have."""
-        d = self._derived
-        for row in (self.temperature, self.top_k, self.top_p, self.seed, self.counter, *vars(d).values()):
+        for row in (self.seed, self.counter, *vars(self._params).values()):
             row[target] = row[source]
