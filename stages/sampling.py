@@ -27,10 +27,11 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 # a row's token.
 
 _MASK32 = 0xFFFFFFFF
-_PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # multipliers of words 0 and 2
-_PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # Weyl key increments of key words 0 and 1
-_PHILOX_ROUNDS = 10
-_UNIFORM_BITS = 24  # float32 uniforms k / 2**24 are exact
+# Philox4x32-10's constants, the one-launch kernel's too (``kernels/philox.py``).
+_PHILOX_M = (philox_kernel.PHILOX_M0, philox_kernel.PHILOX_M1)  # multipliers of words 0 and 2
+_PHILOX_W = (philox_kernel.PHILOX_W0, philox_kernel.PHILOX_W1)  # Weyl key increments of key words 0, 1
+_PHILOX_ROUNDS = philox_kernel.ROUNDS
+_UNIFORM_BITS = philox_kernel.UNIFORM_BITS  # float32 uniforms k / 2**24 are exact
 _CDF_BITS = 60  # fixed point of the integer CDF: probabilities <= 1 sum well below 2**63
 
 
