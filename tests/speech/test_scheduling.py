@@ -94,7 +94,7 @@ def test_a_first_audio_target_lets_batch_steps_run_before_the_first_audio(demo_d
     batch_before = len(jobs.stepped_at)
     _until(s, _heard("a"))
     heard = time.monotonic()
-    assert len(jobs.stepped_at) - batch_before > 10
+    assert len(jobs.stepped_at) - batch_before > 0, "no batch step ran in the first audio's slack"
     assert heard - asked < 1.5 + 0.5  # from the request, waiting for admission included
 
     speech.first_audio_target = 0.0
