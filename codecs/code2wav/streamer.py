@@ -23,7 +23,10 @@ class Code2WavStreamer:
     in it keep their state. :meth:`acquire` hands out the lowest free slot. With ``buckets``
     (row counts), a step runs only the first rows of the pool, the smallest bucket that covers
     the highest busy slot: far cheaper when few streams are busy, at the price of last-bit
-    differences between buckets (the same bucket gives the same bits).
+    differences between buckets (the same bucket gives the same bits). With ``gather`` (for
+    eager steps), a step whose slots are not the first ones runs just those rows, gathered
+    (``pool.step_rows``): its cost follows the streams that have a frame, whichever slots they
+    and the idle ones hold (last bits as at that batch size).
 
     ``runner`` runs that step: ``pool.step_io`` by default; an engine may set it to a
     ``stages.graphs.CudaGraphRunner(pool.step_io, pool.make_inputs, buckets=[max_slots])``
@@ -36,7 +39,7 @@ class Code2WavStreamer:
 
     def __init__(self, model: Code2WavModel | nn.Module, max_slots: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 buckets: Sequence[int] | None = None) -> None:
+                 buckets: Sequence[int] | None = None, gather: bool = False) -> None:
         if not isinstance(model, Code2WavModel):
             model = Code2WavModel.from_hf(model)
         if buckets is not None and any(not 1 <= b <= max_slots for b in buckets):
@@ -46,6 +49,9 @@ class Code2WavStreamer:
         self.pool = Code2WavPool(model, max_slots, device, dtype)
         self.model = self.pool.model
         self.runner: Callable[[dict[str, Tensor]], dict[str, Tensor]] = self.pool.step_io
+        #: Steps whose slots are not the first ones gather just those rows (``pool.step_rows``)
+        #: rather than run a bucket over them. For eager steps; off for a captured ``runner``.
+        self.gather = gather
         self._slots = SlotAllocator(max_slots)
         self._frames: dict[int, int] = {}  # active slot -> frames decoded (host mirror of state["frame"])
 
@@ -81,6 +87,22 @@ class Code2WavStreamer:
         self.release(slot)
         return np.zeros(0, dtype=np.float32)
 
+    def compact(self) -> list[tuple[int, int]]:
+        """Moves the highest streams into the lowest free slots while the bucket that covers the
+        busy slots is larger than the one their count needs (``SlotAllocator.compaction``), so a
+        step runs no more rows than its streams need; the moves made, ``(source, target)`` in
+        order. Each moved stream goes on from its new slot as it would have from its old one (its
+        state rows are copied; the same to rounding, as any row of another index). Between steps
+        only."""
+        moves = []
+        while (planned := self._slots.compaction(self.buckets)) is not None:
+            source, target = planned
+            self.pool.move(source, target)
+            self._slots.move(source, target)
+            self._frames[target] = self._frames.pop(source)
+            moves.append((source, target))
+        return moves
+
     def step(self, frames: Mapping[int, Tensor]) -> dict[int, np.ndarray]:
         """Decodes one frame of codes (``[num_quantizers]`` integers) for each given slot.
 
@@ -93,13 +115,16 @@ class Code2WavStreamer:
             self._check_slot(slot)
         rows = sorted(frames)
         codes = self._check_codes(rows, [frames[slot] for slot in rows])
-        batch = next(b for b in self.buckets if b > rows[-1])
-        exec_mask = torch.zeros(batch, dtype=torch.bool)
-        exec_mask[rows] = True
-        all_codes = torch.zeros(batch, self.model.num_quantizers, dtype=torch.int64)
-        all_codes[rows] = codes
-        inputs = {"codes": all_codes.to(self.pool.device), "exec_mask": exec_mask.to(self.pool.device)}
-        wav = self.runner(inputs)["wav"][rows].float().cpu().numpy()
+        if self.gather and rows != list(range(len(rows))):
+            wav = self.pool.step_rows(rows, codes.to(self.pool.device)).float().cpu().numpy()
+        else:
+            batch = next(b for b in self.buckets if b > rows[-1])
+            exec_mask = torch.zeros(batch, dtype=torch.bool)
+            exec_mask[rows] = True
+            all_codes = torch.zeros(batch, self.model.num_quantizers, dtype=torch.int64)
+            all_codes[rows] = codes
+            inputs = {"codes": all_codes.to(self.pool.device), "exec_mask": exec_mask.to(self.pool.device)}
+            wav = self.runner(inputs)["wav"][rows].float().cpu().numpy()
 
         out: dict[int, np.ndarray] = {}
         per_frame, held_back = self.model.samples_per_frame, self.model.held_back

@@ -3,12 +3,12 @@
 The pipeline opens a stream per request, pushes each codec frame as the talker makes it, and
 once per tick pulls the audio that is due. Two implementations:
 
-* :class:`StreamingVocoder` (default on GPU): ``omnirt.codecs.code2wav``'s exact streaming decoder,
+* :class:`StreamingVocoder` (the default): ``omnirt.codecs.code2wav``'s exact streaming decoder,
   one batched step per tick for every stream with a new frame; output equals the offline
   decode. Audio is handed out in chunks of ``first_chunk`` then ``chunk`` frames. On CUDA the
   step replays a CUDA graph captured at start-up (``graphs=True``, the default), bitwise the
   same PCM as the eager step.
-* :class:`ChunkedVocoder` (default on CPU): transformers' ``Qwen3OmniMoeCode2Wav`` re-run on
+* :class:`ChunkedVocoder`: transformers' ``Qwen3OmniMoeCode2Wav`` re-run on
   each chunk with up to ``left_context`` earlier frames (its ``chunked_decode`` scheme). Each decode of
   frames ``[w, e)`` gives the causal waveform up to ``e * upsample - tail`` samples; the stream
   emits from where the last chunk stopped, so the output is gapless and equal to one full
@@ -59,12 +59,15 @@ class _Chunking:
 class StreamingVocoder(_Chunking):
     """Exact streaming code2wav, batched across streams (``omnirt.codecs.code2wav``).
 
-    A step runs the first rows of the pool up to the smallest of ``buckets`` (default: the whole
-    pool of ``max_streams``) that covers the highest busy stream slot (slots are handed out
-    lowest first). With ``graphs`` (the default) on a CUDA module it captures one CUDA graph of
-    that step per bucket at construction (``stages/graphs.py``: warm-up and capture on idle
-    rows, no stream's state moves) and replays them on every tick; the PCM equals the eager
-    step's bitwise at the same bucket. ``graphs`` is ignored off CUDA (the step runs eagerly).
+    With ``graphs`` (the default) on a CUDA module a step runs the first rows of the pool up to
+    the smallest of ``buckets`` (default: the whole pool of ``max_streams``) that covers the
+    highest stream with a frame; it captures one CUDA graph of that step per bucket at
+    construction (``stages/graphs.py``: warm-up and capture on idle rows, no stream's state
+    moves) and replays them on every tick; the PCM equals the eager step's bitwise at the same
+    bucket. Slots are handed out lowest first, and when a stream closes the highest ones move
+    down into free slots while that lowers the bucket (``Code2WavStreamer.compact``). Eager
+    (off CUDA, or ``graphs=False``) a step gathers just the streams with a frame, so held or
+    finished streams in any slot cost nothing.
     """
 
     def __init__(
@@ -81,10 +84,16 @@ class StreamingVocoder(_Chunking):
         from omnirt.codecs.code2wav import Code2WavStreamer
 
         param = next(module.parameters())
+        graphed = graphs and param.device.type == "cuda"
         self.streamer = Code2WavStreamer(
-            module, max_slots=max_streams, device=param.device, dtype=param.dtype, buckets=buckets
+            module,
+            max_slots=max_streams,
+            device=param.device,
+            dtype=param.dtype,
+            buckets=buckets,
+            gather=not graphed,
         )
-        if graphs and param.device.type == "cuda":
+        if graphed:
             pool = self.streamer.pool
             # The streamer indexes the rows it needs out of the output (a copy), so the
             # runner can hand out views of its static output buffer.
@@ -129,6 +138,12 @@ class StreamingVocoder(_Chunking):
         slot = self._slot.pop(key, None)
         if slot is not None:
             self.streamer.release(slot)
+            moves = self.streamer.compact()
+            if moves:
+                at = {s: k for k, s in self._slot.items()}
+                for source, target in moves:
+                    k = at.pop(source)
+                    self._slot[k], at[target] = target, k
         for d in (self._queued, self._pcm, self._decoded, self._sent):
             d.pop(key, None)
 
@@ -201,14 +216,16 @@ def make_vocoder(
     graphs: bool = True,
     buckets: Sequence[int] | None = None,
 ) -> Vocoder:
-    """``kind``: "stream" (exact streaming decoder), "chunked" (transformers module), or "auto":
-    the streaming decoder on accelerators; on CPU the chunked one, since the streaming decoder
-    steps its whole pool of ``max_streams`` slots every tick (CUDA-graph friendly, but about a
-    millisecond per slot on a CPU core), while chunks cost only the streams that are due.
+    """``kind``: "stream" (the exact streaming decoder), "chunked" (transformers' module re-run on
+    chunks), or "auto": the streaming decoder, on every device. On CPU it steps just the streams
+    with a frame, about a millisecond each per tick at 8 or more (4.5 ms for one) with the
+    embedded default, evenly; the chunked one costs more in all (left context decoded again
+    with each chunk: 20 ms per chunk of 12 frames) and comes in bursts, every stream due in the
+    same tick decoded in it, and is exact only while a reply's history fits its left context.
     ``graphs``: the streaming decoder replays a CUDA graph of its step on CUDA (see
     :class:`StreamingVocoder`) per row bucket of ``buckets``; the chunked one has none."""
     if kind == "auto":
-        kind = "chunked" if next(module.parameters()).device.type == "cpu" else "stream"
+        kind = "stream"
     if kind == "stream":
         return StreamingVocoder(module, max_streams=max_streams, graphs=graphs, buckets=buckets)
     if kind == "chunked":

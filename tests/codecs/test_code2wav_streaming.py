@@ -155,3 +155,75 @@ def test_bucketed_steps_run_only_the_rows_that_cover_the_busy_slots() -> None:
         Code2WavStreamer(hf, max_slots=4, buckets=[0, 2])
     with pytest.raises(ValueError, match="buckets"):
         Code2WavStreamer(hf, max_slots=4, buckets=[8])
+
+
+def test_compaction_moves_the_highest_streams_down_and_they_go_on_unchanged() -> None:
+    """Once lower streams end, ``compact`` moves the highest into the lowest free slots (state rows
+    copied), so steps run the bucket the busy count needs; a moved stream's audio still equals the
+    offline decode, and bad moves change nothing."""
+    hf = _hf()
+    codes = [_codes(hf.config, FRAMES, seed=s) for s in (3, 4, 5)]
+    streamer = Code2WavStreamer(hf, max_slots=8, buckets=[1, 2, 4])
+    rows_seen = []
+    step = streamer.runner
+
+    def spy(inputs):
+        rows_seen.append(inputs["codes"].shape[0])
+        return step(inputs)
+
+    streamer.runner = spy
+    slots = [streamer.acquire() for _ in range(3)]
+    chunks: dict[int, list[np.ndarray]] = {s: [] for s in slots}
+    for f in range(4):
+        for slot, piece in streamer.step({s: codes[s][:, f] for s in slots}).items():
+            chunks[slot].append(piece)
+    assert streamer.compact() == []  # 3 streams need the bucket of 4 they run at
+    streamer.release(0)
+    streamer.release(1)
+    assert streamer.compact() == [(2, 0)]
+    assert streamer.compact() == []
+    rows_seen.clear()
+    for f in range(4, FRAMES):
+        chunks[2].append(streamer.step({0: codes[2][:, f]})[0])
+    assert set(rows_seen) == {1}
+    reference = _offline(hf, codes[2])
+    streamed = np.concatenate(chunks[2])
+    np.testing.assert_allclose(streamed, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    with pytest.raises(ValueError, match="onto itself"):
+        streamer.pool.move(0, 0)
+    with pytest.raises(ValueError, match="slot must be"):
+        streamer.pool.move(0, 8)
+    assert streamer.free_slots == 7
+
+
+def test_gathered_steps_run_only_the_streams_with_a_frame() -> None:
+    """With ``gather``, a step over slots that are not the first ones runs just those rows: the
+    bucketed runner is not called, an idle stream below them keeps its state bitwise, and both
+    streams still equal the offline decode."""
+    hf = _hf()
+    codes = [_codes(hf.config, FRAMES, seed=s) for s in (3, 4)]
+    streamer = Code2WavStreamer(hf, max_slots=8, buckets=[1, 2, 4], gather=True)
+    calls = []
+    step = streamer.runner
+
+    def spy(inputs):
+        calls.append(inputs["codes"].shape[0])
+        return step(inputs)
+
+    streamer.runner = spy
+    held, late = streamer.acquire(), streamer.acquire()
+    assert (held, late) == (0, 1)
+    out = {held: [streamer.step({held: codes[0][:, 0]})[held]], late: []}
+    assert calls == [1]  # slot 0 alone is the first row: the runner's bucket of 1
+    before = {name: t[held].clone() for name, t in streamer.pool.state.items()}
+    for f in range(FRAMES):
+        out[late].append(streamer.step({late: codes[1][:, f]})[late])
+    assert calls == [1]  # slot 1 alone: gathered, not a bucket of 2
+    assert all(torch.equal(t[held], before[name]) for name, t in streamer.pool.state.items())
+    for f in range(1, FRAMES):
+        out[held].append(streamer.step({held: codes[0][:, f]})[held])
+    for slot, c in ((held, codes[0]), (late, codes[1])):
+        reference = _offline(hf, c)
+        np.testing.assert_allclose(
+            np.concatenate(out[slot]), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max()
+        )
