@@ -74,10 +74,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import psutil
 import websockets
 from omnirt.codecs.audio import float_to_pcm16
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.server
@@ -143,6 +145,10 @@ class Phase:
     server_cpu: float = 0.0  # the server's CPU seconds (with its VAD worker) per second of the phase
     hostile_cpu: float = 0.0  # the hostile clients' process's, likewise
     rss: list[tuple[float, int, int]] = field(default_factory=list)  # (t, serve, with children)
+    #: The server's speech steps by duration at the phase's end (``/metrics``): upper bound
+    #: (seconds) -> steps that took at most that long (cumulative), and their total seconds.
+    step_buckets: dict[float, float] = field(default_factory=dict)
+    step_seconds: float = 0.0
 
     def fail(self, kind: str, why: str) -> None:
         self.failed[kind] += 1
@@ -511,6 +517,7 @@ async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes]) ->
         await asyncio.gather(*tasks)
         for task in (sampler, progress, lag):
             task.cancel()
+        await read_steps(base.replace("ws://", "http://"), phase)
         own, total = rss(proc)
         phase.rss.append((time.monotonic() - t0, own, total))
         seconds = time.monotonic() - t0
@@ -529,6 +536,22 @@ async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes]) ->
     if tracebacks:
         phase.failures.append(f"server log: {tracebacks} traceback(s), see {log_path}")
     return phase
+
+
+async def read_steps(base: str, phase: Phase) -> None:
+    """The speech pipeline's step-duration histogram from the server's ``/metrics``."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{base}/metrics", timeout=30)).text
+    for family in text_string_to_metric_families(text):
+        if family.name != "omnirt_pipeline_step_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.labels.get("kind") != "speech":
+                continue
+            if sample.name.endswith("_bucket"):
+                phase.step_buckets[float(sample.labels["le"])] = sample.value
+            elif sample.name.endswith("_sum"):
+                phase.step_seconds = sample.value
 
 
 async def report_progress(phase: Phase, t0: float, end: float) -> None:
@@ -588,6 +611,7 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
             f"{c0 / 2**20:.0f} / {c2 / 2**20:.0f} | {(c2 - c0) / c0:+.1%} | {ms(p99(p.loop_lag))} | "
             f"{p.server_cpu:.2f} | {p.hostile_cpu:.2f} |"
         )
+    lines += ["", *step_table(phases)]
     by = {p.name: p for p in phases}
     if "calm" in by and "hostile" in by:
         calm = p99([x for v in by["calm"].latencies.values() for x in v])
@@ -603,6 +627,45 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
         for failure in p.failures:
             lines.append(f"- {p.name}: {failure}")
     return "\n".join(lines)
+
+
+def step_table(phases: list[Phase]) -> list[str]:
+    """The server's speech steps per phase: how many, their mean, and the share that took longer
+    than each of a few bounds (every session of the pipeline waits on such a step)."""
+    bounds = (0.05, 0.1, 0.2, 0.5, 1.0)
+    lines = [
+        "| phase | speech steps | mean (ms) | "
+        + " | ".join(f"over {b * 1000:.0f} ms" for b in bounds)
+        + " | time in steps over 100 ms |",
+        "|---|---|---|" + "---|" * len(bounds) + "---|",
+    ]
+    for p in phases:
+        steps = p.step_buckets.get(float("inf"), 0.0)
+        if not steps:
+            continue
+        over = [1 - p.step_buckets[b] / steps for b in bounds]
+        lines.append(
+            f"| {p.name} | {steps:.0f} | {p.step_seconds / steps * 1000:.1f} | "
+            + " | ".join(f"{x:.1%}" for x in over)
+            + f" | {long_step_share(p, 0.1):.0%} |"
+        )
+    return lines
+
+
+def long_step_share(phase: Phase, bound: float) -> float:
+    """About how much of the steps' time went to steps over ``bound`` (each counted at the middle
+    of its bucket; the last bucket at twice its lower bound)."""
+    edges = sorted(phase.step_buckets)
+    total, over, below, lower = 0.0, 0.0, 0.0, 0.0
+    for edge in edges:
+        n = phase.step_buckets[edge] - below
+        below = phase.step_buckets[edge]
+        mid = 2 * lower if edge == float("inf") else (lower + edge) / 2
+        total += n * mid
+        if lower >= bound:
+            over += n * mid
+        lower = edge
+    return over / total if total else 0.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -37,6 +37,7 @@ thread; each request's sink receives nothing after its ``Finished``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import logging
 import threading
@@ -67,6 +68,8 @@ Sink = Callable[[Output], None]
 
 #: Threads running ``Pipeline.prepare``.
 PREPARE_THREADS = 2
+#: Upper bounds (seconds) of the pipeline-step duration histogram (``EngineStats.step_buckets``).
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass
@@ -82,6 +85,9 @@ class EngineStats:
     #: Per pipeline kind: steps and their wall time.
     steps_by_kind: dict[str, int] = field(default_factory=dict)
     step_seconds_by_kind: dict[str, float] = field(default_factory=dict)
+    #: Per pipeline kind, its steps by duration: counts per bucket of :data:`STEP_BUCKETS` (the
+    #: last one past them all).
+    step_buckets: dict[str, list[int]] = field(default_factory=dict)
     #: Per pipeline kind, its batched model calls: ``{(call name, rows): count}`` (the pipeline's
     #: own counter, which it updates as it calls its models).
     model_calls: dict[str, CallCounter] = field(default_factory=dict)
@@ -128,6 +134,7 @@ class Engine:
         self.stats = EngineStats(
             steps_by_kind=dict.fromkeys(self.pipelines, 0),
             step_seconds_by_kind=dict.fromkeys(self.pipelines, 0.0),
+            step_buckets={kind: [0] * (len(STEP_BUCKETS) + 1) for kind in self.pipelines},
             model_calls={kind: p.calls for kind, p in self.pipelines.items()},
             prompt_tokens={
                 kind: p.prompt_tokens for kind, p in self.pipelines.items() if hasattr(p, "prompt_tokens")
@@ -350,6 +357,7 @@ class Engine:
         s = self.stats
         s.steps_by_kind[kind] += 1
         s.step_seconds_by_kind[kind] += seconds
+        s.step_buckets[kind][bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
 
 
 class RequestStream:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from omnirt.stages.engine import Engine
+from omnirt.stages.engine import STEP_BUCKETS, Engine
 from omnirt.vad.worker import LATENCY_BUCKETS
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -119,6 +119,16 @@ class ServerCollector(Collector):
             seconds.add_metric([kind], s.step_seconds_by_kind[kind])
         yield steps
         yield seconds
+        durations = HistogramMetricFamily(
+            "omnirt_pipeline_step_duration_seconds",
+            "Pipeline steps by wall time (a realtime step holds every session of its pipeline)",
+            labels=["kind"],
+        )
+        for kind, counts in s.step_buckets.items():
+            durations.add_metric(
+                [kind], _cumulative(STEP_BUCKETS, list(counts)), sum_value=s.step_seconds_by_kind[kind]
+            )
+        yield durations
         calls = CounterMetricFamily(
             "omnirt_model_calls",
             "Batched model calls by pipeline, model and rows (requests advanced by the one call)",
@@ -171,16 +181,21 @@ class ServerCollector(Collector):
         yield CounterMetricFamily(
             "omnirt_vad_process_restarts", "Times the VAD process died and was replaced", value=vad.restarts
         )
-        cumulative, buckets = 0, []
-        for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], vad.latency_buckets, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
         yield HistogramMetricFamily(
             "omnirt_vad_decision_seconds",
             "Server VAD: from the arrival of the chunk completing a window to its endpointing decision",
-            buckets=buckets,
+            buckets=_cumulative(LATENCY_BUCKETS, vad.latency_buckets),
             sum_value=vad.latency_sum,
         )
+
+
+def _cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, int]]:
+    """A histogram's Prometheus buckets from counts per bucket (the last one past every bound)."""
+    total, out = 0, []
+    for bound, count in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+        total += count
+        out.append((bound, total))
+    return out
 
 
 class Metrics:

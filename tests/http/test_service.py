@@ -110,6 +110,20 @@ def test_metrics_after_traffic() -> None:
     assert m[("omnirt_engine_requests_active", ())] == 0
     assert m[("omnirt_pipeline_steps_total", (("kind", "speech"),))] == server.engine.stats.steps
     assert m[("omnirt_pipeline_step_seconds_total", (("kind", "speech"),))] > 0
+    durations = {
+        dict(labels)["le"]: v
+        for (name, labels), v in m.items()
+        if name == "omnirt_pipeline_step_duration_seconds_bucket" and ("kind", "speech") in labels
+    }
+    by_bound = [durations[le] for le in sorted(durations, key=float)]  # "+Inf" sorts last
+    assert by_bound == sorted(by_bound) and by_bound[-1] == server.engine.stats.steps  # cumulative
+    assert len(by_bound) == 11
+    speech = (("kind", "speech"),)
+    assert m[("omnirt_pipeline_step_duration_seconds_count", speech)] == server.engine.stats.steps
+    assert abs(
+        m[("omnirt_pipeline_step_duration_seconds_sum", speech)]
+        - m[("omnirt_pipeline_step_seconds_total", speech)]
+    ) < 1e-9
     # One request at a time: every echo call advanced one row ("You said: nI." and the finish).
     echo_calls = {k: v for k, v in m.items() if k[0] == "omnirt_model_calls_total"}
     assert echo_calls == {

@@ -14,10 +14,11 @@ from tests.scripts import BENCHMARKS
 from tests.vad.speech import require_espeak
 
 
-def _row(out: str, phase: str) -> dict[str, str]:
+def _row(out: str, phase: str, table: str = "| phase | turns") -> dict[str, str]:
     lines = out.splitlines()
-    header = next(line for line in lines if line.startswith("| phase |"))
-    row = next(line for line in lines if line.startswith(f"| {phase} |"))
+    start = next(i for i, line in enumerate(lines) if line.startswith(table))
+    header = lines[start]
+    row = next(line for line in lines[start:] if line.startswith(f"| {phase} |"))
     cells = [c.strip() for c in header.strip("|").split("|")]
     return dict(zip(cells, [c.strip() for c in row.strip("|").split("|")], strict=True))
 
@@ -39,6 +40,9 @@ def test_the_soak_runs_calm_and_hostile_phases(tmp_path) -> None:
         assert sum(turns) >= 3 and row["failed"] == "0", row
         assert int(row["RSS at start (MiB)"]) > 0 and re.fullmatch(r"[+-][\d.]+%", row["growth"]), row
         assert row["client loop lag p99 (ms)"].isdigit() and float(row["server CPU (cores)"]) > 0, row
+        steps = _row(done.stdout, phase, "| phase | speech steps")  # the server's /metrics histogram
+        assert int(steps["speech steps"]) > 10 and float(steps["mean (ms)"]) > 0, steps
+        assert all(re.fullmatch(r"[\d.]+%", v) for k, v in steps.items() if k.startswith("over")), steps
     assert float(_row(done.stdout, "hostile")["hostile clients' CPU (cores)"]) > 0
     hostile = re.search(r"hostile: (\d+) connections, (\d+) events", done.stdout)
     assert hostile and int(hostile[1]) >= 3 and int(hostile[2]) > 10, done.stdout[-2000:]
