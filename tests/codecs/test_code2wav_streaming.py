@@ -27,6 +27,19 @@ def _offline(hf: Qwen3OmniMoeCode2Wav, codes: torch.Tensor) -> np.ndarray:
         return hf(codes[None])[0, 0].numpy()
 
 
+def _spy_rows(streamer: Code2WavStreamer) -> list[int]:
+    """The row count of every call of ``streamer.runner`` from now on (the bucketed step)."""
+    seen: list[int] = []
+    step = streamer.runner
+
+    def spy(inputs):
+        seen.append(inputs["codes"].shape[0])
+        return step(inputs)
+
+    streamer.runner = spy
+    return seen
+
+
 def _stream(streamer: Code2WavStreamer, codes: torch.Tensor) -> list[np.ndarray]:
     slot = streamer.acquire()
     chunks = [streamer.step({slot: codes[:, f]})[slot] for f in range(codes.shape[1])]
@@ -134,14 +147,7 @@ def test_bucketed_steps_run_only_the_rows_that_cover_the_busy_slots() -> None:
     codes = _codes(hf.config, FRAMES)
     streamer = Code2WavStreamer(hf, max_slots=8, buckets=[1, 2, 4])
     assert streamer.buckets == [1, 2, 4, 8]
-    rows_seen = []
-    step = streamer.runner
-
-    def spy(inputs):
-        rows_seen.append(inputs["codes"].shape[0])
-        return step(inputs)
-
-    streamer.runner = spy
+    rows_seen = _spy_rows(streamer)
     slots = [streamer.acquire() for _ in range(3)]
     assert slots == [0, 1, 2]
     streamer.release(0)
@@ -164,14 +170,7 @@ def test_compaction_moves_the_highest_streams_down_and_they_go_on_unchanged() ->
     hf = _hf()
     codes = [_codes(hf.config, FRAMES, seed=s) for s in (3, 4, 5)]
     streamer = Code2WavStreamer(hf, max_slots=8, buckets=[1, 2, 4])
-    rows_seen = []
-    step = streamer.runner
-
-    def spy(inputs):
-        rows_seen.append(inputs["codes"].shape[0])
-        return step(inputs)
-
-    streamer.runner = spy
+    rows_seen = _spy_rows(streamer)
     slots = [streamer.acquire() for _ in range(3)]
     chunks: dict[int, list[np.ndarray]] = {s: [] for s in slots}
     for f in range(4):
@@ -203,14 +202,7 @@ def test_gathered_steps_run_only_the_streams_with_a_frame() -> None:
     hf = _hf()
     codes = [_codes(hf.config, FRAMES, seed=s) for s in (3, 4)]
     streamer = Code2WavStreamer(hf, max_slots=8, buckets=[1, 2, 4], gather=True)
-    calls = []
-    step = streamer.runner
-
-    def spy(inputs):
-        calls.append(inputs["codes"].shape[0])
-        return step(inputs)
-
-    streamer.runner = spy
+    calls = _spy_rows(streamer)
     held, late = streamer.acquire(), streamer.acquire()
     assert (held, late) == (0, 1)
     out = {held: [streamer.step({held: codes[0][:, 0]})[held]], late: []}
