@@ -92,6 +92,10 @@ class ServerConfig:
     #: over either: ``image_limit_exceeded``.
     max_images_per_session: int = 16
     max_image_bytes: int = 10 * 1024 * 1024
+    #: Out-of-band responses (``conversation: "none"``) one realtime session may run at once;
+    #: the next gets ``resource_exhausted``. Each takes a model slot while it runs (held ones
+    #: too), so one session takes at most this many plus its in-band response.
+    max_out_of_band_responses: int = 2
     #: Server VAD: Silero ONNX file (``None``: the one bundled with the silero-vad wheel).
     vad_model_path: str | None = None
     #: Server VAD: audio a session may have waiting for the VAD before ``input_backpressure``.

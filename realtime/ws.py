@@ -95,6 +95,7 @@ class RealtimeService:
             max_vad_backlog_ms=config.max_vad_backlog_ms,
             max_images=config.max_images_per_session,
             max_image_bytes=config.max_image_bytes,
+            max_out_of_band_responses=config.max_out_of_band_responses,
             max_items=config.max_conversation_items,
             max_conversation_bytes=config.max_conversation_bytes,
             max_context_tokens=info.max_context_tokens if info is not None else 4096,

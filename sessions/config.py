@@ -38,6 +38,8 @@ class SessionLimits:
     #: Images the conversation may hold at once, and the largest one (decoded bytes).
     max_images: int = 16
     max_image_bytes: int = 10 * 1024 * 1024
+    #: Out-of-band responses running at once (each takes a model slot).
+    max_out_of_band_responses: int = 2
     #: Items the conversation may hold, and what they may hold together (characters of text,
     #: bytes of audio and images: :func:`~.items.item_bytes`).
     max_items: int = 1000

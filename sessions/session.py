@@ -408,6 +408,15 @@ class RealtimeSession:
             )
         if in_conversation:  # its output items join the conversation
             self._check_room(1, 0, None)
+        else:
+            running = sum(run is not self.active for run in self.runs.values())
+            if running >= self.limits.max_out_of_band_responses:
+                raise SessionError(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"This session already runs {running} out-of-band responses, the server's limit "
+                    "(max_out_of_band_responses); wait for one to finish or cancel one.",
+                    "response.conversation",
+                )
         if options.voice:
             self.limits.voices.resolve(options.voice, "response.audio.output.voice")
         cfg = self.config

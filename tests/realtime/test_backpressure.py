@@ -44,7 +44,8 @@ BOUND = 128 * 1024
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[Server]:
     # the socket's hold off: these tests are about the bound of our own queue
-    with running(ServerConfig(max_send_queue_bytes=BOUND, hold_socket_bytes=0, max_sessions=4)) as s:
+    config = ServerConfig(max_send_queue_bytes=BOUND, hold_socket_bytes=0, max_sessions=4, **THREE_SIDE)
+    with running(config) as s:
         yield s
 
 
@@ -67,6 +68,10 @@ async def slow_client(server: Server):  # type: ignore[no-untyped-def]
         )
         assert (await client.recv())["type"] == "session.updated"
         yield client
+
+
+#: ``start_long_responses`` runs three out-of-band responses at once (the server's default: two).
+THREE_SIDE = {"max_out_of_band_responses": 3}
 
 
 async def start_long_responses(client: Client) -> list[str]:
@@ -163,7 +168,9 @@ HELD_SECONDS = 3.0
 
 @pytest.fixture(scope="module")
 def holding() -> Iterator[Server]:
-    config = ServerConfig(hold_send_queue_bytes=HOLD, max_held_seconds=HELD_SECONDS, max_sessions=4)
+    config = ServerConfig(
+        hold_send_queue_bytes=HOLD, max_held_seconds=HELD_SECONDS, max_sessions=4, **THREE_SIDE
+    )
     with running(config) as s:
         yield s
 
@@ -208,7 +215,11 @@ def test_a_client_behind_gets_no_compute_until_it_reads(holding: Server) -> None
 def socket_holding() -> Iterator[Server]:
     # a hold mark in our own queue that this test never reaches: only the socket's can hold
     config = ServerConfig(
-        hold_send_queue_bytes=4 << 20, hold_socket_bytes=32 * 1024, max_held_seconds=10, max_sessions=4
+        hold_send_queue_bytes=4 << 20,
+        hold_socket_bytes=32 * 1024,
+        max_held_seconds=10,
+        max_sessions=4,
+        **THREE_SIDE,
     )
     with running(config) as s:
         yield s

@@ -176,3 +176,39 @@ def test_events_keep_flowing_while_a_response_streams(server: Server) -> None:
 
     kinds = run(main())
     assert "response.done" not in kinds
+
+
+def test_a_session_runs_at_most_two_out_of_band_responses_at_once(server: Server) -> None:
+    """A third out-of-band response.create while two run gets resource_exhausted and changes
+    nothing; an in-band one still runs beside them, and once one ends another may start."""
+    oob = {"conversation": "none", "output_modalities": ["text"], "input": [text_item(LONG)]}
+
+    async def main() -> list[dict]:
+        async with connect(server) as c:
+            ids = []
+            for _ in range(2):
+                await c.send({"type": "response.create", "response": oob})
+                ids.append((await c.until("response.created"))[-1]["response"]["id"])
+            await c.send({"type": "response.create", "event_id": "evt_third", "response": oob})
+            events = await c.until("error")
+            await c.send({"type": "conversation.item.create", "item": text_item("hi")})
+            events += await c.until("conversation.item.done")
+            await c.send({"type": "response.create"})  # in band: not counted
+            events += await c.until("response.created")
+            await c.send({"type": "response.cancel", "response_id": ids[0]})
+            while not (events[-1]["type"] == "response.done" and events[-1]["response"]["id"] == ids[0]):
+                events += await c.until("response.done")
+            await c.send({"type": "response.create", "event_id": "evt_again", "response": oob})
+            events += await c.until("response.created")
+            for rid in (ids[1], events[-1]["response"]["id"]):
+                await c.send({"type": "response.cancel", "response_id": rid})
+            return events
+
+    events = run(main())
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert [(e["code"], e["param"], e["event_id"]) for e in errors] == [
+        ("resource_exhausted", "response.conversation", "evt_third")
+    ]
+    assert "max_out_of_band_responses" in errors[0]["message"]
+    created = [e["response"] for e in events if e["type"] == "response.created"]
+    assert [r["conversation_id"] is None for r in created] == [False, True]
