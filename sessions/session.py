@@ -3,7 +3,8 @@
 The session is driven by method calls (one per client event) and reports through ``emit``
 (typed :mod:`~omnirt.sessions.events`). A refused request raises :class:`SessionError` and leaves
 the session unchanged. Only one response that writes to the conversation runs at a time;
-out-of-band responses (``conversation: "none"``) may run beside it.
+out-of-band responses (``conversation: "none"``) may run beside it, at most
+``limits.max_out_of_band_responses`` at once.
 
 The turn policy (:mod:`~omnirt.sessions.turns`) sees the input audio and the in-band responses
 through its hooks; server VAD acts through the session's :class:`TurnHost` when speech starts
