@@ -22,7 +22,7 @@ from omnirt.realtime.config import ServerConfig
 from tests.vad.speech import SENTENCES, place, spoken
 
 from .conftest import Server, connect, run, running, text_item
-from .test_backpressure import BOUND, slow_client, start_long_responses, wait_for
+from .test_backpressure import BOUND, THREE_SIDE, slow_client, start_long_responses, wait_for
 from .test_barge_in import LONG, start_long_reply
 from .vad_helpers import stream_audio, vad_update
 
@@ -34,7 +34,9 @@ IDLE_SECONDS = 2.0
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     # (the socket's hold off: the slow client here falls past the bound of the queue and is closed)
-    config = ServerConfig(max_send_queue_bytes=BOUND, max_idle_seconds=IDLE_SECONDS, hold_socket_bytes=0)
+    config = ServerConfig(
+        max_send_queue_bytes=BOUND, max_idle_seconds=IDLE_SECONDS, hold_socket_bytes=0, **THREE_SIDE
+    )
     with running(config, step_seconds=0.01) as s:
         yield s
 
