@@ -48,7 +48,7 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
             duplex_kv_dtype=config.duplex_kv_dtype,
             duplex_max_frames=config.duplex_max_frames,
         )
-        engine = Engine(pipelines)
+        engine = Engine(pipelines, batch_slice=config.batch_slice_ms / 1000 or None)
     except ValueError as exc:
         raise BuildError(f"cannot load the model: {exc}") from exc
     try:

@@ -42,6 +42,11 @@ class ServerConfig:
     #: milliseconds after the speech pipeline takes it; diffusion steps run in the slack
     #: (``--first-audio-target-ms``; 0: first audio before any diffusion step).
     first_audio_target_ms: int = 250
+    #: While realtime work is active, an image or video step is a piece of at most this many
+    #: milliseconds (or one part that cannot split); 0: the pipeline's own size (50 ms). Pieces
+    #: are fitted to the time before the next realtime deadline either way; this bounds what a
+    #: turn that starts without warning waits behind (``--batch-slice-ms``).
+    batch_slice_ms: int = 0
     #: The fused Triton kernels of ``kernels/`` (QK norm + RoPE, AdaLN) on CUDA: ``auto`` where
     #: their exact preset is bitwise equal to eager, ``on`` wherever supported, ``off``
     #: (``--fused-kernels``).

@@ -123,12 +123,17 @@ class Engine:
         *,
         max_waiting: int = 256,
         starvation_limit: float = 1.0,
+        batch_slice: float | None = None,
     ) -> None:
-        """``max_waiting``: requests that may wait for a slot, per pipeline; ``starvation_limit``:
-        see :class:`~omnirt.stages.scheduler.Scheduler`."""
+        """``max_waiting``: requests that may wait for a slot, per pipeline; ``starvation_limit``,
+        ``batch_slice``: see :class:`~omnirt.stages.scheduler.Scheduler`."""
         listed = list(pipelines) if isinstance(pipelines, Sequence) else [pipelines]
         self.scheduler = Scheduler(
-            listed, max_waiting=max_waiting, starvation_limit=starvation_limit, on_step=self._count_step
+            listed,
+            max_waiting=max_waiting,
+            starvation_limit=starvation_limit,
+            batch_slice=batch_slice,
+            on_step=self._count_step,
         )
         self.pipelines: dict[str, Pipeline[Any, Any]] = self.scheduler.pipelines
         self.stats = EngineStats(

@@ -126,6 +126,18 @@ class Pipeline(Protocol[Req, Out]):
     # counts for neither ``has_work`` nor ``next_deadline``) until released, its state kept: the
     # engine holds the requests of a realtime client that has fallen behind reading what they
     # made, so a client that does not read gets no compute (see :func:`can_hold`).
+    #
+    # Optional, for batch pipelines whose steps are pieces of longer work: ``fit(seconds: float |
+    # None) -> None`` sizes the next step to at most ``seconds`` where it can (None: its own
+    # size); ``step_cost()`` then says what that step takes. It holds until the next ``step()`` or
+    # ``fit()``. The scheduler fits each batch step to the time before the next realtime deadline
+    # (see :func:`can_fit`).
+
+
+def can_fit(pipeline: object) -> bool:
+    """Whether ``pipeline`` can size its next step to a time (the optional ``fit`` of
+    :class:`Pipeline`)."""
+    return callable(getattr(pipeline, "fit", None))
 
 
 class StepTimer:

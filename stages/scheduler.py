@@ -14,7 +14,12 @@ full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
    clock: a late one is an audible glitch, so they come first). An early step that does not fit
    waits for its own deadline;
 3. runs batch pipelines' steps (round robin) in the time left before the earliest realtime
-   deadline: a batch step starts only when its ``step_cost()`` fits before that deadline. With no
+   deadline: a batch step starts only when its ``step_cost()`` fits before that deadline. A
+   pipeline whose steps are pieces of longer work (``Pipeline.fit``: split diffusion calls) is
+   first asked to size its next piece to that time and, while any realtime pipeline has work, to
+   at most ``batch_slice`` when one is set: pieces fill the gaps between realtime steps, and
+   realtime work that comes due without warning (a new turn's prompt) waits at most one piece
+   behind them (without a slice, a piece of the pipeline's own size: 50 ms for diffusion). With no
    realtime deadline pending, one batch step runs per tick (so realtime work without deadlines,
    which runs every tick, alternates with batch steps). A batch pipeline that has not stepped for
    ``starvation_limit`` seconds gets one step even when it does not fit: a realtime step then
@@ -33,13 +38,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .pipeline import Pipeline, Priority, Request, RequestRejected, can_hold, is_background, runs_early
+from .pipeline import (
+    Pipeline,
+    Priority,
+    Request,
+    RequestRejected,
+    can_fit,
+    can_hold,
+    is_background,
+    runs_early,
+)
 from .types import Finished, Usage
 
 log = logging.getLogger(__name__)
 
 #: Outputs of a tick, tagged by request id.
 Outputs = list[tuple[str, Any]]
+
+#: A step whose cost exceeds the time left by no more than this fits (a piece fitted to the time
+#: left may exceed it by float rounding).
+SLACK = 1e-9
 
 
 @dataclass(eq=False)
@@ -67,13 +85,17 @@ class Scheduler:
         *,
         max_waiting: int = 256,
         starvation_limit: float = 1.0,
+        batch_slice: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[str, float], None] | None = None,
     ) -> None:
-        """``max_waiting``: queue length per pipeline; ``on_step(kind, seconds)`` is called after
-        every pipeline step (stats)."""
+        """``max_waiting``: queue length per pipeline; ``batch_slice``: the longest piece a
+        pipeline that can size its steps is asked for while realtime work is active (None: its
+        own size); ``on_step(kind, seconds)`` is called after every pipeline step (stats)."""
         if not pipelines:
             raise ValueError("the scheduler needs at least one pipeline")
+        if batch_slice is not None and not batch_slice > 0:
+            raise ValueError(f"batch_slice must be positive, got {batch_slice}")
         self._lanes: dict[str, _Lane] = {}
         for pipeline in pipelines:
             if pipeline.kind in self._lanes:
@@ -81,6 +103,7 @@ class Scheduler:
             self._lanes[pipeline.kind] = _Lane(pipeline)
         self.max_waiting = max_waiting
         self.starvation_limit = starvation_limit
+        self.batch_slice = batch_slice
         self.clock = clock
         self.on_step = on_step
         self._owner: dict[str, _Lane] = {}  # request id -> its lane, waiting or active
@@ -173,7 +196,7 @@ class Scheduler:
                 due.append(now if deadline is None or self._early(p) else deadline)
         horizon = self._horizon()
         for lane in self._batch_lanes_with_work():
-            if horizon is None or now + lane.pipeline.step_cost() <= horizon:
+            if horizon is None or self._batch_cost(lane, horizon - now) <= horizon - now + SLACK:
                 return now
             due.append(min(horizon, lane.served_at + self.starvation_limit))
         return min(due) if due else None
@@ -210,16 +233,35 @@ class Scheduler:
             if horizon is None:
                 if stepped:  # one per tick: the engine reads its inbox between batch steps
                     return
-            elif now + lane.pipeline.step_cost() > horizon:
+                self._batch_cost(lane, None)
+            elif self._batch_cost(lane, horizon - now) > horizon - now + SLACK:
                 if stepped or now - lane.served_at < self.starvation_limit:
                     return
                 log.debug("%s: a batch step runs past a realtime deadline (starved)", lane.kind)
+                self._batch_cost(lane, None)  # one slice, however late
                 self._batch_turn += 1
                 self._step(lane, out)
                 return
             self._batch_turn += 1
             self._step(lane, out)
             stepped = True
+
+    def _batch_cost(self, lane: _Lane, room: float | None) -> float:
+        """The cost of ``lane``'s next step, sized first (if its pipeline can: ``fit``) to
+        ``room`` seconds (None: no limit) and, while realtime work is active, to the batch slice."""
+        p = lane.pipeline
+        if can_fit(p):
+            limit = room
+            if self.batch_slice is not None and self._realtime_active():
+                limit = self.batch_slice if limit is None else min(limit, self.batch_slice)
+            p.fit(limit)  # type: ignore[attr-defined]
+        return p.step_cost()
+
+    def _realtime_active(self) -> bool:
+        return any(
+            lane.pipeline.priority is Priority.REALTIME and lane.pipeline.has_work()
+            for lane in self._lanes.values()
+        )
 
     def _batch_lanes_with_work(self) -> list[_Lane]:
         return [

@@ -29,7 +29,9 @@ then groups of its transformer blocks, then its finish, the hidden states kept i
 many blocks go in a piece follows the measured cost of the start, of one block and of the finish
 (moving averages per shape and row count; a part never measured runs alone first, so it is
 measured before it is grouped); :meth:`DiffusionPipeline.step_cost` is the next piece's estimate.
-The pieces give bitwise the prediction of the whole call.
+The scheduler may ask for a shorter piece (:meth:`DiffusionPipeline.fit`: the time left before
+the next realtime deadline, at most its batch slice), so pieces fill the gaps between realtime
+steps. The pieces give bitwise the prediction of the whole call.
 
 Long decodes: a video VAE decode at real size takes seconds (Wan 1.3B at 832x480, 81 frames:
 about 2.9 s on an H200). When the denoiser also splits its decode
@@ -278,6 +280,7 @@ class DiffusionPipeline:
         cuda = denoiser.device.type == "cuda"
         self.split_calls = cuda if split_calls is None else split_calls
         self.max_step_seconds = max_step_seconds
+        self._fit: float | None = None  # see fit()
         #: Steps of split transformer calls, by rows (``calls`` counts each call once).
         self.pieces: CallCounter = collections.Counter()
         self._call: _Call | None = None
@@ -446,6 +449,13 @@ class DiffusionPipeline:
         return Usage()
 
     # -- the step -----------------------------------------------------------------------------
+    def fit(self, seconds: float | None) -> None:
+        """Sizes the next step to at most ``seconds`` (None: ``max_step_seconds``) where it is a
+        piece of a split call or decode: it then groups only the parts that fit (at least one);
+        a whole call keeps its size. Holds until the next :meth:`step` or ``fit``; the scheduler
+        fits each step to the time before the next realtime deadline."""
+        self._fit = seconds
+
     def step_cost(self) -> float:
         """The measured time (moving average) of the next step's call: for that call, shape and
         rows; else that call at any size; else the costliest call measured so far."""
@@ -470,6 +480,7 @@ class DiffusionPipeline:
     def step(self) -> list[tuple[str, DiffusionOutput | Finished]]:
         out: list[tuple[str, DiffusionOutput | Finished]] = self.media.drain()  # encoded since
         work = self._plan()
+        self._fit = None
         if work is None:
             return out
         start = self.clock()
@@ -578,10 +589,12 @@ class DiffusionPipeline:
     ) -> tuple[_Piece, float | None]:
         """The next piece of a call or decode (``done`` blocks run, its start run or not; ``key``:
         what, shape, rows) and its estimated seconds: as many parts as fit ``max_step_seconds``
-        by their measured costs, at least one; a part never measured at this shape and row count
-        runs alone (estimate None). Blocks are measured by class (:meth:`_block_class`)."""
+        by their measured costs (or the smaller time :meth:`fit` gave), at least one; a part never
+        measured at this shape and row count runs alone (estimate None). Blocks are measured by
+        class (:meth:`_block_class`)."""
         costs = self._part_costs.get(key, {})
-        budget = self.max_step_seconds * (1 + 1e-9)  # parts that add up to it exactly fit
+        budget = self.max_step_seconds if self._fit is None else min(self.max_step_seconds, self._fit)
+        budget *= 1 + 1e-9  # parts that add up to it exactly fit
         spent = 0.0
         if not started:
             if "start" not in costs:

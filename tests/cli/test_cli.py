@@ -61,6 +61,8 @@ def test_console_script_is_installed_and_answers_help() -> None:
         (["serve", "--metrics-host", "9100"], "expected HOST:PORT"),
         (["serve", "--prefill-chunk", "8"], "at least 16"),
         (["serve", "--prefill-chunk", "many"], "at least 16"),
+        (["serve", "--batch-slice-ms", "-1"], "expected whole milliseconds from 0 to 10000"),
+        (["serve", "--batch-slice-ms", "2.5"], "expected whole milliseconds from 0 to 10000"),
         (["serve", "--metrics-host", "127.0.0.1:99999"], "expected HOST:PORT"),
     ],
 )
@@ -126,6 +128,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert vae.vae_fast == "fast" and defaults.vae_fast == "exact"
     target = config_from_args(build_parser().parse_args(["serve", "--first-audio-target-ms", "0"]), {})
     assert target.first_audio_target_ms == 0 and defaults.first_audio_target_ms == 250
+    sliced = config_from_args(build_parser().parse_args(["serve", "--batch-slice-ms", "8"]), {})
+    assert sliced.batch_slice_ms == 8 and defaults.batch_slice_ms == 0
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 
@@ -191,6 +195,27 @@ def test_serve_passes_the_prefill_chunk_to_the_pipelines(monkeypatch: pytest.Mon
     monkeypatch.setattr(factory, "build_pipelines", refuse)
     assert main(["serve", "--prefill-chunk", "128", "--no-prefix-cache", "--device", "cpu"]) == 1
     assert seen["prefill_chunk"] == 128 and seen["prefix_cache"] is False
+
+
+def test_serve_passes_the_batch_slice_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--batch-slice-ms`` reaches the engine's scheduler, in seconds (here an engine that then
+    refuses to start)."""
+    import omnirt.stages.engine as engine
+    import omnirt.stages.factory as factory
+
+    seen: dict = {}
+
+    def refuse(pipelines, **options):
+        seen.update(options)
+        raise ValueError("no engine here")
+
+    monkeypatch.setattr(factory, "build_pipelines", lambda models, **options: [])
+    monkeypatch.setattr(engine, "Engine", refuse)
+    assert main(["serve", "--batch-slice-ms", "12", "--device", "cpu"]) == 1
+    assert seen["batch_slice"] == pytest.approx(0.012)
+    seen.clear()
+    assert main(["serve", "--device", "cpu"]) == 1
+    assert seen["batch_slice"] is None  # the default: the pipelines' own piece size
 
 
 def _wait_healthy(base_url: str, proc: subprocess.Popen[str], timeout: float) -> dict:

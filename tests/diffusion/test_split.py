@@ -338,7 +338,7 @@ def test_a_realtime_frame_waits_at_most_one_piece(denoiser: ZImageDenoiser, spli
         return out
 
     images.step = timed_step  # type: ignore[method-assign]
-    s = Scheduler([frames, images], clock=clock.now, starvation_limit=1.0)
+    s = Scheduler([frames, images], clock=clock.now, starvation_limit=1.0, batch_slice=None)
     request = ImageRequest(
         "img", "a boat", width=32, height=32, num_inference_steps=4, guidance_scale=3.0, n=2
     )
@@ -358,3 +358,70 @@ def test_a_realtime_frame_waits_at_most_one_piece(denoiser: ZImageDenoiser, spli
         # The whole 140 ms call never fits between two frames: it runs when starved, a frame late.
         assert max(durations) == pytest.approx(0.14)
         assert max(frames.lateness) > 0.05
+
+
+def _frames_beside_an_image(
+    denoiser: ZImageDenoiser, *, fit: bool, batch_slice: float | None, frame_count: int = 200
+) -> tuple[FramePipeline, list[tuple[float, float, bool]], float]:
+    """``frame_count`` frames of 10 ms every 80 ms beside a guided 6-step image whose transformer
+    blocks take 5 ms (12 a call), pieces of at most 50 ms. Returns the frames, each image step's
+    (start, seconds, while frames were active) and the seconds until the image finished."""
+    clock = FakeClock()
+    begin = clock.t
+    frames = FramePipeline(clock, period=0.08, cost=0.01)
+    timed = _TimedSplit(_deeper_zimage(denoiser, 12), clock, block=0.005, **COSTS)
+    images = DiffusionPipeline(  # type: ignore[arg-type]
+        timed, clock=clock.now, split_calls=True, max_step_seconds=0.05
+    )
+    if not fit:
+        images.fit = None  # type: ignore[assignment,method-assign]  # a pipeline that cannot fit
+    steps: list[tuple[float, float, bool]] = []
+    step = images.step
+
+    def timed_step() -> list:
+        t0, active = clock.t, frames.has_work()
+        out = step()
+        steps.append((t0, clock.t - t0, active))
+        return out
+
+    images.step = timed_step  # type: ignore[method-assign]
+    s = Scheduler([frames, images], clock=clock.now, starvation_limit=1.0, batch_slice=batch_slice)
+    request = ImageRequest("img", "a boat", width=32, height=32, num_inference_steps=6, guidance_scale=3.0)
+    s.enqueue("image", request, images.prepare(request))
+    s.enqueue("duplex", FrameRequest("call", frames=frame_count), frame_count)
+    done_at = 0.0
+    for _ in range(100_000):
+        due = s.next_due()
+        if due is None:
+            break
+        clock.t = max(clock.t, due)
+        for rid, output in s.tick():
+            if rid == "img" and isinstance(output, Finished):
+                assert output.reason == "stop"
+                done_at = clock.t - begin
+    assert done_at and not frames.has_work()
+    return frames, steps, done_at
+
+
+def test_pieces_are_fitted_into_the_gaps_between_realtime_frames(denoiser: ZImageDenoiser) -> None:
+    # A pipeline that cannot size its pieces runs one 50 ms piece in each 70 ms gap between
+    # frames and leaves the rest idle; fitted, the next piece takes what is left of the gap.
+    _, _, whole_pieces = _frames_beside_an_image(denoiser, fit=False, batch_slice=None)
+    frames, steps, fitted = _frames_beside_an_image(denoiser, fit=True, batch_slice=None)
+    assert fitted < 0.7 * whole_pieces, (fitted, whole_pieces)
+    assert max(frames.lateness) <= 1e-9  # every piece fitted before the next frame
+    assert any(seconds < 0.045 for _, seconds, active in steps if active)
+
+
+def test_while_realtime_work_is_active_batch_pieces_stay_within_the_slice(
+    denoiser: ZImageDenoiser,
+) -> None:
+    frames, steps, _ = _frames_beside_an_image(denoiser, fit=True, batch_slice=0.02, frame_count=6)
+    active = [seconds for _, seconds, on in steps if on]
+    after = [seconds for _, seconds, on in steps if not on]
+    assert active and max(active) <= 0.02 + 1e-9
+    assert max(frames.lateness) <= 1e-9
+    # Once the frames are done, pieces grow back to the pipeline's own 50 ms.
+    assert after and max(after) > 0.04
+
+

@@ -252,3 +252,10 @@ def test_early_steps_fit_before_the_next_duplex_frame() -> None:
     assert max(duplex.lateness) < 1e-9
     # one 50 ms speech step fits in each 70 ms gap: the speech pipeline is not starved
     assert len(speech.lateness) >= 39
+
+
+@pytest.mark.parametrize("batch_slice", [0.0, -0.01])
+def test_a_batch_slice_must_be_positive(batch_slice: float) -> None:
+    clock = FakeClock()
+    with pytest.raises(ValueError, match="batch_slice must be positive"):
+        Scheduler([FramePipeline(clock), JobPipeline(clock)], clock=clock.now, batch_slice=batch_slice)
