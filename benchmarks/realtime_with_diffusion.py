@@ -23,7 +23,8 @@ turn until the window's turns have their first audio (diffusion load goes on thr
 
 1. **realtime alone**: the sessions only;
 2. **diffusion alone**: the image and video jobs only;
-3. **both** together (one such phase per ``--first-audio-targets`` value).
+3. **both** together (one such phase per ``--first-audio-targets`` value, and per further
+   ``--batch-slices`` value: the scheduler's longest diffusion piece while speech is active).
 
 Measured per phase (window only):
 
@@ -31,7 +32,10 @@ Measured per phase (window only):
   due (the speech pipeline's ``next_deadline()``, or at once when it has none; not before the
   speech step before it ended) or from its start, whichever came first, to its end: the step
   itself plus any wait behind diffusion steps past its deadline. Alone, speech runs at once and
-  this is the step's time;
+  this is the step's time; **no-prompt frame p99**: the same over the steps that read no part of a
+  prompt (a step that also reads a new turn's prompt is longer by that pass, alone or not; with
+  diffusion beside it, speech steps run at the playback's pace rather than at once, so fewer
+  steps carry more of the prompt passes and the p99 over all steps lands among them);
 - **tick p50/p99**: wall time of the scheduler ticks in which a talker frame was produced: the
   speech step and the batch steps that ran after it in the same tick, before the next deadline
   (the frame time of the runs before 2026-12-03, when one batch step followed each speech step);
@@ -149,6 +153,8 @@ class TimedPipeline:
         self._record = record
         #: ``time.monotonic()`` at the start and end of the last step (the pipelines' clock).
         self.last_step: tuple[float, float] | None = None
+        #: Whether the last step read part of a prompt (a new turn's prompt pass).
+        self.last_read_prompt = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipeline, name)
@@ -157,12 +163,23 @@ class TimedPipeline:
         p = self._pipeline
         # Diffusion steps by call and rows; every speech step is one "tick" (all its sessions).
         call, rows = (p.next_call() or ("idle", 0)) if isinstance(p, DiffusionPipeline) else ("tick", 0)
+        prompts = _prompt_passes(p)
         t0, m0 = time.perf_counter(), time.monotonic()
         out = p.step()
         _sync(self._device)
-        self._record((p.kind, call, rows), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
         self.last_step = (m0, time.monotonic())
+        passes = _prompt_passes(p) - prompts
+        self.last_read_prompt = passes > 0
+        if passes:  # a speech tick that read prompts: by the prompt passes it ran (each model's)
+            call, rows = "tick with prompt passes", passes
+        self._record((p.kind, call, rows), seconds)
         return out
+
+
+def _prompt_passes(pipeline: Any) -> int:
+    """Prompt passes a speech pipeline has run (its ``*_prompt`` calls)."""
+    return sum(n for (name, _), n in getattr(pipeline, "calls", {}).items() if name.endswith("_prompt"))
 
 
 @dataclass
@@ -253,6 +270,8 @@ class Phase:
     #: Per speech step that made a talker frame: from when the step was due (its deadline, or at
     #: once) or began, whichever came first, to its end.
     frame_latency: list[float] = field(default_factory=list)
+    #: The same for the steps that read no prompt (only frames of replies under way).
+    frame_latency_plain: list[float] = field(default_factory=list)
     #: Wall time of the scheduler ticks that made a talker frame (the speech step and the batch
     #: steps after it in the same tick).
     frame_walls: list[float] = field(default_factory=list)
@@ -272,6 +291,10 @@ class Phase:
 
     def frame_p(self, q: float) -> float | None:
         return float(np.percentile(self.frame_latency, q)) if self.frame_latency else None
+
+    def plain_frame_p(self, q: float) -> float | None:
+        plain = self.frame_latency_plain
+        return float(np.percentile(plain, q)) if plain else None
 
     def tick_p(self, q: float) -> float | None:
         return float(np.percentile(self.frame_walls, q)) if self.frame_walls else None
@@ -469,6 +492,8 @@ class Bench:
                 phase.frame_walls.append(t1 - t0)
                 if latency is not None:
                     phase.frame_latency.append(latency)
+                    if not self.timed_speech.last_read_prompt:  # type: ignore[union-attr]
+                        phase.frame_latency_plain.append(latency)
             if stage == "ramp" and all(s.ever_heard for s in sessions) and all(s.progressed for s in streams):
                 stage, window_start, phase.ramp_s = "window", t1, t1 - begin
                 self.recording = phase.calls
@@ -573,7 +598,7 @@ def pct(value: float | None) -> str:
 
 def phase_header(kinds: list[str]) -> str:
     cells = ["phase", "ramp (s)", "window (s)", "frame ticks", "frame p50 (ms)", "frame p99 (ms)"]
-    cells += ["tick p50 (ms)", "tick p99 (ms)"]
+    cells += ["no-prompt frames", "no-prompt frame p99 (ms)", "tick p50 (ms)", "tick p99 (ms)"]
     cells += [
         "first audio p50 (ms)",
         "first audio p99 (ms)",
@@ -596,6 +621,8 @@ def phase_row(p: Phase, kinds: list[str]) -> str:
         str(len(p.frame_walls)),
         ms(p.frame_p(50)),
         ms(p.frame_p(99)),
+        str(len(p.frame_latency_plain)),
+        ms(p.plain_frame_p(99)),
         ms(p.tick_p(50)),
         ms(p.tick_p(99)),
         ms(p.first_audio_p(50)) + f" (n={len(p.first_audio)})",
@@ -634,6 +661,11 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
                 + (f"<= +{goal:.0%}" if goal is not None else "-")
                 + f" | {'-' if ok is None else 'yes' if ok else 'no'} |"
             )
+        a, b = alone_rt.plain_frame_p(99), both.plain_frame_p(99)
+        lines.append(
+            f"| realtime frame p99, steps reading no prompt (ms) | {ms(a)} | {ms(b)} | {pct(change(a, b))} "
+            "| - | - |"
+        )
         for q in (50, 99):
             a, b = alone_rt.first_audio_p(q), both.first_audio_p(q)
             lines.append(
@@ -826,6 +858,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the speech pipeline's first_audio_target for the 'both' phase; more than one: a 'both' phase "
         "per target (the first one is checked against the goals). none: at once, every other tick",
     )
+    add(
+        "--batch-slices",
+        nargs="+",
+        default=["none"],
+        metavar="SECONDS|none",
+        help="the scheduler's batch_slice (longest diffusion piece while speech is active) for the 'both' "
+        "phase; more than one: a further 'both' phase per value (with the first first-audio target). "
+        "none: the pipelines' own piece size (pieces still fitted to the time before a deadline)",
+    )
     add("--image-size", type=parse_size, default=None, help="WxH; default: the model's")
     add("--image-steps", type=int, default=None, help="default: the model's")
     add("--image-n", type=int, default=1, help="images per image job")
@@ -853,6 +894,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ]
     except ValueError:
         parser.error("--first-audio-targets takes seconds or none")
+    try:
+        args.batch_slices = [None if t == "none" else float(t) for t in args.batch_slices]
+    except ValueError:
+        parser.error("--batch-slices takes seconds or none")
+    if any(t is not None and not t > 0 for t in args.batch_slices):
+        parser.error("--batch-slices must be positive")
     if args.sessions < 0 or args.image_jobs < 0 or args.video_jobs < 0 or args.image_n < 1:
         parser.error("--sessions, --image-jobs and --video-jobs must be >= 0, --image-n >= 1")
     return args
@@ -918,6 +965,10 @@ def describe_job(stream: JobStream) -> str:
     )
 
 
+def _ms(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds * 1000:g} ms"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -953,8 +1004,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "question spoken)"
             )
         )
-        targets = ", ".join("none" if t is None else f"{t * 1000:g} ms" for t in args.first_audio_targets)
+        targets = ", ".join(_ms(t) for t in args.first_audio_targets)
         print(f"- the speech pipeline's first-audio target (phase 'both' and after): {targets}")
+        slices = ", ".join(_ms(t) for t in args.batch_slices)
+        print(f"- the scheduler's batch slice (phase 'both' and after): {slices}")
     for stream in streams:
         print(f"- {describe_job(stream)}")
     print(
@@ -967,15 +1020,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n## Phases\n")
     print(phase_header(kinds), flush=True)
     phases: list[Phase] = []
-    plan: list[tuple[str, bool, bool, float | None]] = [
-        ("realtime alone", True, False, None),
-        ("diffusion alone", False, True, None),
+    first_target, first_slice = args.first_audio_targets[0], args.batch_slices[0]
+    plan: list[tuple[str, bool, bool, float | None, float | None]] = [
+        ("realtime alone", True, False, first_target, first_slice),
+        ("diffusion alone", False, True, first_target, first_slice),
+        ("both", True, True, first_target, first_slice),
     ]
-    for i, target in enumerate(args.first_audio_targets):
-        label = "none" if target is None else f"{target * 1000:g} ms"
-        plan.append(("both" if i == 0 else f"both, first-audio target {label}", True, True, target))
+    for target in args.first_audio_targets[1:]:
+        plan.append((f"both, first-audio target {_ms(target)}", True, True, target, first_slice))
+    for batch_slice in args.batch_slices[1:]:
+        plan.append((f"both, batch slice {_ms(batch_slice)}", True, True, first_target, batch_slice))
     skipped = []
-    for name, with_speech, with_diffusion, target in plan:
+    for name, with_speech, with_diffusion, target, batch_slice in plan:
         if (with_speech and speech is None) or (with_diffusion and not streams):
             continue
         elapsed = time.perf_counter() - started
@@ -983,7 +1039,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             skipped.append(name)
             continue
         if speech is not None and hasattr(speech, "first_audio_target"):
-            speech.first_audio_target = target if name != "realtime alone" else args.first_audio_targets[0]
+            speech.first_audio_target = target
+        bench.scheduler.batch_slice = batch_slice
         phases.append(bench.run(name, with_speech, with_diffusion))
         print(phase_row(phases[-1], kinds), flush=True)
     by = {p.name: p for p in phases}
