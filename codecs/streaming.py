@@ -21,7 +21,7 @@ bucket the busy count needs; the pool that owns the state copies the rows, ``mov
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +120,23 @@ class SlotAllocator:
 def rope_inv_freq(base: float, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
     """RoPE inverse frequencies, float32, computed as transformers' default rope does."""
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+
+
+def move_row(
+    buffers: Iterable[torch.Tensor], source: int, target: int, max_slots: int, what: str = "slot"
+) -> None:
+    """Copies row ``source`` of every state buffer onto row ``target``, in place on the device,
+    no sync (a pool's ``move``: the stream goes on in ``target`` as it would have in ``source``,
+    which keeps a stale copy until a new stream resets it). ValueError, nothing changed, for
+    slots out of range or equal; ``what`` names the slots in the message."""
+    for slot in (source, target):
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < max_slots:
+            raise ValueError(f"{what} must be an int in [0, {max_slots}), got {slot!r}")
+    if source == target:
+        raise ValueError(f"cannot move {what} {source} onto itself")
+    with torch.no_grad():
+        for buffer in buffers:
+            buffer[target] = buffer[source]
 
 
 def commit(buffer: torch.Tensor, new: torch.Tensor, exec_mask: torch.Tensor) -> None:

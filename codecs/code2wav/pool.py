@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..streaming import move_row
 from .model import Code2WavModel
 from .state import allocate_state, reset_slot
 from .step import code2wav_step
@@ -51,14 +52,7 @@ class Code2WavPool:
         stream goes on in ``target`` as it would have in ``source``. ``source`` keeps a stale copy,
         reset when a new stream takes it. Between steps only. ValueError, nothing changed, for
         slots out of range or equal."""
-        for slot in (source, target):
-            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
-                raise ValueError(f"code2wav slot must be an int in [0, {self.max_slots}), got {slot!r}")
-        if source == target:
-            raise ValueError(f"cannot move code2wav slot {source} onto itself")
-        with torch.no_grad():
-            for tensor in self.state.values():
-                tensor[target] = tensor[source]
+        move_row(self.state.values(), source, target, self.max_slots, "code2wav slot")
 
     @torch.no_grad()
     def step(self, codes: Tensor, exec_mask: Tensor) -> Tensor:

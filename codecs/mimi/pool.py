@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..streaming import move_row
 from .model import StreamingMimi
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -88,14 +89,7 @@ class MimiSlotPool:
         ``source`` (bitwise on CPU; on CUDA at the same batch bucket). ``source`` keeps a stale
         copy, to be reset when a new stream takes it. Between steps only. ValueError, nothing
         changed, for slots out of range or equal."""
-        for slot in (source, target):
-            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
-                raise ValueError(f"slot must be an int in [0, {self.max_slots}), got {slot!r}")
-        if source == target:
-            raise ValueError(f"cannot move slot {source} onto itself")
-        with torch.no_grad():
-            for buffer in self.model.state_buffers().values():
-                buffer[target] = buffer[source]
+        move_row(self.model.state_buffers().values(), source, target, self.max_slots)
 
     def _exec_mask(self, rows: int, exec_mask: torch.Tensor | None) -> torch.Tensor:
         if exec_mask is None:

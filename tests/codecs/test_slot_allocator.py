@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from omnirt.codecs.streaming import SlotAllocator
+import torch
+from omnirt.codecs.streaming import SlotAllocator, move_row
 
 
 def test_lowest_free_slot_first_and_rows_cover_the_busy_ones():
@@ -91,3 +92,16 @@ def test_bad_moves_raise_and_change_nothing():
         with pytest.raises(ValueError, match=match):
             slots.move(source, target)
     assert sorted(slots.free_slots()) == [1, 3] and slots.rows() == 3 and slots.busy() == 2
+
+
+def test_move_row_copies_one_row_of_every_buffer_and_refuses_bad_slots():
+    buffers = [torch.arange(12.0).view(4, 3), torch.arange(8).view(4, 2)]
+    for source, target, match in ((0, 4, r"in \[0, 4\)"), (True, 1, r"in \[0, 4\)"), (-1, 1, r"in \[0, 4\)"),
+                                  (2, 2, "cannot move code2wav slot 2 onto itself")):
+        with pytest.raises(ValueError, match=match):
+            move_row(buffers, source, target, 4, "code2wav slot")
+    assert torch.equal(buffers[0], torch.arange(12.0).view(4, 3))  # nothing changed
+    move_row(buffers, 3, 1, 4)
+    assert buffers[0][1].tolist() == [9.0, 10.0, 11.0] and buffers[1][1].tolist() == [6, 7]
+    assert buffers[0][3].tolist() == [9.0, 10.0, 11.0]  # the source keeps a stale copy
+    assert buffers[0][0].tolist() == [0.0, 1.0, 2.0] and buffers[0][2].tolist() == [6.0, 7.0, 8.0]
