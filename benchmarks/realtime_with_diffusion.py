@@ -698,7 +698,8 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
 
 def calls_table(phases: list[Phase], warm_up: dict[str, dict[CallKey, list[float]]]) -> str:
     lines = [
-        "| phase | pipeline | call | rows | calls | p50 (ms) | p99 (ms) | max (ms) | p50 / 80 ms frame |",
+        "| phase | pipeline | call | rows (speech: prompt passes) | calls | p50 (ms) | p99 (ms) | max (ms) | "
+        "p50 / 80 ms frame |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     sources = [*warm_up.items(), *((p.name, p.calls) for p in phases)]
@@ -706,7 +707,7 @@ def calls_table(phases: list[Phase], warm_up: dict[str, dict[CallKey, list[float
         for (kind, call, rows), times in sorted(calls.items()):
             p50 = float(np.percentile(times, 50))
             lines.append(
-                f"| {name} | {kind} | {call} | {rows if kind != 'speech' else '-'} | {len(times)} | "
+                f"| {name} | {kind} | {call} | {rows if kind != 'speech' or rows else '-'} | {len(times)} | "
                 f"{p50 * 1000:.1f} | "
                 f"{np.percentile(times, 99) * 1000:.1f} | {max(times) * 1000:.1f} | "
                 f"{p50 / FRAME_SECONDS:.2f}x |"
