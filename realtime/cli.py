@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,24 +93,19 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, not {text!r}")
 
 
-def _batch_slice(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 10_000:
-        raise argparse.ArgumentTypeError(f"expected whole milliseconds from 0 to 10000, not {text!r}")
-    return value
+def _milliseconds(most: int) -> Callable[[str], int]:
+    """An argparse type: whole milliseconds from 0 to ``most``."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected whole milliseconds from 0 to {most}, not {text!r}")
+        return value
 
-def _first_audio_target(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 60_000:
-        raise argparse.ArgumentTypeError(f"expected whole milliseconds from 0 to 60000, not {text!r}")
-    return value
+    return parse
 
 
 def _prefill_chunk(text: str) -> int:
@@ -278,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--first-audio-target-ms",
-        type=_first_audio_target,
+        type=_milliseconds(60_000),
         default=ServerConfig.first_audio_target_ms,
         metavar="MS",
         help="while image or video jobs wait, a spoken reply's first audio is due this long after the "
@@ -287,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--batch-slice-ms",
-        type=_batch_slice,
+        type=_milliseconds(10_000),
         default=ServerConfig.batch_slice_ms,
         metavar="MS",
         help="while speech is active, image and video work runs in pieces of at most this long, fitted "
