@@ -332,6 +332,13 @@ def variant_speed() -> list[str]:
                     functools.partial(adaln_modulate_triton, x, scale, shift, eps=1e-6, tree=tree, load=load)
                 )
                 rows.append(f"| adaln {name} tree={tree} load={load} | {ms:.3f} |")
+    for name, b, t, c, mod in (ADALN_SHAPES[1], ADALN_SHAPES[3], ADALN_SHAPES[4], ADALN_SHAPES[-1]):
+        x, scale, shift = adaln_inputs(b, t, c, mod)
+        for warps in (2, 4, 8, 16):
+            fast = functools.partial(
+                adaln_modulate_triton, x, scale, shift, eps=1e-6, preset="fast", warps=warps
+            )
+            rows.append(f"| adaln {name} fast, {warps} warps | {bench(fast):.3f} |")
     return rows
 
 

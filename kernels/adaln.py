@@ -137,8 +137,8 @@ if triton is not None:
         return _combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b, 1)
 
     @triton.jit
-    def _ln_order_stats(src, n, LN_K, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr,
-                        LOAD: tl.constexpr):  # fmt: skip
+    def _ln_order_stats(src, n, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr,
+                        TREE: tl.constexpr, LOAD: tl.constexpr):  # fmt: skip
         """Mean and variance of the row ``src[0:n]`` as ATen's fused layer-norm kernel computes
         them (``reduce_order``): per thread its 4-element vectors ``t, t + 128, ...`` folded
         element by element, then lanes halved within each warp, then the 4 warps."""
@@ -146,7 +146,7 @@ if triton is not None:
         mean = tl.zeros([128], tl.float32)
         m2 = tl.zeros([128], tl.float32)
         count = tl.zeros([128], tl.float32)
-        for step in range(0, LN_K):
+        for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
             first = step * 512 + thread * 4  # [128] each thread's vector
             live = first < n
             if LOAD:
@@ -211,9 +211,10 @@ if triton is not None:
         sx_b, sx_s, so_b, so_s,
         ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c,
         eps, scale_offset,
-        CB: tl.constexpr, CHUNK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
-        HAS_W: tl.constexpr, HAS_B: tl.constexpr, EXACT: tl.constexpr, LN_K,
-        ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr, LOAD: tl.constexpr,
+        CB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
+        HAS_SHIFT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, EXACT: tl.constexpr,
+        LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr,
+        LOAD: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         b = row // S
@@ -225,8 +226,8 @@ if triton is not None:
             # statistics in ATen's order, then the row again chunk by chunk (from cache)
             mean, var = _ln_order_stats(src, n, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD)
             rstd = tl.math.rsqrt(var + eps)
-            for start in range(0, C, CHUNK):
-                c = start + tl.arange(0, CHUNK)
+            for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
+                c = chunk * CHUNK + tl.arange(0, CHUNK)
                 live = c < C
                 x = tl.load(src + c, mask=live, other=0.0).to(tl.float32)
                 y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s,
@@ -243,6 +244,14 @@ if triton is not None:
             y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s, ssc_c,
                           ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
             tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+
+
+def fast_warps(block: int) -> int:
+    """Warps of the ``fast`` kernel for a row padded to ``block`` (the ``exact`` one runs ATen's
+    4: its order is 128 threads'). Measured on the H200 (``benchmarks/kernels.py
+    --variant-speed``, 2026-12-04): 2 warps at 1536 wide (0.054 ms against 0.064 at 4), 4 at 5120
+    (0.211 against 0.309 at 16, the rule before), 4 and 8 alike at 3072."""
+    return 2 if block <= 2048 else (8 if block <= 4096 else 4)
 
 
 def _modulation_strides(m: torch.Tensor | None, x: torch.Tensor) -> tuple[int, int, int]:
@@ -301,6 +310,7 @@ def _launch(
     combine_mean_fma: str | None = None,
     tree: str | None = None,
     load: str | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     batch, seq, width = x.shape
     if preset == "exact" and x.data_ptr() % 16:
@@ -322,13 +332,14 @@ def _launch(
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         *ssc, *ssh,
         eps, scale_offset,
-        CB=block, CHUNK=min(block, 1024), HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
+        CB=block, CHUNK=min(block, 1024), CHUNKS=triton.cdiv(width, min(block, 1024)),
+        HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
         HAS_W=weight is not None, HAS_B=bias is not None, EXACT=preset == "exact",
         LN_K=triton.cdiv(width, LN_THREADS * LN_VEC),
         ONLINE_FMA=ONLINE_FMA if online_fma is None else online_fma,
         MEAN_FMA=_COMBINE_MEAN_FMAS.index(combine_mean_fma or COMBINE_MEAN_FMA),
         TREE=("split", "reduce").index(tree or TREE), LOAD=("items", "tile").index(load or LOAD),
-        num_warps=4 if preset == "exact" or block <= 2048 else (8 if block <= 4096 else 16),
+        num_warps=4 if preset == "exact" else warps or fast_warps(block),
         enable_fp_fusion=preset != "exact",
     )  # fmt: skip
     return out
