@@ -88,6 +88,7 @@ import gc
 import logging
 import math
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -143,14 +144,81 @@ DIT_GOAL_MS = 70.0
 CallKey = tuple[str, str, int]  # (pipeline kind, call, rows)
 
 
+@dataclass(frozen=True)
+class Beside:
+    """What else happened during one step: the garbage collector's pauses, the caching
+    allocator's ``cudaMalloc`` calls and retries (a retry frees every cached block), the
+    engine thread's own CPU time, and whether a PNG or MP4 was being encoded on a media thread."""
+
+    gc_s: float = 0.0
+    device_allocs: int = 0
+    alloc_retries: int = 0
+    cpu_s: float = 0.0
+    encoding: bool = False
+
+
+class Probe:
+    """Counters read before and after each step (:class:`Beside`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.gc_s = 0.0
+        self._gc_start: float | None = None
+        self._lock = threading.Lock()
+        self.encoding = 0  # encodes under way
+        self.encodes = 0  # encodes started or ended so far
+        gc.callbacks.append(self._gc)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_s += time.perf_counter() - self._gc_start
+            self._gc_start = None
+
+    def encode(self, delta: int) -> None:
+        with self._lock:
+            self.encoding += delta
+            self.encodes += 1
+
+    def snapshot(self) -> tuple[float, int, int, float, int, int]:
+        allocs = retries = 0
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            allocs, retries = stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+        return self.gc_s, allocs, retries, time.thread_time(), self.encodes, self.encoding
+
+    def since(self, before: tuple[float, int, int, float, int, int]) -> Beside:
+        now = self.snapshot()
+        return Beside(
+            gc_s=now[0] - before[0],
+            device_allocs=now[1] - before[1],
+            alloc_retries=now[2] - before[2],
+            cpu_s=now[3] - before[3],
+            encoding=bool(before[5] or now[5] or now[4] != before[4]),
+        )
+
+
 class TimedPipeline:
     """A pipeline as the scheduler sees it, with each ``step`` timed (synchronised on CUDA, so a
     step's time is its own) and named by the call it runs. Everything else is the pipeline's."""
 
-    def __init__(self, pipeline: Any, device: torch.device, record: Callable[[CallKey, float], None]) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        device: torch.device,
+        record: Callable[[CallKey, float, Beside | None], None],
+        probe: Probe | None = None,
+    ) -> None:
         self._pipeline = pipeline
         self._device = device
         self._record = record
+        self._probe = probe
+        #: What happened beside the last step (with a probe).
+        self.last_beside: Beside | None = None
         #: ``time.monotonic()`` at the start and end of the last step (the pipelines' clock).
         self.last_step: tuple[float, float] | None = None
         #: Whether the last step read part of a prompt (a new turn's prompt pass).
@@ -164,16 +232,19 @@ class TimedPipeline:
         # Diffusion steps by call and rows; every speech step is one "tick" (all its sessions).
         call, rows = (p.next_call() or ("idle", 0)) if isinstance(p, DiffusionPipeline) else ("tick", 0)
         prompts = _prompt_passes(p)
+        before = self._probe.snapshot() if self._probe is not None else None
         t0, m0 = time.perf_counter(), time.monotonic()
         out = p.step()
         _sync(self._device)
         seconds = time.perf_counter() - t0
         self.last_step = (m0, time.monotonic())
+        if self._probe is not None and before is not None:
+            self.last_beside = self._probe.since(before)
         passes = _prompt_passes(p) - prompts
         self.last_read_prompt = passes > 0
         if passes:  # a speech tick that read prompts: by the prompt passes it ran (each model's)
             call, rows = "tick with prompt passes", passes
-        self._record((p.kind, call, rows), seconds)
+        self._record((p.kind, call, rows), seconds, self.last_beside)
         return out
 
 
@@ -285,6 +356,8 @@ class Phase:
     calls: dict[CallKey, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: Counter[str] = field(default_factory=Counter)
     peak_gib: float | None = None
+    #: Every step of the window: its call, its time and what happened beside it.
+    beside: list[tuple[CallKey, float, Beside]] = field(default_factory=list)
 
     def rate(self, counts: Counter[str], kind: str) -> float | None:
         return counts[kind] / self.window_s if self.window_s else None
@@ -325,13 +398,18 @@ class Bench:
         #: Calls of the jobs run before the phases ("first job", "second job").
         self.warm_up: dict[str, dict[CallKey, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.recording: dict[CallKey, list[float]] | None = None
+        self.recording_beside: list[tuple[CallKey, float, Beside]] | None = None
+        self.probe = Probe(self.device)
         pipelines: list[Pipeline[Any, Any]] = []
         self.timed_speech: TimedPipeline | None = None
         if speech is not None:
             self.counter = FrameCounter(speech)
-            self.timed_speech = TimedPipeline(speech, self.device, self._record)
+            self.timed_speech = TimedPipeline(speech, self.device, self._record, self.probe)
             pipelines.append(self.timed_speech)  # type: ignore[arg-type]
-        pipelines += [TimedPipeline(s.pipeline, self.device, self._record) for s in streams]  # type: ignore[misc]
+        pipelines += [
+            TimedPipeline(s.pipeline, self.device, self._record, self.probe)  # type: ignore[misc]
+            for s in streams
+        ]
         self.scheduler = Scheduler(pipelines)
         self.turn_seq = 0
         self._time_media_encoding()
@@ -347,16 +425,22 @@ class Bench:
 
             def timed(*a: Any, _original: Callable[..., Any] = original, _kind: str = kind, **kw: Any) -> Any:
                 t0 = time.perf_counter()
-                result = _original(*a, **kw)
+                self.probe.encode(+1)
+                try:
+                    result = _original(*a, **kw)
+                finally:
+                    self.probe.encode(-1)
                 label = "decode: png" if _kind == "image" else "decode: mp4"
                 self._record((_kind, label, 1), time.perf_counter() - t0)
                 return result
 
             setattr(runtime, name, timed)
 
-    def _record(self, key: CallKey, seconds: float) -> None:
+    def _record(self, key: CallKey, seconds: float, beside: Beside | None = None) -> None:
         if self.recording is not None:
             self.recording[key].append(seconds)
+            if beside is not None and self.recording_beside is not None:
+                self.recording_beside.append((key, seconds, beside))
 
     def _turn(self, session: Speaker) -> GenerationRequest:
         self.turn_seq += 1
@@ -426,7 +510,7 @@ class Bench:
                 )
                 break
             if stage == "window" and now - window_start >= args.seconds:
-                stage, window_end, self.recording = "tail", now, None
+                stage, window_end, self.recording, self.recording_beside = "tail", now, None, None
             if stage == "tail" and not any(s.request_id and s.in_window and not s.heard for s in sessions):
                 break
             for s in sessions:
@@ -496,9 +580,9 @@ class Bench:
                         phase.frame_latency_plain.append(latency)
             if stage == "ramp" and all(s.ever_heard for s in sessions) and all(s.progressed for s in streams):
                 stage, window_start, phase.ramp_s = "window", t1, t1 - begin
-                self.recording = phase.calls
+                self.recording, self.recording_beside = phase.calls, phase.beside
             tick += 1
-        self.recording = None
+        self.recording = self.recording_beside = None
         phase.window_s = window_end - window_start if phase.ramp_s is not None else 0.0
         if self.device.type == "cuda":
             phase.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -711,6 +795,36 @@ def calls_table(phases: list[Phase], warm_up: dict[str, dict[CallKey, list[float
                 f"{p50 * 1000:.1f} | "
                 f"{np.percentile(times, 99) * 1000:.1f} | {max(times) * 1000:.1f} | "
                 f"{p50 / FRAME_SECONDS:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def beside_table(phases: list[Phase]) -> str:
+    """The window's steps by pipeline, by kind of step (speech: with or without prompt passes;
+    diffusion: every call) and by whether a PNG or MP4 was being encoded during them: their
+    times, the engine thread's CPU time in them, garbage-collector pauses and ``cudaMalloc`` calls
+    and allocator retries inside them."""
+    lines = [
+        "| phase | pipeline | steps | beside an encode | n | p50 / p99 / max (ms) | "
+        "engine CPU p50 / p99 (ms) | with a GC pause: n, total / max (ms) | cudaMalloc calls | "
+        "allocator retries |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in phases:
+        groups: dict[tuple[str, str, bool], list[tuple[float, Beside]]] = defaultdict(list)
+        for (kind, call, _), seconds, beside in p.beside:
+            steps = call if kind == "speech" else "every call"
+            groups[kind, steps, beside.encoding].append((seconds, beside))
+        for (kind, steps, encoding), rows in sorted(groups.items()):
+            t = np.array([r[0] for r in rows]) * 1000
+            cpu = np.array([r[1].cpu_s for r in rows]) * 1000
+            gcs = [r[1].gc_s * 1000 for r in rows if r[1].gc_s > 0]
+            lines.append(
+                f"| {p.name} | {kind} | {steps} | {'yes' if encoding else 'no'} | {len(rows)} | "
+                f"{np.percentile(t, 50):.1f} / {np.percentile(t, 99):.1f} / {t.max():.1f} | "
+                f"{np.percentile(cpu, 50):.1f} / {np.percentile(cpu, 99):.1f} | "
+                f"{len(gcs)}, {sum(gcs):.1f} / {max(gcs, default=0.0):.1f} | "
+                f"{sum(r[1].device_allocs for r in rows)} | {sum(r[1].alloc_retries for r in rows)} |"
             )
     return "\n".join(lines)
 
@@ -1062,6 +1176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for line in budget_lines(phases):
         print(line)
+
+    print("\n## What ran beside each step\n")
+    print(beside_table(phases))
+    bench.probe.close()
 
     print("\n## Start-up and request-time warm-up\n")
     for line in warm_up_lines(bench, first_jobs, builds):

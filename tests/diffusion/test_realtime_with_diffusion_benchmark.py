@@ -14,7 +14,7 @@ from tests.scripts import benchmark_module
 
 def _row(out: str, phase: str) -> list[str]:
     line = next(line for line in out.splitlines() if line.startswith(f"| {phase} |"))
-    return [cell.strip() for cell in line.strip("|").split("|")]
+    return _cells(line)
 
 
 def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,3 +39,48 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
         row = dict(zip(cells, _row(out, phase), strict=True))
         assert float(row["image steps/s"]) > 0 and float(row["video steps/s"]) > 0, row
     assert "goal realtime p99:" in out and "goal diffusion throughput:" in out
+    beside = out.split("## What ran beside each step", 1)[1]
+    rows = [_cells(line) for line in beside.splitlines() if line.startswith("| both |")]
+    assert {r[1] for r in rows} == {"speech", "image", "video"}, rows
+    assert all(int(r[4]) > 0 for r in rows), rows
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_the_probe_sees_collector_pauses_cpu_time_and_encodes_beside_a_step() -> None:
+    import gc
+    import threading
+
+    import torch
+
+    with benchmark_module("realtime_with_diffusion.py", "realtime_with_diffusion_probe") as bench:
+        probe = bench.Probe(torch.device("cpu"))
+        try:
+            quiet = probe.since(probe.snapshot())
+            assert quiet == bench.Beside(cpu_s=quiet.cpu_s) and not quiet.encoding
+            before = probe.snapshot()
+            gc.collect()
+            sum(i * i for i in range(200_000))  # engine CPU time
+            seen = probe.since(before)
+            assert seen.gc_s > 0 and seen.cpu_s > 0 and not seen.encoding
+            started, release = threading.Event(), threading.Event()
+
+            def encode() -> None:
+                probe.encode(+1)
+                started.set()
+                release.wait(5)
+                probe.encode(-1)
+
+            worker = threading.Thread(target=encode)
+            worker.start()
+            started.wait(5)
+            assert probe.since(probe.snapshot()).encoding  # under way through the step
+            before = probe.snapshot()
+            release.set()
+            worker.join(5)
+            assert probe.since(before).encoding  # ended during the step
+            assert not probe.since(probe.snapshot()).encoding
+        finally:
+            probe.close()
