@@ -28,7 +28,7 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
     from omnirt.kernels import settings as kernel_settings
     from omnirt.sessions.voices import VoiceCatalog
     from omnirt.stages.engine import Engine, EngineClient
-    from omnirt.stages.factory import build_pipelines
+    from omnirt.stages.factory import build_pipelines, configure_host_threads
 
     from .app import create_app
 
@@ -56,6 +56,7 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
     except ValueError as exc:
         raise BuildError(f"step cache: {exc}") from exc
     _configure_speech(pipelines, config)
+    configure_host_threads(pipelines)
     info = pipelines[0].info
     try:
         voices = VoiceCatalog.for_model(tuple(info.voices), config.voice_aliases)
@@ -82,10 +83,13 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
 
 
 def _configure_speech(pipelines: Sequence[object], config: ServerConfig) -> None:
-    """The speech pipeline's first-audio deadline (``SpeechPipeline.next_deadline``)."""
+    """The speech pipeline's first-audio deadline (``SpeechPipeline.next_deadline``) and whether
+    it reads prompts in ticks of their own (``SpeechPipeline.prompt_ticks``)."""
     for pipeline in pipelines:
         if hasattr(pipeline, "first_audio_target"):
             pipeline.first_audio_target = config.first_audio_target_ms / 1000
+        if hasattr(pipeline, "prompt_ticks"):
+            pipeline.prompt_ticks = config.prompt_ticks
 
 
 def _configure_step_caches(pipelines: Sequence[object], config: ServerConfig) -> None:

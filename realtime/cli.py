@@ -281,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
         "that is playing always keeps ahead of its playback. 0: first audio before any diffusion step",
     )
     serve.add_argument(
+        "--prompt-ticks",
+        action="store_true",
+        help="read a new turn's prompt in a speech tick of its own while other replies make frames "
+        "(their frame step is not lengthened by it); off: in the frame ticks. Experimental: see "
+        "docs/benchmarks.md (issue 10)",
+    )
+    serve.add_argument(
         "--batch-slice-ms",
         type=_milliseconds(10_000),
         default=ServerConfig.batch_slice_ms,
@@ -482,6 +489,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         prefill_chunk=args.prefill_chunk,
         prefix_cache=not args.no_prefix_cache,
         first_audio_target_ms=args.first_audio_target_ms,
+        prompt_ticks=args.prompt_ticks,
         batch_slice_ms=args.batch_slice_ms,
         fused_kernels=args.fused_kernels,
         vae_fast=args.vae_fast,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,3 +297,20 @@ def build_pipelines(
         if built is not None:
             pipelines.append(built)
     return pipelines
+
+
+def configure_host_threads(pipelines: Sequence[Any]) -> None:
+    """On CUDA, torch's CPU ops (the few a prompt pass runs on the host) get one thread unless
+    ``OMP_NUM_THREADS`` says otherwise: with a pool of one per core, each such op waits for
+    every pool thread, and while a PNG or MP4 is encoded beside the engine (libx264 starts about
+    1.5 threads a core) some are always descheduled: prompt ticks took 4x as long on the H200
+    (docs/benchmarks.md, issue 10). On CPU the models' own work needs the pool."""
+    import torch
+
+    def device(p: Any) -> Any:
+        return getattr(p, "device", None) or getattr(getattr(p, "denoiser", None), "device", None)
+
+    on_cuda = any(getattr(device(p), "type", None) == "cuda" for p in pipelines)
+    if on_cuda and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() != 1:
+        log.info("torch CPU threads: 1 (was %d; the models run on CUDA)", torch.get_num_threads())
+        torch.set_num_threads(1)

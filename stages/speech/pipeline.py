@@ -112,6 +112,8 @@ log = logging.getLogger(__name__)
 FIRST_AUDIO_TARGET = 0.25
 #: Ticks from admission to first audio assumed before any was measured.
 FIRST_AUDIO_TICKS = 4.0
+#: Ticks in a row a prompt may wait for frames that are due (:meth:`SpeechPipeline._tick_kind`).
+MAX_PROMPT_DEFERRALS = 4
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class SpeechPipeline:
         tool_call_budget: int = 1024,
         playback_margin: float = 0.15,
         first_audio_target: float | None = FIRST_AUDIO_TARGET,
+        prompt_ticks: bool = False,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -253,6 +256,17 @@ class SpeechPipeline:
         self.first_audio_target = first_audio_target
         #: Ticks from admission to first audio (moving average): how many a waiting reply still needs.
         self.first_audio_ticks = StepTimer()
+        #: Inline prompt passes in ticks of their own while other replies make frames
+        #: (:meth:`_tick_kind`): on CUDA a frame step is a few graph replays and a prompt pass in
+        #: it would double it. Off by default (``omnirt serve --prompt-ticks``): beside diffusion
+        #: on an H200 it kept the frame p99 within 10% of speech alone but left more audio late.
+        self.prompt_ticks = prompt_ticks
+        #: Seconds of a tick that reads prompts only (moving average).
+        self.prompt_timer = StepTimer()
+        #: Ticks in a row that left the prompts waiting for frames that were due, and when the
+        #: first of them began (the prompts are due since).
+        self._prompts_deferred = 0
+        self._prompt_due = 0.0
 
     # -- graphs and warm-up ------------------------------------------------------------------------
     @property
@@ -351,9 +365,13 @@ class SpeechPipeline:
           (None: at once; the scheduler then runs a batch step between two ticks).
 
         The earliest of these; None as soon as one reply asks for at once, or when every reply's
-        audio is made (finish them now). Held replies are ignored. The pipeline ``runs_early``:
-        with no batch work waiting the scheduler steps it at once, so replies come as fast as the
-        model can make them; the deadlines only say how long batch work may hold it back."""
+        audio is made (finish them now); already passed when the last tick left a prompt waiting
+        for frames that were due (:meth:`_tick_kind`: it is read in the time they made). Held
+        replies are ignored. The pipeline ``runs_early``: with no batch work waiting the
+        scheduler steps it at once, so replies come as fast as the model can make them; the
+        deadlines only say how long batch work may hold it back."""
+        if self._prompts_deferred:
+            return self._prompt_due  # a prompt left waiting for the frames: read at once after them
         earliest = math.inf
         cost = self.step_timer.seconds
         for a in self._active.values():
@@ -465,14 +483,16 @@ class SpeechPipeline:
         phase = self.phases.begin
         phase("prompts")
         out: list[tuple[str, Output]] = []
+        kind = self._tick_kind()
         for a in self._active.values():
             a.ticks += not a.held
         self._retired.clear()  # prefill results the last tick loaded: its sync has passed
         # 1. start new prompts' prefills, load the finished ones; 2. a thinker token for every
         # prefilled request, the new ones included (their first token is fed at once, so their
-        # talker can take its first step in this tick).
+        # talker can take its first step in this tick), unless this tick reads prompts only.
         busy = any(a.prefilled and not a.thinker_done and not a.held for a in self._active.values())
-        first_tokens = self._take_prefills(out, idle=not busy)
+        first_tokens, read = self._take_prefills(out, idle=not busy) if kind != "frames" else ([], 0)
+        prompts_only = kind == "prompts" and bool(read or first_tokens)
         phase("thinker")
         # A grammar's next mask needs the first token on the host: those rows decode next tick.
         waiting = {id(a) for a, _ in first_tokens if isinstance(a.constraint, GrammarConstraint)}
@@ -480,19 +500,28 @@ class SpeechPipeline:
             a
             for a in self._active.values()
             if a.prefilled and not a.thinker_done and not a.held and id(a) not in waiting
-        ]
+        ] if not prompts_only else []
         tokens = None
         if decoding:
             tokens = self._batched(decoding, out, "thinker decode", self._thinker_step)
         phase("tokens")
-        # 3. the new tokens on the host (one sync), then the talker.
+        # 3. the new tokens on the host (one sync), with the first code each new talker drew
+        # (its prompt pass's: it may be the end of speech), then the talker.
         drawn: list[tuple[Turn, int]] = []
         if first_tokens or tokens is not None:
             parts = [torch.stack([t for _, t in first_tokens])] if first_tokens else []
-            host = torch.cat([*parts, *([tokens] if tokens is not None else [])]).tolist()
+            parts += [tokens] if tokens is not None else []
+            talkers = [a for a, _ in first_tokens if a.talker is not None]
+            if talkers:
+                parts.append(self.talker.next_code[[a.slot for a in talkers]].to(parts[0].dtype))
+            host = torch.cat(parts).tolist()
             drawn += [(a, v) for (a, _), v in zip(first_tokens, host, strict=False)]
             if tokens is not None:
                 drawn += [(a, host[len(first_tokens) + a.slot]) for a in decoding]
+            for a, code in zip(talkers, host[len(host) - len(talkers) :], strict=True):
+                assert a.talker is not None
+                a.talker.next_code = code
+                self._check_code(a)
         texts = []
         for a, tok in drawn:  # a new request's first token before its second
             if a.request.request_id in self._active and not a.thinker_done:
@@ -500,7 +529,7 @@ class SpeechPipeline:
         phase("talker")
         frames = None
         talking: list[Turn] = []
-        if self.has_talker:
+        if self.has_talker and not prompts_only:
             talking = [a for a in self._active.values() if self._talker_ready(a)]
             if talking:
                 frames = self._batched(talking, out, "talker step", self._talker_step)
@@ -512,7 +541,7 @@ class SpeechPipeline:
         for active in {id(a): a for a, _, _ in texts}.values():
             if isinstance(active.constraint, GrammarConstraint) and not active.thinker_done:
                 self._guard(active, out, self._next_mask, active)
-        if self.has_talker:
+        if self.has_talker and not prompts_only:
             phase("frames")
             self._take_frames(talking if frames is not None else [])
             phase("audio")
@@ -522,8 +551,47 @@ class SpeechPipeline:
             if active.thinker_done and (active.talker is None or active.talker.done):
                 self._finish(active, out)
         self.phases.end()
-        self.step_timer.record(time.perf_counter() - t0)
+        (self.prompt_timer if prompts_only else self.step_timer).record(time.perf_counter() - t0)
         return out
+
+    def _tick_kind(self) -> str:
+        """What this tick does: ``"both"`` (read prompts, then a frame for every reply),
+        ``"prompts"`` (read prompts only) or ``"frames"`` (leave the prompts for the next tick).
+
+        Inline (``prompt_ticks``), a prompt pass costs a few frame steps; in the tick of the
+        frames it would delay every other reply's frame by that much. So while other replies
+        are under way a tick reads prompts only, where their audio lasts until the prompt tick
+        (``prompt_timer``) has ended and their next frame step is due (:meth:`next_deadline`);
+        otherwise it makes their frames first and reads the prompts at once after them (at most
+        ``MAX_PROMPT_DEFERRALS`` ticks in a row). With nothing else under way, or on the prefill
+        worker (prompts beside the steps), both in one tick."""
+        active = self._active.values()
+        if not self.prompt_ticks or self.reader.prefiller.worker is not None:
+            return "both"
+        if all(a.prefilled for a in active):
+            self._prompts_deferred = 0
+            return "both"
+        others = [
+            a
+            for a in active
+            if a.prefilled and not a.held and not (a.thinker_done and (a.talker is None or a.talker.done))
+        ]
+        if not others:
+            return "both"
+        dry = [
+            a.audio_started + a.audio_seconds
+            for a in others
+            if a.audio_started is not None and a.talker is not None and not a.talker.done
+        ]
+        due = min(dry, default=math.inf) - self.step_timer.seconds - self.playback_margin
+        fits = time.monotonic() + self.prompt_timer.seconds <= due
+        if fits or self._prompts_deferred >= MAX_PROMPT_DEFERRALS:
+            self._prompts_deferred = 0
+            return "prompts"
+        if not self._prompts_deferred:
+            self._prompt_due = time.monotonic()
+        self._prompts_deferred += 1
+        return "frames"
 
     def _batched(self, rows: list[Turn], out: list[tuple[str, Output]], what: str, fn: Any) -> Any:
         """Runs one batched step; a failure fails its rows, not the engine."""
@@ -541,20 +609,24 @@ class SpeechPipeline:
         return next(b for b in self._buckets if b >= rows)
 
     # -- thinker ------------------------------------------------------------------------------------
-    def _take_prefills(self, out: list[tuple[str, Output]], idle: bool) -> list[tuple[Turn, torch.Tensor]]:
+    def _take_prefills(
+        self, out: list[tuple[str, Output]], idle: bool
+    ) -> tuple[list[tuple[Turn, torch.Tensor]], int]:
         """Starts the prefill of every new request (after the prefix it reuses, copied into its
         slots) and loads those that are done; returns their first tokens (on the device).
         Inline (the default), the ``prefills_per_step`` prompts with the fewest pieces left each
         read one piece here (``prefill_chunk`` tokens of a pass; a short prompt's two passes in
         one tick); on the prefill worker they run whole beside the decode steps, which never
-        wait for them, except on a tick with nothing else to do."""
+        wait for them, except on a tick with nothing else to do. Also returns how many prompts
+        read a piece in this tick (inline)."""
         for active in self._active.values():
             if active.job is None:
                 self.reader.start(active, self._active.values())
         pending = [a for a in self._active.values() if a.job is not None and not a.prefilled]
+        read = 0
         if self.reader.prefiller.worker is None:
             reading = [a for a in pending if not a.job.done()]  # type: ignore[union-attr]
-            self.reader.advance(reading, self._active.values())
+            read = self.reader.advance(reading, self._active.values())
         elif idle and pending and not any(a.job.done() for a in pending):  # type: ignore[union-attr]
             futures.wait([a.job.future for a in pending], timeout=0.1, return_when=futures.FIRST_COMPLETED)  # type: ignore[union-attr]
         first = []
@@ -563,7 +635,7 @@ class SpeechPipeline:
                 token = self._guard(active, out, self._load_prefill, active, out)
                 if token is not None:
                     first.append((active, token))
-        return first
+        return first, read
 
     def _load_prefill(self, active: Turn, out: list[tuple[str, Output]]) -> torch.Tensor:
         """Loads a finished prefill into the request's slots (engine thread, stream order)."""

@@ -87,14 +87,14 @@ class PromptReader:
         self.prompt_tokens["read"] += turn.prompt.length - reused[0]
         turn.job = self.prefiller.start(turn.slot, turn.prompt, speaker, mask, reused)
 
-    def advance(self, reading: Sequence[Turn], turns: Collection[Turn]) -> None:
+    def advance(self, reading: Sequence[Turn], turns: Collection[Turn]) -> int:
         """Inline prefill, one tick: the ``prefills_per_step`` prompts of ``reading`` with the
         fewest pieces left (the oldest first among equals) each read one more (the first pieces
         of new prompts in one batched pass of the thinker, then of the talker), so a short turn
         never queues behind long prompts. A long prompt (more than one tick left) waits while a
         turn is being read or a reply of ``turns`` awaits its first audio, the latency-critical
         ticks of the other sessions, for at most ``long_prefill_wait`` ticks in a row; then it
-        reads its piece anyway."""
+        reads its piece anyway. Returns how many prompts read a piece."""
         jobs = sorted(reading, key=lambda t: t.job.ticks_left)  # type: ignore[union-attr]
         lanes = self.prefills_per_step
         critical = any(
@@ -117,6 +117,7 @@ class PromptReader:
             chosen.append(job)
         self.prefiller.advance(chosen)  # the first pieces of a pass in one batched pass
         self._long_waits = self._long_waits + 1 if waited else 0
+        return len(chosen)
 
     def held(self, turn: Turn, fed: int = 0) -> Prefix | None:
         """What the turn's slots hold once its prompt is read: the prompt and its first ``fed``

@@ -114,5 +114,55 @@ def test_the_servers_first_audio_target_reaches_the_speech_pipeline(demo_dir: Pa
 
     speech = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=8)
     other = JobPipeline(RealClock())
-    _configure_speech([speech, other], ServerConfig(first_audio_target_ms=400))
+    _configure_speech([speech, other], ServerConfig(first_audio_target_ms=400, prompt_ticks=True))
     assert speech.first_audio_target == 0.4 and not hasattr(other, "first_audio_target")
+    assert speech.prompt_ticks is True
+
+
+def test_a_prompt_left_for_due_frames_runs_before_any_batch_step(demo_dir: Path) -> None:
+    """With prompt ticks, a tick whose frames were due leaves the new prompt for the next tick and
+    says it is due now: the scheduler fits no batch step between the two (it used to say "no
+    deadline", and one batch step of any length ran there)."""
+    speech = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=60)
+    speech.prompt_ticks = True
+    jobs = _Jobs(cost=0.0, says=0.001)
+    s = Scheduler([speech, jobs], starvation_limit=1e6)
+    _enqueue(s, audio_request("a", tone(1.0), max_output_tokens=16))
+    _until(s, _heard("a"))
+    _enqueue(s, JobRequest("job", steps=100_000))
+    a = speech._active["a"]
+    a.audio_started = time.monotonic() - a.audio_seconds  # a's audio runs out now
+    _enqueue(s, audio_request("b", tone(1.0, seed=1), max_output_tokens=8))
+    batch_before = len(jobs.stepped_at)
+    out = s.tick()  # b admitted; a's frame first
+    assert "b" in speech._active and not [o for r, o in out if r == "b"]
+    assert len(jobs.stepped_at) == batch_before  # nothing fitted before the prompt
+    assert s.next_due() is not None and s.next_due() <= s.clock()
+    a.audio_started = time.monotonic() + 60.0 - a.audio_seconds  # the frames made room
+    out = s.tick()
+    assert any(r == "b" for r, _ in out) and speech._active["b"].prefilled
+    s.remove_all()
+
+
+def test_torch_gets_one_cpu_thread_when_the_models_run_on_cuda(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import types
+
+    import torch
+    from omnirt.stages.factory import configure_host_threads
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cuda = types.SimpleNamespace(denoiser=types.SimpleNamespace(device=torch.device("cuda")))
+    cpu = types.SimpleNamespace(device=torch.device("cpu"))
+    try:
+        torch.set_num_threads(2)
+        configure_host_threads([cpu])
+        assert torch.get_num_threads() == 2  # the models' own work needs the pool
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        configure_host_threads([cpu, cuda])
+        assert torch.get_num_threads() == 2  # the operator's word
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        configure_host_threads([cpu, cuda])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
