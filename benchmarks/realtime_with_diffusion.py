@@ -39,8 +39,11 @@ Measured per phase (window only):
 - **tick p50/p99**: wall time of the scheduler ticks in which a talker frame was produced: the
   speech step and the batch steps that ran after it in the same tick, before the next deadline
   (the frame time of the runs before 2026-12-03, when one batch step followed each speech step);
-- **first audio p50/p99**: from a turn's ``prepare`` to the end of the tick that returned its
-  first ``AudioDelta`` (turns started in the window);
+- **first audio p50/p99**: from a turn's ``prepare`` to the end of the step that made its first
+  ``AudioDelta`` (turns started in the window). Outputs count from the end of their own step, as
+  the engine hands them out (``Scheduler.tick(deliver)``), not from the end of the tick: before
+  2026-12-04 the engine held a speech step's audio until the batch steps after it in the same
+  tick had run, and the benchmark timed it so;
 - **audio late p99 / late deltas**: what a listener hears. Each reply plays from ``--player-delay``
   (0.2 s) after its first ``AudioDelta`` on at real time, so every later delta is due when the
   audio before it has played; its lateness is how long after that it arrived (0 when early). Late
@@ -106,6 +109,7 @@ from omnirt.stages.diffusion.types import (
     Progress,
     VideoRequest,
 )
+from omnirt.stages.factory import configure_host_threads
 from omnirt.stages.pipeline import Pipeline, RequestRejected
 from omnirt.stages.scheduler import Scheduler
 from omnirt.stages.types import (
@@ -131,6 +135,9 @@ from speech_capacity import (  # noqa: E402  (a sibling script, not a package)
 )
 
 log = logging.getLogger("realtime_with_diffusion")
+
+#: Phase-name suffixes of --compare-prompt-ticks, by the speech pipeline's prompt_ticks setting.
+OTHER_TICKS = {True: "prompt ticks", False: "prompts in frame ticks"}
 
 #: Goals of issue 10.
 P99_GROWTH_GOAL = 0.10
@@ -534,7 +541,8 @@ class Bench:
                 due = min(due, time.monotonic() if deadline is None else deadline)
             stepped = self.timed_speech.last_step if n else None
             t0 = time.perf_counter()
-            outs = scheduler.tick()
+            outs: list[tuple[float, str, Any]] = []  # each output with when its step ended
+            scheduler.tick(lambda rid, out, got=outs: got.append((time.perf_counter(), rid, out)))
             _sync(self.device)
             t1 = time.perf_counter()
             step = self.timed_speech.last_step if n else None
@@ -543,18 +551,18 @@ class Bench:
                 ready = stepped[1] if stepped is not None else -math.inf  # the step before it ended
                 latency, due = step[1] - max(ready, min(step[0], due)), math.inf
             frames = 0
-            for rid, out in outs:
+            for at, rid, out in outs:
                 if (s := owner.get(rid)) is not None and s.request_id == rid:
                     if isinstance(out, AudioDelta):
                         frames += out.frames
-                        start, played = playback.get(rid, (t1, 0.0))
+                        start, played = playback.get(rid, (at, 0.0))
                         if stage == "window":
-                            phase.audio_late.append(max(0.0, t1 - (start + args.player_delay + played)))
+                            phase.audio_late.append(max(0.0, at - (start + args.player_delay + played)))
                         playback[rid] = (start, played + len(out.pcm) / SAMPLE_RATE)
                         if not s.heard:
                             s.heard = s.ever_heard = True
                             if s.in_window:
-                                phase.first_audio.append(t1 - s.added_at)
+                                phase.first_audio.append(at - s.added_at)
                     elif isinstance(out, Finished):
                         if out.reason == "error":
                             phase.errors[f"speech: {out.error}"] += 1
@@ -562,10 +570,10 @@ class Bench:
                             phase.turns_done += 1
                         s.request_id = None
                         if not args.back_to_back:  # the reply is heard out, then the next question
-                            start, played = playback.get(rid, (t1, 0.0))
-                            resume[s.index] = max(t1, start + played) + args.audio_seconds
+                            start, played = playback.get(rid, (at, 0.0))
+                            resume[s.index] = max(at, start + played) + args.audio_seconds
                 elif (stream := stream_of.get(rid)) is not None:
-                    self._diffusion_output(phase, stream, rid, out, stage == "window", t1)
+                    self._diffusion_output(phase, stream, rid, out, stage == "window", at)
             if n:  # talker frames as speech_capacity counts them: at the vocoder, else audio deltas
                 counted = sum(self.counter.take().values())
                 if self.counter.exact and frames and not counted and not self.counter.ever:
@@ -750,6 +758,18 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
             f"| realtime frame p99, steps reading no prompt (ms) | {ms(a)} | {ms(b)} | {pct(change(a, b))} "
             "| - | - |"
         )
+        for label in OTHER_TICKS.values():
+            other_rt, other_both = (by.get(f"{n}, {label}") for n in ("realtime alone", "both"))
+            if other_rt is not None and other_both is not None:
+                a, b = other_rt.frame_p(99), other_both.frame_p(99)
+                lines.append(
+                    f"| realtime frame p99, {label} (ms) | {ms(a)} | {ms(b)} | {pct(change(a, b))} | - | - |"
+                )
+                late_a, late_b = other_rt.late_deltas, other_both.late_deltas
+                lines.append(
+                    f"| realtime late deltas, {label} | {late_a} of {len(other_rt.audio_late)} | "
+                    f"{late_b} of {len(other_both.audio_late)} | - | - | - |"
+                )
         for q in (50, 99):
             a, b = alone_rt.first_audio_p(q), both.first_audio_p(q)
             lines.append(
@@ -982,6 +1002,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "phase; more than one: a further 'both' phase per value (with the first first-audio target). "
         "none: the pipelines' own piece size (pieces still fitted to the time before a deadline)",
     )
+    add(
+        "--prompt-ticks",
+        action="store_true",
+        help="the speech pipeline reads prompts in ticks of their own while replies make frames "
+        "(omnirt serve --prompt-ticks; off: in the frame ticks, the server's default)",
+    )
+    add(
+        "--compare-prompt-ticks",
+        action="store_true",
+        help="also 'realtime alone' and 'both' with the other --prompt-ticks setting",
+    )
     add("--image-size", type=parse_size, default=None, help="WxH; default: the model's")
     add("--image-steps", type=int, default=None, help="default: the model's")
     add("--image-n", type=int, default=1, help="images per image job")
@@ -1000,7 +1031,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--dit-size", type=parse_size, default=None, help="WxH of the DiT step alone; default: the model's")
     add("--dit-iters", type=int, default=5, help="timed DiT calls (0: skip)")
-    add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add("--threads", type=int, default=0, help="torch CPU threads (0: as the server sets them)")
     add("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for the floor (H200 SXM: 989)")
     args = parser.parse_args(argv)
     try:
@@ -1098,6 +1129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     streams, builds = build_diffusion(args)
     if speech is None and not streams:
         raise SystemExit("nothing to run: no sessions and no diffusion jobs")
+    if not args.threads:  # as the server sets them (one on CUDA)
+        configure_host_threads([p for p in (speech, *(s.pipeline for s in streams)) if p is not None])
     gc.collect()
     gc.freeze()  # as the server does after start-up
     kinds = [s.kind for s in streams]
@@ -1123,6 +1156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"- the speech pipeline's first-audio target (phase 'both' and after): {targets}")
         slices = ", ".join(_ms(t) for t in args.batch_slices)
         print(f"- the scheduler's batch slice (phase 'both' and after): {slices}")
+        if hasattr(speech, "prompt_ticks"):
+            print(
+                "- prompt passes in ticks of their own while replies make frames: "
+                + ("yes" if args.prompt_ticks else "no (in the frame ticks)")
+            )
     for stream in streams:
         print(f"- {describe_job(stream)}")
     print(
@@ -1136,17 +1174,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(phase_header(kinds), flush=True)
     phases: list[Phase] = []
     first_target, first_slice = args.first_audio_targets[0], args.batch_slices[0]
-    plan: list[tuple[str, bool, bool, float | None, float | None]] = [
-        ("realtime alone", True, False, first_target, first_slice),
-        ("diffusion alone", False, True, first_target, first_slice),
-        ("both", True, True, first_target, first_slice),
+    ticks = args.prompt_ticks if hasattr(speech, "prompt_ticks") else None
+    plan: list[tuple[str, bool, bool, float | None, float | None, bool | None]] = [
+        ("realtime alone", True, False, first_target, first_slice, ticks),
+        ("diffusion alone", False, True, first_target, first_slice, ticks),
+        ("both", True, True, first_target, first_slice, ticks),
     ]
     for target in args.first_audio_targets[1:]:
-        plan.append((f"both, first-audio target {_ms(target)}", True, True, target, first_slice))
+        plan.append((f"both, first-audio target {_ms(target)}", True, True, target, first_slice, ticks))
     for batch_slice in args.batch_slices[1:]:
-        plan.append((f"both, batch slice {_ms(batch_slice)}", True, True, first_target, batch_slice))
+        plan.append((f"both, batch slice {_ms(batch_slice)}", True, True, first_target, batch_slice, ticks))
+    if args.compare_prompt_ticks and ticks is not None:
+        for name, diffusion in (("realtime alone", False), ("both", True)):
+            label = f"{name}, {OTHER_TICKS[not ticks]}"
+            plan.append((label, True, diffusion, first_target, first_slice, not ticks))
     skipped = []
-    for name, with_speech, with_diffusion, target, batch_slice in plan:
+    for name, with_speech, with_diffusion, target, batch_slice, prompt_ticks in plan:
         if (with_speech and speech is None) or (with_diffusion and not streams):
             continue
         elapsed = time.perf_counter() - started
@@ -1155,6 +1198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if speech is not None and hasattr(speech, "first_audio_target"):
             speech.first_audio_target = target
+        if prompt_ticks is not None:
+            speech.prompt_ticks = prompt_ticks
         bench.scheduler.batch_slice = batch_slice
         phases.append(bench.run(name, with_speech, with_diffusion))
         print(phase_row(phases[-1], kinds), flush=True)

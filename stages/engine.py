@@ -299,8 +299,7 @@ class Engine:
                     scheduler.hold(*payload)
                 else:
                     self._cancel(payload)
-            for request_id, output in scheduler.tick():
-                self._deliver(request_id, output)
+            scheduler.tick(self._deliver)  # each step's outputs as it ends
             self.stats.active, self.stats.waiting = scheduler.counts()
         self._shut_down()
 

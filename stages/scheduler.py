@@ -201,10 +201,22 @@ class Scheduler:
             due.append(min(horizon, lane.served_at + self.starvation_limit))
         return min(due) if due else None
 
-    def tick(self) -> Outputs:
+    def tick(self, deliver: Callable[[str, Any], None] | None = None) -> Outputs:
+        """One tick (see the module's docstring); returns its outputs. With ``deliver``, each
+        step's outputs go to it as soon as that step ends, so a realtime step's audio never
+        waits for the batch steps that run after it in the same tick, and the tick returns
+        none."""
         out: Outputs = []
+
+        def flush() -> None:
+            if deliver is not None:
+                for request_id, output in out:
+                    deliver(request_id, output)
+                out.clear()
+
         for lane in self._lanes.values():
             self._admit(lane, out)
+        flush()
         now = self.clock()
         due = []
         for lane in self._lanes.values():
@@ -218,10 +230,11 @@ class Scheduler:
         due.sort(key=lambda item: (runs_early(item[1].pipeline), item[0]))
         for _, lane in due:
             self._step(lane, out)
-        self._batch_steps(out)
+            flush()
+        self._batch_steps(out, flush)
         return out
 
-    def _batch_steps(self, out: Outputs) -> None:
+    def _batch_steps(self, out: Outputs, flush: Callable[[], None]) -> None:
         stepped = False
         while True:
             lanes = self._batch_lanes_with_work()
@@ -241,9 +254,11 @@ class Scheduler:
                 self._batch_cost(lane, None)  # one slice, however late
                 self._batch_turn += 1
                 self._step(lane, out)
+                flush()
                 return
             self._batch_turn += 1
             self._step(lane, out)
+            flush()
             stepped = True
 
     def _batch_cost(self, lane: _Lane, room: float | None) -> float:

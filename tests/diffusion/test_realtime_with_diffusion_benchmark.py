@@ -23,14 +23,15 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
         "--max-output-tokens", "2", "--max-audio-frames", "8", "--image-size", "64x64",
         "--image-steps", "2", "--video-size", "32x32", "--video-frames", "5", "--video-steps", "2",
         "--first-audio-targets", "0.25", "none", "--batch-slices", "0.02", "none", "--dit-iters", "0",
-        "--phase-timeout", "60",
+        "--phase-timeout", "60", "--compare-prompt-ticks",
     ]  # fmt: skip
     with benchmark_module("realtime_with_diffusion.py", "realtime_with_diffusion_under_test") as bench:
         assert bench.main(argv) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("| phase |"))
     cells = [c.strip() for c in header.strip("|").split("|")]
-    for phase in ("realtime alone", "both", "both, first-audio target none", "both, batch slice none"):
+    phases = ("realtime alone", "both", "both, first-audio target none", "both, batch slice none")
+    for phase in (*phases, "realtime alone, prompt ticks", "both, prompt ticks"):
         row = dict(zip(cells, _row(out, phase), strict=True))
         assert row["ramp (s)"] != "incomplete", row
         assert int(row["frame ticks"]) > 0 and float(row["frame p99 (ms)"]) > 0, row
@@ -39,6 +40,8 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
         row = dict(zip(cells, _row(out, phase), strict=True))
         assert float(row["image steps/s"]) > 0 and float(row["video steps/s"]) > 0, row
     assert "goal realtime p99:" in out and "goal diffusion throughput:" in out
+    assert "| realtime frame p99, prompt ticks (ms) |" in out
+    assert "| realtime late deltas, prompt ticks |" in out
     beside = out.split("## What ran beside each step", 1)[1]
     rows = [_cells(line) for line in beside.splitlines() if line.startswith("| both |")]
     assert {r[1] for r in rows} == {"speech", "image", "video"}, rows

@@ -259,3 +259,27 @@ def test_a_batch_slice_must_be_positive(batch_slice: float) -> None:
     clock = FakeClock()
     with pytest.raises(ValueError, match="batch_slice must be positive"):
         Scheduler([FramePipeline(clock), JobPipeline(clock)], clock=clock.now, batch_slice=batch_slice)
+
+
+def test_deliver_hands_out_each_steps_outputs_before_the_next_step_runs() -> None:
+    """With ``deliver`` (the engine's way), a realtime step's outputs go out as it ends, before
+    the batch steps fitted after it in the same tick (they used to wait for the whole tick)."""
+    clock = FakeClock()
+    frames, jobs = FramePipeline(clock, period=0.08, cost=0.01), JobPipeline(clock, cost=0.02)
+    s = Scheduler([frames, jobs], clock=clock.now)
+    _enqueue(s, FrameRequest("talk", frames=3))
+    _enqueue(s, JobRequest("job", steps=50))
+    seen: list[tuple[str, float]] = []
+    batch_ran_at: list[float] = []
+    step = jobs.step
+
+    def timed_step():  # type: ignore[no-untyped-def]
+        batch_ran_at.append(clock.now())
+        return step()
+
+    jobs.step = timed_step  # type: ignore[method-assign]
+    assert s.tick(lambda rid, out: seen.append((rid, clock.now()))) == []
+    talk = [t for rid, t in seen if rid == "talk"]
+    assert talk and len(batch_ran_at) >= 2  # a frame, then batch steps in the gap before the next
+    assert talk[0] <= batch_ran_at[0]  # out before any batch step ran
+    assert all(rid in ("talk", "job") for rid, _ in seen)
