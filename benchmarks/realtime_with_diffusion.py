@@ -47,9 +47,11 @@ Measured per phase (window only):
 - **audio late p99 / late deltas**: what a listener hears. Each reply plays from ``--player-delay``
   (0.2 s) after its first ``AudioDelta`` on at real time, so every later delta is due when the
   audio before it has played; its lateness is how long after that it arrived (0 when early). Late
-  deltas are gaps in the playback. With diffusion beside it the speech pipeline keeps its replies
-  just ahead of playback (its ``next_deadline``) and lets diffusion steps run in the slack, so the
-  tick time grows by design while the lateness must stay at 0;
+  deltas are gaps in the playback; the goals table also counts them by their place in the reply
+  (the second delta, after the vocoder's short first chunk; a later one; the last, its flush).
+  With diffusion beside it the speech pipeline keeps its replies just ahead of playback (its
+  ``next_deadline``) and lets diffusion steps run in the slack, so the tick time grows by design
+  while the lateness must stay at 0;
 - **diffusion throughput**: images finished per second, video jobs finished per second, and
   denoising steps per second of each kind (one ``Progress``: one step of one request, all its
   images; the CFG branches of a step count once). The throughput goal is checked on steps/s
@@ -356,6 +358,8 @@ class Phase:
     first_audio: list[float] = field(default_factory=list)
     #: Each audio delta's lateness against its reply's real-time playback (0: in time).
     audio_late: list[float] = field(default_factory=list)
+    #: Late deltas by their place in the reply: "second" (after the first chunk), "later", "last".
+    late_places: Counter[str] = field(default_factory=Counter)
     turns_done: int = 0
     steps: Counter[str] = field(default_factory=Counter)  # denoising steps per kind
     finished: Counter[str] = field(default_factory=Counter)  # images / videos per kind
@@ -506,6 +510,8 @@ class Bench:
         stage, window_start, window_end, tick = "ramp", 0.0, 0.0, 0
         playback: dict[str, tuple[float, float]] = {}  # reply -> (first audio at, seconds sent)
         resume: dict[int, float] = {}  # session -> when its next turn's prompt arrives
+        last_late: dict[str, str] = {}  # reply -> place of its latest delta, while that one was late
+        delta_index: dict[str, int] = {}  # reply -> index of its latest delta (0: the first)
         due = math.inf  # when the next speech step was first due (time.monotonic())
         while True:
             now = time.perf_counter()
@@ -556,14 +562,24 @@ class Bench:
                     if isinstance(out, AudioDelta):
                         frames += out.frames
                         start, played = playback.get(rid, (at, 0.0))
+                        late = max(0.0, at - (start + args.player_delay + played))
+                        index = delta_index[rid] = delta_index.get(rid, -1) + 1
+                        if not late:
+                            last_late.pop(rid, None)
+                        elif stage == "window":  # where in its reply: the second delta, a later one, the last
+                            place = last_late[rid] = "second" if index == 1 else "later"
+                            phase.late_places[place] += 1
                         if stage == "window":
-                            phase.audio_late.append(max(0.0, at - (start + args.player_delay + played)))
+                            phase.audio_late.append(late)
                         playback[rid] = (start, played + len(out.pcm) / SAMPLE_RATE)
                         if not s.heard:
                             s.heard = s.ever_heard = True
                             if s.in_window:
                                 phase.first_audio.append(at - s.added_at)
                     elif isinstance(out, Finished):
+                        if (place := last_late.pop(rid, None)) is not None:  # its last delta was late
+                            phase.late_places[place] -= 1
+                            phase.late_places["last"] += 1
                         if out.reason == "error":
                             phase.errors[f"speech: {out.error}"] += 1
                         elif stage == "window":
@@ -781,6 +797,10 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
             f"| realtime late deltas | {alone_rt.late_deltas} of {len(alone_rt.audio_late)} | "
             f"{both.late_deltas} of {len(both.audio_late)} | - | - | - |"
         )
+        lines.append(
+            f"| realtime late deltas: second / later / last of a reply | {_places(alone_rt)} | "
+            f"{_places(both)} | - | - | - |"
+        )
     if alone_df is not None and both is not None:
         losses: list[bool] = []
         for kind in kinds:
@@ -798,6 +818,10 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
             lines.append(f"| {unit}/s | {per_s(a)} | {per_s(b)} | {pct(change(a, b))} | - | - |")
         met["diffusion throughput"] = all(losses) if losses else None
     return "\n".join(lines), met
+
+
+def _places(p: Phase) -> str:
+    return " / ".join(str(p.late_places[k]) for k in ("second", "later", "last"))
 
 
 def calls_table(phases: list[Phase], warm_up: dict[str, dict[CallKey, list[float]]]) -> str:

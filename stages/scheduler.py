@@ -25,6 +25,9 @@ full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
    ``starvation_limit`` seconds gets one step even when it does not fit: a realtime step then
    waits at most one batch step.
 
+``tick(deliver)`` (the engine's way) hands each step's outputs to ``deliver`` as soon as that step
+ends, so a realtime step's audio goes out before the batch steps fitted after it run.
+
 A step that raises fails only its own pipeline's active requests (each is removed from it and
 ends with an ``internal`` error); the other pipelines and every waiting request go on.
 """

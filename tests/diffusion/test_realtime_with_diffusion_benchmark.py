@@ -42,6 +42,8 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
     assert "goal realtime p99:" in out and "goal diffusion throughput:" in out
     assert "| realtime frame p99, prompt ticks (ms) |" in out
     assert "| realtime late deltas, prompt ticks |" in out
+    places = next(line for line in out.splitlines() if line.startswith("| realtime late deltas: second"))
+    assert re.fullmatch(r"\| [^|]+ \| \d+ / \d+ / \d+ \| \d+ / \d+ / \d+ \| - \| - \| - \|", places)
     beside = out.split("## What ran beside each step", 1)[1]
     rows = [_cells(line) for line in beside.splitlines() if line.startswith("| both |")]
     assert {r[1] for r in rows} == {"speech", "image", "video"}, rows
