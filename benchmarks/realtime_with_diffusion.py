@@ -508,10 +508,9 @@ class Bench:
             self.counter.take()
         begin = time.perf_counter()
         stage, window_start, window_end, tick = "ramp", 0.0, 0.0, 0
-        playback: dict[str, tuple[float, float]] = {}  # reply -> (first audio at, seconds sent)
+        playback: dict[str, tuple[float, float, int]] = {}  # reply -> (first audio at, seconds sent, deltas)
         resume: dict[int, float] = {}  # session -> when its next turn's prompt arrives
         last_late: dict[str, str] = {}  # reply -> place of its latest delta, while that one was late
-        delta_index: dict[str, int] = {}  # reply -> index of its latest delta (0: the first)
         due = math.inf  # when the next speech step was first due (time.monotonic())
         while True:
             now = time.perf_counter()
@@ -561,9 +560,8 @@ class Bench:
                 if (s := owner.get(rid)) is not None and s.request_id == rid:
                     if isinstance(out, AudioDelta):
                         frames += out.frames
-                        start, played = playback.get(rid, (at, 0.0))
+                        start, played, index = playback.get(rid, (at, 0.0, 0))
                         late = max(0.0, at - (start + args.player_delay + played))
-                        index = delta_index[rid] = delta_index.get(rid, -1) + 1
                         if not late:
                             last_late.pop(rid, None)
                         elif stage == "window":  # where in its reply: the second delta, a later one, the last
@@ -571,7 +569,7 @@ class Bench:
                             phase.late_places[place] += 1
                         if stage == "window":
                             phase.audio_late.append(late)
-                        playback[rid] = (start, played + len(out.pcm) / SAMPLE_RATE)
+                        playback[rid] = (start, played + len(out.pcm) / SAMPLE_RATE, index + 1)
                         if not s.heard:
                             s.heard = s.ever_heard = True
                             if s.in_window:
@@ -586,7 +584,7 @@ class Bench:
                             phase.turns_done += 1
                         s.request_id = None
                         if not args.back_to_back:  # the reply is heard out, then the next question
-                            start, played = playback.get(rid, (at, 0.0))
+                            start, played, _ = playback.get(rid, (at, 0.0, 0))
                             resume[s.index] = max(at, start + played) + args.audio_seconds
                 elif (stream := stream_of.get(rid)) is not None:
                     self._diffusion_output(phase, stream, rid, out, stage == "window", at)
