@@ -232,6 +232,8 @@ class TimedPipeline:
         self.last_step: tuple[float, float] | None = None
         #: Whether the last step read part of a prompt (a new turn's prompt pass).
         self.last_read_prompt = False
+        #: Seconds of every step so far.
+        self.busy = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipeline, name)
@@ -246,6 +248,7 @@ class TimedPipeline:
         out = p.step()
         _sync(self._device)
         seconds = time.perf_counter() - t0
+        self.busy += seconds
         self.last_step = (m0, time.monotonic())
         if self._probe is not None and before is not None:
             self.last_beside = self._probe.since(before)
@@ -369,6 +372,10 @@ class Phase:
     peak_gib: float | None = None
     #: Every step of the window: its call, its time and what happened beside it.
     beside: list[tuple[CallKey, float, Beside]] = field(default_factory=list)
+    #: The engine loop's time in the window outside the steps: "between steps" (the host's own
+    #: work in ticks that ran a step), "idle, diffusion waiting" (ticks that ran no step while
+    #: image or video work waited: nothing fitted before the speech deadline), "idle" (no work).
+    engine: Counter[str] = field(default_factory=Counter)
 
     def rate(self, counts: Counter[str], kind: str) -> float | None:
         return counts[kind] / self.window_s if self.window_s else None
@@ -512,6 +519,7 @@ class Bench:
         resume: dict[int, float] = {}  # session -> when its next turn's prompt arrives
         last_late: dict[str, str] = {}  # reply -> place of its latest delta, while that one was late
         due = math.inf  # when the next speech step was first due (time.monotonic())
+        timed = [p for p in self.scheduler.pipelines.values() if isinstance(p, TimedPipeline)]
         while True:
             now = time.perf_counter()
             if now - begin > args.phase_timeout:
@@ -545,6 +553,8 @@ class Bench:
                 deadline = self.speech.next_deadline()
                 due = min(due, time.monotonic() if deadline is None else deadline)
             stepped = self.timed_speech.last_step if n else None
+            in_window, busy = stage == "window", sum(p.busy for p in timed)
+            waiting = any(s.pipeline.has_work() for s in streams)
             t0 = time.perf_counter()
             outs: list[tuple[float, str, Any]] = []  # each output with when its step ended
             scheduler.tick(lambda rid, out, got=outs: got.append((time.perf_counter(), rid, out)))
@@ -604,6 +614,12 @@ class Bench:
                 stage, window_start, phase.ramp_s = "window", t1, t1 - begin
                 self.recording, self.recording_beside = phase.calls, phase.beside
             tick += 1
+            if in_window:  # this iteration's time outside its steps
+                outside = time.perf_counter() - now - (sum(p.busy for p in timed) - busy)
+                gap = "between steps" if sum(p.busy for p in timed) > busy else (
+                    "idle, diffusion waiting" if waiting else "idle"
+                )
+                phase.engine[gap] += outside
         self.recording = self.recording_beside = None
         phase.window_s = window_end - window_start if phase.ramp_s is not None else 0.0
         if self.device.type == "cuda":
@@ -882,6 +898,44 @@ def diffusion_calls(phases: list[Phase]) -> dict[CallKey, list[float]]:
     return merged
 
 
+#: Columns of the engine-time table: the steps' share by what they ran, then the loop's own.
+ENGINE_COLUMNS = (
+    "speech frame ticks",
+    "speech ticks with prompt passes",
+    "image steps",
+    "video steps",
+    "between steps",
+    "idle, diffusion waiting",
+    "idle",
+)
+
+
+def engine_table(phases: list[Phase]) -> str:
+    """Where each window's time went on the engine thread: its steps by what they ran (each
+    synchronised, so GPU time included), the host's work between steps in the same ticks, and
+    ticks that ran no step (with image or video work waiting: no piece fitted before the speech
+    deadline), in seconds and shares of the window."""
+    lines = [
+        "| phase | window (s) | " + " | ".join(ENGINE_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(ENGINE_COLUMNS),
+    ]
+    for p in phases:
+        if not p.window_s:
+            continue
+        spent: Counter[str] = Counter(p.engine)
+        for (kind, call, _), times in p.calls.items():
+            if ":" in call:  # the media threads' encoding, beside the engine
+                continue
+            if kind == "speech":
+                column = "speech frame ticks" if call == "tick" else "speech ticks with prompt passes"
+            else:
+                column = f"{kind} steps"
+            spent[column] += sum(times)
+        cells = [f"{spent[c]:.2f} ({spent[c] / p.window_s:.0%})" if spent[c] else "-" for c in ENGINE_COLUMNS]
+        lines.append(f"| {p.name} | {p.window_s:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def budget_lines(phases: list[Phase]) -> list[str]:
     merged = diffusion_calls(phases)
     if not merged:
@@ -1026,9 +1080,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add(
         "--prompt-ticks",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="the speech pipeline reads prompts in ticks of their own while replies make frames "
-        "(omnirt serve --prompt-ticks; off: in the frame ticks, the server's default)",
+        "(the server's default; --no-prompt-ticks: in the frame ticks, as omnirt serve --no-prompt-ticks)",
     )
     add(
         "--compare-prompt-ticks",
@@ -1243,6 +1298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for line in budget_lines(phases):
         print(line)
+
+    print("\n## Where the engine's time went\n")
+    print(engine_table(phases))
 
     print("\n## What ran beside each step\n")
     print(beside_table(phases))

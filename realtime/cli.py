@@ -282,10 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--prompt-ticks",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=ServerConfig.prompt_ticks,
         help="read a new turn's prompt in a speech tick of its own while other replies make frames "
-        "(their frame step is not lengthened by it); off: in the frame ticks. Experimental: see "
-        "docs/benchmarks.md (issue 10)",
+        "(their frame step is not lengthened by it; default: on); --no-prompt-ticks: in the frame "
+        "ticks (docs/benchmarks.md, issue 10)",
     )
     serve.add_argument(
         "--batch-slice-ms",

@@ -43,11 +43,10 @@ class ServerConfig:
     #: (``--first-audio-target-ms``; 0: first audio before any diffusion step).
     first_audio_target_ms: int = 250
     #: Inline prompt passes in speech ticks of their own while other replies make frames, so a
-    #: new turn never lengthens their frame step (``--prompt-ticks``; off: prompts are read in
-    #: the frame ticks). Measured on an H200 beside diffusion (docs/benchmarks.md, issue 10): the
-    #: frame p99 within 10% of speech alone, but more audio deltas late; off until that is
-    #: understood.
-    prompt_ticks: bool = False
+    #: new turn never lengthens their frame step (``--no-prompt-ticks``: prompts are read in the
+    #: frame ticks). Measured on an H200 beside diffusion (docs/benchmarks.md, issue 10): the
+    #: frame p99 within 10% of speech alone, and no audio delta late.
+    prompt_ticks: bool = True
     #: While realtime work is active, an image or video step is a piece of at most this many
     #: milliseconds (or one part that cannot split); 0: the pipeline's own size (50 ms). Pieces
     #: are fitted to the time before the next realtime deadline either way; this bounds what a

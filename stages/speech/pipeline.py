@@ -160,7 +160,7 @@ class SpeechPipeline:
         tool_call_budget: int = 1024,
         playback_margin: float = 0.15,
         first_audio_target: float | None = FIRST_AUDIO_TARGET,
-        prompt_ticks: bool = False,
+        prompt_ticks: bool = True,
     ) -> None:
         self.model = model
         self.prompts = prompts
@@ -258,8 +258,9 @@ class SpeechPipeline:
         self.first_audio_ticks = StepTimer()
         #: Inline prompt passes in ticks of their own while other replies make frames
         #: (:meth:`_tick_kind`): on CUDA a frame step is a few graph replays and a prompt pass in
-        #: it would double it. Off by default (``omnirt serve --prompt-ticks``): beside diffusion
-        #: on an H200 it kept the frame p99 within 10% of speech alone but left more audio late.
+        #: it would double it. On by default (``omnirt serve --no-prompt-ticks``: in the frame
+        #: ticks); beside diffusion on an H200 it kept the frame p99 within 10% of speech alone,
+        #: with no audio late (docs/benchmarks.md, issue 10).
         self.prompt_ticks = prompt_ticks
         #: Seconds of a tick that reads prompts only (moving average).
         self.prompt_timer = StepTimer()
@@ -370,9 +371,8 @@ class SpeechPipeline:
         replies are ignored. The pipeline ``runs_early``: with no batch work waiting the
         scheduler steps it at once, so replies come as fast as the model can make them; the
         deadlines only say how long batch work may hold it back."""
-        if self._prompts_deferred:
-            return self._prompt_due  # a prompt left waiting for the frames: read at once after them
-        earliest = math.inf
+        # A prompt left waiting for the frames is read at once after them: due since then.
+        earliest = self._prompt_due if self._prompts_deferred else math.inf
         cost = self.step_timer.seconds
         for a in self._active.values():
             if a.held:

@@ -130,8 +130,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert target.first_audio_target_ms == 0 and defaults.first_audio_target_ms == 250
     sliced = config_from_args(build_parser().parse_args(["serve", "--batch-slice-ms", "8"]), {})
     assert sliced.batch_slice_ms == 8 and defaults.batch_slice_ms == 0
-    ticks = config_from_args(build_parser().parse_args(["serve", "--prompt-ticks"]), {})
-    assert ticks.prompt_ticks is True and defaults.prompt_ticks is False
+    ticks = config_from_args(build_parser().parse_args(["serve", "--no-prompt-ticks"]), {})
+    assert ticks.prompt_ticks is False and defaults.prompt_ticks is True
     assert ws_max_size(ServerConfig(max_client_event_bytes=1000)) > 1000
 
 

@@ -31,7 +31,7 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
     header = next(line for line in out.splitlines() if line.startswith("| phase |"))
     cells = [c.strip() for c in header.strip("|").split("|")]
     phases = ("realtime alone", "both", "both, first-audio target none", "both, batch slice none")
-    for phase in (*phases, "realtime alone, prompt ticks", "both, prompt ticks"):
+    for phase in (*phases, "realtime alone, prompts in frame ticks", "both, prompts in frame ticks"):
         row = dict(zip(cells, _row(out, phase), strict=True))
         assert row["ramp (s)"] != "incomplete", row
         assert int(row["frame ticks"]) > 0 and float(row["frame p99 (ms)"]) > 0, row
@@ -40,14 +40,22 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
         row = dict(zip(cells, _row(out, phase), strict=True))
         assert float(row["image steps/s"]) > 0 and float(row["video steps/s"]) > 0, row
     assert "goal realtime p99:" in out and "goal diffusion throughput:" in out
-    assert "| realtime frame p99, prompt ticks (ms) |" in out
-    assert "| realtime late deltas, prompt ticks |" in out
+    assert "| realtime frame p99, prompts in frame ticks (ms) |" in out
+    assert "| realtime late deltas, prompts in frame ticks |" in out
     places = next(line for line in out.splitlines() if line.startswith("| realtime late deltas: second"))
     assert re.fullmatch(r"\| [^|]+ \| \d+ / \d+ / \d+ \| \d+ / \d+ / \d+ \| - \| - \| - \|", places)
     beside = out.split("## What ran beside each step", 1)[1]
     rows = [_cells(line) for line in beside.splitlines() if line.startswith("| both |")]
     assert {r[1] for r in rows} == {"speech", "image", "video"}, rows
     assert all(int(r[4]) > 0 for r in rows), rows
+    engine = out.split("## Where the engine's time went", 1)[1].split("\n## ", 1)[0]
+    header = _cells(next(line for line in engine.splitlines() if line.startswith("| phase |")))
+    needs = {"both": ("speech frame ticks", "image steps", "video steps"), "realtime alone": ()}
+    for phase, needed in needs.items():
+        row = dict(zip(header, _row(engine, phase), strict=True))
+        shares = [float(m) for m in re.findall(r"\((\d+)%\)", " ".join(row.values()))]
+        assert 90 <= sum(shares) <= 110, row  # every part of the window, once
+        assert all(row[column] != "-" for column in needed), row
 
 
 def _cells(line: str) -> list[str]:

@@ -70,6 +70,18 @@ def test_variants_give_the_same_statistics():
 
 
 @interpreted
+@pytest.mark.parametrize("width", [512, 1536])
+def test_whole_rows_take_the_reciprocal_table_with_the_same_bits(width):
+    """Rows of whole 512-element steps read each Welford update's ``1 / k`` from a table instead
+    of dividing in the chain: bitwise what the divisions give (per sample and per token)."""
+    x, g = _x(batch=2, seq=5, width=width, seed=3)
+    for scale, shift in list(_modulations(2, 5, width, g).values())[:2]:
+        table = adaln_modulate_triton(x, scale, shift, eps=1e-6)
+        divided = adaln_modulate_triton(x, scale, shift, eps=1e-6, even=False)
+        assert torch.equal(table, divided)
+
+
+@interpreted
 def test_unsupported_inputs_are_refused_by_the_kernel():
     x, g = _x(width=64)
     with pytest.raises(ValueError, match="B, S, C"):

@@ -359,8 +359,10 @@ def test_prefill_worker_reads_prompts_beside_the_decode_steps(demo_dir: Path) ->
 def test_a_long_prompt_is_read_a_piece_per_tick_beside_a_speaking_session(demo_dir: Path) -> None:
     """With ``prefill_chunk`` 64, a 300-token prompt takes several ticks (one piece of each pass
     per tick, its last thinker piece and first talker piece together), a speaking session makes
-    a frame in every one of them, and the long turn's reply equals the one read whole."""
+    a frame in every one of them, and the long turn's reply equals the one read whole. (Prompts
+    in the frame ticks, ``prompt_ticks`` off: tests/speech/test_prompt_ticks.py has the other.)"""
     chunked = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40, prefill_chunk=64)
+    chunked.prompt_ticks = False
     whole = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=40)
     words = " ".join(f"word{i}" for i in range(60))
     long = GenerationRequest("b", [ContextMessage("user", (TextPart(words),))], max_output_tokens=6)
@@ -461,6 +463,7 @@ def test_the_next_deadline_keeps_every_reply_ahead_of_its_playback(demo_dir: Pat
     from omnirt.stages.speech.pipeline import FIRST_AUDIO_TARGET, FIRST_AUDIO_TICKS
 
     pipeline = load_speech_pipeline(demo_dir, max_slots=4, max_audio_frames=30)
+    pipeline.prompt_ticks = False  # b's prompt read in the tick of a's frame (test_prompt_ticks.py: apart)
     assert pipeline.first_audio_target == FIRST_AUDIO_TARGET
     pipeline.add(audio_request("a", tone(1.0), max_output_tokens=12))
     active = pipeline._active["a"]

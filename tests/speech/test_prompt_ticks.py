@@ -78,7 +78,10 @@ def test_frames_that_are_due_come_first_and_the_prompt_at_once_after_them(demo_d
     outs = pipeline.step()
     assert _frames(pipeline, "a") == frames + 1  # a's frame
     assert _prompt_passes(pipeline) == passes and not of(outs, "b")  # b waits
-    assert pipeline.next_deadline() < time.monotonic()  # ... and is read at once
+    due = pipeline.next_deadline()
+    assert due < time.monotonic()  # ... and is read at once
+    _audio_left(pipeline, "a", -5.0)  # an earlier deadline than the prompt's stays the earliest
+    assert pipeline.next_deadline() < due - 4
     _audio_left(pipeline, "a", 60.0)  # the frames made room
     outs = pipeline.step()
     assert any(isinstance(o, Started) for o in of(outs, "b")) and _prompt_passes(pipeline) > passes
@@ -114,8 +117,8 @@ def test_with_nothing_else_under_way_the_prompt_and_the_first_steps_share_a_tick
     drain(pipeline)
 
 
-def test_prompt_ticks_are_off_by_default_and_leave_the_prefill_worker_alone(demo_dir: Path) -> None:
-    assert load_speech_pipeline(demo_dir, max_slots=2).prompt_ticks is False
+def test_prompt_ticks_are_on_by_default_and_leave_the_prefill_worker_alone(demo_dir: Path) -> None:
+    assert load_speech_pipeline(demo_dir, max_slots=2).prompt_ticks is True
     worker = load_speech_pipeline(demo_dir, max_slots=2, prefill_worker=True)
     worker.prompt_ticks = True
     worker.add(audio_request("a", tone(1.0), max_output_tokens=4))

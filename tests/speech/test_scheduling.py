@@ -114,9 +114,9 @@ def test_the_servers_first_audio_target_reaches_the_speech_pipeline(demo_dir: Pa
 
     speech = load_speech_pipeline(demo_dir, max_slots=2, max_audio_frames=8)
     other = JobPipeline(RealClock())
-    _configure_speech([speech, other], ServerConfig(first_audio_target_ms=400, prompt_ticks=True))
+    _configure_speech([speech, other], ServerConfig(first_audio_target_ms=400, prompt_ticks=False))
     assert speech.first_audio_target == 0.4 and not hasattr(other, "first_audio_target")
-    assert speech.prompt_ticks is True
+    assert speech.prompt_ticks is False  # the default is on
 
 
 def test_a_prompt_left_for_due_frames_runs_before_any_batch_step(demo_dir: Path) -> None:
