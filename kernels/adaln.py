@@ -22,6 +22,7 @@ once.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -107,6 +108,19 @@ if triton is not None:
         )
 
     @triton.jit
+    def _online_known(v, mean, m2, coef, ONLINE_FMA: tl.constexpr):
+        """:func:`_online` where every thread is live and ``coef`` (``1 / new_count``, correctly
+        rounded) is known before the row is read: a full row's counts are the same in every thread."""
+        delta = v - mean
+        if ONLINE_FMA:
+            new_mean = tl.fma(delta, coef, mean)
+            new_m2 = tl.fma(delta, v - new_mean, m2)
+        else:
+            new_mean = mean + delta * coef
+            new_m2 = m2 + delta * (v - new_mean)
+        return new_mean, new_m2
+
+    @triton.jit
     def _combine(own_mean, own_m2, own_count, mean, m2, count, MEAN_FMA: tl.constexpr):
         """ATen's ``cuWelfordCombine(own, other)``: ``A`` the other thread's state, ``B`` this one's."""
         delta = own_mean - mean
@@ -137,11 +151,13 @@ if triton is not None:
         return _combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b, 1)
 
     @triton.jit
-    def _ln_order_stats(src, n, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr,
-                        TREE: tl.constexpr, LOAD: tl.constexpr):  # fmt: skip
+    def _ln_order_stats(src, n, RCP, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr,
+                        TREE: tl.constexpr, LOAD: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
         """Mean and variance of the row ``src[0:n]`` as ATen's fused layer-norm kernel computes
         them (``reduce_order``): per thread its 4-element vectors ``t, t + 128, ...`` folded
-        element by element, then lanes halved within each warp, then the 4 warps."""
+        element by element, then lanes halved within each warp, then the 4 warps. ``EVEN``: the
+        row is whole 512-element steps, so every thread's k-th update divides by k: ``RCP[k - 1]``
+        holds ``1 / k`` as the division rounds it, and no division is left in the chain."""
         thread = tl.arange(0, 128)
         mean = tl.zeros([128], tl.float32)
         m2 = tl.zeros([128], tl.float32)
@@ -149,7 +165,11 @@ if triton is not None:
         for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
             first = step * 512 + thread * 4  # [128] each thread's vector
             live = first < n
-            if LOAD:
+            if EVEN:
+                for item in tl.static_range(4):
+                    v = tl.load(src + first + item).to(tl.float32)
+                    mean, m2 = _online_known(v, mean, m2, tl.load(RCP + step * 4 + item), ONLINE_FMA)
+            elif LOAD:
                 v = tl.load(src + first[:, None] + tl.arange(0, 4)[None, :], mask=live[:, None], other=0.0)
                 even, odd = tl.split(tl.reshape(v.to(tl.float32), (128, 2, 2)))
                 v0, v2 = tl.split(even)
@@ -162,6 +182,8 @@ if triton is not None:
                 for item in tl.static_range(4):
                     v = tl.load(src + first + item, mask=live, other=0.0).to(tl.float32)
                     mean, m2, count = _online(v, mean, m2, count, live, ONLINE_FMA)
+        if EVEN:
+            count = tl.full([128], LN_K * 4, tl.float32)
         if TREE:
             # Triton's reduction of 128 values over 4 warps of one each: a butterfly within the
             # warp (xor 16, 8, ..., 1), then across the 4 warps; lane 0's result is the halving tree
@@ -206,7 +228,7 @@ if triton is not None:
 
     @triton.jit
     def _adaln_kernel(
-        X, OUT, SCALE, SHIFT, W, BIAS,
+        X, OUT, SCALE, SHIFT, W, BIAS, RCP,
         S, C,
         sx_b, sx_s, so_b, so_s,
         ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c,
@@ -214,7 +236,7 @@ if triton is not None:
         CB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SHIFT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, EXACT: tl.constexpr,
         LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr,
-        LOAD: tl.constexpr,
+        LOAD: tl.constexpr, EVEN: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         b = row // S
@@ -224,7 +246,7 @@ if triton is not None:
         n = C + row * 0
         if EXACT:
             # statistics in ATen's order, then the row again chunk by chunk (from cache)
-            mean, var = _ln_order_stats(src, n, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD)
+            mean, var = _ln_order_stats(src, n, RCP, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN)
             rstd = tl.math.rsqrt(var + eps)
             for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
                 c = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -244,6 +266,24 @@ if triton is not None:
             y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s, ssc_c,
                           ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
             tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+
+
+#: ``1 / k`` in fp32 as an IEEE division rounds it, for k = 1 .. the updates of the widest row
+#: (the ``exact`` kernel's Welford coefficients of whole rows), one table per device.
+_RECIPROCALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _reciprocals(device: torch.device) -> torch.Tensor | None:
+    """The table on ``device``; None while a CUDA graph is being captured and it is not made yet
+    (no copy may start then: the kernel divides as it goes instead)."""
+    table = _RECIPROCALS.get(device)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        updates = triton.cdiv(MAX_WIDTH, LN_THREADS * LN_VEC) * LN_VEC
+        ks = np.arange(1, updates + 1, dtype=np.float32)
+        table = _RECIPROCALS[device] = torch.from_numpy(np.float32(1.0) / ks).to(device)
+    return table
 
 
 def fast_warps(block: int) -> int:
@@ -311,7 +351,10 @@ def _launch(
     tree: str | None = None,
     load: str | None = None,
     warps: int | None = None,
+    even: bool | None = None,
 ) -> torch.Tensor:
+    """``even``: use the reciprocal table where the row is whole 512-element steps (None: the
+    default, yes; False: divide as ATen does, for tests; the same bits)."""
     batch, seq, width = x.shape
     if preset == "exact" and x.data_ptr() % 16:
         # ATen reads a misaligned row unvectorised, in an order the kernel does not model
@@ -324,10 +367,14 @@ def _launch(
     block = triton.next_power_of_2(width)
     ssc = _modulation_strides(scale, x)
     ssh = _modulation_strides(shift, x)
+    table = None
+    if preset == "exact" and width % (LN_THREADS * LN_VEC) == 0 and even is not False:
+        table = _reciprocals(x.device)
     _adaln_kernel[(batch * seq,)](
         x, out,
         scale if scale is not None else x, shift if shift is not None else x,
         weight if weight is not None else x, bias if bias is not None else x,
+        table if table is not None else x,
         seq, width,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         *ssc, *ssh,
@@ -339,6 +386,7 @@ def _launch(
         ONLINE_FMA=ONLINE_FMA if online_fma is None else online_fma,
         MEAN_FMA=_COMBINE_MEAN_FMAS.index(combine_mean_fma or COMBINE_MEAN_FMA),
         TREE=("split", "reduce").index(tree or TREE), LOAD=("items", "tile").index(load or LOAD),
+        EVEN=table is not None,
         num_warps=4 if preset == "exact" else warps or fast_warps(block),
         enable_fp_fusion=preset != "exact",
     )  # fmt: skip
