@@ -31,6 +31,14 @@ Hostile clients, in turn one of:
 - ``huge``: a text item of ``--huge-mib`` MiB every few seconds (refused: context length), six
   times, then an audio append over the frame limit (the server closes the connection).
 
+``--phases interleaved`` runs both on one server instead: the well-behaved sessions for
+``--minutes``, the hostile clients only in every other window of ``--interleave`` seconds (calm
+first), each turn counted in the window it starts in, except in the first ``--settle`` seconds
+after a switch (a row of its own, "settling"). The machine's speed drifts by more than the
+hostile clients' cost within minutes on a shared 2-core machine; interleaved windows see the same
+drift, so their ratio is the hostile clients' own cost. The server's CPU and its speech steps'
+durations are split by window too.
+
 The hostile clients run in a process of their own (as they would on another machine): in the
 measuring process, their 4 MiB frames and fuzz would delay the well-behaved sessions' event loop
 and so their measured latencies. That loop's own lag (how late a 50 ms sleep wakes, p99) is in the
@@ -149,6 +157,9 @@ class Phase:
     #: (seconds) -> steps that took at most that long (cumulative), and their total seconds.
     step_buckets: dict[float, float] = field(default_factory=dict)
     step_seconds: float = 0.0
+    seconds: float = 0.0  # the phase's time (interleaved: its windows')
+    server_cpu_s: float = 0.0
+    hostile_cpu_s: float = 0.0
 
     def fail(self, kind: str, why: str) -> None:
         self.failed[kind] += 1
@@ -158,6 +169,29 @@ class Phase:
 
 class TurnFailed(Exception):
     pass
+
+
+@dataclass
+class Schedule:
+    """Which phase each moment of a server's run counts in: one phase throughout, or the phases
+    in turn, a ``window`` of seconds each, the first ``settle`` seconds after each switch in
+    ``settling``."""
+
+    t0: float
+    phases: list[Phase]
+    window: float = float("inf")
+    settle: float = 0.0
+    settling: Phase | None = None
+
+    def index(self, t: float) -> int:
+        return 0 if self.window == float("inf") else int((t - self.t0) // self.window)
+
+    def at(self, t: float | None = None) -> Phase:
+        t = time.monotonic() if t is None else t
+        k = self.index(t)
+        if self.settling is not None and k > 0 and t - self.t0 - k * self.window < self.settle:
+            return self.settling
+        return self.phases[k % len(self.phases)]
 
 
 def check_done(done: dict[str, Any], what: str) -> None:
@@ -207,9 +241,8 @@ def rss(proc: psutil.Process) -> tuple[int, int]:
 
 
 class Session:
-    def __init__(self, ws: Any, phase: Phase) -> None:
+    def __init__(self, ws: Any) -> None:
         self.ws = ws
-        self.phase = phase
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(event))
@@ -302,18 +335,19 @@ async def barge_in_turn(s: Session, pcm: bytes, timeout: float, reply_tokens: in
 
 
 async def well_behaved(
-    index: int, url: str, args: argparse.Namespace, phase: Phase, speech: list[bytes], end: float
+    index: int, url: str, args: argparse.Namespace, schedule: Schedule, speech: list[bytes], end: float
 ) -> None:
+    """One session after another until ``end``; each turn counted in the phase it starts in."""
     rng = random.Random(args.seed * 1000 + index)
     await asyncio.sleep(rng.uniform(0, args.think[1]))  # staggered start
     while time.monotonic() < end:
         lifetime = time.monotonic() + rng.uniform(*args.lifetime)
         try:
             async with websockets.connect(url, max_size=MAX_FRAME, open_timeout=60) as ws:
-                s = Session(ws, phase)
+                s = Session(ws)
                 created = await s.recv(60)
                 assert created["type"] == "session.created", created["type"]
-                phase.sessions_opened += 1
+                schedule.at().sessions_opened += 1
                 await s.send({"type": "session.update", "session": {
                     "type": "realtime", "max_output_tokens": args.reply_tokens}})  # fmt: skip
                 await s.until("session.updated", 30)
@@ -322,6 +356,7 @@ async def well_behaved(
                     if time.monotonic() >= end:
                         break
                     kind = rng.choices(("text", "audio", "barge-in"), weights=args.mix)[0]
+                    phase = schedule.at()
                     phase.turns[kind] += 1
                     try:
                         if kind == "text":
@@ -337,11 +372,11 @@ async def well_behaved(
                         break  # the session's state is unknown: reconnect
                     phase.latencies[kind].append(latency)
         except websockets.InvalidStatus as exc:
-            phase.refused_sessions += 1
+            schedule.at().refused_sessions += 1
             log.warning("session refused: %s", exc)
             await asyncio.sleep(1)
         except (websockets.ConnectionClosed, OSError, TimeoutError, AssertionError) as exc:
-            phase.fail("connection", f"{type(exc).__name__}: {exc}"[:200])
+            schedule.at().fail("connection", f"{type(exc).__name__}: {exc}"[:200])
             await asyncio.sleep(1)
 
 
@@ -480,66 +515,119 @@ async def hostile(index: int, url: str, args: argparse.Namespace, phase: Phase, 
 # -- a phase ------------------------------------------------------------------------------------
 
 
-async def sample_rss(proc: psutil.Process, phase: Phase, every: float, t0: float, end: float) -> None:
+async def sample_rss(
+    proc: psutil.Process, samples: list[tuple[float, int, int]], every: float, t0: float, end: float
+) -> None:
     while time.monotonic() < end:
         own, total = rss(proc)
-        phase.rss.append((time.monotonic() - t0, own, total))
+        samples.append((time.monotonic() - t0, own, total))
         await asyncio.sleep(every)
 
 
-async def measure_lag(phase: Phase, end: float, every: float = 0.05) -> None:
+async def measure_lag(schedule: Schedule, end: float, every: float = 0.05) -> None:
     while time.monotonic() < end:
         t = time.monotonic()
         await asyncio.sleep(every)
-        phase.loop_lag.append(time.monotonic() - t - every)
+        schedule.at(t).loop_lag.append(time.monotonic() - t - every)
 
 
-async def run_phase(name: str, args: argparse.Namespace, speech: list[bytes]) -> Phase:
-    phase = Phase(name)
+async def run_server(name: str, args: argparse.Namespace, speech: list[bytes]) -> list[Phase]:
+    """One server: the phase ``name`` throughout, or (``interleaved``) calm and hostile windows
+    in turn; returns the phases it measured."""
+    interleaved = name == "interleaved"
+    kinds = ("calm (interleaved)", "hostile (interleaved)") if interleaved else (name,)
+    phases = [Phase(kind) for kind in kinds]
+    settling = Phase("settling (interleaved)") if interleaved else None
     log_path = Path(args.log_dir) / f"soak-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with server(args, log_path) as (base, proc):
         url = f"{base}/v1/realtime"
-        t0, cpu0 = time.monotonic(), cpu_seconds(proc)
+        metrics = base.replace("ws://", "http://")
+        t0 = time.monotonic()
         end = t0 + args.minutes * 60
+        window = args.interleave if interleaved else float("inf")
+        schedule = Schedule(t0, phases, window, args.settle if interleaved else 0.0, settling)
         tasks = [
-            asyncio.create_task(well_behaved(i, url, args, phase, speech, end)) for i in range(args.sessions)
+            asyncio.create_task(well_behaved(i, url, args, schedule, speech, end))
+            for i in range(args.sessions)
         ]
-        attackers, counts = None, None
-        if name.startswith("hostile") and args.hostile:
-            mp = multiprocessing.get_context("spawn")
-            counts, sent = mp.Pipe(duplex=False)
-            attackers = mp.Process(target=hostile_process, args=(url, args, end, sent), daemon=True)
-            attackers.start()
-        sampler = asyncio.create_task(sample_rss(proc, phase, args.rss_every, t0, end))
-        progress = asyncio.create_task(report_progress(phase, t0, end))
-        lag = asyncio.create_task(measure_lag(phase, end))
-        await asyncio.gather(*tasks)
+        rss_samples: list[tuple[float, int, int]] = []
+        sampler = asyncio.create_task(sample_rss(proc, rss_samples, args.rss_every, t0, end))
+        progress = asyncio.create_task(report_progress(schedule, t0, end))
+        lag = asyncio.create_task(measure_lag(schedule, end))
+        await drive_windows(schedule, url, metrics, proc, args, end, tasks)
         for task in (sampler, progress, lag):
             task.cancel()
-        await read_steps(base.replace("ws://", "http://"), phase)
         own, total = rss(proc)
-        phase.rss.append((time.monotonic() - t0, own, total))
-        seconds = time.monotonic() - t0
-        phase.server_cpu = (cpu_seconds(proc) - cpu0) / seconds
+        rss_samples.append((time.monotonic() - t0, own, total))
+    for phase in phases + ([settling] if settling is not None else []):
+        phase.rss = rss_samples  # one server's
+        phase.server_cpu = phase.server_cpu_s / phase.seconds if phase.seconds else 0.0
+        phase.hostile_cpu = phase.hostile_cpu_s / phase.seconds if phase.seconds else 0.0
+    tracebacks = log_path.read_text().count("Traceback")
+    if tracebacks:
+        phases[0].failures.append(f"server log: {tracebacks} traceback(s), see {log_path}")
+    measured = phases + ([settling] if settling is not None and sum(settling.turns.values()) else [])
+    return measured
+
+
+async def drive_windows(
+    schedule: Schedule,
+    url: str,
+    metrics: str,
+    proc: psutil.Process,
+    args: argparse.Namespace,
+    end: float,
+    tasks: list[asyncio.Task[None]],
+) -> None:
+    """Each window in turn until ``end`` (the last one until every session has ended): the
+    hostile clients' process while a hostile phase's window lasts, and at the window's end its
+    share of the server's CPU and of its speech steps (``/metrics``) to the window's phase."""
+    k = 0
+    mp = multiprocessing.get_context("spawn")
+    while True:
+        start = time.monotonic()
+        phase = schedule.phases[k % len(schedule.phases)]
+        cpu0, steps0 = cpu_seconds(proc), await read_steps(metrics)
+        stop = min(end, schedule.t0 + (k + 1) * schedule.window)
+        attackers, counts = None, None
+        if phase.name.startswith("hostile") and args.hostile:
+            counts, sent = mp.Pipe(duplex=False)
+            attackers = mp.Process(target=hostile_process, args=(url, args, stop, sent), daemon=True)
+            attackers.start()
+        last = stop >= end
+        if last:
+            await asyncio.gather(*tasks)
+        else:
+            await asyncio.sleep(max(0.0, stop - time.monotonic()))
         if attackers is not None and counts is not None:
             await asyncio.to_thread(attackers.join, 30)
             if counts.poll():
-                phase.hostile_connections, phase.hostile_events, cpu = counts.recv()
-                phase.hostile_cpu = cpu / seconds
+                connections, events, cpu = counts.recv()
+                phase.hostile_connections += connections
+                phase.hostile_events += events
+                phase.hostile_cpu_s += cpu
             else:
                 ended = attackers.exitcode
                 phase.failures.append(f"the hostile clients' process ended ({ended}) with no counts")
             if attackers.is_alive():
                 attackers.kill()
-    tracebacks = log_path.read_text().count("Traceback")
-    if tracebacks:
-        phase.failures.append(f"server log: {tracebacks} traceback(s), see {log_path}")
-    return phase
+        buckets, seconds = await read_steps(metrics)
+        for bound, n in buckets.items():
+            phase.step_buckets[bound] = phase.step_buckets.get(bound, 0.0) + n - steps0[0].get(bound, 0.0)
+        phase.step_seconds += seconds - steps0[1]
+        phase.server_cpu_s += cpu_seconds(proc) - cpu0
+        phase.seconds += time.monotonic() - start
+        if last:
+            return
+        k += 1
 
 
-async def read_steps(base: str, phase: Phase) -> None:
-    """The speech pipeline's step-duration histogram from the server's ``/metrics``."""
+async def read_steps(base: str) -> tuple[dict[float, float], float]:
+    """The speech pipeline's step-duration histogram from the server's ``/metrics``: upper bound
+    -> steps so far that took at most that long (cumulative), and their total seconds."""
+    buckets: dict[float, float] = {}
+    seconds = 0.0
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"{base}/metrics", timeout=30)).text
     for family in text_string_to_metric_families(text):
@@ -549,25 +637,19 @@ async def read_steps(base: str, phase: Phase) -> None:
             if sample.labels.get("kind") != "speech":
                 continue
             if sample.name.endswith("_bucket"):
-                phase.step_buckets[float(sample.labels["le"])] = sample.value
+                buckets[float(sample.labels["le"])] = sample.value
             elif sample.name.endswith("_sum"):
-                phase.step_seconds = sample.value
+                seconds = sample.value
+    return buckets, seconds
 
 
-async def report_progress(phase: Phase, t0: float, end: float) -> None:
+async def report_progress(schedule: Schedule, t0: float, end: float) -> None:
     while True:
         await asyncio.sleep(60)
-        done = sum(len(v) for v in phase.latencies.values())
-        rss_mib = phase.rss[-1][1] / 2**20 if phase.rss else 0
-        failed = sum(phase.failed.values())
-        log.info(
-            "%s: %.0f s, %d turns done, %d failed, RSS %.0f MiB",
-            phase.name,
-            time.monotonic() - t0,
-            done,
-            failed,
-            rss_mib,
-        )
+        phase = schedule.at()
+        done = sum(len(v) for p in schedule.phases for v in p.latencies.values())
+        failed = sum(sum(p.failed.values()) for p in schedule.phases)
+        log.info("%s: %.0f s, %d turns done, %d failed", phase.name, time.monotonic() - t0, done, failed)
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -613,15 +695,17 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
         )
     lines += ["", *step_table(phases)]
     by = {p.name: p for p in phases}
-    if "calm" in by and "hostile" in by:
-        calm = p99([x for v in by["calm"].latencies.values() for x in v])
-        loud = p99([x for v in by["hostile"].latencies.values() for x in v])
+    for calm_name, loud_name in (("calm", "hostile"), ("calm (interleaved)", "hostile (interleaved)")):
+        if calm_name not in by or loud_name not in by:
+            continue
+        calm = p99([x for v in by[calm_name].latencies.values() for x in v])
+        loud = p99([x for v in by[loud_name].latencies.values() for x in v])
         if calm and loud:
             lines.append("")
             lines.append(
-                f"Well-behaved p99 with {args.hostile} hostile clients: {ms(loud)} ms vs {ms(calm)} ms calm "
-                f"({loud / calm - 1:+.1%}; goal under +20%); hostile: {by['hostile'].hostile_connections} "
-                f"connections, {by['hostile'].hostile_events} events."
+                f"Well-behaved p99 with {args.hostile} hostile clients ({loud_name}): {ms(loud)} ms vs "
+                f"{ms(calm)} ms calm ({loud / calm - 1:+.1%}; goal under +20%); hostile: "
+                f"{by[loud_name].hostile_connections} connections, {by[loud_name].hostile_events} events."
             )
     for p in phases:
         for failure in p.failures:
@@ -679,7 +763,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="minutes (default: the longest think time plus the longest lifetime, at most half the phase)",
     )
     ap.add_argument("--hostile", type=int, default=10)
-    ap.add_argument("--phases", default="calm,hostile", help="calm and/or hostile, in order")
+    ap.add_argument(
+        "--phases",
+        default="calm,hostile",
+        help="calm and/or hostile, in order, each on a fresh server; or interleaved (both on one)",
+    )
+    ap.add_argument(
+        "--interleave", type=float, default=120.0, help="seconds of each window of --phases interleaved"
+    )
+    ap.add_argument(
+        "--settle", type=float, default=10.0, help="seconds after each switch counted in neither phase"
+    )
     ap.add_argument("--hostile-kinds", default="fuzz,slow,huge", help="the hostile clients, in turn")
     ap.add_argument("--think", type=float, nargs=2, default=(40.0, 80.0), metavar=("MIN", "MAX"))
     ap.add_argument("--lifetime", type=float, nargs=2, default=(60.0, 180.0), metavar=("MIN", "MAX"))
@@ -702,16 +796,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     speech = utterances()
-    phases = []
-    for name in args.phases.split(","):
+    phases: list[Phase] = []
+    names = args.phases.split(",")
+    if "interleaved" in names and names != ["interleaved"]:
+        raise SystemExit("--phases interleaved runs alone (both phases on one server)")
+    for name in names:
         log.info(
             "phase %s: %d sessions%s for %g min",
             name,
             args.sessions,
-            f" + {args.hostile} hostile" if name == "hostile" else "",
+            f" + {args.hostile} hostile" if name != "calm" else "",
             args.minutes,
         )
-        phases.append(asyncio.run(run_phase(name, args, speech)))
+        phases += asyncio.run(run_server(name, args, speech))
     print(table(phases, args))
     return 0 if all(not p.failed for p in phases) else 1
 

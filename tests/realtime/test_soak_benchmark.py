@@ -46,3 +46,32 @@ def test_the_soak_runs_calm_and_hostile_phases(tmp_path) -> None:
     assert float(_row(done.stdout, "hostile")["hostile clients' CPU (cores)"]) > 0
     hostile = re.search(r"hostile: (\d+) connections, (\d+) events", done.stdout)
     assert hostile and int(hostile[1]) >= 3 and int(hostile[2]) > 10, done.stdout[-2000:]
+
+
+def test_the_soak_interleaves_calm_and_hostile_windows_on_one_server(tmp_path) -> None:
+    """``--phases interleaved``: one server, the hostile clients only in every other window; each
+    window's turns, CPU and speech steps go to its phase, the first seconds after a switch to
+    neither."""
+    require_espeak()
+    argv = [
+        "--phases", "interleaved", "--interleave", "8", "--settle", "1", "--sessions", "3",
+        "--minutes", "0.55", "--hostile", "3", "--think", "1", "2", "--lifetime", "8", "12",
+        "--mix", "0.5", "0.5", "0", "--reply-tokens", "4", "--fuzz-rate", "5", "--huge-mib", "1",
+        "--rss-every", "2", "--log-dir", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "soak.py"), *argv], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for phase in ("calm (interleaved)", "hostile (interleaved)"):
+        row = _row(done.stdout, phase)
+        turns = [int(n) for n in row["turns (text/audio/barge-in)"].split("/")]
+        assert sum(turns) >= 2 and row["failed"] == "0", row
+        assert float(row["server CPU (cores)"]) > 0 and int(row["RSS at start (MiB)"]) > 0, row
+        steps = _row(done.stdout, phase, "| phase | speech steps")
+        assert int(steps["speech steps"]) > 0, steps
+    assert float(_row(done.stdout, "calm (interleaved)")["hostile clients' CPU (cores)"]) == 0
+    assert float(_row(done.stdout, "hostile (interleaved)")["hostile clients' CPU (cores)"]) > 0
+    goal = r"\(hostile \(interleaved\)\): \d+ ms vs \d+ ms calm.*hostile: (\d+) connections"
+    hostile = re.search(goal, done.stdout)
+    assert hostile and int(hostile[1]) >= 3, done.stdout[-2000:]
