@@ -90,27 +90,9 @@ if triton is not None:
         return tl.split(tl.permute(tl.reshape(x, (R, 2, N // 2)), (0, 2, 1)))
 
     @triton.jit
-    def _online(v, mean, m2, count, live, ONLINE_FMA: tl.constexpr):
-        """ATen's ``cuWelfordOnlineSum`` of one element per thread (where ``live``)."""
-        delta = v - mean
-        new_count = count + 1.0
-        coef = tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), new_count)
-        if ONLINE_FMA:
-            new_mean = tl.fma(delta, coef, mean)
-            new_m2 = tl.fma(delta, v - new_mean, m2)
-        else:
-            new_mean = mean + delta * coef
-            new_m2 = m2 + delta * (v - new_mean)
-        return (
-            tl.where(live, new_mean, mean),
-            tl.where(live, new_m2, m2),
-            tl.where(live, new_count, count),
-        )
-
-    @triton.jit
     def _online_known(v, mean, m2, coef, ONLINE_FMA: tl.constexpr):
-        """:func:`_online` where every thread is live and ``coef`` (``1 / new_count``, correctly
-        rounded) is known before the row is read: a full row's counts are the same in every thread."""
+        """ATen's Welford update of one element given ``coef``, ``1 / new_count`` correctly
+        rounded (:func:`_online` divides for it; a row of whole steps reads it from a table)."""
         delta = v - mean
         if ONLINE_FMA:
             new_mean = tl.fma(delta, coef, mean)
@@ -119,6 +101,18 @@ if triton is not None:
             new_mean = mean + delta * coef
             new_m2 = m2 + delta * (v - new_mean)
         return new_mean, new_m2
+
+    @triton.jit
+    def _online(v, mean, m2, count, live, ONLINE_FMA: tl.constexpr):
+        """ATen's ``cuWelfordOnlineSum`` of one element per thread (where ``live``)."""
+        new_count = count + 1.0
+        coef = tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), new_count)
+        new_mean, new_m2 = _online_known(v, mean, m2, coef, ONLINE_FMA)
+        return (
+            tl.where(live, new_mean, mean),
+            tl.where(live, new_m2, m2),
+            tl.where(live, new_count, count),
+        )
 
     @triton.jit
     def _combine(own_mean, own_m2, own_count, mean, m2, count, MEAN_FMA: tl.constexpr):

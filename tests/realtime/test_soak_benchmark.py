@@ -23,6 +23,14 @@ def _row(out: str, phase: str, table: str = "| phase | turns") -> dict[str, str]
     return dict(zip(cells, [c.strip() for c in row.strip("|").split("|")], strict=True))
 
 
+def _soak(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "soak.py"), *argv], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def test_the_soak_runs_calm_and_hostile_phases(tmp_path) -> None:
     require_espeak()
     argv = [
@@ -30,10 +38,7 @@ def test_the_soak_runs_calm_and_hostile_phases(tmp_path) -> None:
         "--lifetime", "8", "12", "--mix", "0.4", "0.4", "0.2", "--reply-tokens", "4",
         "--fuzz-rate", "5", "--huge-mib", "1", "--rss-every", "2", "--log-dir", str(tmp_path),
     ]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "soak.py"), *argv], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _soak(argv)
     for phase in ("calm", "hostile"):
         row = _row(done.stdout, phase)
         turns = [int(n) for n in row["turns (text/audio/barge-in)"].split("/")]
@@ -59,10 +64,7 @@ def test_the_soak_interleaves_calm_and_hostile_windows_on_one_server(tmp_path) -
         "--mix", "0.5", "0.5", "0", "--reply-tokens", "4", "--fuzz-rate", "5", "--huge-mib", "1",
         "--rss-every", "2", "--log-dir", str(tmp_path),
     ]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "soak.py"), *argv], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _soak(argv)
     for phase in ("calm (interleaved)", "hostile (interleaved)"):
         row = _row(done.stdout, phase)
         turns = [int(n) for n in row["turns (text/audio/barge-in)"].split("/")]
