@@ -158,6 +158,7 @@ class Phase:
     step_buckets: dict[float, float] = field(default_factory=dict)
     step_seconds: float = 0.0
     seconds: float = 0.0  # the phase's time (interleaved: its windows')
+    textless: int = 0  # text replies whose tokens made no text (see text_turn)
     server_cpu_s: float = 0.0
     hostile_cpu_s: float = 0.0
 
@@ -272,15 +273,27 @@ async def stream(s: Session, pcm: bytes, silence_ms: int) -> None:
         await s.send({"type": "input_audio_buffer.append", "audio": chunk})
 
 
-async def text_turn(s: Session, rng: random.Random, timeout: float) -> float:
+async def text_turn(s: Session, rng: random.Random, timeout: float, phase: Phase) -> float:
+    """Latency to the first text delta; a reply whose tokens made no text at all (the embedded
+    random model, capped at a few tokens, can draw only tokens that print nothing) is a valid
+    reply, timed to its ``response.done`` and counted in ``phase.textless``."""
     words = " ".join(rng.choice(("tell", "me", "about", "the", "sea", "please", "now")) for _ in range(8))
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words}]}
     await s.send({"type": "conversation.item.create", "item": item})
     await s.until("conversation.item.done", timeout)
     sent = time.monotonic()
     await s.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
-    await s.until("response.output_text.delta", timeout)
+    deadline = sent + timeout
+    while (event := await s.recv(max(0.01, deadline - time.monotonic())))["type"] not in (
+        "response.output_text.delta",
+        "response.done",
+    ):
+        pass
     latency = time.monotonic() - sent
+    if event["type"] == "response.done":
+        check_done(event, "text response with no text")
+        phase.textless += 1
+        return latency
     check_done(await s.until("response.done", timeout), "text response")
     return latency
 
@@ -360,7 +373,7 @@ async def well_behaved(
                     phase.turns[kind] += 1
                     try:
                         if kind == "text":
-                            latency = await text_turn(s, rng, args.turn_timeout)
+                            latency = await text_turn(s, rng, args.turn_timeout, phase)
                         elif kind == "audio":
                             latency = await audio_turn(s, rng.choice(speech), args.turn_timeout)
                         else:
@@ -708,6 +721,8 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
                 f"{by[loud_name].hostile_connections} connections, {by[loud_name].hostile_events} events."
             )
     for p in phases:
+        if p.textless:
+            lines.append(f"- {p.name}: {p.textless} text repl(ies) with no text, timed to response.done")
         for failure in p.failures:
             lines.append(f"- {p.name}: {failure}")
     return "\n".join(lines)
