@@ -37,7 +37,9 @@ first), each turn counted in the window it starts in, except in the first ``--se
 after a switch (a row of its own, "settling"). The machine's speed drifts by more than the
 hostile clients' cost within minutes on a shared 2-core machine; interleaved windows see the same
 drift, so their ratio is the hostile clients' own cost. The server's CPU and its speech steps'
-durations are split by window too.
+durations are split by window too. ``--save FILE`` keeps each phase's turn latencies, and
+``--pool FILE...`` (no server) gives the p50 / p99 of several runs' turns together by phase: the
+p99 of one run's ~850 turns is their ninth slowest, and moves between runs of the same code.
 
 The hostile clients run in a process of their own (as they would on another machine): in the
 measuring process, their 4 MiB frames and fuzz would delay the well-behaved sessions' event loop
@@ -801,15 +803,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve-args", default="", help="extra arguments for omnirt serve")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
+    ap.add_argument("--save", type=Path, help="also write each phase's turn latencies here (JSON)")
+    ap.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        help="run nothing: the p50 / p99 of the turns of several --save files together, by phase",
+    )
     args = ap.parse_args(argv)
     if args.warmup is None:
         args.warmup = min((args.think[1] + args.lifetime[1]) / 60, args.minutes / 2)
     return args
 
 
+def save(phases: list[Phase], path: Path) -> None:
+    """Each phase's turn latencies (seconds) by kind, for :func:`pool`."""
+    path.write_text(json.dumps({p.name: p.latencies for p in phases}))
+
+
+def pool(paths: list[Path]) -> str:
+    """The turns of several runs together, by phase: a p99 of many runs' turns moves less than
+    one run's (the ninth slowest of about 850)."""
+    merged: dict[str, list[float]] = {}
+    for path in paths:
+        for name, kinds in json.loads(path.read_text()).items():
+            merged.setdefault(name, []).extend(x for values in kinds.values() for x in values)
+    lines = [
+        f"Turns of {len(paths)} runs together:",
+        "",
+        "| phase | turns | p50 (ms) | p99 (ms) |",
+        "|---|---|---|---|",
+    ]
+    for name, values in merged.items():
+        lines.append(f"| {name} | {len(values)} | {ms(statistics.median(values))} | {ms(p99(values))} |")
+    for calm_name, loud_name in (("calm", "hostile"), ("calm (interleaved)", "hostile (interleaved)")):
+        if merged.get(calm_name) and merged.get(loud_name):
+            calm, loud = p99(merged[calm_name]), p99(merged[loud_name])
+            assert calm and loud
+            lines.append("")
+            lines.append(
+                f"Pooled well-behaved p99 ({loud_name}): {ms(loud)} ms "
+                f"vs {ms(calm)} ms calm ({loud / calm - 1:+.1%}; goal under +20%)."
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
+    if args.pool:
+        print(pool(args.pool))
+        return 0
     speech = utterances()
     phases: list[Phase] = []
     names = args.phases.split(",")
@@ -825,6 +869,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         phases += asyncio.run(run_server(name, args, speech))
     print(table(phases, args))
+    if args.save:
+        save(phases, args.save)
     return 0 if all(not p.failed for p in phases) else 1
 
 

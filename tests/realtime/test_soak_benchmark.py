@@ -62,9 +62,14 @@ def test_the_soak_interleaves_calm_and_hostile_windows_on_one_server(tmp_path) -
         "--phases", "interleaved", "--interleave", "8", "--settle", "1", "--sessions", "3",
         "--minutes", "0.55", "--hostile", "3", "--think", "1", "2", "--lifetime", "8", "12",
         "--mix", "0.5", "0.5", "0", "--reply-tokens", "4", "--fuzz-rate", "5", "--huge-mib", "1",
-        "--rss-every", "2", "--log-dir", str(tmp_path),
+        "--rss-every", "2", "--log-dir", str(tmp_path), "--save", str(tmp_path / "run.json"),
     ]  # fmt: skip
     done = _soak(argv)
+    pooled = _soak(["--pool", str(tmp_path / "run.json"), str(tmp_path / "run.json")]).stdout
+    for phase in ("calm (interleaved)", "hostile (interleaved)"):
+        turns = sum(int(n) for n in _row(done.stdout, phase)["turns (text/audio/barge-in)"].split("/"))
+        assert _row(pooled, phase, "| phase | turns |")["turns"] == str(2 * turns), pooled  # both runs'
+    assert "Pooled well-behaved p99 (hostile (interleaved)):" in pooled
     for phase in ("calm (interleaved)", "hostile (interleaved)"):
         row = _row(done.stdout, phase)
         turns = [int(n) for n in row["turns (text/audio/barge-in)"].split("/")]
