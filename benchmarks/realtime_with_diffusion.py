@@ -615,11 +615,9 @@ class Bench:
                 self.recording, self.recording_beside = phase.calls, phase.beside
             tick += 1
             if in_window:  # this iteration's time outside its steps
-                outside = time.perf_counter() - now - (sum(p.busy for p in timed) - busy)
-                gap = "between steps" if sum(p.busy for p in timed) > busy else (
-                    "idle, diffusion waiting" if waiting else "idle"
-                )
-                phase.engine[gap] += outside
+                stepped_s = sum(p.busy for p in timed) - busy
+                gap = "between steps" if stepped_s else "idle, diffusion waiting" if waiting else "idle"
+                phase.engine[gap] += time.perf_counter() - now - stepped_s
         self.recording = self.recording_beside = None
         phase.window_s = window_end - window_start if phase.ramp_s is not None else 0.0
         if self.device.type == "cuda":
@@ -893,9 +891,14 @@ def diffusion_calls(phases: list[Phase]) -> dict[CallKey, list[float]]:
     merged: dict[CallKey, list[float]] = defaultdict(list)
     for p in phases:
         for key, times in p.calls.items():
-            if key[0] != "speech" and ":" not in key[1]:
+            if key[0] != "speech" and not _on_media_thread(key[1]):
                 merged[key] += times
     return merged
+
+
+def _on_media_thread(call: str) -> bool:
+    """A call-table row of PNG / MP4 encoding (``decode: png``), timed on the media threads."""
+    return ":" in call
 
 
 #: Columns of the engine-time table: the steps' share by what they ran, then the loop's own.
@@ -924,7 +927,7 @@ def engine_table(phases: list[Phase]) -> str:
             continue
         spent: Counter[str] = Counter(p.engine)
         for (kind, call, _), times in p.calls.items():
-            if ":" in call:  # the media threads' encoding, beside the engine
+            if _on_media_thread(call):  # beside the engine
                 continue
             if kind == "speech":
                 column = "speech frame ticks" if call == "tick" else "speech ticks with prompt passes"

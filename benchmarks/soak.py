@@ -706,7 +706,7 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
             f"{p.rss[0][1] / 2**20:.0f} | "
             f"{r0 / 2**20:.0f} | {r1 / 2**20:.0f} | {r2 / 2**20:.0f} | {(r2 - r0) / r0:+.1%} | "
             f"{c0 / 2**20:.0f} / {c2 / 2**20:.0f} | {(c2 - c0) / c0:+.1%} | {ms(p99(p.loop_lag))} | "
-            f"{p.server_cpu:.2f} | {p.hostile_cpu:.2f} |"
+            + (f"{p.server_cpu:.2f} | {p.hostile_cpu:.2f} |" if p.seconds else "- | - |")  # settling: -
         )
     lines += ["", *step_table(phases)]
     by = {p.name: p for p in phases}
