@@ -22,12 +22,13 @@ head) leaves most of the GPU idle at a few rows: the window is cut into ``splits
 when there are few rows, :func:`plan`), a program per (row, kv head, chunk) streams its chunk in
 blocks of ``BLOCK_N`` entries with an online softmax (all query heads of its kv head at once, as
 a ``[16, D]`` tile on tensor cores) and writes a partial (max, sum, accumulator); a second kernel
-combines a row's partials. A program reads only the valid entries of its row (its loop stops at
-``n``), so a tick reads each slot's KV once, as much as it holds. fp8 entries are widened to the
-query's dtype in registers (exact); the key scale multiplies the scores, the value scale the
-probabilities, so no tile is rescaled. Scores and the accumulator are fp32; the probabilities go
-to the value dot in the query's dtype (as flash attention does): close to the reference, not
-bitwise (``tests/gpu`` states the tolerances).
+combines a row's partials (where one chunk covers the window, as in a short cache, the first
+kernel writes the output itself: the same bits, one launch). A program reads only the valid
+entries of its row (its loop stops at ``n``), so a tick reads each slot's KV once, as much as
+it holds. fp8 entries are widened to the query's dtype in registers (exact); the key scale
+multiplies the scores, the value scale the probabilities, so no tile is rescaled. Scores and the
+accumulator are fp32; the probabilities go to the value dot in the query's dtype (as flash
+attention does): close to the reference, not bitwise (``tests/gpu`` states the tolerances).
 
 **The reference** (:func:`decode_attention_reference`) dequantizes, masks columns ``>= n`` with
 a large negative bias and runs ``ring_attention_torch`` (matmul, fp32 softmax, matmul) over the
@@ -192,14 +193,16 @@ if triton is not None:
 
     @triton.jit
     def _partial_kernel(
-        Q, K, V, KS, VS, LENS, PO, PM, PL, scale,
-        sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sks_b, sks_h, svs_b, svs_h,
+        Q, K, V, KS, VS, LENS, PO, PM, PL, OUT, scale,
+        sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sks_b, sks_h, svs_b, svs_h, so_b,
         KV_HEADS, GROUPS, ATTEND, CHUNK, SPLITS,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr, SCALED: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, kv head, chunk): the chunk's valid entries, all query heads of
         # the kv head as one [BLOCK_G, DIM] tile; a partial softmax state per query head.
+        # ``DIRECT`` (one chunk): the output itself, as the combine would write it from one
+        # partial (its weight exp(0) is exactly 1), without the second launch.
         pid = tl.program_id(0)
         split = tl.program_id(1)
         row = (pid // KV_HEADS).to(tl.int64)
@@ -244,10 +247,15 @@ if triton is not None:
                 update = tl.dot(p.to(q.dtype), v)
             acc = acc * alpha[:, None] + update
             best = new_best
-        at = (row * KV_HEADS * GROUPS + head) * SPLITS + split
-        tl.store(PO + at[:, None] * DIM + d[None, :], acc, mask=g_ok[:, None])
-        tl.store(PM + at, best, mask=g_ok)
-        tl.store(PL + at, total, mask=g_ok)
+        if DIRECT:
+            out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+            at = row * so_b + head[:, None] * DIM + d[None, :]
+            tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            at = (row * KV_HEADS * GROUPS + head) * SPLITS + split
+            tl.store(PO + at[:, None] * DIM + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(PM + at, best, mask=g_ok)
+            tl.store(PL + at, total, mask=g_ok)
 
     @triton.jit
     def _combine_kernel(PO, PM, PL, OUT, SPLITS, so_b, HEADS, BLOCK_S: tl.constexpr, DIM: tl.constexpr):
@@ -281,7 +289,9 @@ def _launch(
     attend: int,
     scale: float,
     launch: tuple[int, int, int] | None = None,
+    combine: bool = False,
 ) -> torch.Tensor:
+    """``combine``: the combine kernel even for one chunk (the tests compare the two ways)."""
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
@@ -289,24 +299,28 @@ def _launch(
     block_n, warps, stages = launch or (FP8_LAUNCH if scaled else (BLOCK_N, NUM_WARPS, NUM_STAGES))
     out = torch.empty((batch, heads * dim), dtype=q.dtype, device=q.device)
     splits, chunk = plan(batch, kv_heads, attend, _multiprocessors(q.device), block_n)
-    partial = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
-    best = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
+    direct = splits == 1 and not combine
+    parts = 0 if direct else splits  # one chunk: no partials (the partial kernel writes ``out``)
+    partial = torch.empty((batch, heads, parts, dim), dtype=torch.float32, device=q.device)
+    best = torch.empty((batch, heads, parts), dtype=torch.float32, device=q.device)
     total = torch.empty_like(best)
     ks = k_scale if scaled else best  # a stand-in never read (SCALED says so)
     vs = v_scale if scaled else best
     if keys.dtype == FP8 and q.device.type == "cpu":  # the interpreter reads fp8 as its bytes
         keys, values = keys.float(), values.float()
     _partial_kernel[(batch * kv_heads, splits)](
-        q, keys, values, ks, vs, lengths, partial, best, total, scale,
+        q, keys, values, ks, vs, lengths, partial, best, total, out, scale,
         q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         ks.stride(0) if scaled else 0, ks.stride(1) if scaled else 0,
-        vs.stride(0) if scaled else 0, vs.stride(1) if scaled else 0,
+        vs.stride(0) if scaled else 0, vs.stride(1) if scaled else 0, out.stride(0),
         kv_heads, groups, attend, chunk, splits,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=block_n, DIM=dim, SCALED=scaled,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if direct:
+        return out
     _combine_kernel[(batch * heads,)](
         partial, best, total, out, splits, out.stride(0), heads,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), DIM=dim, num_warps=4,
@@ -325,10 +339,12 @@ def decode_attention_triton(
     v_scale: torch.Tensor | None = None,
     *,
     launch: tuple[int, int, int] | None = None,
+    combine: bool = False,
 ) -> torch.Tensor:
     """The kernel itself, on any device Triton runs on (the CPU under ``TRITON_INTERPRET=1``);
     ValueError for inputs it does not take. ``launch``: ``(block_n, num_warps, num_stages)``
-    instead of the module's (:data:`BLOCK_N`, ...), for probes."""
+    instead of the module's (:data:`BLOCK_N`, ...), for probes; ``combine``: the second launch
+    even where one chunk covers the window."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     reason = _check(q, keys, values, lengths, attend, k_scale, v_scale) or _kernel_reason(
@@ -338,7 +354,7 @@ def decode_attention_triton(
         raise ValueError(reason)
     if launch is not None and (launch[0] < 16 or launch[0] & (launch[0] - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {launch[0]}")
-    return _launch(q, keys, values, lengths, k_scale, v_scale, attend, scale, launch)
+    return _launch(q, keys, values, lengths, k_scale, v_scale, attend, scale, launch, combine)
 
 
 @torch.library.custom_op("omnirt::decode_attention", mutates_args=())

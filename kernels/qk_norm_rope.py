@@ -260,18 +260,23 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        Q, K, QO, KO, QW, KW, TAB,
+        Q, K, QO, KO, QW, KW, TAB, V, VO, POS,
         T, HQ, HK,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-        so_qb, so_qt, so_kb, so_kt,
+        so_qb, so_qt, so_kb, so_kt, so_kh,
+        sv_b, sv_h, so_vb, so_vt, so_vh,
         stab_b, stab_t,
         eps, q_factor, k_factor,
         D: tl.constexpr, HC: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
         INTERLEAVED: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
         Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr, K_STEPS: tl.constexpr, K_LANES: tl.constexpr,
         CPLX: tl.constexpr, VEC: tl.constexpr, HALVING: tl.constexpr, TREE: tl.constexpr,
+        CACHE: tl.constexpr,
     ):  # fmt: skip
-        # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles.
+        # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles. ``CACHE``
+        # (one token per row): keys go to row ``b``'s cache entry ``POS[b]`` (``KO`` a cache,
+        # ``so_kt`` its entry stride, ``so_kh`` its head stride) and the k program copies the
+        # row's values ``V`` to the same entry of ``VO``.
         row = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         b = row // T
@@ -281,13 +286,19 @@ if triton is not None:
             src = Q + b * sq_b + t * sq_t
             s_h = row * 0 + sq_h
             dst = QO + b * so_qb + t * so_qt
+            d_h = row * 0 + D
             w_ptr = QW
             heads = row * 0 + HQ
             factor = q_factor
         else:
             src = K + b * sk_b + t * sk_t
             s_h = row * 0 + sk_h
-            dst = KO + b * so_kb + t * so_kt
+            if CACHE:
+                dst = KO + b * so_kb + tl.load(POS + b).to(tl.int64) * so_kt
+                d_h = row * 0 + so_kh
+            else:
+                dst = KO + b * so_kb + t * so_kt
+                d_h = row * 0 + D
             w_ptr = KW
             heads = row * 0 + HK
             factor = k_factor
@@ -366,7 +377,15 @@ if triton is not None:
                 out = tl.reshape(tl.join(o1, o2), (HC, D))
             else:
                 out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
-            tl.store(dst + h.to(tl.int64) * D + d, out.to(DT), mask=live)
+            tl.store(dst + h.to(tl.int64) * d_h + d, out.to(DT), mask=live)
+        if CACHE:
+            if which == 1:  # the values, copied as they are
+                v_src = V + b * sv_b
+                v_dst = VO + b * so_vb + tl.load(POS + b).to(tl.int64) * so_vt
+                for v0 in range(0, heads, HC):
+                    vh = (v0 + tl.arange(0, HC)[:, None]).to(tl.int64)
+                    v = tl.load(v_src + vh * sv_h + d, mask=vh < heads, other=0.0)
+                    tl.store(v_dst + vh * so_vh + d, v, mask=vh < heads)
 
 
 def _check(
@@ -425,11 +444,22 @@ def _launch(
     complex_fma: str | None = None,
     composite_sum: str | None = None,
     tree: str | None = None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache``: ``(v, k_cache, v_cache, positions)`` (see :func:`qk_norm_rope_to_cache`): the keys
+    and values go into the caches and the second output is ``k_cache``."""
     batch, tokens, hq, dim = q.shape
     hk = k.shape[2]
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if cache is None:
+        ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        v, vo, positions = qo, qo, qo  # stand-ins never read (CACHE says so)
+        k_strides = (ko.stride(0), ko.stride(1), dim)
+        v_strides = (0, 0, 0, 0, 0)
+    else:
+        v, ko, vo, positions = cache
+        k_strides = (ko.stride(0), ko.stride(2), ko.stride(1))
+        v_strides = (v.stride(0), v.stride(2), vo.stride(0), vo.stride(2), vo.stride(1))
     if batch * tokens == 0:
         return qo, ko
     exact = preset == "exact"
@@ -449,10 +479,10 @@ def _launch(
         q, k, qo, ko,
         q_weight if q_weight is not None else dummy,
         k_weight if k_weight is not None else dummy,
-        table,
+        table, v, vo, positions,
         tokens, hq, hk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+        qo.stride(0), qo.stride(1), *k_strides, *v_strides,
         table.stride(0) if table.shape[0] > 1 else 0, table.stride(1),
         eps,
         mean_factor(batch * tokens * hq, dim) if per_head else 1.0 / (hq * dim),
@@ -462,6 +492,7 @@ def _launch(
         Q_STEPS=q_cfg[0], Q_LANES=q_cfg[1], K_STEPS=k_cfg[0], K_LANES=k_cfg[1],
         CPLX=cplx, VEC=vec, HALVING=int(order.endswith("halving")),
         TREE=("split", "reduce").index(tree or TREE),
+        CACHE=cache is not None,
         num_warps=4,
         enable_fp_fusion=not exact,
     )  # fmt: skip
@@ -593,3 +624,128 @@ def qk_norm_rope(
     if kernel_applies(q, k, q_weight, k_weight, table, per_head=per_head, norm=norm, rope=rope):
         return fused_qk_norm_rope(q, k, q_weight, k_weight, table, preset=preset, **args)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, table, **args)
+
+
+# --- a decode step's keys and values straight into a slot cache ---------------------------------
+
+
+def _check_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+) -> str | None:
+    """Why :func:`qk_norm_rope_to_cache` cannot take these (beyond :func:`_check`), or None."""
+    batch, tokens, heads, dim = k.shape
+    if tokens != 1:
+        return f"one token per row, got {tokens}"
+    if v.shape != k.shape or v.stride(-1) != 1:
+        return f"v must be like k {tuple(k.shape)} with a contiguous last dim, got {tuple(v.shape)}"
+    for cache in (k_cache, v_cache):
+        if cache.dim() != 4 or cache.shape[0] < batch or cache.shape[1] != heads or cache.shape[3] != dim:
+            return f"caches must be [>= {batch}, {heads}, N, {dim}], got {tuple(cache.shape)}"
+        if cache.dtype != k.dtype or cache.stride(-1) != 1:
+            return f"caches must be {k.dtype} with a contiguous last dim, got {cache.dtype}"
+    if v.dtype != k.dtype:
+        return f"v must be {k.dtype}, got {v.dtype}"
+    if positions.shape != (batch,) or positions.dtype not in (torch.int32, torch.int64):
+        return f"positions must be int32 or int64 [{batch}], got {positions.dtype} {tuple(positions.shape)}"
+    return None
+
+
+@torch.library.custom_op("omnirt::qk_norm_rope_to_cache", mutates_args=("k_cache", "v_cache"))
+def _qk_norm_rope_to_cache_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    norm: str,
+    rope: str,
+    preset: str,
+) -> torch.Tensor:
+    return _to_cache(q, k, v, q_weight, k_weight, table, k_cache, v_cache, positions, eps, interleaved, norm,
+                     rope, preset)  # fmt: skip
+
+
+@_qk_norm_rope_to_cache_op.register_fake
+def _qk_norm_rope_to_cache_fake(q, k, v, q_weight, k_weight, table, k_cache, v_cache, positions, eps,
+                                interleaved, norm, rope, preset):  # fmt: skip
+    return q.new_empty(q.shape)
+
+
+def _to_cache(q, k, v, q_weight, k_weight, table, k_cache, v_cache, positions, eps, interleaved, norm, rope,
+              preset):  # fmt: skip
+    cache = (v, k_cache, v_cache, positions)
+    args = (eps, interleaved, True, norm, rope, preset)
+    return _launch(q, k, q_weight, k_weight, table, *args, cache=cache)[0]
+
+
+def to_cache_applies(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+) -> bool:
+    """Whether :func:`qk_norm_rope_to_cache` takes these on this device: :func:`kernel_applies`
+    (per-head norms), one token per row and caches of the keys' dtype."""
+    tensors = (v, k_cache, v_cache, positions)
+    return (
+        kernel_applies(q, k, q_weight, k_weight, table, norm=norm, rope=rope)
+        and settings.kernel_device(q, *tensors)
+        and _check_cache(q, k, *tensors) is None
+    )
+
+
+def qk_norm_rope_to_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+    preset: Preset = "exact",
+) -> torch.Tensor:
+    """A decode step's queries and keys (``q``, ``k`` [B, 1, H, D]) per-head normalised and rotated
+    as :func:`qk_norm_rope` does, in one launch that also stores the keys and the values ``v``
+    [B, 1, Hk, D] (as they are) in row ``b``'s entry ``positions[b]`` of ``k_cache`` and ``v_cache``
+    [slots, Hk, N, D] (``cache[b, :, positions[b]] = ...``, the same bits as that assignment after
+    the unfused call). Returns the queries [B, 1, H, D]. ValueError for inputs it does not take;
+    the kernel itself on any device Triton runs on (callers check :func:`to_cache_applies`)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check(q, k, q_weight, k_weight, table, True)
+    reason = reason or _check_cache(q, k, v, k_cache, v_cache, positions)
+    if reason:
+        raise ValueError(reason)
+    if norm not in NORMS or rope not in ROPES or (rope == "complex" and not interleaved):
+        raise ValueError(f"norm must be one of {NORMS}, rope one of {ROPES} (complex: interleaved)")
+    return settings.dispatch(
+        torch.ops.omnirt.qk_norm_rope_to_cache, _to_cache,
+        q, k, v, q_weight, k_weight, table, k_cache, v_cache, positions, eps, interleaved, norm, rope,
+        check_preset(preset),
+    )  # fmt: skip

@@ -44,7 +44,13 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rot
 
 from ...kernels.decode_attention import decode_attention
 from ...kernels.decode_attention import kernel_applies as decode_attention_applies
-from ...kernels.qk_norm_rope import fused_qk_norm_rope, kernel_applies, table_from_halves
+from ...kernels.qk_norm_rope import (
+    fused_qk_norm_rope,
+    kernel_applies,
+    qk_norm_rope_to_cache,
+    table_from_halves,
+    to_cache_applies,
+)
 from ...kernels.rms_norm import add_rms_norm
 from ..graphs import LengthBucketedRunner, length_buckets, upload
 from .merged import MergedLayer, merge_layer
@@ -131,11 +137,24 @@ def _norm_rope(
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys and values of ``h`` [B, T, hidden] for attention, [B, heads, T, D]: projected
-    (one product: :mod:`.merged`), each query and key head RMSNorm-ed and rotated. On CUDA one
-    fused launch (``kernels/qk_norm_rope.py``, bitwise transformers' chain) where it applies
-    (``table``: the packed rotary table, None off CUDA); elsewhere transformers' own
-    ``q_norm``/``k_norm`` and ``apply_rotary_pos_emb``."""
+    (one product: :mod:`.merged`), then :func:`_normed_rotated`."""
     q, k, v = merged.project(attn, h, head_dim)
+    return _normed_rotated(attn, q, k, v, cos, sin, table)
+
+
+def _normed_rotated(
+    attn: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    table: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projected ``q``, ``k``, ``v`` [B, T, heads, D] -> [B, heads, T, D] with each query and key
+    head RMSNorm-ed and rotated. On CUDA one fused launch (``kernels/qk_norm_rope.py``, bitwise
+    transformers' chain) where it applies (``table``: the packed rotary table, None off CUDA);
+    elsewhere transformers' own ``q_norm``/``k_norm`` and ``apply_rotary_pos_emb``."""
     v = v.transpose(1, 2)
     qw, kw = attn.q_norm.weight, attn.k_norm.weight
     if table is not None and kernel_applies(q, k, qw, kw, table):
@@ -144,6 +163,7 @@ def _norm_rope(
         return q.transpose(1, 2), k.transpose(1, 2), v
     q, k = apply_rotary_pos_emb(attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2), cos, sin)
     return q, k, v
+
 
 def _add_norm(
     norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
@@ -384,6 +404,26 @@ class SlotDecoder:
         at = torch.full((1, 1), position, dtype=torch.long, device=weight.device)
         return self._rope(x, at.expand(3, 1, 1) if self.multimodal_rope else at)
 
+    def _decode_qkv(self, i: int, h: torch.Tensor, rope: Rope, rows: torch.Tensor, write_at: torch.Tensor):
+        """Layer ``i``'s queries [B, heads, 1, D] of a decode step's ``h`` [B, 1, hidden], as
+        :func:`_norm_rope` makes them; its keys and values go to entry ``write_at[b]`` of slot
+        ``rows[b]``. On CUDA the norms, the rotation and both writes are one launch
+        (``kernels/qk_norm_rope.qk_norm_rope_to_cache``, the same bits) where it applies."""
+        attn, merged = self.layers[i].self_attn, self.merged[i]
+        cos, sin, table = rope
+        cache_k, cache_v = self.keys[i], self.values[i]
+        q, k, v = merged.project(attn, h, self.head_dim)
+        qw, kw = attn.q_norm.weight, attn.k_norm.weight
+        if table is not None and to_cache_applies(q, k, v, qw, kw, table, cache_k, cache_v, write_at):
+            eps = attn.q_norm.variance_epsilon
+            caches = (cache_k, cache_v, write_at)
+            q = qk_norm_rope_to_cache(q, k, v, qw, kw, table, *caches, eps=eps, interleaved=False)
+            return q.transpose(1, 2)
+        q, k, v = _normed_rotated(attn, q, k, v, cos, sin, table)
+        cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
+        cache_v[rows, :, write_at] = v[:, :, 0].to(cache_v.dtype)
+        return q
+
     @torch.no_grad()
     def step(
         self,
@@ -430,10 +470,8 @@ class SlotDecoder:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, h = _add_norm(layer.input_layernorm, x, pending)
-            q, k, v = _norm_rope(attn, self.merged[i], h, cos, sin, table, self.head_dim)
+            q = self._decode_qkv(i, h, (cos, sin, table), rows, write_at)
             cache_k, cache_v = self.keys[i], self.values[i]
-            cache_k[rows, :, write_at] = k[:, :, 0].to(cache_k.dtype)
-            cache_v[rows, :, write_at] = v[:, :, 0].to(cache_v.dtype)
             if kernel:
                 out = decode_attention(q.reshape(heads), cache_k, cache_v, visible, attend, self.scaling)
             else:

@@ -121,3 +121,22 @@ def test_dispatcher_runs_the_reference_off_cuda_and_checks_its_input():
         decode_attention(q, keys, values, lengths, 32, 0.5, torch.ones(SLOTS, KV_HEADS, WINDOW + 1))
     with pytest.raises(ValueError, match="lengths"):
         decode_attention(q, keys, values, lengths.float(), 32, 0.5)
+
+
+@interpreted
+def test_one_chunk_writes_the_output_itself_with_the_combines_bits():
+    """Where one chunk covers the window (a short cache: the code predictor's), the first kernel
+    writes the output: the same bits as through the combine, including rows with nothing visible."""
+    from omnirt.kernels.decode_attention import decode_attention_triton
+
+    q, keys, values = _cache(4, heads=4)
+    lengths = torch.tensor([0, 1, 9, 17, 3])
+    attend = 17
+    assert plan(5, KV_HEADS, attend, 4)[0] == 1
+    direct = decode_attention_triton(q, keys, values, lengths, attend, 0.3)
+    combined = decode_attention_triton(q, keys, values, lengths, attend, 0.3, combine=True)
+    assert torch.equal(direct, combined)
+    assert torch.equal(direct[0], torch.zeros(4 * DIM))
+    torch.testing.assert_close(
+        direct, decode_attention_reference(q, keys, values, lengths, attend, 0.3), rtol=1e-5, atol=1e-5
+    )

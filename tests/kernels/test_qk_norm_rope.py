@@ -11,11 +11,13 @@ from omnirt.kernels.qk_norm_rope import (
     kernel_applies,
     qk_norm_rope,
     qk_norm_rope_reference,
+    qk_norm_rope_to_cache,
     qk_norm_rope_triton,
     split_packed_qkv,
     table_from_complex,
     table_from_halves,
     table_from_interleaved,
+    to_cache_applies,
 )
 
 from .conftest import interpreted
@@ -213,3 +215,49 @@ def test_custom_op_schema_fake_and_kernel():
     )
     got = torch.ops.omnirt.qk_norm_rope(*args)
     _close(got, qk_norm_rope_reference(q, k, qw, kw, table, eps=1e-6, interleaved=True, rope="complex"))
+
+
+@interpreted
+def test_to_cache_writes_what_the_unfused_call_and_assignments_write():
+    """A decode step's keys and values land in each row's entry of the caches (idle rows' entry the
+    scratch column), from packed QKV views; the queries and the keys are the kernel's own bits and
+    nothing else of the caches moves."""
+    g = torch.Generator().manual_seed(7)
+    batch, hq, hk, dim, entries = 3, 4, 2, 64, 9
+    qkv = torch.randn(batch, 1, (hq + 2 * hk) * dim, generator=g)
+    q, k, v = split_packed_qkv(qkv, hq, hk, dim)
+    _, _, qw, kw, table = _inputs(batch=batch, tokens=1, hq=hq, hk=hk, dim=dim)
+    caches = [torch.randn(batch + 2, hk, entries + 1, dim, generator=g) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    at = torch.tensor([4, 0, entries])  # the last row idle: its scratch column
+    args = dict(eps=1e-6, interleaved=False)
+    got_q = qk_norm_rope_to_cache(q, k, v, qw, kw, table, *caches, at, **args)
+    want_q, want_k = qk_norm_rope_triton(q, k, qw, kw, table, **args)
+    rows = torch.arange(batch)
+    before[0][rows, :, at] = want_k[:, 0]
+    before[1][rows, :, at] = v[:, 0]
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
+@interpreted
+def test_to_cache_refuses_what_it_cannot_write():
+    g = torch.Generator().manual_seed(8)
+    q, k, qw, kw, table = _inputs(batch=2, tokens=1, hq=4, hk=2, dim=64)
+    v = torch.randn(k.shape, generator=g)
+    cache = torch.zeros(2, 2, 5, 64)
+    at = torch.tensor([0, 1])
+    args = dict(eps=1e-6, interleaved=False)
+    q2, k2, qw2, kw2, table2 = _inputs(batch=2, tokens=2, hq=4, hk=2, dim=64)
+    with pytest.raises(ValueError, match="one token per row"):
+        qk_norm_rope_to_cache(q2, k2, k2, qw2, kw2, table2, cache, cache, at, **args)
+    with pytest.raises(ValueError, match="caches must be"):
+        qk_norm_rope_to_cache(q, k, v, qw, kw, table, cache.half(), cache, at, **args)
+    with pytest.raises(ValueError, match="caches must be"):
+        qk_norm_rope_to_cache(q, k, v, qw, kw, table, cache[:, :1], cache, at, **args)
+    with pytest.raises(ValueError, match="positions"):
+        qk_norm_rope_to_cache(q, k, v, qw, kw, table, cache, cache, at[:1], **args)
+    with pytest.raises(ValueError, match="v must be"):
+        qk_norm_rope_to_cache(q, k, v[..., :1, :], qw, kw, table, cache, cache, at, **args)
+    # never from a dispatcher on CPU tensors
+    assert not to_cache_applies(q, k, v, qw, kw, table, cache, cache, at)
