@@ -3,10 +3,12 @@ penalty, and a batched sampler (temperature, top-k, top-p per row) that a CUDA g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels import draw as draw_kernel
 from ..kernels import philox as philox_kernel
 
 
@@ -32,7 +34,7 @@ _PHILOX_M = (philox_kernel.PHILOX_M0, philox_kernel.PHILOX_M1)  # multipliers of
 _PHILOX_W = (philox_kernel.PHILOX_W0, philox_kernel.PHILOX_W1)  # Weyl key increments of key words 0, 1
 _PHILOX_ROUNDS = philox_kernel.ROUNDS
 _UNIFORM_BITS = philox_kernel.UNIFORM_BITS  # float32 uniforms k / 2**24 are exact
-_CDF_BITS = 60  # fixed point of the integer CDF: probabilities <= 1 sum well below 2**63
+_CDF_BITS = draw_kernel.CDF_BITS  # the integer CDF's fixed point (kernels/draw.py computes it too)
 
 
 class SamplerInputError(ValueError):
@@ -177,12 +179,14 @@ def _scale_by_uniform(span: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _filtered_cdf(
-    logits: torch.Tensor, params: DrawParams
+    logits: torch.Tensor, params: DrawParams, softmax: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scores sorted once, ascending: (order [B, V] with token id ``V - 1 - order``, cdf [B, V] int64
     fixed-point cumulative probabilities after top-k, first [B, 1] the first kept sorted position).
     The kept set is the tokens of ``order[:, first:]``: TopKLogitsWarper then TopPLogitsWarper of
-    ``transformers`` (where tied scores straddle the top-p cut, the lower token ids are kept)."""
+    ``transformers`` (where tied scores straddle the top-p cut, the lower token ids are kept).
+    ``softmax`` replaces the row-wise ``softmax(-1)`` of the kept scores (tests: CUDA's order on the
+    CPU, ``kernels.draw.softmax_reference``)."""
     vocab = logits.shape[1]
     # Sorting the reversed row stably puts tied scores in decreasing token id, so among ties the
     # lower id counts as the better token (as argmax prefers it); ``order`` indexes the reversed row.
@@ -191,7 +195,8 @@ def _filtered_cdf(
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(-1)
     kth = ascending.gather(1, vocab - k)  # the k-th best score; ties with it are kept
     cut_k = torch.searchsorted(ascending, kth)  # how many scores are below it
-    probs = ascending.masked_fill_(ascending < kth, float("-inf")).softmax(dim=-1)  # a row-wise kernel
+    ascending.masked_fill_(ascending < kth, float("-inf"))
+    probs = ascending.softmax(dim=-1) if softmax is None else softmax(ascending)  # a row-wise kernel
     del ascending
     cdf = probs.mul_(2.0**_CDF_BITS).long()  # exact fixed point of the float32 probabilities >= 2**-37
     del probs
@@ -221,18 +226,33 @@ def draw_rows(
 
 
 def draw_prepared(logits: torch.Tensor, params: DrawParams, uniform: torch.Tensor) -> torch.Tensor:
-    """:func:`draw_rows` with its rows' parameters prepared (:func:`draw_params`); the same tokens."""
+    """:func:`draw_rows` with its rows' parameters prepared (:func:`draw_params`); the same tokens.
+    On CUDA, for vocabularies up to 2048 (the code predictor's), one Triton launch
+    (``kernels/draw.py``: the chain's tokens, bit for bit) where the tensor chain takes about 30."""
     if params.sampled.shape != (logits.shape[0],) or uniform.shape != (logits.shape[0],):
         raise SamplerInputError(
             f"draw parameters of {tuple(params.sampled.shape)} rows and uniforms {tuple(uniform.shape)} "
             f"for logits of {logits.shape[0]} rows"
         )
+    if draw_kernel.kernel_applies(logits, params.sampled, params.scale, params.top_k, params.cut, uniform):
+        return draw_kernel.draw(logits, params.sampled, params.scale, params.top_k, params.cut, uniform)
+    return _draw_chain(logits, params, uniform)
+
+
+def _draw_chain(
+    logits: torch.Tensor,
+    params: DrawParams,
+    uniform: torch.Tensor,
+    softmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`draw_prepared`'s tensor chain, on any device and vocabulary (``softmax``: see
+    :func:`_filtered_cdf`)."""
     # bf16/fp16 -> float32 is exact: argmax and the scores in float32 need no float32 copy of logits
     narrow = logits if logits.dtype in (torch.float16, torch.bfloat16, torch.float32) else logits.float()
     greedy = torch.argmax(narrow, dim=-1)
     if logits.shape[0] == 0:
         return greedy
-    order, cdf, first = _filtered_cdf(narrow, params)
+    order, cdf, first = _filtered_cdf(narrow, params, softmax)
     # Inverse CDF over the kept suffix, in integers: target = base + floor(u * span), u = m / 2**24.
     base = torch.where(first > 0, cdf.gather(1, (first - 1).clamp(min=0)), 0)
     span = cdf[:, -1:] - base
