@@ -238,6 +238,11 @@ def test_to_cache_writes_what_the_unfused_call_and_assignments_write():
     before[1][rows, :, at] = v[:, 0]
     assert torch.equal(got_q, want_q)
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+    # the custom op (what torch.compile traces) declares the caches it writes
+    op_args = (q, k, v, qw, kw, table, *caches, at, 1e-6, False, "composite", "io", "exact")
+    torch.library.opcheck(
+        torch.ops.omnirt.qk_norm_rope_to_cache.default, op_args, test_utils=("test_schema", "test_faketensor")
+    )
 
 
 @interpreted
