@@ -28,6 +28,11 @@ models write it; :func:`qk_norm_rope` dispatches (kernel on CUDA where supported
 :data:`~.settings.FUSED`, the reference elsewhere) through the custom op ``omnirt::qk_norm_rope``,
 which ``torch.compile`` traces (a fake implementation gives the output shapes) and CUDA graphs
 capture (no host sync, no allocation outside the caching allocator).
+
+A decode step (one token a row) can also have the launch store its keys, and copy its values,
+into each row's entry of a slot cache (:func:`qk_norm_rope_to_cache`, custom op
+``omnirt::qk_norm_rope_to_cache``, which declares the caches it writes): the speech decoders'
+two cache assignments a layer are then no launches of their own.
 """
 
 from __future__ import annotations
@@ -683,7 +688,8 @@ def _qk_norm_rope_to_cache_fake(q, k, v, q_weight, k_weight, table, k_cache, v_c
 
 
 def _to_cache(q, k, v, q_weight, k_weight, table, k_cache, v_cache, positions, eps, interleaved, norm, rope,
-              preset):  # fmt: skip
+              preset) -> torch.Tensor:  # fmt: skip
+    """The custom op's body: :func:`_launch` writing the keys and values into the caches."""
     cache = (v, k_cache, v_cache, positions)
     args = (eps, interleaved, True, norm, rope, preset)
     return _launch(q, k, q_weight, k_weight, table, *args, cache=cache)[0]

@@ -404,7 +404,9 @@ class SlotDecoder:
         at = torch.full((1, 1), position, dtype=torch.long, device=weight.device)
         return self._rope(x, at.expand(3, 1, 1) if self.multimodal_rope else at)
 
-    def _decode_qkv(self, i: int, h: torch.Tensor, rope: Rope, rows: torch.Tensor, write_at: torch.Tensor):
+    def _decode_qkv(
+        self, i: int, h: torch.Tensor, rope: Rope, rows: torch.Tensor, write_at: torch.Tensor
+    ) -> torch.Tensor:
         """Layer ``i``'s queries [B, heads, 1, D] of a decode step's ``h`` [B, 1, hidden], as
         :func:`_norm_rope` makes them; its keys and values go to entry ``write_at[b]`` of slot
         ``rows[b]``. On CUDA the norms, the rotation and both writes are one launch
