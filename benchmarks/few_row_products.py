@@ -4,7 +4,7 @@ down product after the gated-unit kernel, as ``stages/speech/merged.py`` runs th
 ``--calls`` back-to-back calls (a graphed decode step runs them so), bf16, random weights of the
 published config's shapes.
 
-    python benchmarks/few_row_products.py [--rows 8] [--calls 50] [--launches 16,256,4,3 32,256,4,3]
+    python benchmarks/few_row_products.py [--rows 1 8] [--calls 50] [--launches 16,256,4,3 32,256,4,3]
 
 Prints a table: microseconds a call, the kernel's best launch against cuBLAS, and the largest
 difference from cuBLAS relative to the output's largest magnitude.
@@ -64,20 +64,25 @@ def timed(fn, calls: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--launches", nargs="+", default=["16,256,4,3", "32,256,4,3", "16,128,4,4"])
     ap.add_argument("--config", type=Path, default=CONFIG)
     args = ap.parse_args()
     launches = [tuple(int(v) for v in s.split(",")) for s in args.launches]
     config = json.loads(args.config.read_text())
+    for rows in args.rows:
+        table(config, rows, launches, args.calls)
+
+
+def table(config: dict, rows: int, launches: list[tuple[int, ...]], calls: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"# Few-row products, {args.rows} rows, bf16, {torch.cuda.get_device_name()}\n")
+    print(f"\n# Few-row products, {rows} rows, bf16, {torch.cuda.get_device_name()}\n")
     head = " | ".join(f"kernel {','.join(map(str, launch))} (us)" for launch in launches)
     print(f"| product | N x K | cuBLAS (us) | {head} | best vs cuBLAS | max diff / max |")
     print("|---|---|---|" + "---|" * len(launches) + "---|---|")
     for name, n, k, gated in shapes(config):
-        x = torch.randn(args.rows, 2 * k if gated else k, device="cuda", generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, 2 * k if gated else k, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
         if gated:
             def base(x=x, w=w, k=k):
@@ -86,7 +91,7 @@ def main() -> None:
             def base(x=x, w=w):
                 return F.linear(x, w)
         want = base()
-        base_us = timed(base, args.calls)
+        base_us = timed(base, calls)
         cells, errors = [], []
         for launch in launches:
             got = gemv(x, w, gated=gated, launch=launch)
@@ -94,7 +99,7 @@ def main() -> None:
             def call(x=x, w=w, gated=gated, launch=launch):
                 return gemv(x, w, gated=gated, launch=launch)
 
-            cells.append(timed(call, args.calls))
+            cells.append(timed(call, calls))
         best = min(cells)
         row = " | ".join(f"{c:.2f}" for c in cells)
         print(f"| {name} | {n} x {k} | {base_us:.2f} | {row} | {base_us / best:.2f}x | {max(errors):.1e} |")
