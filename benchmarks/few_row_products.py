@@ -4,7 +4,7 @@ down product after the gated-unit kernel, as ``stages/speech/merged.py`` runs th
 ``--calls`` back-to-back calls (a graphed decode step runs them so), bf16, random weights of the
 published config's shapes.
 
-    python benchmarks/few_row_products.py [--rows 1 8] [--calls 50] [--launches 16,256,4,3 32,256,4,3]
+    python benchmarks/few_row_products.py [--rows 1 8] [--calls 50] [--launches 16,256,4,3,1 16,256,4,3,2]
 
 Prints a table: microseconds a call, the kernel's best launch against cuBLAS, and the largest
 difference from cuBLAS relative to the output's largest magnitude.
@@ -34,6 +34,10 @@ def shapes(config: dict) -> list[tuple[str, int, int, bool]]:
         heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
         out.append((f"{name} qkv", (heads + 2 * kv) * dim, hidden, False))
         out.append((f"{name} o", hidden, heads * dim, False))
+    out.append(("code predictor head", cp["vocab_size"], cp["hidden_size"], False))
+    thinker = config["thinker_config"]["text_config"]
+    hidden, dim, heads = thinker["hidden_size"], thinker["head_dim"], thinker["num_attention_heads"]
+    out.append(("thinker o", hidden, heads * dim, False))
     inner = cp["intermediate_size"]
     out.append(("code predictor gate_up", 2 * inner, cp["hidden_size"], False))
     out.append(("code predictor down (gated)", cp["hidden_size"], inner, True))

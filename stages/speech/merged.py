@@ -21,7 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels import gemv as few_rows
+from ...kernels import settings as kernel_settings
 from ...kernels.swiglu import swiglu
+
+#: The few-row kernel's launch for one row's attention output (BLOCK_N, BLOCK_K, warps, stages,
+#: split): ``benchmarks/few_row_products.py`` on the H200 (2026-12-04), one row, 1024 x 2048.
+ONE_ROW_LAUNCH = (16, 256, 4, 3, 4)
+#: The largest output weight (elements) it takes: the talker's and code predictor's 1024 x 2048
+#: (cuBLAS 10.0-12.4 us, the kernel 4.7); the thinker's 2048 x 4096 stays with cuBLAS (7.1 us, the
+#: kernel 8.6).
+ONE_ROW_MAX_WEIGHT = 1024 * 2048
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,21 @@ class MergedLayer:
             out[..., q : q + kv].view(batch, tokens, -1, head_dim),
             out[..., q + kv :].view(batch, tokens, -1, head_dim),
         )
+
+    def attention_output(self, attn: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        """``attn.o_proj`` of the attention's ``a`` [B, T, heads * D]. For one row (a decode step of
+        one slot, on CUDA) the few-row kernel (``kernels/gemv.py``): cuBLAS's one-row kernel for
+        the talker's and code predictor's 1024 x 2048 product took 10.0-12.4 us on the H200
+        against the kernel's 4.7 (at 8 rows cuBLAS takes 5.1, and the kernel no less; larger
+        weights: :data:`ONE_ROW_MAX_WEIGHT`); another summation order, as any change of GEMM
+        kernel (module docstring)."""
+        o = attn.o_proj
+        one_row = a.shape[0] * a.shape[1] == 1 and kernel_settings.FUSED != "off"
+        if one_row and type(o) is nn.Linear and o.bias is None and o.weight.numel() <= ONE_ROW_MAX_WEIGHT:
+            row = a.reshape(1, -1)
+            if few_rows.kernel_applies(row, o.weight):
+                return few_rows.gemv(row, o.weight, launch=ONE_ROW_LAUNCH).view(*a.shape[:2], -1)
+        return o(a)
 
     def mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """The layer's MLP of ``h``: ``down(silu(gate(h)) * up(h))`` from the merged product where

@@ -484,7 +484,8 @@ class SlotDecoder:
                 probs = scores.masked_fill(masked, hidden).softmax(dim=-1)
                 probs = torch.where(keep.view(batch, 1, 1, 1), probs, 0.0).to(values.dtype)
                 out = torch.matmul(probs, values).to(x.dtype)  # [B, kv_heads, group, head_dim]
-            x, h = _add_norm(layer.post_attention_layernorm, x, attn.o_proj(out.reshape(batch, 1, -1)))
+            attended = self.merged[i].attention_output(attn, out.reshape(batch, 1, -1))
+            x, h = _add_norm(layer.post_attention_layernorm, x, attended)
             pending = self.merged[i].mlp(layer.mlp, h)
         lengths.add_(active.long())
         return _add_norm(self.model.norm, x, pending)[1][:, 0]

@@ -1,5 +1,6 @@
 """kernels/gemv.py on the CPU under the interpreter: few-row products (plain and with the gated
-unit read in) against ``F.linear`` of the same inputs, odd shapes and strided rows, the refusals."""
+unit read in) against ``F.linear`` of the same inputs, K whole or split in parts, odd shapes and
+strided rows, the refusals."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def test_products_equal_the_linear_chain(rows, n, k, gated):
     g = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, 2 * k if gated else k, generator=g)
     w = torch.randn(n, k, generator=g)
-    got = gemv(x, w, gated=gated, launch=(16, 32, 4, 1))
-    torch.testing.assert_close(got, gemv_reference(x, w, gated=gated), rtol=1e-5, atol=5e-5)
+    want = gemv_reference(x, w, gated=gated)
+    for split in (1, 2, 3):  # K in parts summed by each block's last program, in part order
+        got = gemv(x, w, gated=gated, launch=(16, 16, 4, 1, split))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
 
 
 @interpreted
