@@ -285,12 +285,17 @@ SPEECH_ROWS = (1, 8, 32, 128)
 
 
 def speech_rms_speed() -> list[str]:
-    """``add_rms_norm`` at the speech models' shapes: eager, and the exact kernel at 1, 2, 4, 8 warps
-    (the count ``warps_for`` picks marked), each from a CUDA graph (``bench``)."""
+    """``add_rms_norm`` at the speech models' shapes: eager, the exact kernel summing through shared
+    memory (``rms_norm.ROWS_TREE`` off) at 1, 2, 4, 8 warps (the count ``warps_for`` picks marked),
+    and with the rows tree (one warp; the same sums), each from a CUDA graph (``bench``)."""
     from omnirt.kernels import rms_norm
     from omnirt.kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton
 
-    rows = ["| shape | eager ms | exact ms at 1 / 2 / 4 / 8 warps | warps it runs |", "|---|---|---|---|"]
+    rows = [
+        "| shape | eager ms | exact, shared-memory tree, ms at 1 / 2 / 4 / 8 warps | warps it ran at | "
+        "exact, rows tree (1 warp) ms | same bits |",
+        "|---|---|---|---|---|---|",
+    ]
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, width in SPEECH_RMS:
         for count in SPEECH_ROWS:
@@ -298,17 +303,23 @@ def speech_rms_speed() -> list[str]:
             delta = torch.randn(count, width, device="cuda", generator=g).bfloat16()
             w = torch.randn(width, device="cuda", generator=g).bfloat16()
             eager = bench(functools.partial(add_rms_norm_reference, x, delta, w, 1e-6))
+            call = functools.partial(add_rms_norm_triton, x, delta, w, 1e-6)
             times = []
-            for warps in (1, 2, 4, 8):
-                rms_norm.WARPS = warps
-                try:
-                    times.append(bench(functools.partial(add_rms_norm_triton, x, delta, w, 1e-6)))
-                finally:
-                    rms_norm.WARPS = None
+            rms_norm.ROWS_TREE = False
+            try:
+                old = call()
+                for warps in (1, 2, 4, 8):
+                    rms_norm.WARPS = warps
+                    times.append(bench(call))
+            finally:
+                rms_norm.WARPS = None
+                rms_norm.ROWS_TREE = True
+            tree = bench(call)
+            same = all(torch.equal(a, b) for a, b in zip(old, call(), strict=True))
             config = rms_norm.aten_mean_config(width, count) or rms_norm._fast_config(width)
             picked = rms_norm.warps_for(config[1] * config[2])
             cells = " / ".join(f"{t:.4f}" for t in times)
-            rows.append(f"| {name} x {count} rows | {eager:.4f} | {cells} | {picked} |")
+            rows.append(f"| {name} x {count} rows | {eager:.4f} | {cells} | {picked} | {tree:.4f} | {same} |")
     return rows
 
 

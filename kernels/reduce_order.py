@@ -255,6 +255,39 @@ if triton is not None:
         return tl.sum(t)  # a [1, 1] tile: its one element
 
     @triton.jit
+    def _halve_rows(x, G: tl.constexpr):
+        """``[G, 32] -> [G / 2, 32]``: ``x[g] + x[g + G / 2]`` (a halving level of lanes ``g * 32 +
+        t`` that pairs lanes of the same ``t``)."""
+        a, b = tl.split(tl.permute(tl.reshape(x, (2, G // 2, 32)), (1, 2, 0)))
+        return a + b
+
+    @triton.jit
+    def warp_rows_sum(acc, G: tl.constexpr, WARP: tl.constexpr):
+        """:func:`vec4_lanes_sum` for ``acc`` [G, 32, 4] (lane ``g * 32 + t``'s four accumulators at
+        ``[g, t]``; ``G * 32`` lanes, at most 512), with ``WARP`` for a program of one warp: each
+        lane's items ``((a0 + a1) + a2) + a3``, the halving levels down to 32 lanes (rows ``g`` and
+        ``g + G / 2``: the same ``t``, so the same thread where Triton keeps ``g`` in registers), then
+        the warp's own reduction of the 32 (its shuffle butterfly from offset 16 down is the halving
+        tree, lane 0's value; :func:`halving_sum`'s note). Without ``WARP`` (the interpreter, whose
+        sum is NumPy's) the 32 are halved as :func:`lanes_halving_sum`. Launch with
+        ``enable_fp_fusion=False``."""
+        even, odd = tl.split(tl.reshape(acc, (G, 32, 2, 2)))  # items (0, 2) and (1, 3)
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
+        t = ((a0 + a1) + a2) + a3  # [G, 32]
+        if G >= 16:
+            t = _halve_rows(t, 16)
+        if G >= 8:
+            t = _halve_rows(t, 8)
+        if G >= 4:
+            t = _halve_rows(t, 4)
+        if G >= 2:
+            t = _halve_rows(t, 2)
+        if WARP:
+            return tl.sum(tl.reshape(t, (32,)), axis=0)
+        return lanes_halving_sum(t, 32)
+
+    @triton.jit
     def vec4_lanes_sum(acc, LANES: tl.constexpr):
         """The end of ATen's vectorised reduction (:func:`aten_vec4_config`): each lane's four
         accumulators ``acc`` [LANES, 4] combined in order, ``((a0 + a1) + a2) + a3``, then

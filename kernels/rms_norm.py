@@ -49,7 +49,7 @@ try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
 
-    from .reduce_order import lanes_halving_sum, vec4_lanes_sum
+    from .reduce_order import lanes_halving_sum, vec4_lanes_sum, warp_rows_sum
     from .w8a8 import quantize_values
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
@@ -94,33 +94,49 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _squares(X, D, XO, at, DT: tl.constexpr, HAS_D: tl.constexpr):
+        """The squares (fp32) of the row's elements at ``at``: of ``x + delta`` rounded to the input
+        dtype, which is stored to ``XO``, with ``HAS_D``."""
+        v = tl.load(X + at)
+        if HAS_D:
+            v = (v.to(tl.float32) + tl.load(D + at).to(tl.float32)).to(DT)
+            tl.store(XO + at, v)
+        v = v.to(tl.float32)
+        return v * v
+
+    @triton.jit
     def _add_rms_norm_kernel(
         X, D, W, XO, Y, SS, M, R, QS, eps, factor, m_stride, tokens, INV_QMAX,
         WIDTH: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
         HAS_D: tl.constexpr, HAS_SS: tl.constexpr, HAS_M: tl.constexpr, HAS_R: tl.constexpr,
         EXACT: tl.constexpr, ATEN: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
-        QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr,
+        QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, ROWS_TREE: tl.constexpr,
+        WARP: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the row read as STEPS slices of LANES vectors of VEC elements.
         row = tl.program_id(0).to(tl.int64)
         DT: tl.constexpr = X.dtype.element_ty
         base = row * WIDTH
         piece = tl.arange(0, LANES * VEC)
-        acc = tl.zeros([LANES, VEC], tl.float32)
-        for step in tl.static_range(STEPS):
-            at = base + step * LANES * VEC + piece
-            v = tl.load(X + at)
-            if HAS_D:
-                v = (v.to(tl.float32) + tl.load(D + at).to(tl.float32)).to(DT)
-                tl.store(XO + at, v)
-            v = v.to(tl.float32)
-            acc = acc + tl.reshape(v * v, (LANES, VEC))
-        if ATEN and VEC == 4:
-            ss = vec4_lanes_sum(acc, LANES)
-        elif ATEN:
-            ss = lanes_halving_sum(tl.reshape(acc, (1, LANES)), LANES)
+        if ROWS_TREE:  # ATen's order with lanes as [G, 32] (lane g * 32 + t), each lane's vector last
+            G: tl.constexpr = LANES // 32
+            g = tl.arange(0, G)[:, None, None] * 32
+            lanes = (g + tl.arange(0, 32)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
+            acc3 = tl.zeros([G, 32, 4], tl.float32)
+            for step in tl.static_range(STEPS):
+                acc3 += _squares(X, D, XO, base + step * LANES * VEC + lanes, DT, HAS_D)
+            ss = warp_rows_sum(acc3, G, WARP)
         else:
-            ss = tl.sum(tl.sum(acc, axis=1), axis=0)
+            acc = tl.zeros([LANES, VEC], tl.float32)
+            for step in tl.static_range(STEPS):
+                sq = _squares(X, D, XO, base + step * LANES * VEC + piece, DT, HAS_D)
+                acc += tl.reshape(sq, (LANES, VEC))
+            if ATEN and VEC == 4:
+                ss = vec4_lanes_sum(acc, LANES)
+            elif ATEN:
+                ss = lanes_halving_sum(tl.reshape(acc, (1, LANES)), LANES)
+            else:
+                ss = tl.sum(tl.sum(acc, axis=1), axis=0)
         if HAS_SS:
             tl.store(SS + row, ss)
         rstd = tl.math.rsqrt(ss * factor + eps)
@@ -197,6 +213,7 @@ def _launch(
     exact = preset == "exact"
     config = aten_mean_config(width, rows) if exact else None
     steps, lanes, vec = config or _fast_config(width)
+    rows_tree = ROWS_TREE and config is not None and vec == 4 and lanes >= 32
     m_stride, tokens = _mul_layout(x, mul) if mul is not None else (0, 1)
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, summed, out,
@@ -205,7 +222,8 @@ def _launch(
         mean_factor(rows, width), m_stride, tokens,
         WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
         HAS_M=mul is not None, HAS_R=residual is not None, EXACT=exact, ATEN=config is not None,
-        QUANT=kind is not None, **w8a8.quantize_constants(kind), num_warps=warps_for(lanes * vec),
+        QUANT=kind is not None, **w8a8.quantize_constants(kind), ROWS_TREE=rows_tree,
+        WARP=rows_tree and not settings.interpreted(), num_warps=1 if rows_tree else warps_for(lanes * vec),
         enable_fp_fusion=not exact,
     )  # fmt: skip
     return summed, out, scale
@@ -213,6 +231,10 @@ def _launch(
 
 #: Overrides :func:`warps_for` (``benchmarks/kernels.py --rms-warps`` sweeps it).
 WARPS: int | None = None
+#: ``exact`` rows of 4-element lanes summed as :func:`~.reduce_order.warp_rows_sum` does, by one warp
+#: (the lanes' halving levels in registers, the last 32 by the warp's shuffles), rather than by
+#: :func:`~.reduce_order.vec4_lanes_sum`'s levels through shared memory (the same sums).
+ROWS_TREE = True
 
 
 def warps_for(tile: int) -> int:

@@ -27,7 +27,8 @@ from .conftest import interpreted
 # (width, rows): the demo model's widths (read element by element) and the real model's (as
 # 4-element vectors), at row counts that give each a different launch
 SHAPES = [
-    (32, 1), (64, 5), (64, 40), (128, 3), (1024, 1), (1024, 4), (2048, 3), (2048, 8), (1024, 16), (2048, 40)
+    (32, 1), (64, 5), (64, 40), (128, 3), (1024, 1), (1024, 4), (2048, 1), (2048, 3), (2048, 8), (1024, 16),
+    (2048, 40),
 ]
 
 
