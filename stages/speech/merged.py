@@ -32,6 +32,9 @@ ONE_ROW_LAUNCH = (16, 256, 4, 3, 4)
 #: (cuBLAS 10.0-12.4 us, the kernel 4.7); the thinker's 2048 x 4096 stays with cuBLAS (7.1 us, the
 #: kernel 8.6).
 ONE_ROW_MAX_WEIGHT = 1024 * 2048
+#: The dtypes it runs in (measured in bf16; fp32 steps, the parity runs against transformers, keep
+#: cuBLAS's products).
+HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,10 @@ class MergedLayer:
         one slot, on CUDA) the few-row kernel (``kernels/gemv.py``): cuBLAS's one-row kernel for
         the talker's and code predictor's 1024 x 2048 product took 10.0-12.4 us on the H200
         against the kernel's 4.7 (at 8 rows cuBLAS takes 5.1, and the kernel no less; larger
-        weights: :data:`ONE_ROW_MAX_WEIGHT`); another summation order, as any change of GEMM
-        kernel (module docstring)."""
+        weights: :data:`ONE_ROW_MAX_WEIGHT`; bf16 and fp16 only); another summation order, as any
+        change of GEMM kernel (module docstring)."""
         o = attn.o_proj
-        one_row = a.shape[0] * a.shape[1] == 1 and kernel_settings.FUSED != "off"
+        one_row = a.shape[0] * a.shape[1] == 1 and a.dtype in HALF and kernel_settings.FUSED != "off"
         if one_row and type(o) is nn.Linear and o.bias is None and o.weight.numel() <= ONE_ROW_MAX_WEIGHT:
             row = a.reshape(1, -1)
             if few_rows.kernel_applies(row, o.weight):
