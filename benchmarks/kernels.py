@@ -329,9 +329,17 @@ def variant_speed() -> list[str]:
     from omnirt.kernels.qk_norm_rope import qk_norm_rope_triton
 
     rows = ["| exact kernel variant | ms |", "|---|---|"]
-    for name, b, t, hq, hk, d, per_head, norm, rope, inter in (QK_SHAPES[2], QK_SHAPES[5]):
+    shapes = (QK_SHAPES[0], QK_SHAPES[7], QK_SHAPES[2], QK_SHAPES[5])  # composite ones: the sum orders
+    for name, b, t, hq, hk, d, per_head, norm, rope, inter in shapes:
         q, k, qw, kw, table = qk_inputs(b, t, hq, hk, d, per_head, rope, False)
         args = dict(eps=1e-6, interleaved=inter, per_head=per_head, norm=norm, rope=rope)
+        if norm == "composite":
+            for order in ("vec4_halving", "vec4_warp"):
+                call = functools.partial(
+                    qk_norm_rope_triton, q, k, qw, kw, table, composite_sum=order, **args
+                )
+                rows.append(f"| qk {name} composite_sum={order} | {bench(call):.3f} |")
+            continue
         for tree in ("split", "reduce"):
             ms = bench(functools.partial(qk_norm_rope_triton, q, k, qw, kw, table, tree=tree, **args))
             rows.append(f"| qk {name} tree={tree} | {ms:.3f} |")

@@ -68,10 +68,14 @@ COMPLEX_FMA = "ac"
 _COMPLEX_FMAS = ("none", "ac", "bd")
 #: How ATen sums a head's squares in the composite chain: lanes of single elements or of
 #: 4-element vectors, the warp's tree by adjacent pairs or by halves (the H200 numerics).
+#: ``vec4_warp``: ``vec4_halving``'s sums with the 32 lanes added by Triton's own reduction of
+#: each head's row (a warp's butterfly is the halving tree when the lanes sit one a thread in a
+#: warp; on the GPU a candidate to measure, ``benchmarks/kernels.py --variants``: the same bits
+#: without the layout changes of five halving levels, unless Triton lays the lanes out otherwise).
 COMPOSITE_SUM = "vec4_halving"
 #: The layer-norm order's final tree as explicit splits or Triton's own reduction (same bits).
 TREE = "reduce"
-_COMPOSITE_SUMS = ("lanes", "vec4", "lanes_halving", "vec4_halving")
+_COMPOSITE_SUMS = ("lanes", "vec4", "lanes_halving", "vec4_halving", "vec4_warp")
 #: Chains ``(norm, rope, per_head)`` whose ``exact`` preset is bitwise equal to eager at head dim
 #: :data:`BITWISE_DIM` (``benchmarks/kernels.py`` and the GPU tests, on the H200): the
 #: dispatcher's ``auto`` setting uses the kernel on these only.
@@ -196,7 +200,8 @@ if triton is not None:
         """Each head's sum of squares [HC, 1] in ATen's reduction order (``reduce_order``): lane
         ``l`` of ``LANES`` adds its ``STEPS`` elements in order (elements ``l * STEPS ..`` of the
         loaded heads ``x`` [HC, D] for vectorised reads, else ``s * LANES + l``, read again as
-        coalesced tiles), lanes beyond a warp are halved, then the warp's tree."""
+        coalesced tiles), lanes beyond a warp are halved, then the warp's tree (``HALVING``: 0 by
+        adjacent pairs, 1 by halves, 2 by Triton's reduction)."""
         if VEC:
             lanes = tl.reshape(x * x, (HC, LANES, STEPS))
             if STEPS == 4:
@@ -220,6 +225,8 @@ if triton is not None:
             acc = half_sum(acc, HC, 128)
         if LANES >= 64:
             acc = half_sum(acc, HC, 64)
+        if HALVING == 2:  # Triton's reduction of each head's 32 lanes
+            return tl.sum(acc, axis=1)[:, None]
         if HALVING:
             acc = half_sum(acc, HC, 32)
             acc = half_sum(acc, HC, 16)
@@ -495,7 +502,7 @@ def _launch(
         D=dim, HC=heads_chunk, HAS_W=q_weight is not None, PER_HEAD=per_head,
         INTERLEAVED=interleaved, EXACT=exact, NORM=NORMS.index(norm), ROPE=ROPES.index(rope),
         Q_STEPS=q_cfg[0], Q_LANES=q_cfg[1], K_STEPS=k_cfg[0], K_LANES=k_cfg[1],
-        CPLX=cplx, VEC=vec, HALVING=int(order.endswith("halving")),
+        CPLX=cplx, VEC=vec, HALVING=2 if order.endswith("warp") else int(order.endswith("halving")),
         TREE=("split", "reduce").index(tree or TREE),
         CACHE=cache is not None,
         num_warps=4,
