@@ -17,6 +17,8 @@ from omnirt.kernels.qk_norm_rope import (
     to_cache_applies,
 )
 
+from .speech_decoders import code_predictor_decoder
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -101,18 +103,8 @@ def test_slot_decoder_step_with_the_fused_writes_is_the_unfused_steps_bits(monke
     hidden states and every cache entry the same with the keys and values written by the
     QK-norm-RoPE launch as by the two assignments after it."""
     from omnirt.stages.speech import slots
-    from transformers import Qwen3Config, Qwen3Model
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        num_hidden_layers=2, vocab_size=64, max_position_embeddings=64,
-    )  # fmt: skip
-    model = Qwen3Model(cfg).eval().to("cuda", torch.bfloat16)
-    decoder = slots.SlotDecoder(
-        model, num_slots=8, max_len=17, device=torch.device("cuda"), dtype=torch.bfloat16,
-        multimodal_rope=False,
-    )  # fmt: skip
+    decoder = code_predictor_decoder(layers=2, slots=8)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(8, 1024, device="cuda", generator=g).to(torch.bfloat16)
     active = torch.tensor([True, True, False, True, True, True, False, True], device="cuda")

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from omnirt.kernels.gemv import gemv
 from omnirt.kernels.swiglu import swiglu
 
+from .speech_decoders import code_predictor_decoder
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -79,19 +81,9 @@ def test_one_row_decoder_step_takes_the_kernel_for_the_attention_output(monkeypa
     runs each layer's attention output through the kernel (``MergedLayer.attention_output``) and
     stays within bf16 rounding of the step through ``o_proj`` (cuBLAS); at two rows, cuBLAS."""
     from omnirt.kernels import settings
-    from omnirt.stages.speech import merged, slots
-    from transformers import Qwen3Config, Qwen3Model
+    from omnirt.stages.speech import merged
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        num_hidden_layers=3, vocab_size=64, max_position_embeddings=64,
-    )  # fmt: skip
-    model = Qwen3Model(cfg).eval().to("cuda", torch.bfloat16)
-    decoder = slots.SlotDecoder(
-        model, num_slots=2, max_len=17, device=torch.device("cuda"), dtype=torch.bfloat16,
-        multimodal_rope=False,
-    )  # fmt: skip
+    decoder = code_predictor_decoder(layers=3, slots=2)
     calls = {"kernel": 0}
     kernel = merged.few_rows.gemv
 
