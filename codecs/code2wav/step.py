@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...kernels.rms_norm import add_rms_norm
 from ..streaming import commit
 from .model import (
     CausalConv,
@@ -86,11 +87,10 @@ def _convnext(block: ConvNeXtBlock, x: Tensor, history: Tensor, exec_mask: Tenso
     return x + h.permute(0, 2, 1)
 
 
-def _rms_norm(norm: RMSNorm, x: Tensor) -> Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
-    return norm.weight * h.to(dtype)
+def _add_norm(norm: RMSNorm, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(x + delta, norm(x + delta))`` (``delta`` None: ``(x, norm(x))``): transformers' residual
+    add and RMSNorm, one launch on CUDA (``kernels/rms_norm.py``, the eager chain's bits)."""
+    return add_rms_norm(x, delta, norm.weight, norm.eps)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -119,10 +119,10 @@ def _transformer(t: Transformer, x: Tensor, frame: Tensor, state: State, exec_ma
     write = ((ring == (frame % window)[:, None]) & exec_mask[:, None])[:, None, :, None]
     visible = (ring <= frame[:, None])[:, None, None, :]  # every ring entry once p >= W - 1
 
+    pending: Tensor | None = None  # the last MLP's scaled output, added with the next norm
     for i, layer in enumerate(t.layers):
         attn = layer.self_attn
-        residual = x
-        h = _rms_norm(layer.input_layernorm, x)
+        x, h = _add_norm(layer.input_layernorm, x, pending)
         q = attn.q_proj(h).view(rows, 1, attn.num_heads, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(rows, 1, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(rows, 1, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
@@ -137,13 +137,10 @@ def _transformer(t: Transformer, x: Tensor, frame: Tensor, state: State, exec_ma
         weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(weights, _repeat_kv(values, groups))
         out = attn.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
-        x = residual + layer.self_attn_layer_scale.scale * out
-
-        residual = x
-        h = _rms_norm(layer.post_attention_layernorm, x)
+        x, h = _add_norm(layer.post_attention_layernorm, x, layer.self_attn_layer_scale.scale * out)
         h = layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
-        x = residual + layer.mlp_layer_scale.scale * h
-    return _rms_norm(t.norm, x)
+        pending = layer.mlp_layer_scale.scale * h
+    return _add_norm(t.norm, x, pending)[1]
 
 
 def _decoder_block(
