@@ -18,7 +18,8 @@ random weights) and times, with ``torch.cuda.synchronize()`` around each call:
   speak (no prefill, no host work).
 
 Prints a markdown table (median of ``--iters`` calls; eager: of ``--eager-iters``) and the
-start-up time (load + graph capture). ``--profile-steps B`` adds the kernels of one thinker step
+start-up time (load + graph capture; ``--compile-report``: the start-up's Triton compiles by
+kernel, which a cold Triton cache pays). ``--profile-steps B`` adds the kernels of one thinker step
 and one talker step of B busy slots (run eagerly under ``torch.profiler``: calls and GPU time a
 step by kernel name), which says whether a graphed step is bound by its kernels' count.
 
@@ -35,6 +36,7 @@ Checked on CPU with the demo model::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -185,6 +187,44 @@ def _kernels_off(pipe, rows: list[dict], args: argparse.Namespace, device: torch
         settings.set_fused(before)
         for kv in decoders:
             kv.attention_kernel = True
+
+
+class _Compiles:
+    """The Triton compiles made while it is entered: each kernel's count and seconds, from Triton's
+    JIT hooks (``triton.knobs.runtime.jit_cache_hook`` runs before a compile,
+    ``jit_post_compile_hook`` after; a kernel found in Triton's on-disk cache is a short compile)."""
+
+    def __init__(self) -> None:
+        self.began: dict[str, float] = {}
+        self.seconds: dict[str, list[float]] = {}
+
+    def __enter__(self) -> _Compiles:
+        from triton import knobs
+
+        self.hooks = knobs.runtime
+        self.saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.jit_cache_hook, self.hooks.jit_post_compile_hook = self.saved
+
+    def _before(self, *, key: object, fn: object, **_: object) -> bool:
+        self.began[repr(key)] = time.perf_counter()
+        return False  # compile as usual
+
+    def _after(self, *, key: object, fn: object, **_: object) -> None:
+        began = self.began.pop(repr(key), None)
+        if began is not None:
+            self.seconds.setdefault(getattr(fn, "name", str(fn)), []).append(time.perf_counter() - began)
+
+    def table(self) -> str:
+        rows = sorted(self.seconds.items(), key=lambda item: -sum(item[1]))
+        total = sum(sum(v) for v in self.seconds.values())
+        lines = [f"Triton compiles of the start-up: {sum(len(v) for v in self.seconds.values())}, "
+                 f"{total:.1f} s\n", "| kernel | compiles | seconds | longest (s) |", "|---|---|---|---|"]
+        lines += [f"| `{name}` | {len(v)} | {sum(v):.1f} | {max(v):.1f} |" for name, v in rows]
+        return "\n".join(lines)
 
 
 class _Phases:
@@ -361,6 +401,10 @@ def main() -> None:
         help="list the kernels of one thinker and one talker step of B busy slots (eager, profiled)",
     )
     ap.add_argument("--profile-top", type=int, default=30, help="rows of each kernel table")
+    ap.add_argument(
+        "--compile-report", action="store_true",
+        help="list the Triton compiles of the start-up (kernel, compiles, seconds), from Triton's JIT hooks",
+    )
     args = ap.parse_args()
 
     from omnirt.stages.speech.demo import ensure_demo_checkpoint
@@ -369,17 +413,19 @@ def main() -> None:
 
     device = torch.device(args.device)
     slots = max(args.batches)
+    compiles = _Compiles() if args.compile_report else contextlib.nullcontext()
     t0 = time.perf_counter()
-    pipe = load_speech_pipeline(
-        args.model or ensure_demo_checkpoint(),
-        device=device,
-        load_format=args.load_format,
-        max_slots=slots,
-        max_context=args.max_context,
-        max_audio_frames=64,
-        prefill_chunk=args.prefill_chunk,
-    )
-    _sync(device)
+    with compiles:
+        pipe = load_speech_pipeline(
+            args.model or ensure_demo_checkpoint(),
+            device=device,
+            load_format=args.load_format,
+            max_slots=slots,
+            max_context=args.max_context,
+            max_audio_frames=64,
+            prefill_chunk=args.prefill_chunk,
+        )
+        _sync(device)
     startup = time.perf_counter() - t0
     graphs = sum(r.graphs for r in pipe.runners)
     params = sum(p.numel() for p in pipe.model.parameters()) / 1e9
@@ -452,6 +498,8 @@ def main() -> None:
     print(f"- prefill of one turn ({args.audio_seconds:.1f} s audio + text; thinker with audio encoder, "
           f"then talker): {prefill_ms:.1f} ms; of two turns at once (their audio, thinker and talker "
           f"passes batched): {two}")
+    if args.compile_report:
+        print("\n" + compiles.table() + "\n")
     if long is not None:
         tokens, pieces = long
         print(f"- a long prompt of {tokens} tokens read in {len(pieces)} pieces of at most "
