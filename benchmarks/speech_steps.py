@@ -405,6 +405,10 @@ def main() -> None:
         "--compile-report", action="store_true",
         help="list the Triton compiles of the start-up (kernel, compiles, seconds), from Triton's JIT hooks",
     )
+    ap.add_argument(
+        "--compile-workers", type=int, default=0,
+        help="threads making the steps' first calls before the capture (their Triton compiles side by side)",
+    )
     args = ap.parse_args()
 
     from omnirt.stages.speech.demo import ensure_demo_checkpoint
@@ -424,6 +428,7 @@ def main() -> None:
             max_context=args.max_context,
             max_audio_frames=64,
             prefill_chunk=args.prefill_chunk,
+            compile_workers=args.compile_workers,
         )
         _sync(device)
     startup = time.perf_counter() - t0

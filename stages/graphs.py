@@ -25,6 +25,11 @@ take an exec mask among their inputs.
   never run at the same time can share one memory pool); by default the runner makes its own.
 * ``runner.enabled = False`` switches graphs off at any time; ``runner.last_path`` says how the
   last call ran (``"graph"`` or ``"eager"``).
+* ``prewarm(runners, workers)``: before the captures, one eager call of every runner's step at
+  every bucket on ``workers`` threads: each step's first call at a bucket compiles its Triton
+  kernels for that bucket's shapes, and a compile spends most of its time outside the GIL (LLVM,
+  ``ptxas``), so the threads compile side by side what the captures would compile one after
+  another on a machine whose Triton cache is empty.
 
 The step must not sync with the host while captured (no ``.item()``, no Python branching on
 tensor values, no device tensors used as sizes) and must draw random numbers, if any, from the
@@ -35,10 +40,16 @@ choices), so compare graph and eager at the same size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -171,6 +182,22 @@ class CudaGraphRunner:
         captures the step anew, as it is now (a benchmark's baseline with other kernels)."""
         self._graphs.clear()
 
+    def warm_calls(self) -> list[Callable[[], None]]:
+        """For :func:`prewarm`: one eager call of the step for each bucket not captured yet, on
+        inputs of its own from ``make_inputs`` (which leave any state unchanged). None when
+        disabled or off CUDA."""
+        if not self.enabled or not torch.cuda.is_available():
+            return []
+        return [functools.partial(self._warm, b) for b in reversed(self.buckets) if b not in self._graphs]
+
+    def _warm(self, bucket: int) -> None:
+        inputs = self.make_inputs(bucket)
+        devices = {t.device for t in inputs.values()}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return
+        with torch.cuda.device(next(iter(devices))), torch.no_grad():  # a thread's device is its own
+            self.step(inputs)
+
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured bucket that holds ``batch`` rows, or None."""
         for bucket in self.captured_buckets:
@@ -275,6 +302,10 @@ class LengthBucketedRunner:
         for runner in self.runners.values():
             runner.drop()
 
+    def warm_calls(self) -> list[Callable[[], None]]:
+        """:meth:`CudaGraphRunner.warm_calls` of every length bucket."""
+        return [call for n in self.lengths for call in self.runners[n].warm_calls()]
+
     def length_for(self, length: int) -> int:
         for n in self.lengths:
             if n >= length:
@@ -286,3 +317,31 @@ class LengthBucketedRunner:
         out = runner(inputs)
         self.last_path = runner.last_path
         return out
+
+
+def prewarm(runners: Iterable[CudaGraphRunner | LengthBucketedRunner], workers: int) -> float:
+    """Runs every runner's :meth:`~CudaGraphRunner.warm_calls` on ``workers`` threads and waits for
+    them and the device; returns the seconds it took (0 with fewer than 2 workers or no calls).
+
+    What it is for: a step's first call at a bucket compiles its Triton kernels for the bucket's
+    shapes (tens of kernels, up to about 10 s each, for a real-size speech pipeline on a machine
+    whose Triton cache is empty), and :meth:`CudaGraphRunner.capture` makes those calls one after
+    another; here they overlap (the steps' GPU work still runs in one stream order). The calls
+    compute on idle rows, as the captures' own warm-up does. A call that fails is logged and
+    left to the capture, which makes it again and raises."""
+    calls = [call for runner in runners for call in runner.warm_calls()]
+    if workers < 2 or not calls:
+        return 0.0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="omnirt-prewarm") as pool:
+        futures = [pool.submit(call) for call in calls]
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                log.warning("a warm-up call before the capture failed (the capture retries it): %r", error)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the calls' activations, side by side, before the captures' pool
+    seconds = time.perf_counter() - t0
+    log.info("warmed %d steps on %d threads in %.1f s", len(calls), workers, seconds)
+    return seconds

@@ -198,6 +198,7 @@ def load_speech_pipeline(
     warm_up: bool = False,
     model_id: str | None = None,
     random_weights: bool | None = None,
+    compile_workers: int = 0,
 ) -> SpeechPipeline:
     """A :class:`SpeechPipeline` for the checkpoint folder ``path``.
 
@@ -219,6 +220,9 @@ def load_speech_pipeline(
     :class:`~.pipeline.SpeechPipeline`; off by default). ``prefill_chunk``: prompt tokens a
     prompt pass reads per tick (a longer prompt is read over several ticks). ``prefix_cache``:
     reuse the prompt prefix another request has read (see :mod:`.prefix_cache`).
+    ``compile_workers``: threads that make the steps' first calls at every bucket before the
+    capture (``stages.graphs.prewarm``: their Triton compiles side by side; 0 or 1: the captures
+    make them one after another).
     """
     if load_format not in LOAD_FORMATS:
         raise LoadFormatError(
@@ -281,7 +285,7 @@ def load_speech_pipeline(
         prefill_chunk=prefill_chunk,
         prefix_cache=prefix_cache,
     )
-    pipeline.capture()
+    pipeline.capture(compile_workers=compile_workers)
     if warm_up:
         pipeline.warm_up()
     return pipeline

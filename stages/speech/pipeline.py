@@ -73,7 +73,7 @@ import torch
 from omnirt.codecs.audio import float_to_int16
 
 from ..draws import fresh_seed
-from ..graphs import batch_buckets
+from ..graphs import batch_buckets, prewarm
 from ..pipeline import CallCounter, PhaseTimes, Priority, RequestRejected, StepTimer
 from ..prompt_size import prompt_chars, too_long_message
 from ..types import (
@@ -281,14 +281,17 @@ class SpeechPipeline:
             runners += [self.talker.runner, *self.talker.prompt.runners]
         return runners
 
-    def capture(self) -> float:
+    def capture(self, compile_workers: int = 0) -> float:
         """Captures the CUDA graphs of every step (decode steps per batch and length bucket,
         prompt passes per length bucket; the vocoder captures its own when built); returns the
         seconds it took. Does nothing off CUDA or with graphs off. Needs an idle pipeline:
-        capturing a prompt pass writes into slot 0's cache (the loader captures at start-up)."""
+        capturing a prompt pass writes into slot 0's cache (the loader captures at start-up).
+        ``compile_workers`` >= 2: every step's first calls made on that many threads before the
+        captures (:func:`~omnirt.stages.graphs.prewarm`)."""
         if self._active:
             raise RuntimeError("capture() needs an idle pipeline")
         t0 = time.perf_counter()
+        prewarm(self.runners, compile_workers)
         for runner in self.runners:
             runner.capture()
         seconds = time.perf_counter() - t0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-from omnirt.stages.graphs import CudaGraphRunner, batch_size, check_distinct
+from omnirt.stages.graphs import CudaGraphRunner, LengthBucketedRunner, batch_size, check_distinct, prewarm
 
 SLOTS = 8
 
@@ -82,6 +84,46 @@ def test_cpu_runs_eager_and_captures_nothing(enabled):
         runner({"x": torch.zeros(2, 4), "exec": torch.ones(3, dtype=torch.bool)})
 
 
+class _Calls:
+    """Stands in for a runner: ``warm_calls`` that note the thread they ran on (one fails)."""
+
+    def __init__(self, count: int, fail: int | None = None) -> None:
+        self.count, self.fail = count, fail
+        self.ran: list[tuple[int, str]] = []
+        self.barrier = threading.Barrier(2, timeout=10)
+
+    def warm_calls(self):
+        def call(i: int) -> None:
+            if i < 2:  # the first two wait for each other: they must run side by side
+                self.barrier.wait()
+            self.ran.append((i, threading.current_thread().name))
+            if i == self.fail:
+                raise RuntimeError("out of memory, say")
+
+        return [lambda i=i: call(i) for i in range(self.count)]
+
+
+def test_prewarm_runs_every_call_side_by_side_and_logs_a_failure(caplog):
+    first, second = _Calls(3, fail=2), _Calls(2)
+    seconds = prewarm([first, second], workers=4)
+    assert seconds > 0
+    assert sorted(i for i, _ in first.ran) == [0, 1, 2] and sorted(i for i, _ in second.ran) == [0, 1]
+    assert all(name.startswith("omnirt-prewarm") for _, name in first.ran + second.ran)
+    assert "failed" in caplog.text and "out of memory" in caplog.text
+
+
+def test_prewarm_with_one_worker_or_no_calls_does_nothing():
+    calls = _Calls(1)
+    assert prewarm([calls], workers=1) == 0.0 and calls.ran == []
+    toy = Accumulator("cpu")
+    runners = [CudaGraphRunner(toy.step, toy.make_inputs, [2, 4]),
+               LengthBucketedRunner(lambda inputs, n: toy.step(inputs), lambda b, n: toy.make_inputs(b),
+                                    batch_buckets=[2], length_buckets=[8, 16])]  # fmt: skip
+    if not torch.cuda.is_available():  # off CUDA a runner has no warm calls
+        assert all(r.warm_calls() == [] for r in runners)
+        assert prewarm(runners, workers=4) == 0.0
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -133,3 +175,15 @@ def test_uncaptured_shapes_and_disabled_runner_fall_back_to_eager():
     runner.enabled = True
     runner(_inputs(2, "cuda"))
     assert runner.last_path == "graph"
+
+
+@pytest.mark.gpu
+@cuda
+def test_prewarm_on_the_gpu_changes_no_state_and_the_capture_follows():
+    toy = Accumulator("cuda")
+    runner = CudaGraphRunner(toy.step, toy.make_inputs, [1, 2, 4])
+    assert len(runner.warm_calls()) == 3
+    assert prewarm([runner], workers=3) > 0
+    assert not toy.state.any()  # the capture inputs run no row
+    runner.capture()
+    assert runner.captured_buckets == [1, 2, 4] and runner.warm_calls() == []
