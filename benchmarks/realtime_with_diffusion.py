@@ -70,6 +70,12 @@ Z-Image transformer (DiT) step alone at ``--dit-size``
 ``torch.utils.flop_counter`` and the compute floor at ``--peak-tflops``, against the issue's
 floor (~63 ms on the H200) and goal (70 ms).
 
+Several runs together: ``--save FILE`` writes each phase's measures (frame latencies, first audio,
+lateness, denoising steps and jobs, the engine's time), and ``--pool FILE...`` (no model loaded)
+prints the goals table and the engine's time of the runs' phases merged by name: windows and step
+counts summed, latencies pooled, so one p99 covers every run's frames and one steps/s every run's
+windows (a 15 s window holds only a few video steps, and one run's p99 is its few slowest frames).
+
 On the H200, real sizes with random weights (bf16; Z-Image-Turbo 1024x1024 8 steps, Wan2.1 1.3B
 480p 81 frames; ``benchmarks/diffusion_gpu_run.sh`` runs this with bounded time)::
 
@@ -90,6 +96,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import math
 import sys
@@ -1113,6 +1120,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--dit-iters", type=int, default=5, help="timed DiT calls (0: skip)")
     add("--threads", type=int, default=0, help="torch CPU threads (0: as the server sets them)")
     add("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for the floor (H200 SXM: 989)")
+    add("--save", type=Path, default=None, help="also write each phase's measures here (JSON), for --pool")
+    add(
+        "--pool", type=Path, nargs="+", default=None,
+        help="run nothing: the goals and the engine's time of several --save files' phases together",
+    )
     args = parser.parse_args(argv)
     try:
         args.first_audio_targets = [
@@ -1195,8 +1207,69 @@ def _ms(seconds: float | None) -> str:
     return "none" if seconds is None else f"{seconds * 1000:g} ms"
 
 
+#: The measures a ``--save`` file keeps of a phase: lists pooled, counters and seconds summed.
+_LISTS = ("frame_latency", "frame_latency_plain", "frame_walls", "first_audio", "audio_late")
+_COUNTERS = ("late_places", "steps", "finished", "errors", "engine")
+
+
+def save(phases: list[Phase], kinds: list[str], path: Path) -> None:
+    """Each phase's measures (:data:`_LISTS`, :data:`_COUNTERS`, the window, turns and each call's
+    step times), for :func:`pool`."""
+    records = [
+        {
+            "name": p.name, "window_s": p.window_s, "turns_done": p.turns_done,
+            **{key: list(getattr(p, key)) for key in _LISTS},
+            **{key: dict(getattr(p, key)) for key in _COUNTERS},
+            "calls": [[*key, times] for key, times in p.calls.items()],
+        }
+        for p in phases
+        if p.ramp_s is not None
+    ]  # fmt: skip
+    path.write_text(json.dumps({"kinds": kinds, "phases": records}))
+
+
+def pool(paths: list[Path]) -> tuple[list[Phase], list[str]]:
+    """The phases of several :func:`save` files merged by name, in first-seen order, and the kinds
+    of diffusion job any of them ran."""
+    by: dict[str, Phase] = {}
+    kinds: list[str] = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        kinds += [k for k in data["kinds"] if k not in kinds]
+        for record in data["phases"]:
+            p = by.setdefault(record["name"], Phase(record["name"], ramp_s=0.0))
+            p.window_s += record["window_s"]
+            p.turns_done += record["turns_done"]
+            for key in _LISTS:
+                getattr(p, key).extend(record[key])
+            for key in _COUNTERS:
+                getattr(p, key).update(record[key])
+            for kind, call, rows, times in record["calls"]:
+                p.calls[kind, call, rows].extend(times)
+    return list(by.values()), kinds
+
+
+def print_pooled(paths: list[Path]) -> None:
+    phases, kinds = pool(paths)
+    print(f"# Realtime speech with diffusion: {len(paths)} runs together\n")
+    for p in phases:
+        print(f"- {p.name}: {p.window_s:.1f} s of windows, {len(p.frame_latency)} frames, "
+              f"{p.turns_done} turns, steps {dict(p.steps)}")
+    goals, met = goals_table({p.name: p for p in phases}, kinds)
+    print("\n## Against the alone baselines, pooled\n")
+    print(goals)
+    print()
+    for label, ok in met.items():
+        print(f"- goal {label}: {'-' if ok is None else 'yes' if ok else 'no'}")
+    print("\n## Where the engine's time went, pooled\n")
+    print(engine_table(phases))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.pool:
+        print_pooled(args.pool)
+        return 0
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     device = torch.device(args.device)
@@ -1289,6 +1362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in phases:
         for error, count in p.errors.items():
             print(f"\n(errors in {p.name}: {error} x{count})")
+    if args.save:
+        save(phases, kinds, args.save)
     goals, met = goals_table(by, kinds)
     print("\n## Against the alone baselines of this run\n")
     print(goals)

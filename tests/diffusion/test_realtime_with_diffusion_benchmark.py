@@ -17,17 +17,22 @@ def _row(out: str, phase: str) -> list[str]:
     return _cells(line)
 
 
-def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    saved = tmp_path / "run.json"
     argv = [
         "--device", "cpu", "--threads", "1", "--sessions", "2", "--seconds", "3", "--audio-seconds", "0.5",
         "--max-output-tokens", "2", "--max-audio-frames", "8", "--image-size", "64x64",
         "--image-steps", "2", "--video-size", "32x32", "--video-frames", "5", "--video-steps", "2",
         "--first-audio-targets", "0.25", "none", "--batch-slices", "0.02", "none", "--dit-iters", "0",
-        "--phase-timeout", "60", "--compare-prompt-ticks",
+        "--phase-timeout", "60", "--compare-prompt-ticks", "--save", str(saved),
     ]  # fmt: skip
     with benchmark_module("realtime_with_diffusion.py", "realtime_with_diffusion_under_test") as bench:
         assert bench.main(argv) == 0
-    out = capsys.readouterr().out
+        out = capsys.readouterr().out
+        phases, kinds = bench.pool([saved])
+        assert bench.main(["--pool", str(saved), str(saved)]) == 0  # one run twice: the same rates
+        pooled_out = capsys.readouterr().out
+    _pooled_run_matches(out, pooled_out, phases, kinds)
     header = next(line for line in out.splitlines() if line.startswith("| phase |"))
     cells = [c.strip() for c in header.strip("|").split("|")]
     phases = ("realtime alone", "both", "both, first-audio target none", "both, batch slice none")
@@ -56,6 +61,21 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
         shares = [float(m) for m in re.findall(r"\((\d+)%\)", " ".join(row.values()))]
         assert 90 <= sum(shares) <= 110, row  # every part of the window, once
         assert all(row[column] != "-" for column in needed), row
+
+
+def _pooled_run_matches(out: str, pooled: str, phases, kinds) -> None:
+    """``--save`` keeps every measured phase; ``--pool`` of one run twice gives its rates and medians
+    (windows and steps doubled, latencies repeated; a p99 of the doubled list moves by the
+    percentile's interpolation) and the engine's time for every phase."""
+    assert {p.name for p in phases} >= {"realtime alone", "diffusion alone", "both"}
+    assert kinds == ["image", "video"]
+    assert "2 runs together" in pooled and "goal diffusion throughput:" in pooled
+    for label in ("realtime frame p50 (ms)", "image denoising steps/s", "video denoising steps/s"):
+        run = next(line for line in out.splitlines() if line.startswith(f"| {label} |"))
+        both = next(line for line in pooled.splitlines() if line.startswith(f"| {label} |"))
+        assert _cells(run)[1:4] == _cells(both)[1:4], (run, both)
+    engine = pooled.split("## Where the engine's time went, pooled", 1)[1]
+    assert _row(engine, "both") and _row(engine, "realtime alone")
 
 
 def _cells(line: str) -> list[str]:
