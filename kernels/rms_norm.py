@@ -39,6 +39,8 @@ capture and ``torch.compile`` traces.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from . import settings, w8a8
@@ -56,15 +58,29 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 
+#: The RMSNorm chains :func:`add_rms_norm` computes: ``transformers`` (Qwen's: ``x * rstd`` rounded
+#: to the input dtype, then times the weight, rounded) and ``moshi`` (``MoshiRMSNorm``: the product
+#: with the weight in fp32, one rounding).
+Chain = Literal["transformers", "moshi"]
+#: The kernel preset of each chain: ATen's sums either way.
+_CHAIN_PRESETS: dict[str, str] = {"transformers": "exact", "moshi": "exact_f32"}
+
+
 def add_rms_norm_reference(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    chain: Chain = "transformers",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eager chain: transformers' residual add and ``RMSNorm``."""
+    """The eager chain: the residual add and transformers' ``RMSNorm`` (or ``MoshiRMSNorm``)."""
     if delta is not None:
         x = x + delta
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
+    if chain == "moshi":
+        return x, (h * weight.float()).type_as(x)
     return x, weight * h.to(x.dtype)
 
 
@@ -72,14 +88,15 @@ if triton is not None:
 
     @triton.jit
     def _normed(X, D, W, M, R, base, at, m_base, rstd, DT: tl.constexpr, HAS_D: tl.constexpr,
-                HAS_M: tl.constexpr, HAS_R: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+                HAS_M: tl.constexpr, HAS_R: tl.constexpr, ROUNDS: tl.constexpr):  # fmt: skip
         """The output at ``at`` of a row (``residual + mul * weight * norm``) in fp32, before its
-        last rounding to the input dtype."""
+        last rounding to the input dtype (``ROUNDS``: each product and sum rounded before it, as
+        transformers' and diffusers' chains; else none, as Moshi's)."""
         v = tl.load(X + base + at)
         if HAS_D:
             v = (v.to(tl.float32) + tl.load(D + base + at).to(tl.float32)).to(DT)
         w = tl.load(W + at).to(tl.float32)
-        if EXACT:  # each product and sum rounded to the input dtype, as eager
+        if ROUNDS:  # each product and sum rounded to the input dtype, as eager
             y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
             if HAS_M:
                 y = y.to(DT).to(tl.float32) * tl.load(M + m_base + at).to(tl.float32)
@@ -109,9 +126,9 @@ if triton is not None:
         X, D, W, XO, Y, SS, M, R, QS, eps, factor, m_stride, tokens, INV_QMAX,
         WIDTH: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
         HAS_D: tl.constexpr, HAS_SS: tl.constexpr, HAS_M: tl.constexpr, HAS_R: tl.constexpr,
-        EXACT: tl.constexpr, ATEN: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
+        ATEN: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
         QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, ROWS_TREE: tl.constexpr,
-        WARP: tl.constexpr,
+        WARP: tl.constexpr, ROUNDS: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the row read as STEPS slices of LANES vectors of VEC elements.
         row = tl.program_id(0).to(tl.int64)
@@ -147,18 +164,18 @@ if triton is not None:
             peak = tl.zeros([LANES * VEC], tl.float32)
             for step in tl.static_range(STEPS):
                 at = step * LANES * VEC + piece
-                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, EXACT)
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
                 peak = tl.maximum(peak, tl.abs(y.to(DT).to(tl.float32)))
             scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
             tl.store(QS + row, scale)
             for step in tl.static_range(STEPS):
                 at = step * LANES * VEC + piece
-                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, EXACT)
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
                 tl.store(Y + base + at, quantize_values(y.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8))
         else:
             for step in tl.static_range(STEPS):
                 at = step * LANES * VEC + piece
-                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, EXACT)
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
                 tl.store(Y + base + at, y.to(DT))
 
 
@@ -210,7 +227,7 @@ def _launch(
     summed = torch.empty_like(x) if delta is not None else x
     if rows == 0:
         return summed, out, scale
-    exact = preset == "exact"
+    exact = preset in ("exact", "exact_f32")  # ATen's sums; "exact_f32": one rounding (Moshi's chain)
     config = aten_mean_config(width, rows) if exact else None
     steps, lanes, vec = config or _fast_config(width)
     rows_tree = ROWS_TREE and config is not None and vec == 4 and lanes >= 32
@@ -221,7 +238,7 @@ def _launch(
         residual if residual is not None else x, scale if scale is not None else x, eps,
         mean_factor(rows, width), m_stride, tokens,
         WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
-        HAS_M=mul is not None, HAS_R=residual is not None, EXACT=exact, ATEN=config is not None,
+        HAS_M=mul is not None, HAS_R=residual is not None, ATEN=config is not None, ROUNDS=preset == "exact",
         QUANT=kind is not None, **w8a8.quantize_constants(kind), ROWS_TREE=rows_tree,
         WARP=rows_tree and not settings.interpreted(), num_warps=1 if rows_tree else warps_for(lanes * vec),
         enable_fp_fusion=not exact,
@@ -261,16 +278,20 @@ def add_rms_norm_triton(
     *,
     preset: Preset = "exact",
     sumsq: torch.Tensor | None = None,
+    chain: Chain = "transformers",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel itself, on any device Triton runs on; raises ValueError for inputs it does not
     support. ``sumsq`` [rows] fp32, if given, receives each row's sum of squares (the tests check
-    the summation order on it)."""
+    the summation order on it); ``chain`` (``exact``): whose output roundings."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     reason = _check(x, delta, weight)
     if reason:
         raise ValueError(reason)
-    return _launch(x, delta, weight, eps, check_preset(preset), sumsq)[:2]
+    if chain not in _CHAIN_PRESETS:
+        raise ValueError(f"chain must be one of {', '.join(_CHAIN_PRESETS)}, not {chain!r}")
+    preset = check_preset(preset)
+    return _launch(x, delta, weight, eps, _CHAIN_PRESETS[chain] if preset == "exact" else preset, sumsq)[:2]
 
 
 def _add_rms_norm_impl(
@@ -310,16 +331,22 @@ def kernel_applies(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    chain: Chain = "transformers",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, RMSNorm(x + delta))`` (``delta`` None: ``(x, RMSNorm(x))``): the kernel where
-    it applies (:func:`kernel_applies`, ``exact``), else the eager chain."""
+    """``(x + delta, RMSNorm(x + delta))`` (``delta`` None: ``(x, RMSNorm(x))``) in ``chain``'s
+    roundings: the kernel where it applies (:func:`kernel_applies`, ``exact``), else the eager
+    chain."""
     if not kernel_applies(x, delta, weight):
-        return add_rms_norm_reference(x, delta, weight, eps)
+        return add_rms_norm_reference(x, delta, weight, eps, chain)
+    preset = _CHAIN_PRESETS[chain]
     if delta is None:  # a custom op may not return its input: the norm alone
-        return x, settings.dispatch(torch.ops.omnirt.rms_norm, _rms_norm_impl, x, weight, eps, "exact")
+        return x, settings.dispatch(torch.ops.omnirt.rms_norm, _rms_norm_impl, x, weight, eps, preset)
     op = torch.ops.omnirt.add_rms_norm
-    return settings.dispatch(op, _add_rms_norm_impl, x, delta, weight, eps, "exact")
+    return settings.dispatch(op, _add_rms_norm_impl, x, delta, weight, eps, preset)
 
 
 # -- modulated: residual + mul * RMSNorm(x) (the DiT blocks) ------------------------------------

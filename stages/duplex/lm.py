@@ -88,6 +88,7 @@ from transformers import MoshiConfig
 from transformers.activations import ACT2FN
 
 from ...kernels.decode_attention import FP8, decode_attention, quantize_kv
+from ...kernels.rms_norm import add_rms_norm
 from ..draws import DUPLEX_AUDIO_STREAM, DUPLEX_TEXT_STREAM, SlotSampling, fresh_seed
 from ..graphs import LengthBucketedRunner, batch_buckets, length_buckets
 from .weights import MoshiWeights, check_config
@@ -129,11 +130,13 @@ def text_pad_ids(config: MoshiConfig) -> frozenset[int]:
     return frozenset((TEXT_PAD_ID if pad is None else int(pad), TEXT_END_PAD_ID if end is None else int(end)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``MoshiRMSNorm``: float32 math, the result in ``x``'s dtype."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.float()).type_as(x)
+def add_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, MoshiRMSNorm(x + delta))`` (``delta`` None: no add): float32 math, the result
+    in ``x``'s dtype; one launch on CUDA (``kernels/rms_norm.py``, the ``moshi`` chain: ATen's
+    sums, the eager chain's bits), the eager chain elsewhere."""
+    return add_rms_norm(x, delta, weight, eps, "moshi")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -488,9 +491,10 @@ class DuplexLM:
         lengths = (position + 1).clamp(max=window)  # the ring's valid entries: columns 0..n-1
         rows = self._rows[:batch]
         scale = 1.0 / math.sqrt(dim)
+        pending: torch.Tensor | None = None  # the last MLP's output, added with the next norm
         for i, layer in enumerate(self.weights.decoder.model.layers):
             attn = layer.self_attn
-            h = rms_norm(x, layer.input_layernorm.weight, self._eps)
+            x, h = add_norm(x, pending, layer.input_layernorm.weight, self._eps)
             q = F.linear(h, attn.q_proj.linear.weight).view(batch, heads, 1, dim)
             k = F.linear(h, attn.k_proj.linear.weight).view(batch, kv_heads, 1, dim)
             v = F.linear(h, attn.v_proj.linear.weight).view(batch, kv_heads, dim)
@@ -517,11 +521,11 @@ class DuplexLM:
                 v_scale,
                 use_kernel=self.attention_kernel,
             )
-            x = x + F.linear(out, attn.o_proj.linear.weight)
-            h = rms_norm(x, layer.post_attention_layernorm.weight, self._eps)
+            attended = F.linear(out, attn.o_proj.linear.weight)
+            x, h = add_norm(x, attended, layer.post_attention_layernorm.weight, self._eps)
             gate = F.linear(h, layer.mlp.fc1.weight).view(batch, 2, -1)
-            x = x + F.linear(self._act(gate[:, 0]) * gate[:, 1], layer.mlp.fc2.weight)
-        return rms_norm(x, self.weights.decoder.model.norm.weight, self._eps)
+            pending = F.linear(self._act(gate[:, 0]) * gate[:, 1], layer.mlp.fc2.weight)
+        return add_norm(x, pending, self.weights.decoder.model.norm.weight, self._eps)[1]
 
     def _depth(self, hidden: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """The depth loop: ``K`` codes per row from the temporal hidden state and the text token."""
@@ -540,20 +544,21 @@ class DuplexLM:
         for k in range(k_total):
             embed = depth.text_embed_tokens(text) if k == 0 else depth.embed_tokens[k - 1](codes[-1])
             x = embed + projected[:, k]
+            pending = None
             for i, layer in enumerate(layers):
                 attn = layer.self_attn
-                h = rms_norm(x, layer.input_layernorm.weight, self._depth_eps)
+                x, h = add_norm(x, pending, layer.input_layernorm.weight, self._depth_eps)
                 q = F.linear(h, attn.q_proj.linear.weight[k]).view(batch, kv_heads, group, dim)
                 keys[i][:, :, k] = F.linear(h, attn.k_proj.linear.weight[k]).view(batch, kv_heads, dim)
                 values[i][:, :, k] = F.linear(h, attn.v_proj.linear.weight[k]).view(batch, kv_heads, dim)
                 scores = torch.matmul(q, keys[i][:, :, : k + 1].transpose(-1, -2)) * scale
                 probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
                 out = torch.matmul(probs, values[i][:, :, : k + 1]).reshape(batch, heads * dim)
-                x = x + F.linear(out, attn.o_proj.linear.weight[k])
-                h = rms_norm(x, layer.post_attention_layernorm.weight, self._depth_eps)
+                attended = F.linear(out, attn.o_proj.linear.weight[k])
+                x, h = add_norm(x, attended, layer.post_attention_layernorm.weight, self._depth_eps)
                 gate = F.linear(h, layer.mlp.fc1.weight[k]).view(batch, 2, -1)
-                x = x + F.linear(self._depth_act(gate[:, 0]) * gate[:, 1], layer.mlp.fc2.weight[k])
-            logits = F.linear(x, depth.lm_heads.weight[k])
+                pending = F.linear(self._depth_act(gate[:, 0]) * gate[:, 1], layer.mlp.fc2.weight[k])
+            logits = F.linear(x + pending if pending is not None else x, depth.lm_heads.weight[k])
             codes.append(self.audio_sampling.draw_with(logits, uniforms[:, k]))
         return torch.stack(codes, dim=1)
 

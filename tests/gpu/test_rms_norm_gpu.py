@@ -90,6 +90,27 @@ def test_exact_is_bitwise_the_eager_chain():
     assert not differ, "\n".join(differ)
 
 
+def test_moshis_chain_is_bitwise_the_eager_chain():
+    """``chain="moshi"`` (the duplex LM's ``MoshiRMSNorm``: the weight product in fp32, one
+    rounding) at the Moshi temporal (4096) and depth (1024) widths, with and without the add."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    differ, checked = [], 0
+    for width in (1024, 4096):
+        for rows in (1, 2, 3, 8, 16, 32, 128):
+            x = (torch.randn(rows, width, device="cuda", generator=g) * 3).bfloat16()
+            d = torch.randn(rows, width, device="cuda", generator=g).bfloat16()
+            w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).bfloat16()
+            for delta in (d, None):
+                got = add_rms_norm_triton(x, delta, w, 1e-8, chain="moshi")
+                want = add_rms_norm_reference(x, delta, w, 1e-8, chain="moshi")
+                checked += 1
+                if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                    off = int((got[1] != want[1]).sum())
+                    differ.append(f"{width}x{rows} delta={delta is not None}: {off} elements differ")
+    print(f"\n[gpu] add_rms_norm moshi chain: {checked - len(differ)} of {checked} cases bitwise")
+    assert not differ, "\n".join(differ)
+
+
 def test_the_dispatcher_takes_the_kernel_on_cuda():
     before = settings.FUSED
     try:

@@ -84,6 +84,36 @@ def test_kernel_is_the_eager_chain_with_atens_sums(shape):
 
 
 @interpreted
+@pytest.mark.parametrize("shape", [(1024, 1), (2048, 3), (1024, 16)], ids=str)
+def test_moshis_chain_has_atens_sums(shape):
+    width, rows = shape
+    x, d, w = _inputs(width, rows)
+    sums = torch.empty(rows)
+    summed, out = add_rms_norm_triton(x, d, w, 1e-6, sumsq=sums, chain="moshi")
+    want_sum, want = add_rms_norm_reference(x, d, w, 1e-6, chain="moshi")
+    assert torch.equal(summed, want_sum)
+    order = aten_mean_config(width, rows)
+    assert np.array_equal(sums.numpy(), mean_sumsq_reference(want_sum.numpy(), *order))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="chain"):
+        add_rms_norm_triton(x, d, w, 1e-6, chain="llama")
+
+
+def test_moshis_reference_is_transformers_moshi_rms_norm():
+    """In bf16 the two chains round differently; ``moshi`` is transformers' ``MoshiRMSNorm``."""
+    from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(64, 512, generator=g) * 3).bfloat16()
+    w = (torch.rand(512, generator=g) + 0.5).bfloat16()
+    module = MoshiRMSNorm(512, eps=1e-5).to(torch.bfloat16)
+    module.weight.data.copy_(w)
+    moshi = add_rms_norm_reference(x, None, w, 1e-5, chain="moshi")[1]
+    assert torch.equal(moshi, module(x))
+    assert not torch.equal(moshi, add_rms_norm_reference(x, None, w, 1e-5)[1])
+
+
+@interpreted
 def test_without_a_delta_and_the_fast_preset():
     x, _, w = _inputs(1024, 6)
     for preset in ("exact", "fast"):
