@@ -11,7 +11,8 @@ a few rows, the norms alone were about a third of the launches of the talker's f
 **The chain** (``exact``, the default) is ``Qwen3OmniMoe*RMSNorm.forward`` line for line: the sum
 of bf16 inputs rounded to bf16; their squares in fp32; the mean in ATen's order (below); ``+ eps``
 and ``rsqrt`` in fp32; ``x * rstd`` rounded to the input dtype; times the weight, rounded.
-``fast`` sums in Triton's order and rounds once.
+``fast`` sums in Triton's order and rounds once. ``chain="moshi"`` is ``MoshiRMSNorm``'s chain
+(the duplex LM): ATen's sums as ``exact``, then ``x * rstd * weight`` in fp32, rounded once.
 
 **ATen's order for a mean over W >= 128 contiguous elements** (``Reduce.cuh``, read from the
 headers; :mod:`.reduce_order`): the input is read as 4-element vectors (``vectorize_input``), a
