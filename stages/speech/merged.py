@@ -11,6 +11,8 @@ of the merged tensor: nothing is stored twice, transformers' own forwards (the p
 any path that calls the modules) read the same weights, and a later in-place load writes through.
 The product of the merged weight equals the separate products up to the order a GEMM kernel sums
 in (cuBLAS may pick another kernel for the wider output), as any change of batch size does.
+:meth:`MergedLayer.attention_output` is the layer's other decode product, the attention's output
+projection, with a kernel of its own at one row (``kernels/gemv.py``).
 """
 
 from __future__ import annotations
