@@ -138,6 +138,7 @@ def build(args: argparse.Namespace, max_slots: int) -> tuple[Any, Startup]:
         max_slots=max_slots,
         max_context=args.max_context,
         max_audio_frames=args.max_audio_frames,
+        compile_workers=getattr(args, "compile_workers", 0),
         **extra,
     )
     _sync(device)
@@ -555,6 +556,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
     )
     parser.add_argument("--max-context", type=int, default=1024, help="thinker tokens per session (KV slots)")
+    parser.add_argument(
+        "--compile-workers", type=int, default=0,
+        help="threads making the steps' first calls before the capture (their Triton compiles side by side)",
+    )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--seconds", type=float, default=10.0, help="measured wall time per level and mode")
     parser.add_argument("--level-timeout", type=float, default=60.0, help="hard limit per level and mode (s)")
