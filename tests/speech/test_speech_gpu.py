@@ -5,6 +5,7 @@ inside the steps, bf16 end to end, the streaming vocoder on CUDA graphs, and the
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -229,16 +230,22 @@ def _graphs_equal_eager(pipe, requests) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "workers"), [(torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 8)])
-def test_decode_graphs_replay_equal_eager_bitwise(demo_dir: Path, dtype: torch.dtype, workers: int) -> None:
+def test_decode_graphs_replay_equal_eager_bitwise(
+    demo_dir: Path, dtype: torch.dtype, workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
     """Every captured decode step (thinker token, talker frame with its code-predictor loop and
     sampling) and prompt pass (two prompts at once) replays to the eager step's results
     bitwise: the same turns (greedy and sampled, 6 at once, so several batch and length
     buckets) with graphs and with ``use_graphs(False)``
     give identical tokens and PCM, and the paths taken are all graph / all eager. ``workers``:
-    the steps' first calls made on threads before the capture (``compile_workers``)."""
+    the steps' first calls made on threads before the capture (``compile_workers``), every one of
+    them without an error."""
+    caplog.set_level(logging.INFO, logger="omnirt.stages.graphs")
     pipe = load_speech_pipeline(
         demo_dir, device="cuda", dtype=dtype, max_slots=8, max_audio_frames=40, compile_workers=workers
     )
+    if workers:
+        assert "warmed" in caplog.text and "failed" not in caplog.text, caplog.text
     captured = pipe.capture()
     assert all(r.graphs > 0 for r in pipe.runners)
 
