@@ -11,7 +11,9 @@ CPU slots per replica, a ``--object-store-mib`` object store, no dashboard):
   its own;
 - **Ray Serve, 1 replica** and **Ray Serve, 2 replicas**: ``realtime.replicas.deploy`` (what
   ``omnirt serve --replicas N`` runs) behind Ray Serve's HTTP proxy, routed by omnirt's
-  ``SessionAwareRouter``.
+  ``SessionAwareRouter``; with ``--ingress haproxy`` (``omnirt serve --replicas N --ingress
+  haproxy``) behind Ray Serve's HAProxy instead, each replica serving HTTP itself and routing in
+  the replicas (``realtime/replicas/ingress.py``), named **Ray Serve (HAProxy), N replicas**.
 
 Torch threads: every server process gets ``OMP_NUM_THREADS`` = ``--replica-cpus`` (at least 1),
 the single process included, so it stands for one replica without the router.
@@ -70,8 +72,9 @@ The 1.8x goal (2 replicas holding 1.8x the sessions of one) needs a core per rep
 one for Ray's proxy, controller and the clients: cores >= replicas x replica-cpus + 1. The script
 says whether this machine has them; the ratio is measured either way.
 
-    python benchmarks/scale.py            # about 10 minutes on 2 cores
-    python benchmarks/scale.py --quick    # about 2.5 minutes
+    python benchmarks/scale.py                    # about 10 minutes on 2 cores
+    python benchmarks/scale.py --quick            # about 2.5 minutes
+    python benchmarks/scale.py --ingress haproxy  # the fleets behind HAProxy
 """
 
 from __future__ import annotations
@@ -132,8 +135,9 @@ COMMIT = json.dumps({"type": "input_audio_buffer.commit"})
 SINGLE = "single process"
 
 
-def ray_target(replicas: int) -> str:
-    return f"Ray Serve, {replicas} replica{'s' if replicas > 1 else ''}"
+def ray_target(replicas: int, ingress: str = "proxy") -> str:
+    via = " (HAProxy)" if ingress == "haproxy" else ""
+    return f"Ray Serve{via}, {replicas} replica{'s' if replicas > 1 else ''}"
 
 
 # -- statistics (pure) ----------------------------------------------------------------------------
@@ -283,7 +287,15 @@ def ray_instance(args: argparse.Namespace) -> Iterator[None]:
     import ray
     from omnirt.realtime.replicas.launch import set_serve_env
 
-    set_serve_env()  # Ray Serve's short request path, as `omnirt serve --replicas` starts Ray
+    if args.ingress == "haproxy":
+        # HAProxy's files in a folder of the run's own (Ray's default is shared by every Ray here).
+        files = tempfile.mkdtemp(prefix="omnirt-hap-")
+        os.environ.setdefault("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", f"{files}/haproxy.cfg")
+        os.environ.setdefault("RAY_SERVE_HAPROXY_SOCKET_PATH", f"{files}/admin.sock")
+        os.environ.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", files)
+        os.environ.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", f"{files}/server-state")
+    # Ray Serve's settings (and HAProxy's), as `omnirt serve --replicas` starts Ray.
+    set_serve_env(ingress=args.ingress)
     ray.init(
         address="local",  # a fresh instance of its own, never one that `ray start` left running
         num_cpus=max(args.replicas) * args.replica_cpus,
@@ -309,7 +321,9 @@ def ray_fleet(args: argparse.Namespace, replicas: int) -> Iterator[str]:
     from ray import serve
 
     config = ServerConfig(port=free_port(), max_sessions=args.max_sessions)
-    options = ReplicaOptions(replicas=replicas, cpus_per_replica=args.replica_cpus, drain_seconds=2.0)
+    options = ReplicaOptions(
+        replicas=replicas, cpus_per_replica=args.replica_cpus, drain_seconds=2.0, ingress=args.ingress
+    )
     t0 = time.monotonic()
     base = deploy(config, options, device="cpu", log_level="warning")
     try:
@@ -340,7 +354,8 @@ _GROUPS: dict[tuple[int, float], str] = {}
 def process_group(proc: psutil.Process) -> str:
     """Which part of the run a process is: ``server`` (the single process or a replica, with
     their VAD workers), ``proxy`` (Ray Serve's HTTP proxy), ``ray`` (Ray's other processes:
-    raylet, GCS, Serve's controller, the fleet deployment), ``client`` (this process)."""
+    raylet, GCS, Serve's controller, the fleet deployment), ``client`` (this process). With the
+    HAProxy ingress, ``proxy`` is HAProxy (and Ray Serve's fallback proxy, idle)."""
     if proc.pid == os.getpid():
         return "client"
     try:
@@ -350,7 +365,7 @@ def process_group(proc: psutil.Process) -> str:
         command = " ".join(proc.cmdline())
     except psutil.Error:
         return "ray"
-    if "ProxyActor" in command or "SERVE_PROXY_ACTOR" in command:
+    if "ProxyActor" in command or "SERVE_PROXY_ACTOR" in command or "bin/haproxy" in command:
         _GROUPS[key] = "proxy"
     elif any(name in command for name in ("OmnirtReplica", "omnirt.realtime.cli", "omnirt.vad.process")):
         _GROUPS[key] = "server"
@@ -893,6 +908,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--object-store-mib", type=int, default=128)
     ap.add_argument(
+        "--ingress",
+        choices=("proxy", "haproxy"),
+        default="proxy",
+        help="the fleets' ingress (omnirt serve --replicas --ingress): Ray Serve's proxy or HAProxy",
+    )
+    ap.add_argument(
         "--round-trips", type=int, default=None, help="timed WebSocket round trips (HTTP: a quarter)"
     )
     ap.add_argument("--warmup-round-trips", type=int, default=200)
@@ -991,7 +1012,8 @@ def main(argv: list[str] | None = None) -> int:
                     round_trips, round_trip_cpu = measure_round_trips(single, base, args)
                     single_stack.close()
                     single = None
-                ramps[ray_target(replicas)] = ramp(base, ray_target(replicas), args, pcm)
+                target = ray_target(replicas, args.ingress)
+                ramps[target] = ramp(base, target, args, pcm)
 
     command = "python benchmarks/scale.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
@@ -1010,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
         f"< {args.gap_ms:g} ms (player buffer {args.playout_ms:.0f} ms)"
     )
     print()
-    ray_one = ray_target(min(args.replicas))
+    ray_one = ray_target(min(args.replicas), args.ingress)
     if round_trips:
         print("## Router added latency (idle servers, sequential round trips, taking turns)\n")
         print(latency_table(round_trips, ray_one))
@@ -1030,9 +1052,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     baseline = ray_one if ray_one in ramps else next(iter(ramps))
     print(summary_table(ramps, rule, baseline))
-    two = ray_target(2)
-    if two in ramps and ray_target(1) in ramps:
-        one_served = sessions_served(ramps[ray_target(1)], rule)
+    two, one = ray_target(2, args.ingress), ray_target(1, args.ingress)
+    if two in ramps and one in ramps:
+        one_served = sessions_served(ramps[one], rule)
         two_served = sessions_served(ramps[two], rule)
         ratio = (two_served.sessions if two_served else 0) / one_served.sessions if one_served else None
         needed = 2 * math.ceil(args.replica_cpus) + 1

@@ -411,6 +411,14 @@ def _add_replicas(serve: argparse.ArgumentParser) -> None:
         help="a replica being removed admits no new sessions and lets live ones go on this long, then "
         "closes them with 1001 (default 30)",
     )
+    group.add_argument(
+        "--ingress",
+        choices=("proxy", "haproxy"),
+        default="proxy",
+        help="proxy (default): Ray Serve's HTTP proxy, omnirt's request router; haproxy: Ray Serve's "
+        "HAProxy in front of replicas that serve HTTP themselves (about 0.02 ms per event instead of "
+        "about 0.8), omnirt's routing done in the replicas (docs/replicas.md)",
+    )
 
 
 def replicas_wanted(args: argparse.Namespace) -> bool:
@@ -427,6 +435,7 @@ def replica_options(args: argparse.Namespace) -> ReplicaOptions:
         ray_address=args.ray_address,
         cpus_per_replica=args.replica_cpus,
         drain_seconds=args.drain_seconds,
+        ingress=args.ingress,
     )
 
 

@@ -1,4 +1,5 @@
-"""omnirt on Ray Serve: N replicas behind Ray Serve's HTTP proxy, with session-aware routing.
+"""omnirt on Ray Serve: N replicas behind Ray Serve's HTTP proxy (or its HAProxy), with
+session-aware routing.
 
 ``omnirt serve --replicas N`` (or :func:`serve_replicas` / :func:`deploy` from Python) runs N
 omnirt servers as one Ray Serve deployment; docs/replicas.md explains the design. Needs the

@@ -12,7 +12,9 @@ WebSockets, chat, images, videos, models and the UI. What the replica adds:
   job's requests to it) and a list of every replica's jobs (:mod:`.video_jobs`);
 - an ``x-omnirt-replica`` header on every response and WebSocket accept (which replica served);
 - draining when Ray Serve removes it (:mod:`.drain`);
-- ``check_health``: a replica whose engine thread has stopped is replaced by Ray Serve.
+- ``check_health``: a replica whose engine thread has stopped is replaced by Ray Serve;
+- behind HAProxy (``--ingress haproxy``), omnirt's routing where the request lands
+  (:mod:`.ingress`): its own HTTP address in its reports, the others' from the fleet's.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..build import build_app
 from ..config import ServerConfig
 from ..http.access import require_api_key
-from .drain import watch_for_removal
+from .drain import serve_controller, watch_for_removal
 from .fleet import ReplicaReport, fleet_health, fleet_metrics, merge_reports
+from .ingress import FleetIngress, IngressMiddleware, Peers, direct_address
 from .load import ReplicaLoad
 from .video_jobs import FleetVideoJobs
 
@@ -47,6 +50,8 @@ REPLICA_HEADER = "x-omnirt-replica"
 #: How long a ``/health`` or ``/metrics`` request waits for the fleet's reports before it answers
 #: with this replica's alone.
 FLEET_TIMEOUT_SECONDS = 2.0
+#: Seconds between a replica's looks for its own HTTP address (HAProxy ingress) until found.
+ADDRESS_POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class ReplicaSettings:
     poll_seconds: float = 1.0
     #: The level of omnirt's log lines in the replica (``--log-level``; Ray Serve keeps its own).
     log_level: str = "info"
+    #: ``proxy`` (Ray Serve's HTTP proxy and omnirt's request router) or ``haproxy`` (:mod:`.ingress`).
+    ingress: str = "proxy"
 
 
 def _log_to_stderr(level: str) -> None:
@@ -127,8 +134,24 @@ class OmnirtReplica:
         videos.sharing = self.videos
         self._add_fleet_routes()
         self.omnirt_app.add_middleware(ReplicaHeader, replica=self.replica_id)
+        #: Where this replica serves HTTP itself (HAProxy ingress; looked up once it does).
+        self.address: str | None = None
+        self.ingress: FleetIngress | None = None
+        if settings.ingress == "haproxy":
+            self.ingress = FleetIngress(
+                replica=self.replica_id,
+                capacity=config.max_sessions,
+                realtime=self.realtime,
+                engine_queue=lambda: self.load().engine_queue_depth,
+                peers=Peers(self.replica_id),
+                replica_header=REPLICA_HEADER,
+                refresh_peers=self._refresh_peers,
+                registry=self.omnirt_app.state.metrics.registry,
+            )
+            self.omnirt_app.add_middleware(IngressMiddleware, ingress=self.ingress)  # outermost
         self._tasks = [
             asyncio.create_task(self._report_forever(), name="omnirt fleet report"),
+            *([asyncio.create_task(self._find_address(), name="omnirt address")] if self.ingress else []),
             asyncio.create_task(
                 watch_for_removal(
                     settings.app_name,
@@ -158,6 +181,9 @@ class OmnirtReplica:
             task.cancel()
         if hasattr(self, "videos"):
             self.videos.close()
+        if getattr(self, "ingress", None) is not None:
+            with contextlib.suppress(Exception):
+                await self.ingress.aclose()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.fleet.forget.remote(self.replica_id), FLEET_TIMEOUT_SECONDS)
 
@@ -177,19 +203,46 @@ class OmnirtReplica:
         """Its load and metrics now (``videos``: its video jobs' cards too)."""
         families = list(self.omnirt_app.state.metrics.registry.collect())
         shared = self.videos.snapshot() if videos else None
-        return ReplicaReport(self.replica_id, self.load(), families, videos=shared)
+        return ReplicaReport(self.replica_id, self.load(), families, videos=shared, address=self.address)
 
     async def _report_forever(self) -> None:
         while True:
             try:
                 await self.fleet.report.remote(self.report(videos=True))
+                if self.ingress is not None:
+                    await self._refresh_peers()
             except Exception as exc:  # the fleet deployment restarting: report again next time
                 log.debug("fleet report failed: %s", exc)
             await asyncio.sleep(self.settings.report_seconds)
 
+    async def _refresh_peers(self) -> None:
+        assert self.ingress is not None
+        self.ingress.peers.update(await asyncio.wait_for(self.fleet.peers.remote(), FLEET_TIMEOUT_SECONDS))
+
+    async def _find_address(self) -> None:
+        """Where this replica serves HTTP itself (HAProxy ingress), once Ray Serve has started
+        its server (after this constructor); reported at once, so the others can hand it work."""
+        controller = None
+        while self.address is None:
+            await asyncio.sleep(ADDRESS_POLL_SECONDS)
+            try:
+                if controller is None:
+                    controller = await asyncio.to_thread(serve_controller)
+                self.address = await direct_address(controller, self.settings.app_name, self.replica_id)
+            except Exception as exc:  # the controller restarting: look it up and ask again
+                log.debug("cannot read this replica's address: %s", exc)
+                controller = None
+        log.info("replica %s serves HTTP itself on %s", self.replica_id, self.address)
+        with contextlib.suppress(Exception):  # else with the next report
+            await self.fleet.report.remote(self.report(videos=True))
+
     async def _drain(self) -> None:
         await self.videos.withdraw()  # no request reaches this replica any more: nor its jobs
-        await self.realtime.drain(self.settings.drain_seconds)
+        grace = self.settings.drain_seconds
+        if self.ingress is None:
+            await self.realtime.drain(grace)
+        else:
+            await asyncio.gather(self.realtime.drain(grace), self.ingress.drain(grace))
 
     async def _reports(self) -> list[ReplicaReport]:
         own = self.report()

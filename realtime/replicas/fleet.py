@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -40,6 +40,9 @@ class ReplicaReport:
     at: float = field(default_factory=time.time)
     #: Its video jobs' cards (None: not sharing them).
     videos: SharedJobs | None = None
+    #: ``host:port`` where it serves HTTP itself (HAProxy ingress: :mod:`.ingress`); None: only
+    #: through Ray Serve's proxy.
+    address: str | None = None
 
 
 class FleetStats:
@@ -59,7 +62,7 @@ class FleetStats:
         clock: Ray runs these calls on a pool of threads, so two may land out of order)."""
         if report.videos is not None:
             self.share_videos(report.videos)
-            report = ReplicaReport(report.replica, report.load, report.metrics, report.at)
+            report = replace(report, videos=None)
         with self._lock:
             held = self._reports.get(report.replica)
             if held is None or held.at <= report.at:
@@ -93,6 +96,10 @@ class FleetStats:
                 del self._reports[name]
             return sorted(self._reports.values(), key=lambda r: r.replica)
 
+    def peers(self) -> list[ReplicaReport]:
+        """The live replicas' reports without their metrics: loads and addresses (:mod:`.ingress`)."""
+        return [replace(r, metrics=[]) for r in self.reports()]
+
 
 def merge_reports(own: ReplicaReport, others: Iterable[ReplicaReport]) -> list[ReplicaReport]:
     """The fleet's reports, with ``own`` (fresh) in place of what the fleet holds for it."""
@@ -122,6 +129,7 @@ def fleet_health(reports: Sequence[ReplicaReport], *, model: str, random_weights
                 "session_capacity": r.load.session_capacity,
                 "free_session_slots": r.load.free_session_slots,
                 "engine_queue_depth": r.load.engine_queue_depth,
+                **({"address": r.address} if r.address else {}),
             }
             for r in reports
         ],

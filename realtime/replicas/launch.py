@@ -13,6 +13,12 @@ A cluster is shared: ``serve_replicas`` removes only its own application when it
 Ray Serve down only when it started it and no other application runs on it, and stops Ray only
 when it started it (leaving a joined cluster disconnects this process only).
 
+The ingress (``ingress``): Ray Serve's HTTP proxy with omnirt's request router (``proxy``, the
+default), or HAProxy in front of replicas that serve HTTP themselves, omnirt's routing done in the
+replicas (``haproxy``: :mod:`.ingress`; Ray Serve's settings for it, :data:`~.ingress.HAPROXY_ENV`,
+go into the environment before a local Ray starts, and a joined cluster must have been started
+with them).
+
 Sizes: a replica takes ``gpus_per_replica`` GPUs (1 with ``--device cuda``: one replica per
 GPU) and ``cpus_per_replica`` CPU slots. ``max_ongoing_requests`` of a replica is its session
 limit plus ``http_slots``, so Ray Serve never queues a session in front of a replica that still
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ServerConfig
+from .ingress import HAPROXY_ENV, INGRESSES
 
 log = logging.getLogger("omnirt.serve")
 
@@ -55,11 +62,12 @@ SERVE_ENV = {
 }
 
 
-def set_serve_env(environ: dict[str, str] | None = None) -> None:
-    """:data:`SERVE_ENV` into ``environ`` (default ``os.environ``) where not set already: call it
-    before ``ray.init`` starts a local instance (:func:`connect_ray` does)."""
+def set_serve_env(environ: dict[str, str] | None = None, *, ingress: str = "proxy") -> None:
+    """:data:`SERVE_ENV` (and :data:`~.ingress.HAPROXY_ENV` for the ``haproxy`` ingress) into
+    ``environ`` (default ``os.environ``) where not set already: call it before ``ray.init`` starts
+    a local instance (:func:`connect_ray` does)."""
     environ = os.environ if environ is None else environ
-    for name, value in SERVE_ENV.items():
+    for name, value in {**SERVE_ENV, **(HAPROXY_ENV if ingress == "haproxy" else {})}.items():
         environ.setdefault(name, value)
 
 
@@ -90,6 +98,9 @@ class ReplicaOptions:
     #: A replica that has not reported for this long is left out of /health and /metrics.
     stale_seconds: float = 3.0
     app_name: str = "omnirt"
+    #: ``proxy``: Ray Serve's HTTP proxy routes with :class:`~.router.SessionAwareRouter`;
+    #: ``haproxy``: HAProxy in front, omnirt's routing in the replicas (:mod:`.ingress`).
+    ingress: str = "proxy"
 
     @property
     def autoscaling(self) -> bool:
@@ -116,6 +127,8 @@ class ReplicaOptions:
             raise ValueError(f"the session share must be in (0, 1], not {self.target_session_share}")
         if self.drain_seconds < 0:
             raise ValueError(f"--drain-seconds cannot be negative, not {self.drain_seconds}")
+        if self.ingress not in INGRESSES:
+            raise ValueError(f"--ingress must be one of {', '.join(INGRESSES)}, not {self.ingress!r}")
 
 
 def check_config(config: ServerConfig, device: str | None) -> None:
@@ -156,6 +169,7 @@ def application(
         drain_seconds=options.drain_seconds,
         poll_seconds=min(1.0, options.stats_seconds),
         log_level=log_level,
+        ingress=options.ingress,
     )
     scaling: dict[str, Any]
     if options.autoscaling:
@@ -179,8 +193,19 @@ def application(
         # Every replica's reports, video job shares and reads (each short) at once.
         max_ongoing_requests=256,
     ).bind(options.stale_seconds)
+    # Behind HAProxy, Ray Serve refuses a custom router on the ingress deployment (HAProxy picks
+    # the replica; omnirt routes in the replicas, :mod:`.ingress`).
+    routing: dict[str, Any] = {}
+    if options.ingress == "proxy":
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=SessionAwareRouter,
+            request_router_kwargs={"session_capacity": config.max_sessions},
+            request_routing_stats_period_s=options.stats_seconds,
+            request_routing_stats_timeout_s=max(5.0, 5 * options.stats_seconds),
+        )
     actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "num_gpus": gpus}
-    env = {name: os.environ[name] for name in (*REPLICA_ENV, *SERVE_ENV) if os.environ.get(name)}
+    passed = (*REPLICA_ENV, *SERVE_ENV, *HAPROXY_ENV)
+    env = {name: os.environ[name] for name in passed if os.environ.get(name)}
     if env:
         actor_options["runtime_env"] = {"env_vars": env}
     replica = serve.deployment(
@@ -191,23 +216,18 @@ def application(
         # Sessions finish (or are closed by the drain) within this: then Ray Serve kills the replica.
         graceful_shutdown_timeout_s=options.drain_seconds + config.shutdown_grace_seconds + 5.0,
         graceful_shutdown_wait_loop_s=0.5,
-        request_router_config=RequestRouterConfig(
-            request_router_class=SessionAwareRouter,
-            request_router_kwargs={"session_capacity": config.max_sessions},
-            request_routing_stats_period_s=options.stats_seconds,
-            request_routing_stats_timeout_s=max(5.0, 5 * options.stats_seconds),
-        ),
+        **routing,
         **scaling,
     )
     return replica.bind(config, device, load_format, settings, fleet)
 
 
-def connect_ray(address: str | None) -> None:
+def connect_ray(address: str | None, *, ingress: str = "proxy") -> None:
     """Join Ray (see the module for ``None``); ConnectionError saying why not (an unreachable
     address, a cluster that wants a token this process lacks, ...)."""
     import ray
 
-    set_serve_env()
+    set_serve_env(ingress=ingress)
     try:
         ray.init(address=address)
     except Exception as exc:
@@ -270,15 +290,34 @@ def run_fleet(
         device = "cuda"
     app = application(config, options, device=device, load_format=load_format, log_level=log_level)
     serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
+    if options.ingress == "haproxy" and not behind_haproxy(options.app_name):
+        serve.delete(options.app_name)
+        raise ValueError(
+            "--ingress haproxy: Ray Serve on this cluster runs without HAProxy; start the cluster with "
+            + " ".join(f"{k}={v}" for k, v in HAPROXY_ENV.items())
+            + " in the environment of `ray start` (a Ray that omnirt starts gets them itself)"
+        )
     base = f"http://{config.host}:{config.port}"
     log.info(
-        "serving %s on %s: %s replicas behind Ray Serve's proxy, up to %d realtime sessions each",
+        "serving %s on %s: %s replicas behind %s, up to %d realtime sessions each",
         options.app_name,
         base,
         "{}..{}".format(*options.bounds()) if options.autoscaling else options.replicas,
+        "HAProxy" if options.ingress == "haproxy" else "Ray Serve's proxy",
         config.max_sessions,
     )
     return base
+
+
+def behind_haproxy(app_name: str) -> bool:
+    """Whether Ray Serve sends the application's traffic to its replicas' own HTTP servers (direct
+    ingress, which HAProxy fronts) rather than through its HTTP proxies."""
+    import ray
+
+    from .drain import serve_controller
+
+    groups = ray.get(serve_controller().get_target_groups.remote(app_name, from_proxy_manager=True))
+    return any(f"#{REPLICA_DEPLOYMENT}#" in t.name for g in groups for t in g.targets)
 
 
 def deploy(
@@ -299,7 +338,7 @@ def deploy(
     options.validate()
     check_config(config, device)
     if not ray.is_initialized():
-        connect_ray(options.ray_address)
+        connect_ray(options.ray_address, ingress=options.ingress)
     start_serve(config)
     return run_fleet(config, options, device=device, load_format=load_format, log_level=log_level)
 
@@ -329,7 +368,7 @@ def serve_replicas(
     joined = ray.is_initialized()
     if not joined:
         try:
-            connect_ray(options.ray_address)
+            connect_ray(options.ray_address, ingress=options.ingress)
         except ConnectionError as exc:
             log.error("%s", exc)
             return 1

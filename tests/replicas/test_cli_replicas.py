@@ -1,12 +1,13 @@
 """``omnirt serve --replicas`` as a user runs it: the real CLI in a process of its own.
 
-- Alone: it starts Ray, runs the fleet behind Ray Serve's proxy, serves, and on SIGTERM removes
-  the fleet and stops Ray (exit 0).
+- Alone: it starts Ray, runs the fleet behind Ray Serve's proxy (or HAProxy: ``--ingress
+  haproxy``), serves, and on SIGTERM removes the fleet and stops Ray (exit 0).
 - Joining a Ray cluster (``--ray-address``) that ``ray start --head`` began: it serves there (a
   chat and a realtime session through the proxy) and on SIGTERM removes only what it added,
   leaving the cluster up; on a cluster where Ray Serve already runs another application, it
   refuses a port other than that Serve's, serves beside that application and leaves it running;
-  a second fleet under the same name is refused.
+  a second fleet under the same name is refused; ``--ingress haproxy`` on a cluster started
+  without Ray Serve's HAProxy settings is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from omnirt.realtime.replicas.launch import SERVE_ENV
 from openai import OpenAI
 
 from tests.realtime.conftest import MANUAL_TURNS, MAX_FRAME, Client, text_item
+from tests.replicas.haproxy import haproxy_settings
 from tests.server import cli_env, free_port, serve_cli_process
 
 try:
@@ -49,12 +51,20 @@ REPLICA_ARGS += ["--max-sessions", "1", "--drain-seconds", "1"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def haproxy_files(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with haproxy_settings() as env:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        yield
+
+
+@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
 def test_omnirt_serve_replicas_serves_and_stops_on_sigterm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ingress: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, haproxy_files: None
 ) -> None:
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    args = ["--replicas", "1", "--device", "cpu", "--model", "demo", "--duplex-model", "none"]
-    args += ["--max-sessions", "1", "--drain-seconds", "1"]
+    args = [*REPLICA_ARGS, "--ingress", ingress]
     log = tmp_path / "serve.log"
     with serve_cli_process(args, cache=tmp_path / "cache", log=log, start_timeout=180) as (base, proc):
         health = httpx.get(base + "/health", timeout=10).json()
@@ -66,6 +76,19 @@ def test_omnirt_serve_replicas_serves_and_stops_on_sigterm(
         )
         assert reply.parse().usage.completion_tokens > 0
         assert reply.headers["x-omnirt-replica"] in {r["replica"] for r in health["replicas"]}
+        assert asyncio.run(realtime_turn(base)) in {r["replica"] for r in health["replicas"]}
+        # Behind HAProxy the replica serves HTTP itself, on a port of its own (in its reports
+        # once Ray Serve has started that server).
+        deadline = time.monotonic() + 10
+        while ingress == "haproxy" and "address" not in health["replicas"][0]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+            health = httpx.get(base + "/health", timeout=10).json()
+        if ingress == "haproxy":
+            address = health["replicas"][0]["address"]
+            assert httpx.get(f"http://{address}/v1/models", timeout=10).status_code == 200
+        else:
+            assert "address" not in health["replicas"][0], health
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     text = log.read_text()
@@ -187,6 +210,12 @@ def test_omnirt_serve_joins_a_ray_cluster_and_leaves_it_as_it_was(ray_cluster: s
     # The replica built the demo model under the command's OMNIRT_CACHE, not the cluster's.
     assert cache.is_dir() and any(cache.iterdir()), "the replica did not get the command's OMNIRT_CACHE"
     # Its application and the Serve it started are gone; the cluster is up.
+    assert probe("status", ray_cluster) == {"serve": False, "applications": {}, "nodes": 1}
+    # HAProxy asked of a cluster started without Ray Serve's HAProxy settings: refused, saying
+    # what to set, and the cluster left as it was.
+    refused = refused_command([*args, "--ingress", "haproxy"], cache)
+    assert "Ray Serve on this cluster runs without HAProxy" in refused.stderr, refused.stderr[-3000:]
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in refused.stderr
     assert probe("status", ray_cluster) == {"serve": False, "applications": {}, "nodes": 1}
 
     # 2. Ray Serve already runs on the cluster, with another application, its proxies on `port`.

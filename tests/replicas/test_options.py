@@ -18,6 +18,7 @@ from omnirt.realtime.cli import build_parser, main, replica_options, replicas_wa
         (["--replicas", "2", "--device", "cuda:1"], "use --device cuda"),
         (["--replicas", "2", "--replica-cpus", "-1"], "must be at least 0"),
         (["--replicas", "2", "--drain-seconds", "soon"], "not a number"),
+        (["--replicas", "2", "--ingress", "nginx"], "invalid choice: 'nginx'"),
     ],
 )
 def test_replica_option_errors_exit_2_with_a_message(
@@ -40,9 +41,20 @@ def test_replica_options_from_the_command_line() -> None:
     assert replicas_wanted(args) and not options.autoscaling
     assert (options.replicas, options.cpus_per_replica, options.drain_seconds) == (2, 2.0, 5.0)
     assert options.ray_address == "h:6379"
+    assert options.ingress == "proxy"  # Ray Serve's proxy unless asked
+    assert replica_options(
+        build_parser().parse_args(["serve", "--replicas", "2", "--ingress", "haproxy"])
+    ).ingress == ("haproxy")
 
     options = replica_options(
         build_parser().parse_args(["serve", "--min-replicas", "0", "--max-replicas", "4"])
     )
     assert options.autoscaling and options.bounds() == (0, 4) and options.replicas == 1
     options.validate()
+
+
+def test_an_unknown_ingress_from_python_is_refused() -> None:
+    from omnirt.realtime.replicas import ReplicaOptions
+
+    with pytest.raises(ValueError, match="--ingress must be one of proxy, haproxy"):
+        ReplicaOptions(ingress="nginx").validate()

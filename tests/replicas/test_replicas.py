@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import itertools
 import os
 import time
 from collections import Counter
@@ -37,7 +38,8 @@ from tests.server import free_port
 try:
     import ray
     from omnirt.realtime.replicas import ReplicaOptions, deploy
-    from omnirt.realtime.replicas.launch import REPLICA_DEPLOYMENT, SERVE_ENV
+    from omnirt.realtime.replicas.ingress import HAPROXY_ENV
+    from omnirt.realtime.replicas.launch import REPLICA_DEPLOYMENT, SERVE_ENV, set_serve_env
     from ray import serve
 except ImportError as exc:  # pragma: no cover - depends on the install
     if os.environ.get("CI"):
@@ -71,6 +73,13 @@ class Fleet:
     def health(self) -> dict[str, Any]:
         return httpx.get(self.base_url + "/health", timeout=10).json()
 
+    def creation_urls(self) -> list[str]:
+        """Where to create a video job: through the ingress, or (HAProxy) each replica's own port."""
+        if self.options.ingress != "haproxy":
+            return ["/v1/videos"]
+        addresses = [r["address"] for r in self.health()["replicas"]]
+        return [f"http://{address}/v1/videos" for address in addresses]
+
     def replicas(self) -> dict[str, int]:
         """Replica id -> its open sessions, as the fleet's /health reports them."""
         return {r["replica"]: r["sessions_active"] for r in self.health()["replicas"]}
@@ -85,15 +94,20 @@ class Fleet:
         raise AssertionError(f"timed out waiting for {what or predicate}: {self.health()}")
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+@contextlib.contextmanager
+def running_fleet(
+    tmp_path_factory: pytest.TempPathFactory, ingress: str = "proxy", env: dict[str, str] | None = None
+) -> Iterator[Fleet]:
+    """A local Ray instance and the fleet on it (``env``: more of Ray's environment)."""
     # Ray's processes inherit this process's environment: the replicas build the embedded model
     # into a cache of the module's own, and import omnirt as this process does (PYTHONPATH).
     mp = pytest.MonkeyPatch()
     mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
     mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    for name, value in SERVE_ENV.items():  # Ray Serve's short request path, as `omnirt serve` sets it
+    for name, value in (env or {}).items():
         mp.setenv(name, value)
+    saved = {name for name in SERVE_ENV.keys() | HAPROXY_ENV.keys() if name in os.environ}
+    set_serve_env(ingress=ingress)  # Ray Serve's settings, as `omnirt serve --replicas` sets them
     ray.init(
         num_cpus=4,  # CPU slots for the replicas (the machine's 2 cores are shared)
         object_store_memory=100 * 1024 * 1024,
@@ -110,7 +124,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         shutdown_grace_seconds=2.0,
     )
     options = ReplicaOptions(
-        replicas=2, cpus_per_replica=1, drain_seconds=DRAIN_SECONDS, stats_seconds=0.5, stale_seconds=2.0
+        replicas=2,
+        cpus_per_replica=1,
+        drain_seconds=DRAIN_SECONDS,
+        stats_seconds=0.5,
+        stale_seconds=2.0,
+        ingress=ingress,
     )
     try:
         base = deploy(config, options, device="cpu")
@@ -122,6 +141,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             serve.shutdown()
         ray.shutdown()
         mp.undo()
+        for name in SERVE_ENV.keys() | HAPROXY_ENV.keys():  # set_serve_env's, where it set them
+            if name not in (env or {}) and name not in saved:
+                os.environ.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with running_fleet(tmp_path_factory) as f:
+        yield f
 
 
 @contextlib.asynccontextmanager
@@ -197,16 +225,21 @@ def test_chat_requests_are_balanced(fleet: Fleet) -> None:
     assert len(counts) == 2 and min(counts.values()) >= 2, (counts, fleet.health())
 
 
+async def refused_as_full(fleet: Fleet) -> None:
+    """A new session on a fleet whose replicas are all full: ``resource_exhausted``, close 1013."""
+    async with websockets.connect(fleet.ws_url, max_size=MAX_FRAME, open_timeout=30) as ws:
+        refused = Client(ws)
+        error = await refused.error()
+        assert error["code"] == "resource_exhausted", error
+        assert await refused.closed() == 1013
+
+
 def test_a_full_replica_is_skipped_and_only_an_all_full_fleet_refuses(fleet: Fleet) -> None:
     async def go() -> None:
         async with contextlib.AsyncExitStack() as stack:
             where = [(await stack.enter_async_context(session(fleet)))[1] for _ in range(2 * SLOTS)]
             assert sorted(where.count(r) for r in set(where)) == [SLOTS, SLOTS], where
-            async with websockets.connect(fleet.ws_url, max_size=MAX_FRAME, open_timeout=30) as ws:
-                refused = Client(ws)
-                error = await refused.error()
-                assert error["code"] == "resource_exhausted", error
-                assert await refused.closed() == 1013
+            await refused_as_full(fleet)
 
     run(go())
     fleet.wait_for(lambda r: len(r) == 2 and sum(r.values()) == 0, what="sessions closed")
@@ -261,10 +294,16 @@ async def list_from_each_replica(http: httpx.AsyncClient, replicas: int = 2) -> 
 
 
 async def create_videos(
-    http: httpx.AsyncClient, each: int, fleet_stats_seconds: float = 0.5
+    http: httpx.AsyncClient, fleet: Fleet, each: int, fleet_stats_seconds: float = 0.5
 ) -> tuple[list[str], dict[str, str]]:
     """Video jobs created one after another until each replica holds ``each`` (a job in a replica's
-    engine makes it the more loaded): their ids in creation order, and who holds each."""
+    engine makes it the more loaded): their ids in creation order, and who holds each.
+
+    Behind HAProxy the jobs are created on each replica in turn, straight on its own port: HAProxy
+    keeps sending requests to one replica while all are idle (its ``leastconn`` ties), and these
+    tiny jobs end before any load report shows them (test_replicas_haproxy.py tests how a busy
+    replica hands engine requests on)."""
+    targets = itertools.cycle(fleet.creation_urls())
     order: list[str] = []
     owners: dict[str, str] = {}
     deadline = time.monotonic() + 30  # a loaded machine may delay the replicas' load reports
@@ -272,7 +311,7 @@ async def create_videos(
         if order and Counter(owners.values())[owners[order[-1]]] > each:
             # A replica's queue shows in its next load report.
             await asyncio.sleep(fleet_stats_seconds)
-        created = await http.post("/v1/videos", json=VIDEO_JOB)
+        created = await http.post(next(targets), json=VIDEO_JOB)
         assert created.status_code == 200, created.text
         job = created.json()
         assert job["status"] in ("queued", "in_progress") and job["object"] == "video", job
@@ -298,7 +337,7 @@ def test_video_jobs_are_served_by_their_replica_and_listed_by_every_replica(flee
             client = AsyncOpenAI(
                 api_key="k", base_url=fleet.base_url + "/v1", http_client=http, max_retries=0
             )
-            order, owners = await create_videos(http, each=2)
+            order, owners = await create_videos(http, fleet, each=2)
             # A job's own requests reach the replica that holds it, every time.
             for video_id, owner in owners.items():
                 for _ in range(4):
@@ -382,7 +421,7 @@ def test_a_killed_replica_closes_only_its_sessions_and_clients_reconnect(fleet: 
             httpx.AsyncClient(base_url=fleet.base_url, timeout=60) as http,
         ):
             assert victim != other
-            _, owners = await create_videos(http, each=1)
+            _, owners = await create_videos(http, fleet, each=1)
             ray.kill(_replica_actor(victim), no_restart=True)
             with pytest.raises(websockets.ConnectionClosed):
                 while True:
@@ -440,7 +479,7 @@ def test_a_removed_replica_drains_its_sessions(fleet: Fleet) -> None:
             httpx.AsyncClient(base_url=fleet.base_url, timeout=60) as http,
         ):
             assert at_a != at_b
-            order, owners = await create_videos(http, each=1)
+            order, owners = await create_videos(http, fleet, each=1)
             jobs_of = {at: [v for v in order if owners[v] == at] for at in (at_a, at_b)}
             one = dataclasses.replace(fleet.options, replicas=1)
             from omnirt.realtime.replicas.launch import application
