@@ -146,6 +146,7 @@ class OmnirtReplica:
                 peers=Peers(self.replica_id),
                 replica_header=REPLICA_HEADER,
                 refresh_peers=self._refresh_peers,
+                max_body_bytes=config.max_http_body_bytes,
                 registry=self.omnirt_app.state.metrics.registry,
             )
             self.omnirt_app.add_middleware(IngressMiddleware, ingress=self.ingress)  # outermost

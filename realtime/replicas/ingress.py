@@ -127,6 +127,7 @@ class FleetIngress:
         peers: Peers,
         replica_header: str,
         refresh_peers: Callable[[], Awaitable[None]] | None = None,
+        max_body_bytes: int = 64 << 20,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.replica = replica
@@ -140,6 +141,8 @@ class FleetIngress:
         #: a session about to be refused asks again: a replica may have come up since).
         self.refresh_peers = refresh_peers
         self.replica_header = replica_header
+        #: The server's limit on a request body (``max_http_body_bytes``): larger ones stay here.
+        self.max_body_bytes = max_body_bytes
         #: Realtime WebSockets this replica serves itself (counted from their first message, so
         #: two arriving together both see the other).
         self.open_sessions = 0
@@ -214,14 +217,25 @@ class FleetIngress:
             self.open_sessions -= 1
 
     async def _forward(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, address: str) -> None:
-        body = await request_body(receive)
+        # A body over the server's limit is not carried: this replica's app refuses it (413) as
+        # the other would, without holding more of it than the limit.
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_body_bytes:
+            await app(scope, receive, send)
+            return
+        body = await request_body(receive, self.max_body_bytes)
+        if body.left:
+            return  # nobody to answer
+        if not body.fits(self.max_body_bytes):
+            await app(scope, replaying(body.message(), receive), send)
+            return
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT_SECONDS)
         try:
-            await forward_http(scope, body, send, address, self._client)
+            await forward_http(scope, body.data, send, address, self._client)
         except PeerUnreachable as exc:
             log.warning("cannot forward %s to %s (%s): served here", scope["path"], address, exc)
-            await app(scope, replaying({"type": "http.request", "body": body}, receive), send)
+            await app(scope, replaying(body.message(), receive), send)
 
     async def drain(self, grace: float) -> None:
         """As the replica's own sessions drain (``RealtimeService.drain``): the relayed sessions

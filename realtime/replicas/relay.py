@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -101,17 +102,40 @@ def _host_header(scope: Scope) -> str | None:
     return None
 
 
-async def request_body(receive: Receive) -> bytes:
-    """The whole body of an HTTP request (what is left of it)."""
-    chunks = []
+@dataclass(frozen=True)
+class Body:
+    """An HTTP request's body as read for forwarding."""
+
+    data: bytes
+    #: More of it is still to come (reading stopped past the limit).
+    more: bool = False
+    #: The client left before the body ended.
+    left: bool = False
+
+    def fits(self, limit: int) -> bool:
+        """Whole and within ``limit`` bytes: one to forward."""
+        return not self.more and not self.left and len(self.data) <= limit
+
+    def message(self) -> Message:
+        """The ``http.request`` message that gives what was read to another reader."""
+        return {"type": "http.request", "body": self.data, "more_body": self.more}
+
+
+async def request_body(receive: Receive, limit: int) -> Body:
+    """The body of an HTTP request, read until it ends or passes ``limit`` bytes (then it stops:
+    the replica's own app answers such a request, 413, reading the rest)."""
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+            return Body(b"".join(chunks), left=True)
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        more = bool(message.get("more_body", False))
+        if not more or size > limit:
+            return Body(b"".join(chunks), more=more)
 
 
 def replaying(first: Message, receive: Receive) -> Receive:

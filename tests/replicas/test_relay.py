@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 import websockets
+from omnirt.realtime.http.body import read_body
+from omnirt.realtime.http.errors import EXCEPTION_HANDLERS
 from omnirt.realtime.replicas.fleet import ReplicaReport
 from omnirt.realtime.replicas.ingress import FleetIngress, IngressMiddleware, Peers
 from omnirt.realtime.replicas.load import ReplicaLoad
@@ -26,6 +28,8 @@ from tests.server import serve
 
 HEADER = "x-omnirt-replica"
 JOB = "video_peer_abcdefghijklmnopqrst"
+#: The front replica's limit on a request body (``max_http_body_bytes``).
+LIMIT = 1000
 
 
 class Realtime:
@@ -71,11 +75,17 @@ def peer_app(seen: list[Any]) -> Starlette:
             return StreamingResponse(chunks(), media_type="video/mp4", headers={HEADER: "peer"})
         return JSONResponse({"id": JOB, "method": request.method}, headers={HEADER: "peer"})
 
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.body()
+        seen.append(("chat", len(body)))
+        return JSONResponse({"bytes": len(body)}, headers={HEADER: "peer"})
+
     return Starlette(
         routes=[
             WebSocketRoute("/v1/realtime", realtime),
             Route(f"/v1/videos/{JOB}", job, methods=["GET", "DELETE"]),
             Route(f"/v1/videos/{JOB}/content", job, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
         ]
     )
 
@@ -91,6 +101,10 @@ def front_app(peer_address: str, capacity: int) -> tuple[Starlette, FleetIngress
     async def job(request: Request) -> JSONResponse:
         return JSONResponse({"error": "not here"}, status_code=404, headers={HEADER: "front"})
 
+    async def chat(request: Request) -> JSONResponse:
+        body = await read_body(request, LIMIT)  # the server's own reader: 413 past the limit
+        return JSONResponse({"bytes": len(body)}, headers={HEADER: "front"})
+
     async def drain(request: Request) -> JSONResponse:
         await ingress.drain(0.3)
         return JSONResponse({})
@@ -100,7 +114,9 @@ def front_app(peer_address: str, capacity: int) -> tuple[Starlette, FleetIngress
             WebSocketRoute("/v1/realtime", realtime),
             Route("/v1/videos/{id}", job, methods=["GET"]),
             Route("/drain", drain, methods=["POST"]),
-        ]
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
     )
     peers = Peers("front")
     peers.update([ReplicaReport("peer", ReplicaLoad(4, 0, 0), address=peer_address)])
@@ -108,9 +124,10 @@ def front_app(peer_address: str, capacity: int) -> tuple[Starlette, FleetIngress
         replica="front",
         capacity=capacity,
         realtime=Realtime(),
-        engine_queue=lambda: 0,
+        engine_queue=lambda: 3,  # busier than the peer (0): engine requests go there
         peers=peers,
         replica_header=HEADER,
+        max_body_bytes=LIMIT,
     )
     app.add_middleware(IngressMiddleware, ingress=ingress)
     return app, ingress
@@ -127,6 +144,15 @@ def replicas() -> Iterator[Replicas]:
         app, ingress = front_app(peer_url.removeprefix("http://"), capacity=0)
         with serve(app) as front_url:
             yield front_url, seen, ingress
+
+
+async def until(done: Any, seconds: float = 5.0) -> None:
+    """Until ``done()`` holds (what a server thread does after the client has seen the end)."""
+    for _ in range(int(seconds / 0.02)):
+        if done():
+            return
+        await asyncio.sleep(0.02)
+    assert done()
 
 
 def ws_url(base: str, query: str = "") -> str:
@@ -153,10 +179,7 @@ def test_a_session_on_a_full_replica_is_relayed_both_ways(
             big = "x" * (4 << 20)  # a 4 MiB frame crosses whole
             await ws.send(big)
             assert await ws.recv() == "echo " + big
-        for _ in range(100):
-            if ("closed", 1000) in seen:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: ("closed", 1000) in seen and not ingress.relays)
 
     asyncio.run(go())
     kind, headers, query = seen[0]
@@ -200,7 +223,7 @@ def test_a_draining_replica_closes_its_relays_with_1001(
                 await ws.recv()
             assert (ws.close_code, ws.close_reason) == (1001, "server draining")
             assert (await drained).status_code == 200
-        assert not ingress.relays
+        await until(lambda: not ingress.relays)  # its end runs on the server's thread, after the close
 
     asyncio.run(go())
 
@@ -222,6 +245,25 @@ def test_a_video_jobs_request_is_forwarded_to_its_replica(
     jobs = [s for s in seen if s[0] == "job"]
     host = front.removeprefix("http://")
     assert jobs[0] == ("job", "GET", "a=1", b"", "1", host) and jobs[1][1] == "DELETE" and len(jobs) == 3
+
+
+def test_an_engine_request_goes_to_a_shorter_queue_under_the_body_limit(replicas: Replicas) -> None:
+    front, seen, ingress = replicas
+    with httpx.Client(base_url=front, timeout=10) as http:
+        small = http.post("/v1/chat/completions", content=b"x" * 500)
+        assert small.json() == {"bytes": 500} and small.headers[HEADER] == "peer"
+        # Over the limit: not carried to the peer; this replica refuses it, as the peer would.
+        declared = http.post("/v1/chat/completions", content=b"x" * 5000)
+        assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+
+        def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it comes
+            for _ in range(10):
+                yield b"y" * 400
+
+        streamed = http.post("/v1/chat/completions", content=chunked())
+        assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
+    assert [s for s in seen if s[0] == "chat"] == [("chat", 500)]
+    assert ingress.handoffs.labels("engine")._value.get() == 3  # noqa: SLF001 (three chose the peer)
 
 
 def test_an_unreachable_peer_leaves_the_request_to_this_replica() -> None:

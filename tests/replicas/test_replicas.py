@@ -309,8 +309,12 @@ async def create_videos(
     deadline = time.monotonic() + 30  # a loaded machine may delay the replicas' load reports
     while len(order) < 16 * each and time.monotonic() < deadline:
         if order and Counter(owners.values())[owners[order[-1]]] > each:
-            # A replica's queue shows in its next load report.
+            # A replica's queue shows in its next load report; these jobs may end before it. Then
+            # the replicas tie, and Ray Serve's router breaks ties in turn, each request it ranks
+            # taking one: with this loop's two requests a job (the create, the list) every create
+            # would get the same turn. One more request moves the turn on.
             await asyncio.sleep(fleet_stats_seconds)
+            await http.get("/v1/models")
         created = await http.post(next(targets), json=VIDEO_JOB)
         assert created.status_code == 200, created.text
         job = created.json()

@@ -50,6 +50,21 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield f
 
 
+# The shared tests, collected again in this module (pytest collects in assignment order): each
+# takes this module's ``fleet``. Those that change the fleet come last, as in test_replicas.py.
+test_sessions_spread_over_both_replicas_and_each_stays_on_its_own = (
+    shared.test_sessions_spread_over_both_replicas_and_each_stays_on_its_own
+)
+test_chat_requests_are_balanced = shared.test_chat_requests_are_balanced
+test_a_full_replica_is_skipped_and_only_an_all_full_fleet_refuses = (
+    shared.test_a_full_replica_is_skipped_and_only_an_all_full_fleet_refuses
+)
+test_health_and_metrics_cover_every_replica = shared.test_health_and_metrics_cover_every_replica
+test_video_jobs_are_served_by_their_replica_and_listed_by_every_replica = (
+    shared.test_video_jobs_are_served_by_their_replica_and_listed_by_every_replica
+)
+
+
 def addresses(fleet: Fleet) -> dict[str, str]:
     """Replica id -> where it serves HTTP itself, from the fleet's /health."""
     return {r["replica"]: r["address"] for r in fleet.health()["replicas"] if "address" in r}
