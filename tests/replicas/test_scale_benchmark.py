@@ -135,3 +135,15 @@ def test_the_audio_item_holds_80_ms_and_the_round_trips_have_their_sessions(benc
     assert bench.parse_args(["--levels", "1"]).max_sessions == bench.ROUND_TRIP_SESSIONS == 2
     assert bench.parse_args(["--levels", "1", "8"]).max_sessions == 8
     assert bench.parse_args(["--levels", "1", "--max-sessions", "1"]).max_sessions == 1
+
+
+def test_the_ingress_names_the_fleets_and_is_checked(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.parse_args([]).ingress == "proxy"
+    assert bench.parse_args(["--ingress", "haproxy"]).ingress == "haproxy"
+    assert bench.ray_target(1) == "Ray Serve, 1 replica"
+    assert bench.ray_target(2, "haproxy") == "Ray Serve (HAProxy), 2 replicas"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ingress", "nginx"])
+    assert "invalid choice: 'nginx'" in capsys.readouterr().err
