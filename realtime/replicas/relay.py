@@ -23,9 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+from ..auth import subprotocols
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ _HANDSHAKE = frozenset(
 )
 #: Seconds to reach the other replica before giving up (it is on the same network as this one).
 CONNECT_SECONDS = 5.0
+#: Seconds a client has to answer the close the other replica sent it.
+CLOSE_SECONDS = 5.0
 
 
 #: A relayed session whose other replica went without a close (killed, cut off): its client is
@@ -55,9 +60,13 @@ CONNECT_SECONDS = 5.0
 PEER_LOST = (1012, "replica gone")
 
 
+#: Close codes no close frame may carry (1005: none given; 1006: no close at all).
+_NOT_SENDABLE = frozenset({1005, 1006})
+
+
 def _passed_close(code: int | None, reason: str) -> tuple[int, str]:
     """The close to pass to the client for the other replica's: its own, but for the codes no
-    close frame may carry (1005: none given; 1006: no close at all)."""
+    close frame may carry."""
     if code is None or code == 1006:
         return PEER_LOST
     if code == 1005:
@@ -71,7 +80,7 @@ class PeerUnreachable(ConnectionError):
 
 def forwarded(scope: Scope) -> bool:
     """Whether another replica handed this request here."""
-    return any(name == FORWARDED_HEADER.encode() for name, _ in scope.get("headers", ()))
+    return FORWARDED_HEADER in Headers(scope=scope)
 
 
 def _passed_headers(scope: Scope, drop: frozenset[str] = _HOP) -> list[tuple[str, str]]:
@@ -93,13 +102,6 @@ def _host_and_port(address: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` apart."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
-
-
-def _host_header(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"host":
-            return value.decode("latin-1")
-    return None
 
 
 @dataclass(frozen=True)
@@ -185,19 +187,14 @@ class WebSocketRelay:
 
     async def run(self, replica_header: str) -> None:
         """Relay until either side closes. PeerUnreachable before the client was accepted."""
-        offered = [
-            p.strip()
-            for name, value in self.scope.get("headers", ())
-            if name == b"sec-websocket-protocol"
-            for p in value.decode("latin-1").split(",")
-            if p.strip()
-        ]
+        headers = Headers(scope=self.scope)
+        offered = subprotocols(headers)
         # The client's Host in the URI (the other replica's origin check reads it), the other
         # replica's address for the connection itself.
         host, port = _host_and_port(self.address)
         try:
             self.peer = await connect(
-                _target(self.scope, _host_header(self.scope) or self.address, "ws"),
+                _target(self.scope, headers.get("host") or self.address, "ws"),
                 host=host,
                 port=port,
                 additional_headers=_passed_headers(self.scope, _HOP | _HANDSHAKE),
@@ -225,7 +222,7 @@ class WebSocketRelay:
             if downstream in done:
                 # The peer ended and the client was sent its close: the client's disconnect comes
                 # once it has answered (taking its receive away earlier would cut the handshake).
-                await asyncio.wait({upstream}, timeout=CONNECT_SECONDS)
+                await asyncio.wait({upstream}, timeout=CLOSE_SECONDS)
         finally:
             for task in (upstream, downstream):
                 task.cancel()
@@ -242,7 +239,9 @@ class WebSocketRelay:
         while True:
             message = await self.receive()
             if message["type"] == "websocket.disconnect":
-                await peer.close(message.get("code", 1000), message.get("reason") or "")
+                code = message.get("code", 1000)
+                # A client gone without a close (1006): the peer hears it going away.
+                await peer.close(1001 if code in _NOT_SENDABLE else code, message.get("reason") or "")
                 return
             data: Any = message.get("text")
             if data is None:

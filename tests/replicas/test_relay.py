@@ -155,6 +155,12 @@ async def until(done: Any, seconds: float = 5.0) -> None:
     assert done()
 
 
+def handed(ingress: FleetIngress, kind: str) -> float:
+    """The replica's ``omnirt_replica_handoffs_total{kind}``."""
+    samples = [s for family in ingress.handoffs.collect() for s in family.samples]
+    return next(s.value for s in samples if s.name.endswith("_total") and s.labels["kind"] == kind)
+
+
 def ws_url(base: str, query: str = "") -> str:
     return base.replace("http://", "ws://") + "/v1/realtime?model=m" + query
 
@@ -188,8 +194,20 @@ def test_a_session_on_a_full_replica_is_relayed_both_ways(
     assert headers["host"] == front.removeprefix("http://")  # the client's, for the origin check
     assert ("closed", 1000) in seen, seen  # the client's close reached the peer
     assert not ingress.relays and ingress.open_sessions == 0
-    sample = ingress.handoffs.labels("session")._value.get()  # noqa: SLF001
-    assert sample == 1
+    assert handed(ingress, "session") == 1
+
+
+def test_a_client_gone_without_a_close_is_going_away_for_the_peer(replicas: Replicas) -> None:
+    front, seen, ingress = replicas
+
+    async def go() -> None:
+        ws = await websockets.connect(ws_url(front))
+        await ws.send("hi")
+        assert await ws.recv() == "echo hi"
+        ws.transport.abort()  # the TCP connection cut, no close frame (the relay reads 1006)
+        await until(lambda: ("closed", 1001) in seen and not ingress.relays)
+
+    asyncio.run(go())
 
 
 def test_the_peers_close_code_and_reason_reach_the_client(
@@ -263,7 +281,7 @@ def test_an_engine_request_goes_to_a_shorter_queue_under_the_body_limit(replicas
         streamed = http.post("/v1/chat/completions", content=chunked())
         assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
     assert [s for s in seen if s[0] == "chat"] == [("chat", 500)]
-    assert ingress.handoffs.labels("engine")._value.get() == 3  # noqa: SLF001 (three chose the peer)
+    assert handed(ingress, "engine") == 3  # three chose the peer
 
 
 def test_an_unreachable_peer_leaves_the_request_to_this_replica() -> None:
