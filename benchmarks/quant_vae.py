@@ -328,7 +328,9 @@ def _profile(vae: torch.nn.Module, z: torch.Tensor, label: str, top: int = 14) -
     print_top(totals, f"{label}: CUDA kernels of a 5-latent-frame decode", top)
 
 
-def vae_rows(size: str, dtype: torch.dtype, repeats: int, profile_levels: bool) -> list[str]:
+def vae_rows(
+    size: str, dtype: torch.dtype, repeats: int, profile_levels: bool, fast_convs: tuple[str, ...] = ("3d",)
+) -> list[str]:
     from diffusers import AutoencoderKLWan
     from omnirt.stages.diffusion import wan_vae_fast
 
@@ -344,7 +346,10 @@ def vae_rows(size: str, dtype: torch.dtype, repeats: int, profile_levels: bool) 
     rows = []
     with torch.no_grad():
         base = ref = None
-        for level in ("off", "exact", "fast"):
+        runs = [("off", "off"), ("exact", "exact")]
+        runs += [("fast", "fast" if form == "3d" else f"fast, 2D {form}") for form in fast_convs]
+        for (level, label), form in zip(runs, ("3d", "3d", *fast_convs), strict=True):
+            wan_vae_fast.FAST_CONV = form
             wan_vae_fast.install(vae, level)
             torch.cuda.reset_peak_memory_stats()
             ms, out = _time_decode(vae, z, repeats)
@@ -354,12 +359,13 @@ def vae_rows(size: str, dtype: torch.dtype, repeats: int, profile_levels: bool) 
                 same = "-"
             else:
                 same = "bitwise" if torch.equal(out, ref) else f"PSNR {psnr_db(out, ref):.1f} dB"
-            rows.append(f"| {name} | {level} | {ms:.0f} | {base / ms:.2f}x | {peak:.1f} | {same} |")
+            rows.append(f"| {name} | {label} | {ms:.0f} | {base / ms:.2f}x | {peak:.1f} | {same} |")
             print(rows[-1], flush=True)
             if profile_levels:
-                _profile(vae, z, f"{name}, {level}")
+                _profile(vae, z, f"{name}, {label}")
             del out
         wan_vae_fast.uninstall(vae)
+        wan_vae_fast.FAST_CONV = "3d"
     return rows
 
 
@@ -436,6 +442,80 @@ def conv_layout_rows() -> list[str]:
     return rows
 
 
+def _rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def _conv_forms(kind: str, c_in: int, c_out: int, kernel: tuple, shape: tuple) -> list[str]:
+    """One row of :func:`conv_speed_rows` per form of one decoder convolution."""
+    import torch.nn.functional as F
+
+    t, h, w = shape
+    cl2, cl3 = torch.channels_last, torch.channels_last_3d
+    weight = (torch.randn(c_out, c_in, *kernel, device="cuda") * 0.05).to(torch.bfloat16)
+    if len(kernel) == 3:
+        x = torch.randn(1, c_in, t, h, w, device="cuda").to(torch.bfloat16).contiguous(memory_format=cl3)
+        as_run = functools.partial(F.conv3d, x, weight.contiguous(memory_format=cl3))
+    else:
+        x = torch.randn(t, c_in, h, w, device="cuda").to(torch.bfloat16).contiguous(memory_format=cl2)
+        as_run = functools.partial(F.conv2d, x, weight.contiguous(memory_format=cl2), padding=1)
+    ref = as_run()
+    flops = 2 * ref.numel() * c_in * weight[0, 0].numel()
+    base = bench(as_run)
+    label = f"{kind} {'x'.join(map(str, kernel))}: {c_in} -> {c_out}, {t}x{h}x{w}"
+
+    def row(form: str, ms: float, err: float | None, extra: float = 0.0) -> str:
+        diff = "-" if err is None else f"{err:.1e}"
+        speed = f"{flops / ms / 1e9:.0f} | {base / (ms + extra):.2f}x"
+        return f"| {label} | {form} | {ms:.3f} | {speed} | {diff} |"
+
+    rows = [row("as run", base, None)]
+    if kind != "causal":
+        return rows
+    kt = kernel[0]
+    frames = t - kt + 1
+    thwc = x.permute(0, 2, 3, 4, 1)[0]  # the channels-last frames as [t, h, w, c]
+    # One 2D convolution: output frame f reads input frames f..f+kt-1 stacked along the channels.
+    w2 = weight.permute(0, 2, 1, 3, 4).reshape(c_out, kt * c_in, *kernel[1:]).contiguous(memory_format=cl2)
+
+    def stack() -> torch.Tensor:
+        return torch.cat([thwc[k : k + frames] for k in range(kt)], dim=-1).permute(0, 3, 1, 2)
+
+    stacked = stack()
+    one = functools.partial(F.conv2d, stacked, w2)
+    copy_ms = bench(stack)
+    err = _rel_diff(one().permute(1, 0, 2, 3).unsqueeze(0), ref)
+    rows.append(row(f"2D over stacked frames (+ stack {copy_ms:.3f} ms)", bench(one), err, copy_ms))
+    planes = [thwc[k : k + frames].permute(0, 3, 1, 2) for k in range(kt)]
+    parts = [weight[:, :, k].contiguous(memory_format=cl2) for k in range(kt)]
+
+    def summed() -> torch.Tensor:
+        out = F.conv2d(planes[0], parts[0])
+        for k in range(1, kt):
+            out += F.conv2d(planes[k], parts[k])
+        return out
+
+    err = _rel_diff(summed().permute(1, 0, 2, 3).unsqueeze(0), ref)
+    rows.append(row("three 2D summed", bench(summed), err))
+    if c_out < 16:
+        padded = torch.zeros(16, *weight.shape[1:], device="cuda", dtype=weight.dtype)
+        padded[:c_out] = weight
+        wide = functools.partial(F.conv3d, x, padded.contiguous(memory_format=cl3))
+        rows.append(row("outputs padded to 16", bench(wide), _rel_diff(wide()[:, :c_out], ref)))
+    return rows
+
+
+def conv_speed_rows() -> list[str]:
+    """Each decoder convolution's time (bf16, channels-last, as the ``exact`` level runs it) and its
+    TFLOP/s, against the forms a ``fast`` level could take: a 3x3x3 one as one 2D convolution over
+    its three frames stacked along the channels (the stacking copy timed apart, and counted in the
+    speed-up), or as three 2D convolutions summed; the 96 -> 3 head with its output channels
+    padded to 16. Last column: the largest difference from the convolution as run, relative to its
+    largest value."""
+    torch.manual_seed(0)
+    return [row for conv in DECODER_CONVS for row in _conv_forms(*conv)]
+
+
 #: Frames whose channel norms the probe checks: the decoder's at 480p and 720p (channels,
 #: frames, rows, columns) and shapes with tails.
 NORM_SHAPES = (
@@ -484,16 +564,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae", default="", help="Wan VAE decodes at these sizes (comma-separated: 480p,720p)")
     p.add_argument("--vae-dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--repeats", type=int, default=3, help="timed decodes per VAE level (the median)")
+    p.add_argument(
+        "--fast-convs", default="3d", help="VAE: the fast level once per convolution form (3d,summed,stacked)"
+    )
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
     p.add_argument("--tiled", action="store_true", help="VAE: the tiled kernels for channels-last frames")
+    p.add_argument("--conv-speed", action="store_true", help="decoder convolutions: time, other forms")
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     p.add_argument("--dit-profile", action="store_true", help="Z-Image step: GPU time by kind, SDPA backends")
     args = p.parse_args(argv)
     sizes = [s for s in args.vae.split(",") if s]
     if any(s not in SIZES for s in sizes):
         p.error(f"--vae sizes are {', '.join(SIZES)}")
+    if any(form not in ("3d", "summed", "stacked") for form in args.fast_convs.split(",")):
+        p.error("--fast-convs are 3d, summed, stacked")
     if not torch.cuda.is_available():
         print("benchmarks/quant_vae.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -521,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.conv_layouts:
         print("\n| dtype | convolution | NDHWC bitwise NCDHW |\n|---|---|---|")
         print("\n".join(conv_layout_rows()), flush=True)
+    if args.conv_speed:
+        print("\n| convolution (bf16, channels-last) | form | ms | TFLOP/s | speed-up | max diff / max |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(conv_speed_rows()), flush=True)
     if args.norm_orders:
         print(
             "\n| dtype | frames | norms | ATen's S | S=1 (fma/mul+add) | S=2 | S=4 | S=8 | S=16 "
@@ -538,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         dtype = torch.bfloat16 if args.vae_dtype == "bf16" else torch.float32
         for size in sizes:
-            vae_rows(size, dtype, args.repeats, args.vae_profile)
+            vae_rows(size, dtype, args.repeats, args.vae_profile, tuple(args.fast_convs.split(",")))
             torch.cuda.empty_cache()
     return 0
 

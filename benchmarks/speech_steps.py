@@ -433,6 +433,10 @@ def main() -> None:
         _sync(device)
     startup = time.perf_counter() - t0
     graphs = sum(r.graphs for r in pipe.runners)
+    # at once too: a run cut short (a time limit) still says what its start-up took
+    print(f"(start-up {startup:.1f} s, {graphs} decode graphs)", file=sys.stderr, flush=True)
+    if args.compile_report:
+        print(compiles.table(), file=sys.stderr, flush=True)
     params = sum(p.numel() for p in pipe.model.parameters()) / 1e9
 
     # -- prefill: a new turn's first tick ------------------------------------------------------------

@@ -37,6 +37,7 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import conv_input, settings
@@ -78,6 +79,70 @@ CHANNELS_LAST: dict[str, frozenset[str]] = {
 }
 
 
+#: How the ``fast`` level runs the decoder's 3x3x3 causal convolutions of one video: ``"3d"``
+#: cuDNN's 3D convolution (as ``exact``); ``"summed"``: one 2D convolution per time tap over a
+#: view of the padded frames (no copy), the three outputs added (each rounded to the frames'
+#: dtype: not bitwise); ``"stacked"``: one 2D convolution over each output frame's three input
+#: frames stacked along the channels (a copy of the input, three times its size; another
+#: summation order: not bitwise). The time per form at every decoder shape:
+#: ``benchmarks/quant_vae.py --conv-speed``.
+FAST_CONV = "3d"
+FAST_CONVS = ("3d", "summed", "stacked")
+_FORM = "_omnirt_fast_conv"
+_WEIGHTS = "_omnirt_fast_weights"
+
+
+def _form_weights(conv: nn.Module, form: str) -> list[torch.Tensor]:
+    """``conv``'s weight for ``form``, channels-last 2D: per time tap (``summed``) or with the
+    taps stacked along the input channels (``stacked``); made once per weight version."""
+    weight = conv.weight
+    key = (form, weight.data_ptr(), weight._version, weight.dtype)
+    held = getattr(conv, _WEIGHTS, None)
+    if held is not None and held[0] == key:
+        return held[1]
+    taps = weight.shape[2]
+    if form == "summed":
+        made = [weight[:, :, k].contiguous(memory_format=torch.channels_last) for k in range(taps)]
+    else:
+        stacked = weight.permute(0, 2, 1, 3, 4).reshape(weight.size(0), -1, *weight.shape[3:])
+        made = [stacked.contiguous(memory_format=torch.channels_last)]
+    setattr(conv, _WEIGHTS, (key, made))
+    return made
+
+
+def _conv_2d_form(conv: nn.Module, x: torch.Tensor, form: str) -> torch.Tensor:
+    """``conv(x)`` without its bias, for one channels-last padded video ``x`` [1, C, T, H, W], by
+    2D convolutions (``form``); the output [1, C', T - 2, H', W'] channels-last, as cuDNN's."""
+    weights = _form_weights(conv, form)
+    taps = conv.weight.shape[2]
+    frames = x.size(2) - taps + 1
+    video = x[0]  # [C, T, H, W], strides (1, H W C, W C, C)
+    if form == "summed":
+        out = None
+        for k, weight in enumerate(weights):
+            part = F.conv2d(video[:, k : k + frames].transpose(0, 1), weight)
+            out = part if out is None else out.add_(part)
+    else:
+        thwc = video.permute(1, 2, 3, 0)
+        stacked = torch.cat([thwc[k : k + frames] for k in range(taps)], dim=-1)
+        out = F.conv2d(stacked.permute(0, 3, 1, 2), weights[0])
+    return out.transpose(0, 1).unsqueeze(0)  # [F, C', H', W'] channels-last -> [1, C', F, H', W']
+
+
+def _plain_3x3x3(conv: nn.Module) -> bool:
+    """A 3x3x3 convolution of stride 1, no dilation, no groups, its padding in its input (as
+    diffusers' ``WanCausalConv3d`` pads)."""
+    plain = conv.stride == (1, 1, 1) and conv.dilation == (1, 1, 1) and conv.groups == 1
+    return plain and tuple(conv.kernel_size) == (3, 3, 3) and tuple(conv.padding) == (0, 0, 0)
+
+
+def _form_applies(conv: nn.Module, x: torch.Tensor) -> str | None:
+    form = getattr(conv, _FORM, None)
+    if form is None or x.dim() != 5 or x.size(0) != 1:
+        return None
+    return form if x.is_contiguous(memory_format=torch.channels_last_3d) else None
+
+
 def _cl(conv: nn.Module) -> bool:
     """Whether ``conv`` runs channels-last (its input is made so)."""
     return getattr(conv, _CL, False)
@@ -88,10 +153,16 @@ def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
     ``conv`` runs in), plus ``residual`` if given. The convolution runs without its bias and the
     bias (and the residual) are added by one kernel, as ATen adds them after cuDNN's convolution:
     same bits, in either layout."""
-    if conv.bias is None:
+    form = _form_applies(conv, x)
+    if form is not None:
+        out = _conv_2d_form(conv, x, form)
+        if conv.bias is None:
+            return out if residual is None else out + residual
+    elif conv.bias is None:
         out = (nn.Conv3d.forward if isinstance(conv, nn.Conv3d) else nn.Conv2d.forward)(conv, x)
         return out if residual is None else out + residual
-    out = conv._conv_forward(x, conv.weight, None)
+    else:
+        out = conv._conv_forward(x, conv.weight, None)
     frames = out if out.dim() == 5 else out.unsqueeze(2)  # [N, C, H, W] as N one-frame videos
     conv_input.add_bias_residual_(frames, conv.bias, residual)
     return out
@@ -305,6 +376,7 @@ def install(vae: nn.Module, level: str | None = None) -> int:
     ``kernels.settings.VAE_FAST``); returns how many modules now use it (0: ``off``, or no Wan
     decoder). Installing again changes the level."""
     level = check_vae_level(settings.VAE_FAST if level is None else level)
+    form = check_fast_conv(FAST_CONV) if level == "fast" else "3d"
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanDecoder3d, WanResample, WanResidualBlock
 
     decoder = getattr(vae, "decoder", None)
@@ -329,8 +401,16 @@ def install(vae: nn.Module, level: str | None = None) -> int:
     for conv, kind in _conv_kinds(decoder).items():
         if kind in CHANNELS_LAST[level]:
             _set_channels_last(conv, True)
-    log.info("Wan VAE decoder fast path: %s level in %d modules", level, sites)
+            if form != "3d" and kind == "causal" and _plain_3x3x3(conv):
+                setattr(conv, _FORM, form)
+    log.info("Wan VAE decoder fast path: %s level in %d modules (convolutions: %s)", level, sites, form)
     return sites
+
+
+def check_fast_conv(form: str) -> str:
+    if form not in FAST_CONVS:
+        raise ValueError(f"the fast level's convolutions are one of {', '.join(FAST_CONVS)}, not {form!r}")
+    return form
 
 
 def uninstall(vae: nn.Module) -> None:
@@ -344,6 +424,9 @@ def uninstall(vae: nn.Module) -> None:
             delattr(module, _ATTR)
         if _cl(module):
             _set_channels_last(module, False)
+        for attr in (_FORM, _WEIGHTS):
+            if hasattr(module, attr):
+                delattr(module, attr)
 
 
 def installed_level(vae: nn.Module) -> str:

@@ -206,6 +206,39 @@ def test_decodes_match_diffusers_at_each_level():
     torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["summed", "stacked"])
+def test_the_fast_levels_2d_convolutions_match_diffusers(form, monkeypatch):
+    """``FAST_CONV``: the 3x3x3 causal convolutions as 2D ones over the time taps (another
+    summation order: close, not bitwise), through a decode of two chunks; uninstalling drops the
+    weights made for them."""
+    vae = _tiny_vae()
+    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV", form)
+    made = []
+    real = wan_vae_fast._conv_2d_form
+    monkeypatch.setattr(wan_vae_fast, "_conv_2d_form", lambda *a: made.append(a[2]) or real(*a))
+    with torch.no_grad():
+        want = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.install(vae, "exact")
+        exact = vae.decode(z, return_dict=False)[0]
+        assert made == []  # exact keeps cuDNN's 3D convolutions
+        wan_vae_fast.install(vae, "fast")
+        got = vae.decode(z, return_dict=False)[0]
+        # conv_in, the 10 residual blocks' two and the head's, for each of the 2 latent frames
+        assert made == [form] * 2 * (1 + 20 + 1)
+        assert hasattr(vae.decoder.conv_in, "_omnirt_fast_weights")
+        wan_vae_fast.uninstall(vae)
+    assert not hasattr(vae.decoder.conv_in, "_omnirt_fast_weights")
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got, exact)  # another order: the forms do run
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "2d")
+    wan_vae_fast.install(vae, "exact")
+    with pytest.raises(ValueError, match="3d, summed, stacked"):
+        wan_vae_fast.install(vae, "fast")
+    assert wan_vae_fast.installed_level(vae) == "exact"  # refused: what was installed stays
+
+
 def test_the_feature_cache_protocol_is_kept():
     """Chunk by chunk with caller-owned caches (as WanDenoiser's decode in pieces calls it): the
     cache entries have diffusers' shapes and the frames match."""
