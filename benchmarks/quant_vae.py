@@ -21,11 +21,15 @@
   same latents: time per decode (the median of ``--repeats``), peak memory, and whether the pixels
   are bitwise diffusers' (else their PSNR). ``--vae-profile`` adds the top CUDA kernels per level;
   ``--tiled`` runs the levels with the tiled kernels for channels-last frames in place of the flat
-  ones (``conv_input.FLAT_CHANNELS_LAST``), for comparison.
+  ones (``conv_input.FLAT_CHANNELS_LAST``), for comparison. ``--fast-convs`` runs the ``fast``
+  level once per form of its 3x3x3 convolutions (``wan_vae_fast.FAST_CONV``: ``3d``, ``summed``,
+  ``stacked``; ``-all``: at every 3x3x3 convolution instead of ``FAST_CONV_SHAPES``' only).
+- **Conv speed** (``--conv-speed``): each decoder convolution's time and TFLOP/s as the levels run
+  it, against the 2D forms of a 3x3x3 one (see ``conv_speed_rows``).
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
-        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--tiled] [--conv-input] [--conv-layouts]
-        [--norm-orders] [--skip-zimage] [--dit-profile]
+        [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
+        [--conv-input] [--conv-layouts] [--conv-speed] [--norm-orders] [--skip-zimage] [--dit-profile]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's time under each SDPA backend; for bf16
   and fp8 its wall time, the host's time to queue it and its replay from one CUDA graph, and its
@@ -329,7 +333,7 @@ def _profile(vae: torch.nn.Module, z: torch.Tensor, label: str, top: int = 14) -
 
 
 def vae_rows(
-    size: str, dtype: torch.dtype, repeats: int, profile_levels: bool, fast_convs: tuple[str, ...] = ("3d",)
+    size: str, dtype: torch.dtype, repeats: int, profile_levels: bool, fast_convs: tuple[str, ...]
 ) -> list[str]:
     from diffusers import AutoencoderKLWan
     from omnirt.stages.diffusion import wan_vae_fast
@@ -343,13 +347,18 @@ def vae_rows(
     z = torch.randn(1, 16, 21, h, w, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     z = z.to(dtype)
     name = f"Wan VAE decode {size} 81 frames {str(dtype).removeprefix('torch.')}"
+    default = wan_vae_fast.FAST_CONV
     rows = []
     with torch.no_grad():
         base = ref = None
-        runs = [("off", "off"), ("exact", "exact")]
-        runs += [("fast", "fast" if form == "3d" else f"fast, 2D {form}") for form in fast_convs]
-        for (level, label), form in zip(runs, ("3d", "3d", *fast_convs), strict=True):
-            wan_vae_fast.FAST_CONV = form
+        shapes = wan_vae_fast.FAST_CONV_SHAPES
+        runs = [("off", "off", "3d"), ("exact", "exact", "3d")]
+        for form in fast_convs:
+            at = None if form.endswith("-all") else shapes
+            runs.append(("fast", f"fast, {form.removesuffix('-all')} at {_pairs(at)}", form))
+        for level, label, form in runs:
+            wan_vae_fast.FAST_CONV = form.removesuffix("-all")
+            wan_vae_fast.FAST_CONV_SHAPES = None if form.endswith("-all") else shapes
             wan_vae_fast.install(vae, level)
             torch.cuda.reset_peak_memory_stats()
             ms, out = _time_decode(vae, z, repeats)
@@ -365,8 +374,13 @@ def vae_rows(
                 _profile(vae, z, f"{name}, {label}")
             del out
         wan_vae_fast.uninstall(vae)
-        wan_vae_fast.FAST_CONV = "3d"
+        wan_vae_fast.FAST_CONV, wan_vae_fast.FAST_CONV_SHAPES = default, shapes
     return rows
+
+
+def _pairs(shapes: frozenset[tuple[int, int]] | None) -> str:
+    """``FAST_CONV_SHAPES`` as a label: "96 -> 96, ..." or "every 3x3x3"."""
+    return "every 3x3x3" if shapes is None else ", ".join(f"{a} -> {b}" for a, b in sorted(shapes))
 
 
 def conv_input_rows() -> list[str]:
@@ -565,7 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--repeats", type=int, default=3, help="timed decodes per VAE level (the median)")
     p.add_argument(
-        "--fast-convs", default="3d", help="VAE: the fast level once per convolution form (3d,summed,stacked)"
+        "--fast-convs",
+        default="summed",
+        help="VAE: the fast level once per convolution form (3d, summed, stacked; with -all: at every "
+        "3x3x3 convolution, not only wan_vae_fast.FAST_CONV_SHAPES), comma-separated",
     )
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
@@ -578,8 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [s for s in args.vae.split(",") if s]
     if any(s not in SIZES for s in sizes):
         p.error(f"--vae sizes are {', '.join(SIZES)}")
-    if any(form not in ("3d", "summed", "stacked") for form in args.fast_convs.split(",")):
-        p.error("--fast-convs are 3d, summed, stacked")
+    forms = tuple(args.fast_convs.split(","))
+    if any(form.removesuffix("-all") not in ("3d", "summed", "stacked") for form in forms):
+        p.error("--fast-convs are 3d, summed, stacked, each optionally with -all")
     if not torch.cuda.is_available():
         print("benchmarks/quant_vae.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -628,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         dtype = torch.bfloat16 if args.vae_dtype == "bf16" else torch.float32
         for size in sizes:
-            vae_rows(size, dtype, args.repeats, args.vae_profile, tuple(args.fast_convs.split(",")))
+            vae_rows(size, dtype, args.repeats, args.vae_profile, forms)
             torch.cuda.empty_cache()
     return 0
 

@@ -138,7 +138,7 @@ def build(args: argparse.Namespace, max_slots: int) -> tuple[Any, Startup]:
         max_slots=max_slots,
         max_context=args.max_context,
         max_audio_frames=args.max_audio_frames,
-        compile_workers=getattr(args, "compile_workers", 0),
+        compile_workers=getattr(args, "compile_workers", None),  # None: as the server
         **extra,
     )
     _sync(device)
@@ -557,8 +557,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-context", type=int, default=1024, help="thinker tokens per session (KV slots)")
     parser.add_argument(
-        "--compile-workers", type=int, default=0,
-        help="threads making the steps' first calls before the capture (their Triton compiles side by side)",
+        "--compile-workers", type=int, default=None,
+        help="threads making the steps' first calls before the capture (their Triton compiles side by "
+        "side; default: as the server, stages.graphs.default_compile_workers(); 0: none)",
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--seconds", type=float, default=10.0, help="measured wall time per level and mode")

@@ -406,8 +406,9 @@ def main() -> None:
         help="list the Triton compiles of the start-up (kernel, compiles, seconds), from Triton's JIT hooks",
     )
     ap.add_argument(
-        "--compile-workers", type=int, default=0,
-        help="threads making the steps' first calls before the capture (their Triton compiles side by side)",
+        "--compile-workers", type=int, default=None,
+        help="threads making the steps' first calls before the capture (their Triton compiles side by "
+        "side; default: as the server, stages.graphs.default_compile_workers(); 0: none)",
     )
     args = ap.parse_args()
 

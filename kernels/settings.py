@@ -10,7 +10,8 @@ a Triton kernel may run.
   supported call) or ``"off"``. ``omnirt serve --fused-kernels`` sets it.
 - **The Wan VAE decoder's fast path** (``stages/diffusion/wan_vae_fast.py``): ``VAE_FAST`` is
   ``"exact"`` (bitwise equal to diffusers' decoder, channels-last convolutions; the default),
-  ``"fast"`` (today the same; where non-bitwise reorderings may go, within a stated PSNR) or
+  ``"fast"`` (non-bitwise reorderings, within a stated PSNR: the top level's convolutions as 2D
+  ones over their time taps) or
   ``"off"``. ``omnirt serve --vae-fast`` sets it.
 - **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only under
   ``TRITON_INTERPRET=1`` (:func:`interpreted`, fp32), when a test calls it directly or installs the

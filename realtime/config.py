@@ -56,8 +56,8 @@ class ServerConfig:
     #: their exact preset is bitwise equal to eager, ``on`` wherever supported, ``off``
     #: (``--fused-kernels``).
     fused_kernels: str = "auto"
-    #: The Wan VAE decoder's fast path on CUDA: ``exact`` (bitwise diffusers'), ``fast`` (today
-    #: the same; the level for non-bitwise reorderings) or ``off`` (``--vae-fast``).
+    #: The Wan VAE decoder's fast path on CUDA: ``exact`` (bitwise diffusers'), ``fast`` (some
+    #: convolutions reordered: not bitwise, within a stated PSNR) or ``off`` (``--vae-fast``).
     vae_fast: str = "exact"
     #: W8A8 linear layers for the diffusion transformers: ``none``, ``int8`` or ``fp8``
     #: (``--quantization``; reported per model in ``/v1/models``).

@@ -18,8 +18,11 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   order diffusers' norms have. The attention runs diffusers' own code on NCDHW frames. The decode
   is bitwise equal to diffusers' (H200, 81 frames, bf16: 2.01x diffusers' speed at 480p, 2.00x at
   720p; ``docs/benchmarks.md``).
-- ``fast``: today the same kernels and layouts as ``exact`` (so also bitwise); the level where
-  reorderings that change bits may go (``benchmarks/quant_vae.py`` states the PSNR).
+- ``fast``: ``exact``'s kernels and layouts, and the 3x3x3 convolutions of
+  :data:`FAST_CONV_SHAPES` (the top level's 96 -> 96, where cuDNN's 3D kernel is slowest) as 2D
+  convolutions over their time taps, added (:data:`FAST_CONV`): another summation order, so not
+  bitwise (``benchmarks/quant_vae.py`` states the PSNR; ``tests/gpu/test_wan_vae_gpu.py``
+  holds 40 dB).
 - ``off``: diffusers' decoder untouched.
 
 The convolution weights stay as diffusers holds them (ATen copies a weight to the input's layout
@@ -79,15 +82,21 @@ CHANNELS_LAST: dict[str, frozenset[str]] = {
 }
 
 
-#: How the ``fast`` level runs the decoder's 3x3x3 causal convolutions of one video: ``"3d"``
-#: cuDNN's 3D convolution (as ``exact``); ``"summed"``: one 2D convolution per time tap over a
-#: view of the padded frames (no copy), the three outputs added (each rounded to the frames'
-#: dtype: not bitwise); ``"stacked"``: one 2D convolution over each output frame's three input
-#: frames stacked along the channels (a copy of the input, three times its size; another
-#: summation order: not bitwise). The time per form at every decoder shape:
-#: ``benchmarks/quant_vae.py --conv-speed``.
-FAST_CONV = "3d"
+#: How the ``fast`` level runs the decoder's 3x3x3 causal convolutions of :data:`FAST_CONV_SHAPES`
+#: for one video: ``"summed"``: one 2D convolution per time tap over a view of the padded frames
+#: (no copy), the three outputs added (each rounded to the frames' dtype: not bitwise);
+#: ``"stacked"``: one 2D convolution over each output frame's three input frames stacked along the
+#: channels (a copy of the input, three times its size; another summation order); ``"3d"``:
+#: cuDNN's 3D convolution, as ``exact``. Measured on the H200 (``benchmarks/quant_vae.py
+#: --conv-speed``, bf16, channels-last, 480p, 2026-12-05): cuDNN's 3D kernel runs the top level's
+#: 96 -> 96 convolution at 297 TFLOP/s (2.68 ms a chunk of 4 frames), the summed 2D ones at 412
+#: (1.93 ms, 1.39x; stacked 1.47 ms + 0.57 ms of copy), while at 192 and 384 channels 3D is the
+#: faster (648 and 391 TFLOP/s; summed 0.86x and 0.58x).
+FAST_CONV = "summed"
 FAST_CONVS = ("3d", "summed", "stacked")
+#: The (input, output) channels whose convolutions take :data:`FAST_CONV` (None: every 3x3x3
+#: causal convolution of the decoder).
+FAST_CONV_SHAPES: frozenset[tuple[int, int]] | None = frozenset({(96, 96)})
 _FORM = "_omnirt_fast_conv"
 _WEIGHTS = "_omnirt_fast_weights"
 
@@ -401,7 +410,9 @@ def install(vae: nn.Module, level: str | None = None) -> int:
     for conv, kind in _conv_kinds(decoder).items():
         if kind in CHANNELS_LAST[level]:
             _set_channels_last(conv, True)
-            if form != "3d" and kind == "causal" and _plain_3x3x3(conv):
+            shapes = FAST_CONV_SHAPES
+            taken = shapes is None or (conv.in_channels, conv.out_channels) in shapes
+            if form != "3d" and kind == "causal" and _plain_3x3x3(conv) and taken:
                 setattr(conv, _FORM, form)
     log.info("Wan VAE decoder fast path: %s level in %d modules (convolutions: %s)", level, sites, form)
     return sites

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..graphs import default_compile_workers
 from ..types import ModelInfo
 from .dummy import DEFAULT_SEED, LOAD_FORMATS
 from .experts import IMPLEMENTATION as EXPERTS
@@ -198,7 +199,7 @@ def load_speech_pipeline(
     warm_up: bool = False,
     model_id: str | None = None,
     random_weights: bool | None = None,
-    compile_workers: int = 0,
+    compile_workers: int | None = None,
 ) -> SpeechPipeline:
     """A :class:`SpeechPipeline` for the checkpoint folder ``path``.
 
@@ -222,7 +223,7 @@ def load_speech_pipeline(
     reuse the prompt prefix another request has read (see :mod:`.prefix_cache`).
     ``compile_workers``: threads that make the steps' first calls at every bucket before the
     capture (``stages.graphs.prewarm``: their Triton compiles side by side; 0 or 1: the captures
-    make them one after another).
+    make them one after another; None: ``stages.graphs.default_compile_workers()``).
     """
     if load_format not in LOAD_FORMATS:
         raise LoadFormatError(
@@ -285,7 +286,8 @@ def load_speech_pipeline(
         prefill_chunk=prefill_chunk,
         prefix_cache=prefix_cache,
     )
-    pipeline.capture(compile_workers=compile_workers)
+    workers = default_compile_workers() if compile_workers is None else compile_workers
+    pipeline.capture(compile_workers=workers)
     if warm_up:
         pipeline.warm_up()
     return pipeline

@@ -206,14 +206,19 @@ def test_decodes_match_diffusers_at_each_level():
     torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("form", ["summed", "stacked"])
-def test_the_fast_levels_2d_convolutions_match_diffusers(form, monkeypatch):
-    """``FAST_CONV``: the 3x3x3 causal convolutions as 2D ones over the time taps (another
-    summation order: close, not bitwise), through a decode of two chunks; uninstalling drops the
-    weights made for them."""
+@pytest.mark.parametrize(
+    ("form", "shapes", "per_frame"),
+    # every 3x3x3 one: conv_in, the 10 residual blocks' two and the head's; or the 4 of 8 -> 8
+    [("summed", None, 22), ("stacked", None, 22), ("summed", frozenset({(8, 8)}), 4)],
+)
+def test_the_fast_levels_2d_convolutions_match_diffusers(form, shapes, per_frame, monkeypatch):
+    """``FAST_CONV``: the 3x3x3 causal convolutions of ``FAST_CONV_SHAPES`` as 2D ones over the
+    time taps (another summation order: close, not bitwise), through a decode of two chunks;
+    uninstalling drops the weights made for them."""
     vae = _tiny_vae()
     z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV", form)
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", shapes)
     made = []
     real = wan_vae_fast._conv_2d_form
     monkeypatch.setattr(wan_vae_fast, "_conv_2d_form", lambda *a: made.append(a[2]) or real(*a))
@@ -224,11 +229,11 @@ def test_the_fast_levels_2d_convolutions_match_diffusers(form, monkeypatch):
         assert made == []  # exact keeps cuDNN's 3D convolutions
         wan_vae_fast.install(vae, "fast")
         got = vae.decode(z, return_dict=False)[0]
-        # conv_in, the 10 residual blocks' two and the head's, for each of the 2 latent frames
-        assert made == [form] * 2 * (1 + 20 + 1)
-        assert hasattr(vae.decoder.conv_in, "_omnirt_fast_weights")
+        assert made == [form] * 2 * per_frame  # for each of the 2 latent frames
+        taps = vae.decoder.up_blocks[0].resnets[0].conv1  # 16 -> 16
+        assert hasattr(taps, "_omnirt_fast_weights") == (shapes is None)
         wan_vae_fast.uninstall(vae)
-    assert not hasattr(vae.decoder.conv_in, "_omnirt_fast_weights")
+    assert not hasattr(taps, "_omnirt_fast_weights")
     torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not torch.equal(got, exact)  # another order: the forms do run

@@ -63,7 +63,9 @@ def test_kernel_matches_the_eager_chain(chain, preset):
 
 
 @interpreted
-@pytest.mark.parametrize("order", ["lanes", "vec4", "lanes_halving", "vec4_halving", "vec4_warp"])
+@pytest.mark.parametrize(
+    "order", ["lanes", "vec4", "lanes_halving", "vec4_halving", "vec4_warp", "vec4_lane_reads"]
+)
 def test_every_summation_order_is_a_sum_of_squares(order):
     # the orders differ in the last bits only (the GPU numerics pick one); each is the right sum
     q, k, qw, kw, table = _inputs(batch=2, tokens=6, hq=4, hk=4, dim=128)

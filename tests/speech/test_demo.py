@@ -113,3 +113,21 @@ def test_chat_template_from_the_processor_file(demo_dir: Path, tmp_path: Path) -
     pipe = load_speech_pipeline(folder, max_slots=1)
     pipe.add(text_request("t", max_output_tokens=2))
     assert of(drain(pipe), "t")[-1].reason == "length"
+
+
+def test_the_loader_prewarms_on_the_default_workers_unless_told(demo_dir, monkeypatch):
+    """Without ``compile_workers`` the start-up prewarms on ``default_compile_workers()`` threads,
+    as the server starts (off CUDA the capture does nothing of it)."""
+    from omnirt.stages.speech import loader
+    from omnirt.stages.speech.pipeline import SpeechPipeline
+
+    asked = []
+    monkeypatch.setattr(loader, "default_compile_workers", lambda: 7)
+    def capture(self: SpeechPipeline, compile_workers: int = 0) -> float:
+        asked.append(compile_workers)
+        return 0.0
+
+    monkeypatch.setattr(SpeechPipeline, "capture", capture)
+    loader.load_speech_pipeline(demo_dir, max_slots=1, max_context=64)
+    loader.load_speech_pipeline(demo_dir, max_slots=1, max_context=64, compile_workers=0)
+    assert asked == [7, 0]

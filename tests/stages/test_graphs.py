@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from omnirt.stages import graphs
 from omnirt.stages.graphs import CudaGraphRunner, LengthBucketedRunner, batch_size, check_distinct, prewarm
 
 SLOTS = 8
@@ -110,6 +111,12 @@ def test_prewarm_runs_every_call_side_by_side_and_logs_a_failure(caplog):
     assert sorted(i for i, _ in first.ran) == [0, 1, 2] and sorted(i for i, _ in second.ran) == [0, 1]
     assert all(name.startswith("omnirt-prewarm") for _, name in first.ran + second.ran)
     assert "failed" in caplog.text and "out of memory" in caplog.text
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 2), (16, 16), (64, 16)])
+def test_default_compile_workers_are_the_usable_cpus_up_to_16(cpus, workers, monkeypatch):
+    monkeypatch.setattr(graphs.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert graphs.default_compile_workers() == workers
 
 
 def test_prewarm_with_one_worker_or_no_calls_does_nothing():
