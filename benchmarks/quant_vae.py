@@ -595,9 +595,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [s for s in args.vae.split(",") if s]
     if any(s not in SIZES for s in sizes):
         p.error(f"--vae sizes are {', '.join(SIZES)}")
+    from omnirt.stages.diffusion.wan_vae_fast import FAST_CONVS
+
     forms = tuple(args.fast_convs.split(","))
-    if any(form.removesuffix("-all") not in ("3d", "summed", "stacked") for form in forms):
-        p.error("--fast-convs are 3d, summed, stacked, each optionally with -all")
+    if any(form.removesuffix("-all") not in FAST_CONVS for form in forms):
+        p.error(f"--fast-convs are {', '.join(FAST_CONVS)}, each optionally with -all")
     if not torch.cuda.is_available():
         print("benchmarks/quant_vae.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .fleet import ReplicaReport
@@ -219,7 +220,7 @@ class FleetIngress:
     async def _forward(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, address: str) -> None:
         # A body over the server's limit is not carried: this replica's app refuses it (413) as
         # the other would, without holding more of it than the limit.
-        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        declared = Headers(scope=scope).get("content-length", "0")
         if not declared.isdigit() or int(declared) > self.max_body_bytes:
             await app(scope, receive, send)
             return

@@ -407,10 +407,10 @@ def install(vae: nn.Module, level: str | None = None) -> int:
             module.forward = types.MethodType(forward, module)
             setattr(module, _ATTR, level)
             sites += 1
+    shapes = FAST_CONV_SHAPES
     for conv, kind in _conv_kinds(decoder).items():
         if kind in CHANNELS_LAST[level]:
             _set_channels_last(conv, True)
-            shapes = FAST_CONV_SHAPES
             taken = shapes is None or (conv.in_channels, conv.out_channels) in shapes
             if form != "3d" and kind == "causal" and _plain_3x3x3(conv) and taken:
                 setattr(conv, _FORM, form)
@@ -419,6 +419,7 @@ def install(vae: nn.Module, level: str | None = None) -> int:
 
 
 def check_fast_conv(form: str) -> str:
+    """``form`` if it is one of :data:`FAST_CONVS`, else ``ValueError``."""
     if form not in FAST_CONVS:
         raise ValueError(f"the fast level's convolutions are one of {', '.join(FAST_CONVS)}, not {form!r}")
     return form
