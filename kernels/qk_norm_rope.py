@@ -74,15 +74,18 @@ _COMPLEX_FMAS = ("none", "ac", "bd")
 #: without the layout changes of five halving levels, unless Triton lays the lanes out otherwise).
 #: Measured on the H200 (2026-12-05): 2.7-3.3x faster and 1-49 elements in millions off (Triton
 #: gives a thread 8 bf16 of a head, two lanes, and adds those first).
-#: ``vec4_lane_reads``: the same, with each head read a second time (from the cache) as one
-#: 4-item vector per lane, lanes along the last axis, so a thread holds one lane and the 32 sit
-#: one a thread in the warp (a candidate to measure, as ``vec4_warp``).
+#: ``vec4_lanes``: the same tree, each head read as [32, 4] tiles (one 4-item vector per lane,
+#: 8-byte reads) so that Triton gives a thread one lane, not two, and its butterfly is the whole
+#: tree; ``vec4_lanes_reversed``: the sums from a second read with the lanes bit-reversed (the
+#: tree of adjacent pairs, should Triton's butterfly start at the nearest lane). Candidates to
+#: measure (``vec4_lane_reads``, measured 2026-12-05: 42-45 elements in millions off, 0.077 ms).
 COMPOSITE_SUM = "vec4_halving"
 #: The layer-norm order's final tree as explicit splits or Triton's own reduction (same bits).
 TREE = "reduce"
 #: Each order's warp tree (the kernel's ``HALVING``).
 _HALVING = {
-    "lanes": 0, "vec4": 0, "lanes_halving": 1, "vec4_halving": 1, "vec4_warp": 2, "vec4_lane_reads": 3
+    "lanes": 0, "vec4": 0, "lanes_halving": 1, "vec4_halving": 1, "vec4_warp": 2, "vec4_lanes": 3,
+    "vec4_lanes_reversed": 4,
 }
 _COMPOSITE_SUMS = tuple(_HALVING)
 #: Chains ``(norm, rope, per_head)`` whose ``exact`` preset is bitwise equal to eager at head dim
@@ -210,17 +213,7 @@ if triton is not None:
         ``l`` of ``LANES`` adds its ``STEPS`` elements in order (elements ``l * STEPS ..`` of the
         loaded heads ``x`` [HC, D] for vectorised reads, else ``s * LANES + l``, read again as
         coalesced tiles), lanes beyond a warp are halved, then the warp's tree (``HALVING``: 0 by
-        adjacent pairs, 1 by halves, 2 by Triton's reduction, 3 the same over heads read again as
-        one 4-item vector per lane: ``[HC, 4, 32]``, lane ``l``'s items at ``[:, :, l]``)."""
-        if HALVING == 3 and VEC and STEPS == 4 and LANES == 32:
-            item = tl.arange(0, 4)[None, :, None]
-            lane = tl.arange(0, 32)[None, None, :]
-            v = tl.load(base[:, :, None] + lane * 4 + item, mask=live[:, :, None], other=0.0).to(tl.float32)
-            four = tl.reshape(tl.permute(v * v, (0, 2, 1)), (HC, 32, 2, 2))  # [HC, lane, items]
-            even, odd = tl.split(four)  # items (0, 2) and (1, 3)
-            s0, s2 = tl.split(even)
-            s1, s3 = tl.split(odd)
-            return tl.sum(((s0 + s1) + s2) + s3, axis=1)[:, None]
+        adjacent pairs, 1 by halves, 2 or more by Triton's reduction)."""
         if VEC:
             lanes = tl.reshape(x * x, (HC, LANES, STEPS))
             if STEPS == 4:
@@ -259,6 +252,16 @@ if triton is not None:
             acc = pair_sum(acc, HC, 4)
             acc = pair_sum(acc, HC, 2)
         return acc  # [HC, 1]
+
+    @triton.jit
+    def _tile_sums(v, HC: tl.constexpr):
+        """Each head's sum of squares [HC, 1] from its [HC, 32, 4] tile (``vec4_lanes``): a lane's
+        four squares in order, then Triton's reduction over the 32 lanes."""
+        v = v.to(tl.float32)
+        even, odd = tl.split(tl.reshape(v * v, (HC, 32, 2, 2)))  # items (0, 2) and (1, 3)
+        s0, s2 = tl.split(even)
+        s1, s3 = tl.split(odd)
+        return tl.sum(((s0 + s1) + s2) + s3, axis=1)[:, None]
 
     @triton.jit
     def _sums(base, live, x, HC: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
@@ -302,12 +305,14 @@ if triton is not None:
         INTERLEAVED: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
         Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr, K_STEPS: tl.constexpr, K_LANES: tl.constexpr,
         CPLX: tl.constexpr, VEC: tl.constexpr, HALVING: tl.constexpr, TREE: tl.constexpr,
-        CACHE: tl.constexpr,
+        CACHE: tl.constexpr, LANE_TILES: tl.constexpr,
     ):  # fmt: skip
         # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles. ``CACHE``
         # (one token per row): keys go to row ``b``'s cache entry ``POS[b]`` (``KO`` a cache,
         # ``so_kt`` its entry stride, ``so_kh`` its head stride) and the k program copies the
         # row's values ``V`` to the same entry of ``VO``.
+        # ``LANE_TILES`` (``vec4_lanes`` 1, ``vec4_lanes_reversed`` 2): heads read as [HC, 32, 4]
+        # tiles for the per-head sums (see :data:`COMPOSITE_SUM`).
         row = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         b = row // T
@@ -335,6 +340,10 @@ if triton is not None:
             factor = k_factor
         d = tl.arange(0, D)[None, :]
         f = tl.arange(0, D // 2)[None, :]
+        lane = tl.arange(0, D // 4)
+        if LANE_TILES == 2:
+            lane = ((lane & 1) << 4) | ((lane & 2) << 2) | (lane & 4) | ((lane & 8) >> 2) | ((lane & 16) >> 4)
+        tile = lane[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
         tab = TAB + b * stab_b + t * stab_t
         c = tl.load(tab + f).to(tl.float32)
         s = tl.load(tab + D // 2 + f).to(tl.float32)
@@ -356,10 +365,18 @@ if triton is not None:
             h = h0 + tl.arange(0, HC)[:, None]
             live = h < heads
             base = src + h.to(tl.int64) * s_h
-            x = tl.load(base + d, mask=live, other=0.0).to(tl.float32)
+            if LANE_TILES == 1:  # [HC, 32, 4]: a thread reads one lane's vector
+                x = tl.reshape(tl.load(base[:, :, None] + tile, mask=live[:, :, None], other=0.0), (HC, D))
+                x = x.to(tl.float32)
+            else:
+                x = tl.load(base + d, mask=live, other=0.0).to(tl.float32)
             # -- RMSNorm
             if PER_HEAD:
-                if which == 0:
+                if LANE_TILES == 2:  # the sums from a second read, lanes bit-reversed
+                    ss = _tile_sums(tl.load(base[:, :, None] + tile, mask=live[:, :, None], other=0.0), HC)
+                elif LANE_TILES == 1:
+                    ss = _tile_sums(tl.reshape(x, (HC, D // 4, 4)), HC)
+                elif which == 0:
                     ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
                 else:
                     ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
@@ -408,7 +425,11 @@ if triton is not None:
                 out = tl.reshape(tl.join(o1, o2), (HC, D))
             else:
                 out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
-            tl.store(dst + h.to(tl.int64) * d_h + d, out.to(DT), mask=live)
+            if LANE_TILES == 1:
+                out3 = tl.reshape(out.to(DT), (HC, D // 4, 4))
+                tl.store(dst + h.to(tl.int64)[:, :, None] * d_h + tile, out3, mask=live[:, :, None])
+            else:
+                tl.store(dst + h.to(tl.int64) * d_h + d, out.to(DT), mask=live)
         if CACHE:
             if which == 1:  # the values, copied as they are
                 v_src = V + b * sv_b
@@ -500,6 +521,7 @@ def _launch(
     if order not in _COMPOSITE_SUMS:
         raise ValueError(f"composite sum order must be one of {_COMPOSITE_SUMS}")
     vec = int(order.startswith("vec4"))
+    lane_tiles = max(0, _HALVING[order] - 2) if aten_order and dim == 128 else 0
     q_cfg = (aten_order and _sum_config(dim, batch * tokens * hq, vec)) or (0, 32)
     k_cfg = (aten_order and _sum_config(dim, batch * tokens * hk, vec)) or (0, 32)
     heads_chunk = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // dim))
@@ -523,7 +545,7 @@ def _launch(
         Q_STEPS=q_cfg[0], Q_LANES=q_cfg[1], K_STEPS=k_cfg[0], K_LANES=k_cfg[1],
         CPLX=cplx, VEC=vec, HALVING=_HALVING[order],
         TREE=("split", "reduce").index(tree or TREE),
-        CACHE=cache is not None,
+        CACHE=cache is not None, LANE_TILES=lane_tiles,
         num_warps=4,
         enable_fp_fusion=not exact,
     )  # fmt: skip

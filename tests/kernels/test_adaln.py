@@ -67,6 +67,12 @@ def test_variants_give_the_same_statistics():
         torch.testing.assert_close(
             adaln_modulate_triton(x, scale, shift, eps=1e-6, **variant), want, rtol=1e-5, atol=1e-5
         )
+    # the two ways of reading a thread's vectors do the same arithmetic (rows of whole steps too)
+    for width in (1024, 1000):
+        x, g = _x(width=width, seed=5)
+        args = (x, torch.randn(2, 1, width, generator=g), None)
+        tile = adaln_modulate_triton(*args, eps=1e-6, load="tile")
+        assert torch.equal(tile, adaln_modulate_triton(*args, eps=1e-6, load="items"))
 
 
 @interpreted

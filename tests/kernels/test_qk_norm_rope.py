@@ -4,6 +4,8 @@ the eager chains it replaces, the eager chains against the libraries' own code, 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from omnirt.kernels import settings
@@ -64,7 +66,8 @@ def test_kernel_matches_the_eager_chain(chain, preset):
 
 @interpreted
 @pytest.mark.parametrize(
-    "order", ["lanes", "vec4", "lanes_halving", "vec4_halving", "vec4_warp", "vec4_lane_reads"]
+    "order",
+    ["lanes", "vec4", "lanes_halving", "vec4_halving", "vec4_warp", "vec4_lanes", "vec4_lanes_reversed"],
 )
 def test_every_summation_order_is_a_sum_of_squares(order):
     # the orders differ in the last bits only (the GPU numerics pick one); each is the right sum
@@ -72,6 +75,28 @@ def test_every_summation_order_is_a_sum_of_squares(order):
     args = dict(eps=1e-6, interleaved=False)
     got = qk_norm_rope_triton(q, k, qw, kw, table, composite_sum=order, **args)
     _close(got, qk_norm_rope_reference(q, k, qw, kw, table, **args))
+
+
+@interpreted
+def test_lane_tiles_move_the_same_sums(monkeypatch):
+    """``vec4_lanes`` reads and writes each head as [32, 4] tiles, and sums the lanes as ``vec4_warp``
+    does (Triton's reduction): the same bits, for separate outputs and for the decode step's cache
+    writes; the layouts differ on the GPU only."""
+    q, k, qw, kw, table = _inputs(batch=3, tokens=1, hq=4, hk=2, dim=128)
+    args = dict(eps=1e-6, interleaved=False)
+    lanes = qk_norm_rope_triton(q, k, qw, kw, table, composite_sum="vec4_lanes", **args)
+    warp = qk_norm_rope_triton(q, k, qw, kw, table, composite_sum="vec4_warp", **args)
+    assert torch.equal(lanes[0], warp[0]) and torch.equal(lanes[1], warp[1])
+    g = torch.Generator().manual_seed(9)
+    v = torch.randn(3, 1, 2, 128, generator=g)
+    at = torch.tensor([2, 0, 5])
+    written = []
+    for order in ("vec4_lanes", "vec4_warp"):
+        monkeypatch.setattr(importlib.import_module(qk_norm_rope.__module__), "COMPOSITE_SUM", order)
+        caches = [torch.zeros(3, 2, 6, 128) for _ in range(2)]
+        written.append((qk_norm_rope_to_cache(q, k, v, qw, kw, table, *caches, at, **args), *caches))
+    assert all(torch.equal(a, b) for a, b in zip(*written, strict=True))
+    assert torch.equal(written[0][1][torch.arange(3), :, at], warp[1][:, 0])
 
 
 @interpreted
