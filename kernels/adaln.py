@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import settings
 from .reduce_order import LN_THREADS, LN_VEC
-from .settings import Preset, check_preset
+from .settings import Preset, check_preset, interpreted
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -51,6 +51,14 @@ ONLINE_FMA = True
 #: (``"items"``) or one [128, 4] tile (``"tile"``). All give the same bits; they differ in speed.
 TREE = "reduce"
 LOAD = "items"
+#: Rows of whole 512-element steps: every combine of the tree joins two equal counts, so ATen's
+#: ``nA = nB = count * (1 / total)`` is one constant for the row's width
+#: (:func:`even_combine_coefficient`) and the kernel may take it instead of dividing at each of the
+#: tree's 7 levels (the same bits; ``"known"``) or divide as ATen does (``"divide"``). Under the
+#: interpreter Triton's reduction folds in order (unequal counts), so there ``"known"`` applies to
+#: the explicit tree (``tree="split"``) only. Not yet measured on the GPU: ``"divide"``.
+COMBINE = "divide"
+_COMBINES = ("divide", "known")
 #: Whether ``exact`` is bitwise equal to eager on the GPU tests' shapes (measured on the H200,
 #: without a LayerNorm weight and bias, as Wan's norm1/norm3); the dispatcher's ``auto`` setting
 #: uses the kernel only then.
@@ -133,10 +141,26 @@ if triton is not None:
         return tl.where(some, new_mean, 0.0), tl.where(some, new_m2, 0.0), total
 
     @triton.jit
-    def _halve(mean, m2, count, R: tl.constexpr, N: tl.constexpr, MEAN_FMA: tl.constexpr):
+    def _combine_known(own_mean, own_m2, own_count, mean, m2, count, half, MEAN_FMA: tl.constexpr):
+        """:func:`_combine` of two states with the same count: ``nA = nB = half``, the bits
+        ``count * (1 / total)`` has at every level of the tree (:func:`even_combine_coefficient`)."""
+        delta = own_mean - mean
+        if MEAN_FMA == 1:
+            new_mean = tl.fma(half, mean, half * own_mean)
+        elif MEAN_FMA == 2:
+            new_mean = tl.fma(half, own_mean, half * mean)
+        else:
+            new_mean = half * mean + half * own_mean
+        return new_mean, tl.fma(delta * delta * count, half, m2 + own_m2), count + own_count
+
+    @triton.jit
+    def _halve(mean, m2, count, half, R: tl.constexpr, N: tl.constexpr, MEAN_FMA: tl.constexpr,
+               KNOWN: tl.constexpr):  # fmt: skip
         m_own, m_other = _halves(mean, R, N)
         s_own, s_other = _halves(m2, R, N)
         c_own, c_other = _halves(count, R, N)
+        if KNOWN:
+            return _combine_known(m_own, s_own, c_own, m_other, s_other, c_other, half, MEAN_FMA)
         return _combine(m_own, s_own, c_own, m_other, s_other, c_other, MEAN_FMA)
 
     @triton.jit
@@ -145,8 +169,15 @@ if triton is not None:
         return _combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b, 1)
 
     @triton.jit
-    def _ln_order_stats(src, n, RCP, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr,
-                        TREE: tl.constexpr, LOAD: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    def _reduce_combine_known(mean_a, m2_a, count_a, half_a, mean_b, m2_b, count_b, half_b):
+        """:func:`_combine_known` as a ``tl.reduce`` combine function (``half`` carried along)."""
+        new_mean, new_m2, total = _combine_known(mean_a, m2_a, count_a, mean_b, m2_b, count_b, half_a, 1)
+        return new_mean, new_m2, total, half_a
+
+    @triton.jit
+    def _ln_order_stats(src, n, RCP, half, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr,
+                        MEAN_FMA: tl.constexpr, TREE: tl.constexpr, LOAD: tl.constexpr, EVEN: tl.constexpr,
+                        KNOWN: tl.constexpr):  # fmt: skip
         """Mean and variance of the row ``src[0:n]`` as ATen's fused layer-norm kernel computes
         them (``reduce_order``): per thread its 4-element vectors ``t, t + 128, ...`` folded
         element by element, then lanes halved within each warp, then the 4 warps. ``EVEN``: the
@@ -187,7 +218,12 @@ if triton is not None:
                     mean, m2, count = _online(v, mean, m2, count, live, ONLINE_FMA)
         if EVEN:
             count = tl.full([128], LN_K * 4, tl.float32)
-        if TREE:
+        if TREE and KNOWN:  # the combine's coefficient known (``COMBINE``), carried as a fourth value
+            halves = tl.full([128], half, tl.float32)
+            mean_all, m2_all, count_all, halves = tl.reduce(
+                (mean, m2, count, halves), 0, _reduce_combine_known
+            )
+        elif TREE:
             # Triton's reduction of 128 values over 4 warps of one each: a butterfly within the
             # warp (xor 16, 8, ..., 1), then across the 4 warps; lane 0's result is the halving tree
             mean_all, m2_all, count_all = tl.reduce((mean, m2, count), 0, _reduce_combine)
@@ -195,16 +231,17 @@ if triton is not None:
             mean = tl.reshape(mean, (4, 32))
             m2 = tl.reshape(m2, (4, 32))
             count = tl.reshape(count, (4, 32))
-            mean, m2, count = _halve(mean, m2, count, 4, 32, MEAN_FMA)
-            mean, m2, count = _halve(mean, m2, count, 4, 16, MEAN_FMA)
-            mean, m2, count = _halve(mean, m2, count, 4, 8, MEAN_FMA)
-            mean, m2, count = _halve(mean, m2, count, 4, 4, MEAN_FMA)
-            mean, m2, count = _halve(mean, m2, count, 4, 2, MEAN_FMA)  # [4, 1]: lane 0 of each warp
+            mean, m2, count = _halve(mean, m2, count, half, 4, 32, MEAN_FMA, KNOWN)
+            mean, m2, count = _halve(mean, m2, count, half, 4, 16, MEAN_FMA, KNOWN)
+            mean, m2, count = _halve(mean, m2, count, half, 4, 8, MEAN_FMA, KNOWN)
+            mean, m2, count = _halve(mean, m2, count, half, 4, 4, MEAN_FMA, KNOWN)
+            # [4, 1] after the last: lane 0 of each warp
+            mean, m2, count = _halve(mean, m2, count, half, 4, 2, MEAN_FMA, KNOWN)
             mean = tl.reshape(mean, (1, 4))
             m2 = tl.reshape(m2, (1, 4))
             count = tl.reshape(count, (1, 4))
-            mean, m2, count = _halve(mean, m2, count, 1, 4, MEAN_FMA)
-            mean, m2, count = _halve(mean, m2, count, 1, 2, MEAN_FMA)
+            mean, m2, count = _halve(mean, m2, count, half, 1, 4, MEAN_FMA, KNOWN)
+            mean, m2, count = _halve(mean, m2, count, half, 1, 2, MEAN_FMA, KNOWN)
             mean_all = tl.sum(tl.reshape(mean, (1,)), axis=0)
             m2_all = tl.sum(tl.reshape(m2, (1,)), axis=0)
         return mean_all, tl.math.div_rn(m2_all, n.to(tl.float32))
@@ -235,11 +272,11 @@ if triton is not None:
         S, C,
         sx_b, sx_s, so_b, so_s,
         ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c,
-        eps, scale_offset,
+        eps, scale_offset, half,
         CB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SHIFT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, EXACT: tl.constexpr,
         LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr,
-        LOAD: tl.constexpr, EVEN: tl.constexpr,
+        LOAD: tl.constexpr, EVEN: tl.constexpr, KNOWN: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         b = row // S
@@ -249,7 +286,8 @@ if triton is not None:
         n = C + row * 0
         if EXACT:
             # statistics in ATen's order, then the row again chunk by chunk (from cache)
-            mean, var = _ln_order_stats(src, n, RCP, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN)
+            mean, var = _ln_order_stats(src, n, RCP, half, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN,
+                                        KNOWN)  # fmt: skip
             rstd = tl.math.rsqrt(var + eps)
             for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
                 c = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -287,6 +325,16 @@ def _reciprocals(device: torch.device) -> torch.Tensor | None:
         ks = np.arange(1, updates + 1, dtype=np.float32)
         table = _RECIPROCALS[device] = torch.from_numpy(np.float32(1.0) / ks).to(device)
     return table
+
+
+def even_combine_coefficient(width: int) -> float:
+    """``nA`` (= ``nB``) of ATen's Welford combine of two equal counts ``c``: ``c * (1 / (2 c))`` in
+    fp32, each step rounded, for the per-thread count of a row ``width`` wide (whole 512-element
+    steps). The same bits at every level of the tree, where the counts double: scaling ``c`` by a
+    power of two scales ``1 / (2 c)`` by its inverse exactly (fp32 normal range), and the product
+    rounds to the same value."""
+    count = np.float32(width // LN_THREADS)
+    return float(count * (np.float32(1.0) / (np.float32(2.0) * count)))
 
 
 def fast_warps(block: int) -> int:
@@ -355,9 +403,14 @@ def _launch(
     load: str | None = None,
     warps: int | None = None,
     even: bool | None = None,
+    combine: str | None = None,
 ) -> torch.Tensor:
     """``even``: use the reciprocal table where the row is whole 512-element steps (None: the
-    default, yes; False: divide as ATen does, for tests; the same bits)."""
+    default, yes; False: divide as ATen does, for tests; the same bits). ``combine``: see
+    :data:`COMBINE`."""
+    combine = combine or COMBINE
+    if combine not in _COMBINES:
+        raise ValueError(f"combine must be one of {_COMBINES}, got {combine!r}")
     batch, seq, width = x.shape
     if preset == "exact" and x.data_ptr() % 16:
         # ATen reads a misaligned row unvectorised, in an order the kernel does not model
@@ -371,8 +424,11 @@ def _launch(
     ssc = _modulation_strides(scale, x)
     ssh = _modulation_strides(shift, x)
     table = None
-    if preset == "exact" and width % (LN_THREADS * LN_VEC) == 0 and even is not False:
+    whole = width % (LN_THREADS * LN_VEC) == 0
+    if preset == "exact" and whole and even is not False:
         table = _reciprocals(x.device)
+    split = (tree or TREE) == "split"
+    known = preset == "exact" and whole and combine == "known" and (split or not interpreted())
     _adaln_kernel[(batch * seq,)](
         x, out,
         scale if scale is not None else x, shift if shift is not None else x,
@@ -381,7 +437,7 @@ def _launch(
         seq, width,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         *ssc, *ssh,
-        eps, scale_offset,
+        eps, scale_offset, even_combine_coefficient(width) if known else 0.0,
         CB=block, CHUNK=min(block, 1024), CHUNKS=triton.cdiv(width, min(block, 1024)),
         HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
         HAS_W=weight is not None, HAS_B=bias is not None, EXACT=preset == "exact",
@@ -389,7 +445,7 @@ def _launch(
         ONLINE_FMA=ONLINE_FMA if online_fma is None else online_fma,
         MEAN_FMA=_COMBINE_MEAN_FMAS.index(combine_mean_fma or COMBINE_MEAN_FMA),
         TREE=("split", "reduce").index(tree or TREE), LOAD=("items", "tile").index(load or LOAD),
-        EVEN=table is not None,
+        EVEN=table is not None, KNOWN=known,
         num_warps=4 if preset == "exact" else warps or fast_warps(block),
         enable_fp_fusion=preset != "exact",
     )  # fmt: skip

@@ -4,12 +4,16 @@ the custom op."""
 
 from __future__ import annotations
 
+import importlib
+
+import numpy as np
 import pytest
 import torch
 from omnirt.kernels.adaln import (
     adaln_modulate,
     adaln_modulate_reference,
     adaln_modulate_triton,
+    even_combine_coefficient,
     kernel_applies,
 )
 
@@ -85,6 +89,38 @@ def test_whole_rows_take_the_reciprocal_table_with_the_same_bits(width):
         table = adaln_modulate_triton(x, scale, shift, eps=1e-6)
         divided = adaln_modulate_triton(x, scale, shift, eps=1e-6, even=False)
         assert torch.equal(table, divided)
+
+
+@pytest.mark.parametrize("width", range(512, 16385, 512))
+def test_the_known_combine_coefficient_is_what_each_level_divides_to(width):
+    """ATen's combine of two equal counts at every level of the 128-thread tree: ``count * (1 /
+    total)`` with both steps rounded in fp32 is the one constant, whatever the level."""
+    count = np.float32(width // 128)
+    for _ in range(7):  # 5 levels within a warp, 2 across the 4 warps
+        total = count + count
+        assert count * (np.float32(1.0) / total) == np.float32(even_combine_coefficient(width))
+        count = total
+
+
+@interpreted
+@pytest.mark.parametrize("mean_fma", ["none", "a", "b"])
+def test_the_known_combine_gives_the_divisions_bits(mean_fma, monkeypatch):
+    """``combine="known"`` over the explicit tree (the interpreter folds Triton's reduction in
+    order, where the counts differ): bitwise the tree that divides, on rows of whole steps."""
+    for width in (512, 1536):
+        x, g = _x(width=width, seed=11)
+        args = (x, torch.randn(2, 1, width, generator=g), torch.randn(2, 1, width, generator=g))
+        kw = dict(eps=1e-6, tree="split", combine_mean_fma=mean_fma)
+        known = adaln_modulate_triton(*args, combine="known", **kw)
+        assert torch.equal(known, adaln_modulate_triton(*args, combine="divide", **kw))
+        torch.testing.assert_close(known, adaln_modulate_reference(*args, eps=1e-6), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="combine must be one of"):
+        adaln_modulate_triton(*args, eps=1e-6, combine="guess")
+    # the GPU's form (Triton's reduction with the constant) launched once, for the sm_90 compile
+    # of tests/kernels/test_zz_sm90.py; the interpreter's in-order fold makes its values moot here
+    module = importlib.import_module(adaln_modulate_triton.__module__)
+    monkeypatch.setattr(module, "interpreted", lambda: False)
+    assert adaln_modulate_triton(*args, eps=1e-6, combine="known").shape == x.shape
 
 
 @interpreted
