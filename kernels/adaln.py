@@ -123,35 +123,33 @@ if triton is not None:
         )
 
     @triton.jit
-    def _combine(own_mean, own_m2, own_count, mean, m2, count, MEAN_FMA: tl.constexpr):
-        """ATen's ``cuWelfordCombine(own, other)``: ``A`` the other thread's state, ``B`` this one's."""
+    def _join(own_mean, own_m2, mean, m2, count, n_a, n_b, MEAN_FMA: tl.constexpr):
+        """The mean and ``m2`` of ATen's ``cuWelfordCombine`` given its coefficients ``nA``, ``nB``
+        (``count``: the other state's)."""
         delta = own_mean - mean
-        total = count + own_count
-        some = total > 0
-        coef = tl.math.div_rn(tl.full(total.shape, 1.0, tl.float32), tl.where(some, total, 1.0))
-        n_a = count * coef
-        n_b = own_count * coef
         if MEAN_FMA == 1:
             new_mean = tl.fma(n_a, mean, n_b * own_mean)
         elif MEAN_FMA == 2:
             new_mean = tl.fma(n_b, own_mean, n_a * mean)
         else:
             new_mean = n_a * mean + n_b * own_mean
-        new_m2 = tl.fma(delta * delta * count, n_b, m2 + own_m2)
+        return new_mean, tl.fma(delta * delta * count, n_b, m2 + own_m2)
+
+    @triton.jit
+    def _combine(own_mean, own_m2, own_count, mean, m2, count, MEAN_FMA: tl.constexpr):
+        """ATen's ``cuWelfordCombine(own, other)``: ``A`` the other thread's state, ``B`` this one's."""
+        total = count + own_count
+        some = total > 0
+        coef = tl.math.div_rn(tl.full(total.shape, 1.0, tl.float32), tl.where(some, total, 1.0))
+        new_mean, new_m2 = _join(own_mean, own_m2, mean, m2, count, count * coef, own_count * coef, MEAN_FMA)
         return tl.where(some, new_mean, 0.0), tl.where(some, new_m2, 0.0), total
 
     @triton.jit
     def _combine_known(own_mean, own_m2, own_count, mean, m2, count, half, MEAN_FMA: tl.constexpr):
         """:func:`_combine` of two states with the same count: ``nA = nB = half``, the bits
         ``count * (1 / total)`` has at every level of the tree (:func:`even_combine_coefficient`)."""
-        delta = own_mean - mean
-        if MEAN_FMA == 1:
-            new_mean = tl.fma(half, mean, half * own_mean)
-        elif MEAN_FMA == 2:
-            new_mean = tl.fma(half, own_mean, half * mean)
-        else:
-            new_mean = half * mean + half * own_mean
-        return new_mean, tl.fma(delta * delta * count, half, m2 + own_m2), count + own_count
+        new_mean, new_m2 = _join(own_mean, own_m2, mean, m2, count, half, half, MEAN_FMA)
+        return new_mean, new_m2, count + own_count
 
     @triton.jit
     def _halve(mean, m2, count, half, R: tl.constexpr, N: tl.constexpr, MEAN_FMA: tl.constexpr,
