@@ -335,7 +335,7 @@ def variant_speed() -> list[str]:
         q, k, qw, kw, table = qk_inputs(b, t, hq, hk, d, per_head, rope, False)
         args = dict(eps=1e-6, interleaved=inter, per_head=per_head, norm=norm, rope=rope)
         if norm == "composite":
-            for order in ("vec4_halving", "vec4_warp", "vec4_lanes", "vec4_lanes_reversed"):
+            for order in ("vec4_halving", "vec4_warp", "vec4_lanes"):
                 call = functools.partial(
                     qk_norm_rope_triton, q, k, qw, kw, table, composite_sum=order, **args
                 )

@@ -188,16 +188,7 @@ if triton is not None:
         for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
             first = step * 512 + thread * 4  # [128] each thread's vector
             live = first < n
-            if EVEN and LOAD:  # one 8-byte vector a thread, its items split out
-                v = tl.load(src + first[:, None] + tl.arange(0, 4)[None, :]).to(tl.float32)
-                even, odd = tl.split(tl.reshape(v, (128, 2, 2)))
-                v0, v2 = tl.split(even)
-                v1, v3 = tl.split(odd)
-                mean, m2 = _online_known(v0, mean, m2, tl.load(RCP + step * 4), ONLINE_FMA)
-                mean, m2 = _online_known(v1, mean, m2, tl.load(RCP + step * 4 + 1), ONLINE_FMA)
-                mean, m2 = _online_known(v2, mean, m2, tl.load(RCP + step * 4 + 2), ONLINE_FMA)
-                mean, m2 = _online_known(v3, mean, m2, tl.load(RCP + step * 4 + 3), ONLINE_FMA)
-            elif EVEN:
+            if EVEN:
                 for item in tl.static_range(4):
                     v = tl.load(src + first + item).to(tl.float32)
                     mean, m2 = _online_known(v, mean, m2, tl.load(RCP + step * 4 + item), ONLINE_FMA)

@@ -74,18 +74,19 @@ _COMPLEX_FMAS = ("none", "ac", "bd")
 #: without the layout changes of five halving levels, unless Triton lays the lanes out otherwise).
 #: Measured on the H200 (2026-12-05): 2.7-3.3x faster and 1-49 elements in millions off (Triton
 #: gives a thread 8 bf16 of a head, two lanes, and adds those first).
-#: ``vec4_lanes``: the same tree, each head read as [32, 4] tiles (one 4-item vector per lane,
-#: 8-byte reads) so that Triton gives a thread one lane, not two, and its butterfly is the whole
-#: tree; ``vec4_lanes_reversed``: the sums from a second read with the lanes bit-reversed (the
-#: tree of adjacent pairs, should Triton's butterfly start at the nearest lane). Candidates to
-#: measure (``vec4_lane_reads``, measured 2026-12-05: 42-45 elements in millions off, 0.077 ms).
+#: ``vec4_lanes``: ``vec4_warp`` with each head read and written at offsets Triton's axis analysis
+#: sees as contiguous in runs of 4 only (``(d // 4) * 4 + d % 4``), so that a thread holds one
+#: lane's 4-item vector (8-byte accesses) and the reduction over a head's 32 lanes is the warp's
+#: butterfly alone (xor 16 first: ATen's halving tree). Compiled for sm_90 with Triton 3.6 (the GPU
+#: image's), the reduction's input is one lane a thread, 32 threads a head (``vec4_warp``: two
+#: lanes a thread, 16 threads); not yet run on the GPU. (``vec4_lane_reads``, a second read as
+#: [heads, 4, 32], measured 2026-12-05: 42-45 elements in millions off, removed.)
 COMPOSITE_SUM = "vec4_halving"
 #: The layer-norm order's final tree as explicit splits or Triton's own reduction (same bits).
 TREE = "reduce"
 #: Each order's warp tree (the kernel's ``HALVING``).
 _HALVING = {
-    "lanes": 0, "vec4": 0, "lanes_halving": 1, "vec4_halving": 1, "vec4_warp": 2, "vec4_lanes": 3,
-    "vec4_lanes_reversed": 4,
+    "lanes": 0, "vec4": 0, "lanes_halving": 1, "vec4_halving": 1, "vec4_warp": 2, "vec4_lanes": 3
 }
 _COMPOSITE_SUMS = tuple(_HALVING)
 #: Chains ``(norm, rope, per_head)`` whose ``exact`` preset is bitwise equal to eager at head dim
@@ -254,16 +255,6 @@ if triton is not None:
         return acc  # [HC, 1]
 
     @triton.jit
-    def _tile_sums(v, HC: tl.constexpr):
-        """Each head's sum of squares [HC, 1] from its [HC, 32, 4] tile (``vec4_lanes``): a lane's
-        four squares in order, then Triton's reduction over the 32 lanes."""
-        v = v.to(tl.float32)
-        even, odd = tl.split(tl.reshape(v * v, (HC, 32, 2, 2)))  # items (0, 2) and (1, 3)
-        s0, s2 = tl.split(even)
-        s1, s3 = tl.split(odd)
-        return tl.sum(((s0 + s1) + s2) + s3, axis=1)[:, None]
-
-    @triton.jit
     def _sums(base, live, x, HC: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
               HALVING: tl.constexpr):  # fmt: skip
         """Each head's sum of squares [HC, 1]: in ATen's order where ``STEPS`` > 0, else Triton's."""
@@ -305,14 +296,14 @@ if triton is not None:
         INTERLEAVED: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
         Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr, K_STEPS: tl.constexpr, K_LANES: tl.constexpr,
         CPLX: tl.constexpr, VEC: tl.constexpr, HALVING: tl.constexpr, TREE: tl.constexpr,
-        CACHE: tl.constexpr, LANE_TILES: tl.constexpr,
+        CACHE: tl.constexpr, LANE_READS: tl.constexpr,
     ):  # fmt: skip
         # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles. ``CACHE``
         # (one token per row): keys go to row ``b``'s cache entry ``POS[b]`` (``KO`` a cache,
         # ``so_kt`` its entry stride, ``so_kh`` its head stride) and the k program copies the
         # row's values ``V`` to the same entry of ``VO``.
-        # ``LANE_TILES`` (``vec4_lanes`` 1, ``vec4_lanes_reversed`` 2): heads read as [HC, 32, 4]
-        # tiles for the per-head sums (see :data:`COMPOSITE_SUM`).
+        # ``LANE_READS`` (``vec4_lanes``): heads read and written at offsets Triton knows to be
+        # contiguous in runs of 4 only (see :data:`COMPOSITE_SUM`).
         row = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         b = row // T
@@ -340,10 +331,10 @@ if triton is not None:
             factor = k_factor
         d = tl.arange(0, D)[None, :]
         f = tl.arange(0, D // 2)[None, :]
-        lane = tl.arange(0, D // 4)
-        if LANE_TILES == 2:
-            lane = ((lane & 1) << 4) | ((lane & 2) << 2) | (lane & 4) | ((lane & 8) >> 2) | ((lane & 16) >> 4)
-        tile = lane[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        if LANE_READS:  # ``d``, known contiguous in runs of 4 only: a thread reads one lane's vector
+            dx = (d // 4) * 4 + d % 4
+        else:
+            dx = d
         tab = TAB + b * stab_b + t * stab_t
         c = tl.load(tab + f).to(tl.float32)
         s = tl.load(tab + D // 2 + f).to(tl.float32)
@@ -365,18 +356,10 @@ if triton is not None:
             h = h0 + tl.arange(0, HC)[:, None]
             live = h < heads
             base = src + h.to(tl.int64) * s_h
-            if LANE_TILES == 1:  # [HC, 32, 4]: a thread reads one lane's vector
-                x = tl.reshape(tl.load(base[:, :, None] + tile, mask=live[:, :, None], other=0.0), (HC, D))
-                x = x.to(tl.float32)
-            else:
-                x = tl.load(base + d, mask=live, other=0.0).to(tl.float32)
+            x = tl.load(base + dx, mask=live, other=0.0).to(tl.float32)
             # -- RMSNorm
             if PER_HEAD:
-                if LANE_TILES == 2:  # the sums from a second read, lanes bit-reversed
-                    ss = _tile_sums(tl.load(base[:, :, None] + tile, mask=live[:, :, None], other=0.0), HC)
-                elif LANE_TILES == 1:
-                    ss = _tile_sums(tl.reshape(x, (HC, D // 4, 4)), HC)
-                elif which == 0:
+                if which == 0:
                     ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
                 else:
                     ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
@@ -425,11 +408,7 @@ if triton is not None:
                 out = tl.reshape(tl.join(o1, o2), (HC, D))
             else:
                 out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
-            if LANE_TILES == 1:
-                out3 = tl.reshape(out.to(DT), (HC, D // 4, 4))
-                tl.store(dst + h.to(tl.int64)[:, :, None] * d_h + tile, out3, mask=live[:, :, None])
-            else:
-                tl.store(dst + h.to(tl.int64) * d_h + d, out.to(DT), mask=live)
+            tl.store(dst + h.to(tl.int64) * d_h + dx, out.to(DT), mask=live)
         if CACHE:
             if which == 1:  # the values, copied as they are
                 v_src = V + b * sv_b
@@ -521,7 +500,7 @@ def _launch(
     if order not in _COMPOSITE_SUMS:
         raise ValueError(f"composite sum order must be one of {_COMPOSITE_SUMS}")
     vec = int(order.startswith("vec4"))
-    lane_tiles = max(0, _HALVING[order] - 2) if aten_order and dim == 128 else 0
+    lane_reads = _HALVING[order] == 3 and aten_order and dim == 128
     q_cfg = (aten_order and _sum_config(dim, batch * tokens * hq, vec)) or (0, 32)
     k_cfg = (aten_order and _sum_config(dim, batch * tokens * hk, vec)) or (0, 32)
     heads_chunk = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // dim))
@@ -545,7 +524,7 @@ def _launch(
         Q_STEPS=q_cfg[0], Q_LANES=q_cfg[1], K_STEPS=k_cfg[0], K_LANES=k_cfg[1],
         CPLX=cplx, VEC=vec, HALVING=_HALVING[order],
         TREE=("split", "reduce").index(tree or TREE),
-        CACHE=cache is not None, LANE_TILES=lane_tiles,
+        CACHE=cache is not None, LANE_READS=lane_reads,
         num_warps=4,
         enable_fp_fusion=not exact,
     )  # fmt: skip

@@ -5,6 +5,7 @@ the eager chains it replaces, the eager chains against the libraries' own code, 
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from omnirt.kernels.qk_norm_rope import (
     to_cache_applies,
 )
 
+from . import sm90
 from .conftest import interpreted
 
 # (per_head, norm, rope, interleaved): every chain the models use, and the other combinations
@@ -67,7 +69,7 @@ def test_kernel_matches_the_eager_chain(chain, preset):
 @interpreted
 @pytest.mark.parametrize(
     "order",
-    ["lanes", "vec4", "lanes_halving", "vec4_halving", "vec4_warp", "vec4_lanes", "vec4_lanes_reversed"],
+    ["lanes", "vec4", "lanes_halving", "vec4_halving", "vec4_warp", "vec4_lanes"],
 )
 def test_every_summation_order_is_a_sum_of_squares(order):
     # the orders differ in the last bits only (the GPU numerics pick one); each is the right sum
@@ -78,10 +80,10 @@ def test_every_summation_order_is_a_sum_of_squares(order):
 
 
 @interpreted
-def test_lane_tiles_move_the_same_sums(monkeypatch):
-    """``vec4_lanes`` reads and writes each head as [32, 4] tiles, and sums the lanes as ``vec4_warp``
-    does (Triton's reduction): the same bits, for separate outputs and for the decode step's cache
-    writes; the layouts differ on the GPU only."""
+def test_lane_reads_move_the_same_sums(monkeypatch):
+    """``vec4_lanes`` reads and writes each head at offsets known contiguous in runs of 4 only, and
+    sums the lanes as ``vec4_warp`` does (Triton's reduction): the same bits, for separate outputs
+    and for the decode step's cache writes; the layouts differ on the GPU only."""
     q, k, qw, kw, table = _inputs(batch=3, tokens=1, hq=4, hk=2, dim=128)
     args = dict(eps=1e-6, interleaved=False)
     lanes = qk_norm_rope_triton(q, k, qw, kw, table, composite_sum="vec4_lanes", **args)
@@ -97,6 +99,32 @@ def test_lane_tiles_move_the_same_sums(monkeypatch):
         written.append((qk_norm_rope_to_cache(q, k, v, qw, kw, table, *caches, at, **args), *caches))
     assert all(torch.equal(a, b) for a, b in zip(*written, strict=True))
     assert torch.equal(written[0][1][torch.arange(3), :, at], warp[1][:, 0])
+
+
+def _butterflies(ptx: str) -> list[int]:
+    return [int(n) for n in re.findall(r"shfl\.sync\.bfly\.b32\s+\S+,\s*\S+,\s*(\d+)", ptx)]
+
+
+@interpreted
+def test_lane_reads_compile_to_the_halving_tree():
+    """What makes ``vec4_lanes`` ATen's order on the GPU, read off the compiler (sm_90, bf16 heads,
+    the launch specialised as the GPU's): each head's 32 lane sums meet in the warp's butterfly
+    alone, lane ``i`` with ``i + 16`` first. ``vec4_warp``'s loads give a thread two adjacent
+    lanes, added first, so its butterfly starts at 8 (its 1-49 elements in millions off)."""
+    q, k, qw, kw, _ = _inputs(batch=1, tokens=16, hq=30, hk=30, dim=128)
+    table = table_from_complex(torch.polar(torch.ones(1, 16, 64), torch.randn(1, 16, 64)))
+    launches = []
+    for order in ("vec4_lanes", "vec4_warp"):
+        with sm90.capture() as captured:
+            qk_norm_rope_triton(q, k, qw, kw, table, eps=1e-6, interleaved=True, rope="complex",
+                                composite_sum=order)  # fmt: skip
+        (launch,) = captured
+        for name in ("Q", "K", "QO", "KO", "QW", "KW"):
+            launch[2]["signature"][name] = "*bf16"
+        launches.append(launch)
+    lanes, warp = sm90.assembly(launches)
+    assert _butterflies(lanes["ptx"])[:5] == [16, 8, 4, 2, 1]
+    assert 16 not in _butterflies(warp["ptx"]) and _butterflies(warp["ptx"])[:4] == [8, 4, 2, 1]
 
 
 @interpreted
