@@ -415,8 +415,10 @@ if triton is not None:
                 v_dst = VO + b * so_vb + tl.load(POS + b).to(tl.int64) * so_vt
                 for v0 in range(0, heads, HC):
                     vh = (v0 + tl.arange(0, HC)[:, None]).to(tl.int64)
-                    v = tl.load(v_src + vh * sv_h + d, mask=vh < heads, other=0.0)
-                    tl.store(v_dst + vh * so_vh + d, v, mask=vh < heads)
+                    # (at ``dx``: Triton's coalescing gives memory ops of one shape the widest
+                    # vectors among them, so reads at ``d`` here would widen the heads' too)
+                    v = tl.load(v_src + vh * sv_h + dx, mask=vh < heads, other=0.0)
+                    tl.store(v_dst + vh * so_vh + dx, v, mask=vh < heads)
 
 
 def _check(

@@ -105,26 +105,48 @@ def _butterflies(ptx: str) -> list[int]:
     return [int(n) for n in re.findall(r"shfl\.sync\.bfly\.b32\s+\S+,\s*\S+,\s*(\d+)", ptx)]
 
 
+def _bf16_launch(call) -> tuple[str, str, dict]:
+    """The one kernel launch ``call`` makes, its heads, weights and caches typed bf16 (the
+    interpreter runs fp32; the GPU's dtype decides the vector widths)."""
+    with sm90.capture() as captured:
+        call()
+    (launch,) = captured
+    for name in ("Q", "K", "QO", "KO", "QW", "KW", "V", "VO"):
+        launch[2]["signature"][name] = "*bf16"
+    return launch
+
+
 @interpreted
-def test_lane_reads_compile_to_the_halving_tree():
-    """What makes ``vec4_lanes`` ATen's order on the GPU, read off the compiler (sm_90, bf16 heads,
-    the launch specialised as the GPU's): each head's 32 lane sums meet in the warp's butterfly
-    alone, lane ``i`` with ``i + 16`` first. ``vec4_warp``'s loads give a thread two adjacent
-    lanes, added first, so its butterfly starts at 8 (its 1-49 elements in millions off)."""
+def test_lane_reads_compile_to_the_halving_tree(monkeypatch):
+    """What makes ``vec4_lanes`` ATen's order on the GPU, read off the compiler (sm_90, bf16, each
+    launch specialised as the GPU's): each head's 32 lane sums meet in the warp's butterfly alone,
+    lane ``i`` with ``i + 16`` first, in every reduction of the kernel: Z-Image's heads, and the
+    speech decode step's Qwen3 heads written to the caches (whose value copy must read at the same
+    widths: Triton gives one shape's memory ops the widest vectors among them). ``vec4_warp``'s
+    loads give a thread two adjacent lanes, added first, so its butterfly starts at 8 (its 1-49
+    elements in millions off)."""
     q, k, qw, kw, _ = _inputs(batch=1, tokens=16, hq=30, hk=30, dim=128)
     table = table_from_complex(torch.polar(torch.ones(1, 16, 64), torch.randn(1, 16, 64)))
+    qkv = torch.randn(8, 1, (32 + 2 * 4) * 128)
+    dq, dk, dv = split_packed_qkv(qkv, 32, 4, 128)
+    _, _, dqw, dkw, dtable = _inputs(batch=8, tokens=1, hq=32, hk=4, dim=128)
+    caches = [torch.zeros(9, 4, 33, 128) for _ in range(2)]
     launches = []
     for order in ("vec4_lanes", "vec4_warp"):
-        with sm90.capture() as captured:
-            qk_norm_rope_triton(q, k, qw, kw, table, eps=1e-6, interleaved=True, rope="complex",
-                                composite_sum=order)  # fmt: skip
-        (launch,) = captured
-        for name in ("Q", "K", "QO", "KO", "QW", "KW"):
-            launch[2]["signature"][name] = "*bf16"
-        launches.append(launch)
-    lanes, warp = sm90.assembly(launches)
-    assert _butterflies(lanes["ptx"])[:5] == [16, 8, 4, 2, 1]
-    assert 16 not in _butterflies(warp["ptx"]) and _butterflies(warp["ptx"])[:4] == [8, 4, 2, 1]
+        launches.append(_bf16_launch(lambda order=order: qk_norm_rope_triton(
+            q, k, qw, kw, table, eps=1e-6, interleaved=True, rope="complex", composite_sum=order
+        )))  # fmt: skip
+        monkeypatch.setattr(importlib.import_module(qk_norm_rope.__module__), "COMPOSITE_SUM", order)
+        launches.append(_bf16_launch(lambda: qk_norm_rope_to_cache(
+            dq, dk, dv, dqw, dkw, dtable, *caches, torch.arange(8), eps=1e-6, interleaved=False
+        )))  # fmt: skip
+    for name, compiled in zip(["zimage lanes", "decode lanes", "zimage warp", "decode warp"],
+                              sm90.assembly(launches), strict=True):  # fmt: skip
+        trees = _butterflies(compiled["ptx"])
+        if "lanes" in name:
+            assert trees and trees == [16, 8, 4, 2, 1] * (len(trees) // 5), (name, trees)
+        else:
+            assert trees[:4] == [8, 4, 2, 1] and 16 not in trees, (name, trees)
 
 
 @interpreted
