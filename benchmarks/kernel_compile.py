@@ -67,21 +67,17 @@ def _compile(case: Case, arch: int) -> float:
         from omnirt.kernels import draw
 
         fn = draw._draw_kernel
-        lanes, iters = draw.warp_layout(case.size)
-        consts = dict(
-            BLOCK=case.size, N_DIMS=case.size.bit_length() - 1, LANES=lanes, ITERS=iters,
-            UNROLL=case.unroll or min(iters, draw._UNROLL), CDF_ONE=float(2**draw.CDF_BITS),
-            U_BITS=draw.UNIFORM_BITS, LIBDEVICE=True, STORE_PROBS=False,
-        )  # fmt: skip
+        consts, options = draw.launch_config(case.size)
+        consts["STORE_PROBS"] = False
+        if case.unroll:
+            consts["UNROLL"] = case.unroll
         pointers = _DRAW_POINTERS
-        options = dict(num_warps=max(1, min(8, case.size // 256)), enable_fp_fusion=False)
     else:
         from omnirt.kernels import moe_route
 
         fn = moe_route._group_kernel
-        consts = dict(EXPERTS=128, BINS=128, BLOCK=case.size)  # Qwen3-Omni's thinker: 128 experts
+        consts, options = moe_route.launch_config(case.size, 128)  # Qwen3-Omni's thinker: 128 experts
         pointers = _GROUP_POINTERS
-        options = dict(num_warps=4 if case.size <= 1024 else 8)
     names = fn.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in names}
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})

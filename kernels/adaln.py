@@ -22,6 +22,8 @@ once.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -317,6 +319,7 @@ def _reciprocals(device: torch.device) -> torch.Tensor | None:
     return table
 
 
+@functools.cache  # (per width: the dispatcher's launches ask on every call)
 def even_combine_coefficient(width: int) -> float:
     """``nA`` (= ``nB``) of ATen's Welford combine of two equal counts ``c``: ``c * (1 / (2 c))`` in
     fp32, each step rounded, for the per-thread count of a row ``width`` wide (whole 512-element

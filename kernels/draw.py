@@ -302,18 +302,30 @@ def draw(
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    lanes, iters = warp_layout(vocab)
-    block = max(lanes * iters, _MIN_BLOCK)
-    scratch = torch.empty((rows, block), dtype=torch.float32, device=logits.device)
+    constants, options = launch_config(vocab, gpu=not interpreted())
+    scratch = torch.empty((rows, constants["BLOCK"]), dtype=torch.float32, device=logits.device)
     store_probs = probs is not None
     probs = scratch if probs is None else probs  # not written unless asked for
     _draw_kernel[(rows,)](
         logits, sampled, scale, top_k, cut, uniform, out, scratch, probs, vocab,
         logits.stride(0), logits.stride(1), sampled.stride(0), scale.stride(0), top_k.stride(0),
         cut.stride(0), uniform.stride(0), probs.stride(0), probs.stride(1),
-        BLOCK=block, N_DIMS=block.bit_length() - 1, LANES=lanes, ITERS=iters, UNROLL=min(iters, _UNROLL),
-        CDF_ONE=float(2**CDF_BITS), U_BITS=UNIFORM_BITS, LIBDEVICE=not interpreted(), STORE_PROBS=store_probs,
-        num_warps=1 if interpreted() else max(1, min(8, block // 256)),
-        enable_fp_fusion=False, enable_reflect_ftz=False,
+        STORE_PROBS=store_probs, **constants, **options,
     )  # fmt: skip
     return out
+
+
+def launch_config(vocab: int, *, gpu: bool = True) -> tuple[dict[str, object], dict[str, object]]:
+    """The draw kernel's compile-time constants (but ``STORE_PROBS``) and launch options for rows of
+    ``vocab`` codes: as compiled for CUDA (``gpu``), else as the interpreter runs it (one warp,
+    NumPy's ``exp``). :func:`draw` launches with them; ``benchmarks/kernel_compile.py`` compiles
+    with them."""
+    lanes, iters = warp_layout(vocab)
+    block = max(lanes * iters, _MIN_BLOCK)
+    constants = dict(
+        BLOCK=block, N_DIMS=block.bit_length() - 1, LANES=lanes, ITERS=iters, UNROLL=min(iters, _UNROLL),
+        CDF_ONE=float(2**CDF_BITS), U_BITS=UNIFORM_BITS, LIBDEVICE=gpu,
+    )  # fmt: skip
+    options = dict(num_warps=max(1, min(8, block // 256)) if gpu else 1, enable_fp_fusion=False,
+                   enable_reflect_ftz=False)  # fmt: skip
+    return constants, options

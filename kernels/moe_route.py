@@ -81,15 +81,21 @@ def group_by_expert_triton(ids: torch.Tensor, experts: int) -> Grouping:
     pairs = ids.shape[0]
     if not HAVE_TRITON or not 0 < pairs <= MAX_PAIRS:
         raise ValueError(f"the kernel groups 1 to {MAX_PAIRS} pairs with Triton, got {pairs}")
-    block = max(16, triton.next_power_of_2(pairs))
     perm = torch.empty(pairs, dtype=torch.int64, device=ids.device)
     inverse = torch.empty_like(perm)
     ends = torch.empty(experts, dtype=torch.int32, device=ids.device)
-    _group_kernel[(1,)](
-        ids.contiguous(), perm, inverse, ends, pairs, EXPERTS=experts,
-        BINS=triton.next_power_of_2(experts), BLOCK=block, num_warps=4 if block <= 1024 else 8,
-    )
+    constants, options = launch_config(pairs, experts)
+    _group_kernel[(1,)](ids.contiguous(), perm, inverse, ends, pairs, **constants, **options)
     return perm, inverse, ends
+
+
+def launch_config(pairs: int, experts: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The grouping kernel's compile-time constants and launch options for ``pairs`` pairs over
+    ``experts`` experts (:func:`group_by_expert_triton` launches with them;
+    ``benchmarks/kernel_compile.py`` compiles with them)."""
+    block = max(16, triton.next_power_of_2(pairs))
+    constants = dict(EXPERTS=experts, BINS=triton.next_power_of_2(experts), BLOCK=block)
+    return constants, dict(num_warps=4 if block <= 1024 else 8)
 
 
 @torch.library.custom_op("omnirt::group_by_expert", mutates_args=())

@@ -129,13 +129,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 asm, failures = [], []
+wanted = sys.argv[1:] == ["asm"]
 for module, name, spec in json.load(sys.stdin):
     fn = getattr(importlib.import_module(module), name)
     attrs = {(i,): [["tt.divisibility", 16]] for i in spec.get("attrs", ())}
     source = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constants"], attrs=attrs)
     try:
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
-        wanted = sys.argv[1:] == ["asm"]
         asm.append({"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"]} if wanted else {})
     except Exception as error:  # the compiler's message is the finding
         asm.append({})
