@@ -55,7 +55,9 @@ INGRESSES = ("proxy", "haproxy")
 #: in the environment of Ray Serve's controller (a Ray instance this process starts inherits them;
 #: a cluster's ``ray start`` must have them) and of the replicas. Ray holds a removed replica
 #: reachable this long (default 30 s) so that load balancers deregister it; HAProxy is
-#: reconfigured by Ray Serve itself within a fraction of a second, so a few seconds do.
+#: reconfigured by Ray Serve itself within a fraction of a second, so a few seconds do for that.
+#: The replicas get a longer one (``launch.min_draining_seconds``): past it Ray shuts their HTTP
+#: server down, which closes the WebSockets of sessions still draining.
 HAPROXY_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",

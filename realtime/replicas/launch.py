@@ -62,6 +62,22 @@ SERVE_ENV = {
 }
 
 
+#: Ray Serve's setting for how long a removed replica behind HAProxy keeps its HTTP server (then
+#: uvicorn's shutdown closes every WebSocket still open with 1012).
+MIN_DRAINING_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+#: Seconds a replica may take to see that it is being removed (its poll of the controller) and to
+#: close its sessions, past the drain and the shutdown grace.
+DRAIN_SLACK_SECONDS = 2.0
+
+
+def min_draining_seconds(drain_seconds: float, shutdown_grace_seconds: float) -> float:
+    """How long Ray Serve must keep a removed replica's HTTP server behind HAProxy: its sessions'
+    drain, their closing and the time to notice the removal. With less (:data:`HAPROXY_ENV`'s 5 s
+    alone), Ray's server shutdown closed the sessions with 1012 before the drain's 1001. Below the
+    force-kill deadline, ``graceful_shutdown_timeout_s`` (drain + grace + 5 s)."""
+    return drain_seconds + shutdown_grace_seconds + DRAIN_SLACK_SECONDS
+
+
 def set_serve_env(environ: dict[str, str] | None = None, *, ingress: str = "proxy") -> None:
     """:data:`SERVE_ENV` (and :data:`~.ingress.HAPROXY_ENV` for the ``haproxy`` ingress) into
     ``environ`` (default ``os.environ``) where not set already: call it before ``ray.init`` starts
@@ -206,6 +222,9 @@ def application(
     actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "num_gpus": gpus}
     passed = (*REPLICA_ENV, *SERVE_ENV, *HAPROXY_ENV)
     env = {name: os.environ[name] for name in passed if os.environ.get(name)}
+    if options.ingress == "haproxy":
+        held = min_draining_seconds(options.drain_seconds, config.shutdown_grace_seconds)
+        env[MIN_DRAINING_ENV] = str(held)
     if env:
         actor_options["runtime_env"] = {"env_vars": env}
     replica = serve.deployment(

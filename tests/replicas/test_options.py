@@ -58,3 +58,20 @@ def test_an_unknown_ingress_from_python_is_refused() -> None:
 
     with pytest.raises(ValueError, match="--ingress must be one of proxy, haproxy"):
         ReplicaOptions(ingress="nginx").validate()
+
+
+
+def test_replicas_behind_haproxy_keep_their_server_through_the_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Serve shuts a removed replica's HTTP server down once its draining period is over
+    (closing open WebSockets with 1012): behind HAProxy the replicas get one that outlasts the
+    sessions' drain and their closing (drain + grace + 2 s), below the force-kill deadline."""
+    from omnirt.realtime.config import ServerConfig
+    from omnirt.realtime.replicas.launch import MIN_DRAINING_ENV, ReplicaOptions, application
+
+    monkeypatch.setenv(MIN_DRAINING_ENV, "5")  # the cluster's (HAPROXY_ENV): the replicas' own wins
+    config = ServerConfig(models=["demo"], duplex_model="none", shutdown_grace_seconds=2.0)
+    for ingress, wanted in (("haproxy", "37.0"), ("proxy", "5")):
+        options = ReplicaOptions(drain_seconds=33.0, ingress=ingress)
+        replica = application(config, options, device="cpu", load_format="auto")._bound_deployment
+        env = (replica.ray_actor_options.get("runtime_env") or {}).get("env_vars", {})
+        assert env.get(MIN_DRAINING_ENV) == wanted, (ingress, env)
