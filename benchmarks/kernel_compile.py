@@ -13,7 +13,8 @@ on a machine with no GPU. Each case compiles in a fresh process with an empty ca
 
 Cases: ``kernels/draw.py``'s ``_draw_kernel`` at 2,048 codes as launched (the softmax's lane sums
 read 4 vectors a loop trip) against its former form (all 64 reads unrolled: ``UNROLL = ITERS``);
-``kernels/moe_route.py``'s ``_group_kernel`` at 512 and 8,192 pairs (no baseline).
+``kernels/moe_route.py``'s ``_group_kernel`` at 512 pairs, and at 4,096 and 8,192 pairs as
+launched (at most 8 keys a thread: 16 and 32 warps) against its former 8 warps (16 and 32 keys).
 
     python benchmarks/kernel_compile.py [--arch 90] [--repeats 1]
 """
@@ -44,6 +45,7 @@ class Case:
     form: str
     size: int
     unroll: int | None = None  # draw: the lane sums' reads per loop trip (None: as launched)
+    warps: int | None = None  # the program's warps (None: as launched)
     baseline: str | None = None  # the form this one is compared with
 
 
@@ -51,7 +53,10 @@ CASES = (
     Case("draw", "all 64 reads unrolled (before)", 2048, unroll=64),
     Case("draw", "4 reads a loop trip (as launched)", 2048, baseline="all 64 reads unrolled (before)"),
     Case("group", "as launched", 512),
-    Case("group", "as launched", 8192),
+    Case("group", "8 warps (before)", 4096, warps=8),
+    Case("group", "as launched", 4096, baseline="8 warps (before)"),
+    Case("group", "8 warps (before)", 8192, warps=8),
+    Case("group", "as launched", 8192, baseline="8 warps (before)"),
 )
 
 
@@ -78,6 +83,8 @@ def _compile(case: Case, arch: int) -> float:
         fn = moe_route._group_kernel
         consts, options = moe_route.launch_config(case.size, 128)  # Qwen3-Omni's thinker: 128 experts
         pointers = _GROUP_POINTERS
+    if case.warps:
+        options = dict(options, num_warps=case.warps)
     names = fn.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in names}
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})

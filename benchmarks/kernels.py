@@ -21,8 +21,14 @@ Three tables (markdown), each measured in this run:
    RMSNorm after it) at the Qwen3-Omni thinker's and talker's widths and decode batch rows, the
    exact kernel at each warp count against the count it runs at (``rms_norm.warps_for``), and
    eager.
+6. **The MoE grouping** (``--moe-group``): ``kernels/moe_route.py``'s one-launch grouping of a
+   MoE layer's (token, expert) pairs at decode and prompt sizes, with the warps it launches at
+   (``launch_config``: at most 8 keys a thread, for its compile time) against 8 warps (its former
+   launch at 2,048 pairs and more) and against transformers' chain (``torch.sort``, ``bincount``,
+   ``cumsum``, the inverse's scatter), each from a CUDA graph.
 
     python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps] [--speech-rms]
+        [--moe-group]
 """
 
 from __future__ import annotations
@@ -324,6 +330,43 @@ def speech_rms_speed() -> list[str]:
     return rows
 
 
+#: (what, pairs): Qwen3-Omni's thinker (128 experts, 8 a token) at decode rows and prompt pieces.
+MOE_GROUP_PAIRS = (("decode, 8 rows", 64), ("decode, 128 rows", 1024), ("prompt piece, 512 tokens", 4096),
+                   ("two prompt pieces", 8192))  # fmt: skip
+
+
+def _eight_warps(config, pairs: int, experts: int):
+    return config(pairs, experts)[0], dict(num_warps=8)
+
+
+def moe_group_speed() -> list[str]:
+    """``group_by_expert`` as launched, at 8 warps, and transformers' chain, from CUDA graphs."""
+    from omnirt.kernels import moe_route
+
+    experts = 128
+    rows = [
+        "| pairs | torch chain ms | kernel ms, as launched (warps) | kernel ms, 8 warps | same grouping |",
+        "|---|---|---|---|---|",
+    ]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, pairs in MOE_GROUP_PAIRS:
+        ids = torch.randint(0, experts, (pairs,), device="cuda", generator=g)
+        chain = bench(functools.partial(moe_route.group_by_expert_reference, ids, experts))
+        call = functools.partial(moe_route.group_by_expert_triton, ids, experts)
+        launched = bench(call)
+        warps = moe_route.launch_config(pairs, experts)[1]["num_warps"]
+        first = call()
+        config = moe_route.launch_config
+        moe_route.launch_config = functools.partial(_eight_warps, config)
+        try:
+            eight = bench(call)
+            same = all(torch.equal(a, b) for a, b in zip(first, call(), strict=True))
+        finally:
+            moe_route.launch_config = config
+        rows.append(f"| {pairs} ({name}) | {chain:.4f} | {launched:.4f} ({warps}) | {eight:.4f} | {same} |")
+    return rows
+
+
 def variant_speed() -> list[str]:
     """Time per call of each way the exact kernels walk ATen's order (same bits)."""
     from omnirt.kernels.adaln import adaln_modulate_triton
@@ -435,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rms", action="store_true", help="the modulated RMSNorm at Z-Image's shapes")
     p.add_argument("--rms-warps", action="store_true", help="and the exact kernel at 1, 2, 4, 8 warps")
     p.add_argument("--speech-rms", action="store_true", help="add_rms_norm at the speech models' shapes")
+    p.add_argument("--moe-group", action="store_true", help="the MoE grouping kernel, 8 warps, torch's chain")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -450,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.speech_rms:
         print("## The speech models' residual add and RMSNorm\n")
         print("\n".join(speech_rms_speed()), flush=True)
+    if args.moe_group:
+        print("## The MoE layers' grouping by expert\n")
+        print("\n".join(moe_group_speed()), flush=True)
     print("\n## Numerics (elements differing from eager, bf16)\n")
     print("\n".join(numerics(args.variants, args.quick)), flush=True)
     if args.variant_speed:

@@ -44,6 +44,12 @@ Grouping = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 #: The most pairs one program groups (a prompt piece of 512 tokens x 8 experts x 2 prompts).
 MAX_PAIRS = 8192
+#: The most keys a thread of the grouping kernel holds. Triton's compile of ``tl.sort`` grows with
+#: the keys a thread sorts in its registers (8,192 pairs for sm_90 with Triton 3.6: 4.6 s at 32 keys
+#: a thread, 2.1 s at 8; ``benchmarks/kernel_compile.py``), so large buckets take more warps.
+KEYS_PER_THREAD = 8
+#: One program's most warps (1,024 threads).
+MAX_WARPS = 32
 
 
 def group_by_expert_reference(ids: torch.Tensor, experts: int) -> Grouping:
@@ -95,7 +101,8 @@ def launch_config(pairs: int, experts: int) -> tuple[dict[str, int], dict[str, i
     ``benchmarks/kernel_compile.py`` compiles with them)."""
     block = max(16, triton.next_power_of_2(pairs))
     constants = dict(EXPERTS=experts, BINS=triton.next_power_of_2(experts), BLOCK=block)
-    return constants, dict(num_warps=4 if block <= 1024 else 8)
+    return constants, dict(num_warps=min(MAX_WARPS, max(4, block // (32 * KEYS_PER_THREAD))))
+
 
 
 @torch.library.custom_op("omnirt::group_by_expert", mutates_args=())
