@@ -28,7 +28,8 @@ call runs as a sequence of steps, each a piece of about ``max_step_seconds``: th
 then groups of its transformer blocks, then its finish, the hidden states kept in between. How
 many blocks go in a piece follows the measured cost of the start, of one block and of the finish
 (moving averages per shape and row count; a part never measured runs alone first, so it is
-measured before it is grouped); :meth:`DiffusionPipeline.step_cost` is the next piece's estimate.
+measured before it is grouped; :mod:`.pieces` keeps those costs and plans the pieces);
+:meth:`DiffusionPipeline.step_cost` is the next piece's estimate.
 The scheduler may ask for a shorter piece (:meth:`DiffusionPipeline.fit`: the time left before
 the next realtime deadline, at most its batch slice), so pieces fill the gaps between realtime
 steps. The pieces give bitwise the prediction of the whole call.
@@ -75,6 +76,7 @@ from .cache.state import CachedCall, CachePlan, JobCache, Member, StepCaches
 from .denoiser import Denoiser, Sampler, Shape, split_blocks, split_decode
 from .encoding import MediaEncoder
 from .media import png
+from .pieces import PartsKey, Piece, PieceCosts
 from .types import (
     DiffusionOutput,
     DiffusionRequest,
@@ -164,21 +166,6 @@ class _Branched:
     cond: torch.Tensor
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """What one step of a split transformer call runs: the call's start (or not), its blocks
-    ``first`` to ``stop - 1``, its finish (or not)."""
-
-    start: bool
-    first: int
-    stop: int
-    finish: bool
-
-    @property
-    def blocks(self) -> int:
-        return self.stop - self.first
-
-
 @dataclass(eq=False)
 class _Call:
     """A split transformer call under way: the denoiser's state between two pieces."""
@@ -215,7 +202,7 @@ class _Work:
     rows: int
     shape: Shape | None = None
     #: A split transformer call's next piece (None: the whole call, or not a transformer call).
-    piece: _Piece | None = None
+    piece: Piece | None = None
     #: The piece's estimated seconds (None: a part of it was never measured).
     cost: float | None = None
 
@@ -286,8 +273,9 @@ class DiffusionPipeline:
         self._call: _Call | None = None
         self._decoding: _Decoding | None = None
         #: Measured seconds of the start, one block and the finish of a call (or of a decode: its
-        #: start with its first part, one part, its finish), per ("transformer" | "vae", shape, rows).
-        self._part_costs: dict[tuple[str, Shape, int], dict[str, StepTimer]] = {}
+        #: start with its first part, one part, its finish), and the pieces planned from them.
+        kinds = getattr(denoiser, "decode_part_kinds", None)
+        self._part_costs = PieceCosts(kinds if callable(kinds) else None)
         self._sync = cuda  # steps are timed to the end of their GPU work
         #: Set by the engine: wakes its thread (an encoded output is ready to be released).
         self.wake: Callable[[], None] | None = None
@@ -505,7 +493,7 @@ class DiffusionPipeline:
             self._timers.setdefault(key, StepTimer()).record(seconds)
         if work.piece is not None:
             assert work.shape is not None
-            self._record_parts(self._parts_key(work), work.piece, seconds)
+            self._part_costs.record(self._parts_key(work), work.piece, seconds)
         return out
 
     def _cost_key(self, work: _Work) -> tuple[Any, ...]:
@@ -513,7 +501,7 @@ class DiffusionPipeline:
             return (work.call, work.shape, work.rows)
         return ("decode_piece" if work.call == "decode" else "piece", work.shape, work.rows)
 
-    def _parts_key(self, work: _Work) -> tuple[str, Shape, int]:
+    def _parts_key(self, work: _Work) -> PartsKey:
         assert work.shape is not None
         return ("vae" if work.call == "decode" else "transformer", work.shape, work.rows)
 
@@ -579,82 +567,18 @@ class DiffusionPipeline:
         piece, cost = self._next_piece(key, blocks, 0, started=False)
         if any(j.cache is not None for j in jobs) and piece.blocks:
             # The cache decides after the start, from flags read at the next piece (no host sync).
-            piece = _Piece(True, 0, 0, False)
-            cost = self._part_costs[key]["start"].seconds
+            piece = Piece(True, 0, 0, False)
+            cost = self._part_costs.start_cost(key)
         return _Work(branch, jobs, rows, shape, piece, cost)
 
     # -- split transformer calls ----------------------------------------------------------------
     def _next_piece(
-        self, key: tuple[str, Shape, int], blocks: int, done: int, *, started: bool
-    ) -> tuple[_Piece, float | None]:
-        """The next piece of a call or decode (``done`` blocks run, its start run or not; ``key``:
-        what, shape, rows) and its estimated seconds: as many parts as fit ``max_step_seconds``
-        by their measured costs (or the smaller time :meth:`fit` gave), at least one; a part never
-        measured at this shape and row count runs alone (estimate None). Blocks are measured by
-        class (:meth:`_block_class`)."""
-        costs = self._part_costs.get(key, {})
+        self, key: PartsKey, blocks: int, done: int, *, started: bool
+    ) -> tuple[Piece, float | None]:
+        """The next piece at ``key`` (:meth:`.PieceCosts.next_piece`) within ``max_step_seconds``,
+        or the smaller time :meth:`fit` gave."""
         budget = self.max_step_seconds if self._fit is None else min(self.max_step_seconds, self._fit)
-        budget *= 1 + 1e-9  # parts that add up to it exactly fit
-        spent = 0.0
-        if not started:
-            if "start" not in costs:
-                return _Piece(True, 0, 0, False), None
-            spent = costs["start"].seconds
-        stop = done
-        while stop < blocks:
-            block = costs.get(self._block_class(key, stop))
-            if block is None:
-                if started and stop == done:
-                    return _Piece(False, done, done + 1, False), None
-                break
-            if not ((started and stop == done) or spent + block.seconds <= budget):
-                break
-            spent += block.seconds
-            stop += 1
-        finish = False
-        if stop == blocks:
-            empty = started and stop == done
-            if "finish" not in costs:
-                if empty:
-                    return _Piece(False, done, done, True), None
-            elif empty or spent + costs["finish"].seconds <= budget:
-                finish = True
-                spent += costs["finish"].seconds
-        return _Piece(not started, done, stop, finish), spent
-
-    def _block_class(self, key: tuple[str, Shape, int], index: int) -> str:
-        """The cost class of block ``index``: one for a transformer call's blocks; a decode's
-        parts cycle through the denoiser's ``decode_part_kinds(shape)`` classes (the stages of a
-        latent frame's decoder call, which cost differently), block ``i`` being part ``i + 1``.
-        The first latent frame's stages are classes of their own: a causal video VAE's first call
-        makes one frame, the others four (at 480p on the H200: 7-12 ms a stage against 8-45)."""
-        kinds = getattr(self.denoiser, "decode_part_kinds", None)
-        count = kinds(key[1]) if key[0] == "vae" and callable(kinds) else 1
-        if count <= 1:
-            return "block"
-        part = index + 1
-        return f"{'first' if part < count else 'block'}{part % count}"
-
-    def _record_parts(self, key: tuple[str, Shape, int], piece: _Piece, seconds: float) -> None:
-        """Attributes a piece's measured time to its parts: all of it to a part that ran alone,
-        else in proportion to the parts' estimates."""
-        costs = self._part_costs.setdefault(key, {})
-        counts = collections.Counter(self._block_class(key, i) for i in range(piece.first, piece.stop))
-        named = (("start", int(piece.start)), *counts.items(), ("finish", int(piece.finish)))
-        parts = [(name, n) for name, n in named if n]
-        if len(parts) == 1:
-            name, n = parts[0]
-            costs.setdefault(name, StepTimer()).record(seconds / n)
-            return
-        predicted = sum(costs[name].seconds * n for name, n in parts if name in costs)
-        if predicted <= 0 or any(name not in costs for name, _ in parts):
-            even = seconds / sum(n for _, n in parts)
-            for name, _ in parts:
-                costs.setdefault(name, StepTimer()).record(even)
-            return
-        ratio = seconds / predicted
-        for name, _ in parts:
-            costs[name].record(costs[name].seconds * ratio)
+        return self._part_costs.next_piece(key, blocks, done, started=started, budget=budget)
 
     def _piece(self, work: _Work, out: list) -> None:
         piece = work.piece
@@ -677,7 +601,7 @@ class DiffusionPipeline:
         self.pieces["transformer", call.rows] += 1
         if call.cache is not None and not piece.start and call.done == 0 and call.cache.resolve():
             if piece.first != call.blocks or not piece.finish:  # planned before the flags were read
-                piece = work.piece = _Piece(False, call.blocks, call.blocks, True)
+                piece = work.piece = Piece(False, call.blocks, call.blocks, True)
             if call.done < call.blocks:
                 self._skip_blocks(call)
         if piece.blocks:
