@@ -35,6 +35,11 @@ class ToolError(ValueError):
         self.field = field
 
 
+#: A schema nested deeper than the meta-schema check can recurse (each level of a schema costs the
+#: check several frames, so a body within the JSON parser's depth limit can still be too deep).
+TOO_DEEP = "the JSON Schema is nested too deeply to be checked"
+
+
 def check_schema(schema: object) -> None:
     """Raise :class:`ToolError` unless ``schema`` is a JSON Schema (an object valid against the
     meta-schema of its ``$schema``, draft 2020-12 when absent)."""
@@ -48,6 +53,8 @@ def check_schema(schema: object) -> None:
         raise ToolError(
             f"not a valid JSON Schema: {exc.message}" + (f" (at '{where}')" if where else "")
         ) from None
+    except RecursionError:  # a body under the JSON parser's depth limit; the check recurses deeper
+        raise ToolError(TOO_DEEP) from None
 
 
 def check_name(name: str) -> None:

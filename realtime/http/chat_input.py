@@ -82,14 +82,24 @@ def generation_request(
         output_audio=False,
         max_output_tokens=min(limit, max_output_tokens) if limit is not None else max_output_tokens,
         # Omitted sampling parameters take the OpenAI defaults.
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        **sampling(req.temperature, req.top_p),
         seed=req.seed,
         stop=[s for s in stop if s],
         tools=tools,
         tool_choice=tool_choice,
         response_format=engine_format(req),
     )
+
+
+def sampling(temperature: float | None, top_p: float | None) -> dict[str, float]:
+    """The engine's ``temperature`` and ``top_p`` (in (0, 1]) for the request's: omitted, OpenAI's
+    defaults (1, 1). ``top_p: 0``, which OpenAI takes, keeps the most likely token alone: greedy
+    decoding, as ``temperature: 0``."""
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
+    if top_p == 0:
+        return {"temperature": 0.0, "top_p": 1.0}
+    return {"temperature": temperature, "top_p": top_p}
 
 
 def context_messages(req: ChatCompletionRequest) -> list[ContextMessage]:

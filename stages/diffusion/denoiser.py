@@ -86,6 +86,11 @@ class Denoiser(Protocol):
         """One condition per prompt (text encoder output, as the transformer takes it)."""
         ...
 
+    def count_tokens(self, prompts: Sequence[str]) -> list[int]:
+        """The tokens the text encoder reads of each prompt, as :meth:`encode` reads it (template
+        and special tokens included, truncated as it truncates): the requests' usage."""
+        ...
+
     def init_latents(self, shape: Shape, generators: Sequence[torch.Generator]) -> torch.Tensor:
         """Initial noise, one row per generator, exactly as the diffusers pipeline draws it."""
         ...

@@ -94,7 +94,9 @@ log = logging.getLogger(__name__)
 MAX_IMAGES = 10
 MAX_PARTIAL_IMAGES = 3
 MAX_GUIDANCE = 30.0
-MAX_SEED = 2**63 - 1
+#: Seeds of ``torch.Generator.manual_seed`` (unsigned 64-bit); the rows of a request take ``seed + i``
+#: modulo 2**64, so any seed in range serves any ``n``.
+MAX_SEED = 2**64 - 1
 #: A long request logs its progress at INFO this often (seconds).
 LOG_EVERY = 5.0
 
@@ -146,6 +148,8 @@ class _Job:
     previews_sent: int = 0
     logged: float = 0.0
     cache: JobCache | None = None
+    #: The prompt's tokens as the text encoder read them (the request's usage).
+    prompt_tokens: int = 0
 
     @property
     def rows(self) -> int:
@@ -315,8 +319,8 @@ class DiffusionPipeline:
         seed = request.seed
         if seed is None:
             seed = random.randrange(2**31)
-        elif not isinstance(seed, int) or not 0 <= seed <= MAX_SEED - n:
-            raise RequestRejected(f"seed must be an integer from 0 to {MAX_SEED - n}, got {seed}")
+        elif not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise RequestRejected(f"seed must be an integer from 0 to {MAX_SEED}, got {seed}")
         fps = None
         if isinstance(request, VideoRequest):
             fps = request.fps or d.fps or 16
@@ -339,7 +343,7 @@ class DiffusionPipeline:
             shape=shape,
             steps=steps,
             guidance_scale=float(scale),
-            seeds=tuple(seed + i for i in range(n)),
+            seeds=tuple((seed + i) % (MAX_SEED + 1) for i in range(n)),
             prompt=request.prompt,
             negative_prompt=negative or "",
             partial_images=partial if self.kind == "image" else 0,
@@ -695,8 +699,11 @@ class DiffusionPipeline:
         unique = list(dict.fromkeys(texts))
         encoded = dict(zip(unique, self.denoiser.encode(unique), strict=True))
         self.calls["text_encoder", len(unique)] += 1
+        prompts = list(dict.fromkeys(job.prep.prompt for job in work.jobs))
+        tokens = dict(zip(prompts, self.denoiser.count_tokens(prompts), strict=True))
         for job in work.jobs:
             p = job.prep
+            job.prompt_tokens = tokens[p.prompt]
             job.conditions = [encoded[p.prompt]] * p.rows
             if p.guided:
                 job.negatives = [encoded[p.negative_prompt]] * p.rows
@@ -858,7 +865,7 @@ class DiffusionPipeline:
                     image = functools.partial(_image, i, width=p.shape.width, height=p.shape.height)
                     self.media.submit(job.request_id, image, png, frames[0])
             del self._jobs[job.request_id]
-            self.media.put(job.request_id, Finished("stop", Usage()))
+            self.media.put(job.request_id, Finished("stop", Usage(input_text_tokens=job.prompt_tokens)))
             log.info(
                 "%s %s: done, %d rows %dx%d, %d steps in %.2f s",
                 self.kind,

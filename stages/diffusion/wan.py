@@ -228,6 +228,21 @@ class WanDenoiser:
 
     # -- the step loop's parts --------------------------------------------------------------------
 
+    def count_tokens(self, prompts: Sequence[str]) -> list[int]:
+        """The tokens the text encoder reads for each prompt (cleaned, special tokens included,
+        truncated at ``max_sequence_length``, as :meth:`encode` reads them): the requests' usage."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        if not prompts:
+            return []
+        ids = self.tokenizer(
+            [prompt_clean(p) for p in prompts],
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+        ).input_ids
+        return [len(row) for row in ids]
+
     @torch.no_grad()
     def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean

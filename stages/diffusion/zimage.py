@@ -163,9 +163,8 @@ class ZImageDenoiser:
         return 2 * (shape.height // unit), 2 * (shape.width // unit)
 
     # -- model calls ------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
-        texts = [
+    def _texts(self, prompts: Sequence[str]) -> list[str]:
+        return [
             self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": p}],
                 tokenize=False,
@@ -174,6 +173,18 @@ class ZImageDenoiser:
             )
             for p in prompts
         ]
+
+    def count_tokens(self, prompts: Sequence[str]) -> list[int]:
+        """The tokens the text encoder reads for each prompt (chat template included, truncated
+        at ``max_sequence_length``, as :meth:`encode` reads them): the requests' usage."""
+        ids = self.tokenizer(
+            self._texts(prompts), max_length=self.limits.max_sequence_length, truncation=True
+        ).input_ids
+        return [len(row) for row in ids]
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
+        texts = self._texts(prompts)
         inputs = self.tokenizer(
             texts,
             padding="longest",

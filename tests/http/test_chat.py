@@ -8,8 +8,12 @@ from typing import Any
 
 import numpy as np
 import soundfile
+from omnirt.stages.pipeline import RequestRejected
+from omnirt.stages.types import GenerationRequest
 
-from .conftest import MODEL, Server, run, user
+from tests.fakes import EchoPipeline
+
+from .conftest import MODEL, Server, run, running, user
 
 
 def test_plain_completion_has_the_openai_shape(server: Server) -> None:
@@ -169,3 +173,32 @@ def test_every_role_and_ignored_fields_are_accepted(server: Server) -> None:
         response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "You said: second."
+
+
+class SamplingEchoPipeline(EchoPipeline):
+    """Echo that checks the sampling parameters as the speech pipeline does and keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampling: list[tuple[float, float]] = []
+
+    def prepare(self, request: GenerationRequest) -> Any:
+        if request.temperature < 0 or not 0 < request.top_p <= 1:  # SpeechPipeline.prepare's rule
+            raise RequestRejected("temperature must be >= 0 and top_p in (0, 1]")
+        self.sampling.append((request.temperature, request.top_p))
+        return super().prepare(request)
+
+
+def test_top_p_zero_is_taken_as_openai_takes_it_greedy() -> None:
+    """OpenAI accepts ``top_p`` from 0 to 1; 0 keeps only the most likely token (greedy)."""
+    pipeline = SamplingEchoPipeline()
+    with running(pipeline) as s, s.http() as http:
+        zero = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hi"), "top_p": 0})
+        both = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": user("hi"), "top_p": 0, "temperature": 1.5},
+        )
+        usual = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hi"), "top_p": 0.5})
+    for response in (zero, both, usual):
+        assert response.status_code == 200, response.text
+    assert pipeline.sampling == [(0.0, 1.0), (0.0, 1.0), (1.0, 0.5)]

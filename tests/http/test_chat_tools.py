@@ -264,6 +264,38 @@ def test_sdk_sees_tool_errors_as_bad_requests_and_the_server_goes_on(server: Ser
     assert ok == "You said: fine."
 
 
+def _nested_arrays(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_nested_past_the_meta_schema_checks_reach_is_a_400(server: Server) -> None:
+    """A body the JSON parser takes (190 levels) whose schema is too deep for the meta-schema check
+    (it recurses several frames per level): a 400 on the schema, not a RecursionError's 500."""
+    deep = _nested_arrays(190)
+    bodies = {
+        "response_format.json_schema.schema": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}
+        },
+        "tools[1].function.parameters": {
+            "tools": [WEATHER, {"type": "function", "function": {"name": "deep", "parameters": deep}}]
+        },
+    }
+    with server.http() as http:
+        for param, extra in bodies.items():
+            response = http.post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": user("x"), **extra}
+            )
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"]) == (param, "invalid_value")
+            assert "nested too deeply" in error["message"]
+        ok = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("fine")})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "You said: fine."
+
+
 def test_allowed_tools_narrow_what_the_model_sees(server: Server) -> None:
     async def go() -> Any:
         async with server.openai() as client:

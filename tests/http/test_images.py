@@ -181,6 +181,19 @@ BAD = [
     ({"background": "transparent"}, "background", "unsupported_value", "opaque"),
     ({"frame_count": 4}, "frame_count", "unsupported_value", "GIF or SVG"),
     ({"model": "echo-test"}, "model", "invalid_value", "does not do image generation"),
+    # JSON integers past a float's range (no OverflowError, no 500)
+    (
+        {"cache_backend": "teacache", "cache_config": {"threshold": 10**400}},
+        "cache_config",
+        "invalid_value",
+        "threshold must be from 0 to 100",
+    ),
+    (
+        {"cache_backend": "magcache", "cache_config": {"retention_ratio": -(10**400)}},
+        "cache_config",
+        "invalid_value",
+        "retention_ratio must be from 0 to 1",
+    ),
 ]
 
 

@@ -209,6 +209,20 @@ def test_bad_create_is_a_400_as_form_and_json(
     assert len(media.app.state.videos.store) == kept  # no job made
 
 
+def test_a_json_integer_past_a_float_in_cache_config_is_a_400(media: MediaServer) -> None:
+    kept = len(media.app.state.videos.store)
+    with media.http() as http:
+        for setting in ("threshold", "retention_ratio"):
+            body = {"prompt": "x", "cache_backend": "magcache", "cache_config": {setting: 10**400}}
+            response = http.post("/v1/videos", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"]) == ("cache_config", "invalid_value")
+            assert f"{setting} must be from 0 to" in error["message"] and "401 digits" in error["message"]
+        assert http.get("/v1/videos").status_code == 200  # the server goes on
+    assert len(media.app.state.videos.store) == kept
+
+
 def test_other_bad_requests(media: MediaServer) -> None:
     with media.http() as http:
         missing = http.post("/v1/videos", data={"model": "video-test"}, files={"unused": ("", b"")})

@@ -41,10 +41,15 @@ class StepCacheOptions:
 
 
 def _number(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"cache_config.{name} must be a number, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"cache_config.{name} must be a number, got {value!r}")
+    # An int is compared as it is: one past a float's range (a JSON 1e400 written out in digits)
+    # would raise OverflowError in float().
     if not low <= value <= high:
-        raise ValueError(f"cache_config.{name} must be from {low:g} to {high:g}, got {value!r}")
+        shown = repr(value) if len(str(value)) <= 24 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise ValueError(f"cache_config.{name} must be from {low:g} to {high:g}, got {shown}")
     return float(value)
 
 
