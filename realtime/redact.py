@@ -15,9 +15,10 @@ from pathlib import PurePath
 _REPR = re.compile(r"<[^<>]{0,200}? at 0x[0-9a-fA-F]+>")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
 #: An absolute POSIX path of at least two components (``/home/u/model``, ``'/tmp/x.json'``),
-#: or a Windows one. Not a URL's path (``https://host/a/b``: ``//`` is excluded) and not this
-#: server's own API paths (``/v1/...``), which error messages name.
-_POSIX_PATH = re.compile(r"(?<![\w:/.~-])(?:~|/(?!/|v1/))[\w.@+-]*(?:/[\w.@+-]+)+/?")
+#: or a Windows one. Not a URL's path (``https://host/a/b``: ``//`` is excluded), not this
+#: server's own API paths (``/v1/...``), which error messages name, and not a JSON pointer into a
+#: schema (``#/definitions/Item``).
+_POSIX_PATH = re.compile(r"(?<![\w:/.~#-])(?:~|/(?!/|v1/))[\w.@+-]*(?:/[\w.@+-]+)+/?")
 _WINDOWS_PATH = re.compile(r"\b[A-Za-z]:\\[^\s'\",;]+")
 
 

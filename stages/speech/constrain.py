@@ -82,8 +82,9 @@ def _error_text(message: str) -> str:
             break
         if line.strip() and set(line.strip()) != {"^"}:
             kept.append(line.strip())
-    text = " ".join(kept) or "unknown error"
-    return re.sub(r"^at \d+\(\d+\): ", "", text)
+    text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(kept) or "unknown error")
+    # A JSON pointer into the schema, as the schema's "$ref" writes it (not a filesystem path).
+    return re.sub(r"\bPointer '/", "Pointer '#/", text)
 
 
 class JsonScan:

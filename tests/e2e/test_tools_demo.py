@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 
 from tests.realtime.conftest import connect, text_item
@@ -197,3 +198,23 @@ def test_chat_tool_call_then_tool_result_then_structured_output(demo: DemoServer
     text = structured.choices[0].message.content
     assert structured.choices[0].finish_reason == "stop", text
     jsonschema.validate(json.loads(text or ""), answer_schema)
+
+
+def test_a_schema_ref_to_nowhere_is_a_400_that_names_the_pointer(demo: DemoServer) -> None:
+    """The structured-output compiler's message names the JSON pointer as the schema writes it
+    (``#/definitions/...``), which the redaction of filesystem paths from client messages leaves
+    alone."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/definitions/nowhere"}}}
+
+    async def main() -> str:
+        with pytest.raises(openai.BadRequestError) as info:
+            await demo.sdk().chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=20,
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            )
+        return info.value.message
+
+    message = asyncio.run(main())
+    assert "Pointer '#/definitions/nowhere' does not exist" in message, message
