@@ -79,7 +79,11 @@ def item_from_wire(
         )
     wire = validate(model, raw, path)
     item_id = wire.id or new_id("item")
-    status = wire.status or "completed"
+    # A status "has no effect on the conversation" (OpenAI's GA types): an item a client adds is
+    # whole. Only the server's own items are ever in progress (a reply still streaming), and
+    # those are what the model's context leaves out; a client's copy of one (taken from
+    # conversation.item.added, to restore a conversation) must not be left out with them.
+    status = "incomplete" if wire.status == "incomplete" else "completed"
     if isinstance(wire, FunctionCallItem):
         return s.FunctionCallItem(item_id, wire.call_id or new_id("call"), wire.name, wire.arguments, status)
     if isinstance(wire, FunctionCallOutputItem):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from omnirt.codecs.audio import FormatType
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 #: Largest text accepted in one field (instructions, a text part): keeps echoed events < 1 MiB.
 MAX_TEXT_CHARS = 256 * 1024
@@ -25,14 +25,27 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
 
+def _whole_number(value: Any) -> Any:
+    """A decimal with no fraction (``5.0``: what some clients' encoders write) as the integer."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+#: An integer field: strict (``true`` and ``"5"`` are refused, not coerced), except that a whole
+#: number written as a decimal is taken.
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused, and so is a value of the wrong JSON type (``invalid_type``):
+    pydantic's lax mode would read ``true`` as 1, ``"100"`` as 100 and ``"no"`` as False."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class AudioFormat(Strict):
     type: FormatType | None = None
     #: Only 24 kHz (``integer_below_min_value`` / ``..._above_max_value`` otherwise, as OpenAI).
-    rate: int | None = Field(default=None, ge=24000, le=24000)
+    rate: Int | None = Field(default=None, ge=24000, le=24000)
 
 
 class NoiseReduction(Strict):
@@ -44,11 +57,11 @@ class ServerVad(Strict):
 
     type: Literal["server_vad"]
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    prefix_padding_ms: int | None = Field(default=None, ge=0, le=10_000)
-    silence_duration_ms: int | None = Field(default=None, ge=0, le=10_000)
+    prefix_padding_ms: Int | None = Field(default=None, ge=0, le=10_000)
+    silence_duration_ms: Int | None = Field(default=None, ge=0, le=10_000)
     create_response: bool | None = None
     interrupt_response: bool | None = None
-    idle_timeout_ms: int | None = Field(default=None, ge=100, le=3_600_000)
+    idle_timeout_ms: Int | None = Field(default=None, ge=100, le=3_600_000)
 
 
 class SemanticVad(Strict):
@@ -177,7 +190,7 @@ ToolChoice = (
 )
 
 
-TokenLimit = Annotated[int, Field(ge=1, le=4096)] | Literal["inf"]
+TokenLimit = Annotated[Int, Field(ge=1, le=4096)] | Literal["inf"]
 
 #: Session fields accepted and ignored (they change nothing here).
 IGNORED_SESSION_FIELDS = ("tracing", "prompt", "include", "truncation", "reasoning", "parallel_tool_calls")
@@ -215,7 +228,7 @@ class SessionPatch(Strict):
     # Clients that echo the session object back send these; they are read-only.
     id: str | None = None
     object: Literal["realtime.session"] | None = None
-    expires_at: int | None = None
+    expires_at: Int | None = None
 
 
 # -- items ------------------------------------------------------------------------------------
@@ -375,8 +388,8 @@ class ItemDelete(ClientEvent):
 class ItemTruncate(ClientEvent):
     type: Literal["conversation.item.truncate"]
     item_id: str
-    content_index: int = Field(ge=0)
-    audio_end_ms: int = Field(ge=0)
+    content_index: Int = Field(ge=0)
+    audio_end_ms: Int = Field(ge=0)
 
 
 class ResponseCreate(ClientEvent):
@@ -399,7 +412,7 @@ class PlaybackAck(ClientEvent):
     type: Literal["playback.ack"]
     response_id: str
     item_id: str
-    played_ms: int = Field(ge=0)
+    played_ms: Int = Field(ge=0)
 
 
 EVENT_MODELS: dict[str, type[ClientEvent]] = {

@@ -100,6 +100,25 @@ def response_to_wire(r: Response) -> dict[str, Any]:
     }
 
 
+#: An error's message and param quote what the client sent (an unknown id or event type, a field
+#: name); past these lengths the quote is elided in the middle, so that the error always fits a
+#: frame and stays the error it is (not a bare ``server_error`` for a frame too large to send).
+MAX_ERROR_MESSAGE = 4096
+MAX_ERROR_PARAM = 256
+#: Longest client ``event_id`` echoed in an error (6 bytes a character at worst, once escaped); a
+#: longer one is left out (null), and the message says so.
+MAX_ECHOED_EVENT_ID = 64 * 1024
+
+
+def elide(text: str, limit: int) -> str:
+    """``text`` with its middle replaced by a marker when it is longer than ``limit`` characters
+    (both ends kept: a message's quote is in the middle, its explanation at the end)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}...({len(text) - 2 * half} characters elided)...{text[-half:]}"
+
+
 def error_event(
     event_id: str,
     code: str,
@@ -109,14 +128,18 @@ def error_event(
     client_event_id: str | None = None,
     type: str = "invalid_request_error",
 ) -> dict[str, Any]:
+    message = elide(public_message(message), MAX_ERROR_MESSAGE)
+    if client_event_id is not None and len(client_event_id) > MAX_ECHOED_EVENT_ID:
+        message += f" (The event's event_id, of {len(client_event_id)} characters, is too long to echo.)"
+        client_event_id = None
     return {
         "type": "error",
         "event_id": event_id,
         "error": {
             "type": type,
             "code": code,
-            "message": public_message(message),
-            "param": param,
+            "message": message,
+            "param": None if param is None else elide(param, MAX_ERROR_PARAM),
             "event_id": client_event_id,
         },
     }

@@ -381,3 +381,109 @@ def test_an_item_too_large_to_echo_is_refused_up_front(server: Server) -> None:
     assert (error["code"], error["param"]) == ("context_length_exceeded", "item")
     assert error["type"] == "invalid_request_error" and error["event_id"] == "evt_big"
     assert not_there["code"] == "item_delete_invalid_item_id"
+
+
+def test_errors_quoting_huge_client_values_stay_clear(server: Server) -> None:
+    """An error that quotes what the client sent (an unknown id or event type, a field name, the
+    event_id it echoes) is still that error when the value is huge: the quote is elided in the
+    middle (message and param), an event_id too long to echo is left out (null), and the client
+    gets the code it would get for a short value, not a bare ``server_error`` that names nothing
+    (the error's frame used to pass 1 MiB and be replaced by one). The session goes on."""
+    big = "x" * (1100 * 1024)
+    cases: list[tuple[dict[str, Any], str, str | None]] = [
+        ({"type": big, "event_id": "evt_type"}, "invalid_value", "type"),
+        ({"type": "conversation.item.retrieve", "item_id": big}, "item_retrieve_invalid_item_id", "item_id"),
+        ({"type": "conversation.item.delete", "item_id": big}, "item_delete_invalid_item_id", "item_id"),
+        ({"type": "response.cancel", "response_id": big}, "response_cancel_not_active", "response_id"),
+        (
+            {"type": "conversation.item.create", "previous_item_id": big, "item": text_item("hi")},
+            "item_create_invalid_previous_item_id",
+            "previous_item_id",
+        ),
+        ({"type": "session.update", "session": {big: 1}}, "unknown_parameter", None),
+        ({"type": "conversation.item.create", "item": {"type": big}}, "invalid_value", "item.type"),
+        ({"type": "input_audio_buffer.clear", "bogus": 1, "event_id": big}, "unknown_parameter", "bogus"),
+    ]
+
+    async def main() -> tuple[list[dict], dict]:
+        async with connect(server, manual=True) as c:
+            errors = []
+            for event, _, _ in cases:
+                await c.send(event)
+                errors.append(await c.error())
+            await c.send({"type": "input_audio_buffer.clear"})
+            return errors, await c.recv()
+
+    errors, after = run(main())
+    for (event, code, param), error in zip(cases, errors, strict=True):
+        assert (error["type"], error["code"]) == ("invalid_request_error", code), error
+        if param is not None:
+            assert error["param"] == param, error
+        else:  # the unknown field's name, elided
+            assert error["param"].startswith("session.xxx") and len(error["param"]) < 1024, error
+        assert len(error["message"]) < 16 * 1024
+        expected_id = event.get("event_id")
+        assert error["event_id"] == (expected_id if expected_id != big else None), error["event_id"][:64]
+    assert after["type"] == "input_audio_buffer.cleared"
+
+
+def test_values_of_the_wrong_json_type_are_not_coerced(server: Server) -> None:
+    """A value of the wrong JSON type is ``invalid_type`` (PROTOCOL.md), never coerced: ``true``
+    is not the integer 1 (a reply cut to one token), ``"100"`` not 100, ``"yes"`` not a boolean.
+    Whole numbers written as decimals (``5.0``, what some clients' JSON encoders write for a
+    float) are still taken as integers, as before. Nothing changes on a refusal."""
+    vad = {"type": "server_vad"}
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"max_output_tokens": True}, "session.max_output_tokens"),
+        ({"max_output_tokens": "100"}, "session.max_output_tokens"),
+        ({"audio": {"input": {"turn_detection": {**vad, "create_response": "yes"}}}}, "create_response"),
+        ({"audio": {"input": {"turn_detection": {**vad, "interrupt_response": 0}}}}, "interrupt_response"),
+        ({"audio": {"input": {"turn_detection": {**vad, "threshold": "0.9"}}}}, "threshold"),
+        (
+            {"audio": {"input": {"turn_detection": {**vad, "silence_duration_ms": False}}}},
+            "silence_duration_ms",
+        ),
+        ({"audio": {"output": {"speed": "1.2"}}}, "session.audio.output.speed"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": "24000"}}}}, "rate"),
+    ]
+
+    async def main() -> tuple[list[dict], dict, dict, dict]:
+        async with connect(server, manual=True) as c:
+            errors = []
+            for patch, _ in bad:
+                await c.send({"type": "session.update", "session": patch, "event_id": "evt_bad"})
+                errors.append(await c.error())
+            await c.send(
+                {"type": "response.create", "response": {"max_output_tokens": True}, "event_id": "evt_resp"}
+            )
+            response_error = await c.error()
+            await c.send(
+                {
+                    "type": "session.update",
+                    "session": {
+                        "max_output_tokens": 7.0,
+                        "audio": {"input": {"turn_detection": {**vad, "silence_duration_ms": 300.0}}},
+                    },
+                }
+            )
+            updated = (await c.until("session.updated"))[-1]
+            await c.send(
+                {
+                    "type": "conversation.item.truncate",
+                    "item_id": "nope",
+                    "content_index": 0.0,
+                    "audio_end_ms": 12.0,
+                }
+            )
+            return errors, response_error, updated, await c.error()
+
+    errors, response_error, updated, truncate = run(main())
+    for (_, param), error in zip(bad, errors, strict=True):
+        assert (error["code"], error["event_id"]) == ("invalid_type", "evt_bad"), error
+        assert error["param"].endswith(param), error
+    assert (response_error["code"], response_error["param"]) == ("invalid_type", "response.max_output_tokens")
+    session = updated["session"]
+    assert session["max_output_tokens"] == 7
+    assert session["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 300
+    assert session["audio"]["output"]["speed"] == 1.0
+    assert truncate["code"] == "item_truncate_invalid_item_id"

@@ -281,3 +281,43 @@ def test_retrieving_long_audio_keeps_the_frame_under_1_mib(server: Server) -> No
     assert big["type"] == "conversation.item.retrieved"
     assert big["item"]["content"] == [{"type": "input_audio", "transcript": None}]
     assert (error["code"], error["param"]) == ("invalid_value", "response.audio.output.voice")
+
+
+def test_the_status_a_client_gives_an_item_does_not_hide_it_from_the_model(server: Server) -> None:
+    """``status`` on ``conversation.item.create`` "has no effect on the conversation" (OpenAI's
+    GA types). Items copied from ``conversation.item.added`` (an assistant item there is
+    ``in_progress``), e.g. to restore a conversation, used to be stored as in progress and left
+    out of every request the model got, silently (alone, the response failed: no messages)."""
+    restored = [
+        {**text_item("what is the weather?", "item_u1"), "status": "in_progress"},
+        {**text_item("Sunny.", "item_a1", role="assistant"), "status": "in_progress"},
+        {
+            "type": "function_call",
+            "id": "item_c1",
+            "call_id": "call_1",
+            "name": "f",
+            "arguments": "{}",
+            "status": "in_progress",
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok", "status": "in_progress"},
+        {**text_item("and tomorrow?", "item_u2"), "status": "incomplete"},
+    ]
+
+    async def main() -> tuple[list[dict], dict]:
+        async with connect(server, manual=True) as c:
+            done = []
+            for item in restored:
+                await c.send({"type": "conversation.item.create", "item": item})
+                done.append((await c.until("conversation.item.done"))[-1]["item"])
+            await c.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+            return done, (await c.until("response.done"))[-1]["response"]
+
+    done, response = run(main())
+    assert response["status"] == "completed", response
+    assert [i["status"] for i in done] == ["completed", "completed", "completed", "completed", "incomplete"]
+    messages = server.pipeline.requests[-1].messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "user"]
+    assert messages[0].parts == (TextPart("what is the weather?"),)
+    assert messages[1].parts == (TextPart("Sunny."), ToolCallPart("call_1", "f", "{}"))
+    assert messages[2].parts == (ToolResultPart("call_1", "ok"),)
+    assert messages[3].parts == (TextPart("and tomorrow?"),)
