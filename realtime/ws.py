@@ -363,7 +363,7 @@ class Connection:
             event = error_event(
                 new_id("event"),
                 ErrorCode.SERVER_ERROR,
-                f"A {event['type']} event was too large to send.",
+                f"The server's {event['type']} event was too large to send.",
                 type="server_error",
             )
             frame = dumps(event)

@@ -42,6 +42,7 @@ from .events import (
     SessionEvent,
     SessionUpdated,
 )
+from .images import image_problem
 from .input_buffer import InputAudioBuffer
 from .items import (
     FunctionCallItem,
@@ -388,6 +389,9 @@ class RealtimeSession:
                     f"{self.limits.max_image_bytes} bytes.",
                     param,
                 )
+            problem = image_problem(image.data)
+            if problem is not None:  # refused now, not in every later response that would hold it
+                raise SessionError(ErrorCode.INVALID_VALUE, f"The image could not be read: {problem}", param)
         held = len(images(self.conversation))
         if new and held + len(new) > self.limits.max_images:
             raise SessionError(

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import dataclasses
 import inspect
+import io
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -28,6 +29,7 @@ from omnirt.stages.engine import Engine, EngineClient
 from omnirt.stages.types import GenerationRequest
 from openai import AsyncOpenAI
 from openai.types.realtime import RealtimeServerEvent
+from PIL import Image
 from pydantic import TypeAdapter
 
 from tests.fakes import EchoPipeline
@@ -259,6 +261,18 @@ def tone(ms: int, rate: int = 24_000) -> np.ndarray:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def png(size: int | None = None) -> bytes:
+    """A readable 1x1 PNG; with ``size``, zero bytes after its end make it exactly ``size`` bytes
+    (decoders stop at the image's end)."""
+    out = io.BytesIO()
+    Image.new("RGB", (1, 1), (200, 30, 30)).save(out, "PNG")
+    data = out.getvalue()
+    if size is not None:
+        assert size >= len(data), f"a PNG has at least {len(data)} bytes"
+        data += bytes(size - len(data))
+    return data
 
 
 def pcm_b64(ms: int) -> str:

@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import websockets
 from omnirt.realtime.app import create_app
 from omnirt.realtime.config import ServerConfig
 from omnirt.stages.engine import Engine, EngineClient
+from PIL import Image
 
 from tests.leaky import LeakyPipeline, assert_nothing_internal
 from tests.server import serve
@@ -74,18 +77,61 @@ def leaky_server() -> Iterator[Server]:
         yield Server(base_url, engine, pipeline, app.state.realtime, config)  # type: ignore[arg-type]
 
 
-def test_a_bad_image_fails_the_response_without_paths_or_addresses() -> None:
-    garbage = "data:image/png;base64," + base64.b64encode(b"not an image at all").decode()
-    item = {
-        "type": "message",
-        "role": "user",
-        "content": [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": garbage}],
-    }
+def _image_item(data: bytes, mime: str) -> dict:
+    url = f"data:{mime};base64," + base64.b64encode(data).decode()
+    content = [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": url}]
+    return {"type": "message", "role": "user", "content": content}
+
+
+def test_an_unreadable_image_is_refused_when_added_and_the_session_goes_on() -> None:
+    """An image no decoder identifies is refused at ``conversation.item.create`` (it would fail every
+    later response), with PIL's message and no heap address; nothing is added."""
+
+    async def go() -> tuple[list[dict], list[dict]]:
+        with leaky_server() as server:
+            async with connect(server, manual=True) as client:
+                await client.send(
+                    {"type": "conversation.item.create", "item": _image_item(b"not an image", "image/png")}
+                )
+                refused = await client.until("error")
+                await client.send(
+                    {
+                        "type": "conversation.item.create",
+                        "item": {
+                            "type": "message",
+                            "role": "user",
+                            "content": [{"type": "input_text", "text": "hi"}],
+                        },
+                    }
+                )
+                await client.until("conversation.item.done")
+                await client.send({"type": "response.create"})
+                return refused, await client.until("response.done")
+
+    refused, answered = asyncio.run(go())
+    error = refused[-1]["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "item"), error
+    assert "The image could not be read: cannot identify image file <object>" in error["message"]
+    assert_nothing_internal(error["message"])
+    assert not [e for e in refused if e["type"] == "conversation.item.added"]
+    response = answered[-1]["response"]
+    assert response["status"] == "completed", response  # the refused image is not in its context
+
+
+def test_an_image_that_fails_to_decode_fails_the_response_without_paths_or_addresses() -> None:
+    """A JPEG cut in its scan data is identified and passes the check when added; decoding it for
+    the response fails, and the failure shows no path of the model folder or heap address."""
+    whole = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(whole, "JPEG")
+    cut = whole.getvalue()[: len(whole.getvalue()) * 3 // 4]
 
     async def go() -> list[dict]:
         with leaky_server() as server:
             async with connect(server, manual=True) as client:
-                await client.send({"type": "conversation.item.create", "item": item})
+                await client.send(
+                    {"type": "conversation.item.create", "item": _image_item(cut, "image/jpeg")}
+                )
                 await client.until("conversation.item.done")
                 await client.send({"type": "response.create"})
                 return await client.until("response.done")
@@ -95,6 +141,6 @@ def test_a_bad_image_fails_the_response_without_paths_or_addresses() -> None:
     assert done["status"] == "failed", done
     failures = [e["error"]["message"] for e in events if e["type"] == "error"]
     failures.append(done["status_details"]["error"]["message"])
-    assert any("cannot identify image file <object>" in m for m in failures), failures
+    assert any("could not be decoded: image file is truncated" in m for m in failures), failures
     for message in failures:
         assert_nothing_internal(message)

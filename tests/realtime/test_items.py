@@ -6,9 +6,9 @@ import base64
 
 from omnirt.stages.types import ImagePart, TextPart, ToolCallPart, ToolResultPart
 
-from .conftest import Server, b64, connect, pcm_b64, run, tone
+from .conftest import Server, b64, connect, pcm_b64, png, run, tone
 
-PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 32).decode()
+PNG = base64.b64encode(png()).decode()
 
 
 def text_item(text: str, item_id: str | None = None, role: str = "user") -> dict:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from omnirt.realtime.config import ServerConfig
 
-from .conftest import Server, connect, pcm_b64, run, running
+from .conftest import Server, connect, pcm_b64, png, run, running
 from .vad_helpers import vad_update
 
 
@@ -33,7 +33,7 @@ def limited() -> Iterator[Server]:
 
 
 def image_item(size: int) -> dict[str, Any]:
-    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(size - 4)).decode()
+    url = "data:image/png;base64," + base64.b64encode(png(size)).decode()
     return {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": url}]}
 
 
