@@ -241,23 +241,29 @@ class CalibrationStore:
     def add(self, cal: Calibration) -> None:
         self._by_key[(cal.backend, cal.family, cal.fingerprint)] = cal
 
-    def add_file(self, path: Path) -> Calibration:
+    def add_file(self, path: Path, level: int = logging.INFO) -> Calibration:
+        """The calibration of ``path``, logged at ``level``."""
         cal = load(path)
         self.add(cal)
-        log.info(
-            "step-cache calibration: %s for %s (%s) from %s", cal.backend, cal.model, cal.fingerprint, path
+        log.log(
+            level,
+            "step-cache calibration: %s for %s (%s) from %s",
+            cal.backend,
+            cal.model,
+            cal.fingerprint,
+            path,
         )
         return cal
 
-    def add_dir(self, directory: Path) -> int:
-        """Every ``*.json`` of ``directory`` (none when it does not exist); unreadable ones are
-        logged and skipped (a folder may hold other files)."""
+    def add_dir(self, directory: Path, level: int = logging.INFO) -> int:
+        """Every ``*.json`` of ``directory`` (none when it does not exist), each logged at ``level``;
+        unreadable ones are logged and skipped (a folder may hold other files)."""
         count = 0
         if not directory.is_dir():
             return 0
         for path in sorted(directory.glob("*.json")):
             try:
-                self.add_file(path)
+                self.add_file(path, level)
                 count += 1
             except ValueError as exc:
                 log.warning("skipping %s: %s", path, exc)
@@ -284,9 +290,10 @@ class CalibrationStore:
 
 
 def default_store(source: str | None, files: Sequence[Path] = ()) -> CalibrationStore:
-    """The shipped calibrations, then ``<source>/omnirt-calibration/*.json``, then ``files``."""
+    """The shipped calibrations, then ``<source>/omnirt-calibration/*.json``, then ``files`` (the
+    shipped ones, read for every pipeline, logged at DEBUG; the operator's at INFO)."""
     store = CalibrationStore()
-    store.add_dir(SHIPPED_DIR)
+    store.add_dir(SHIPPED_DIR, logging.DEBUG)
     if source:
         folder = Path(source)
         if folder.is_dir():
