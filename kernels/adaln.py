@@ -51,6 +51,8 @@ ONLINE_FMA = True
 #: How the kernel walks ATen's order: the halving tree as explicit splits (``"split"``) or as
 #: Triton's own reduction over 4 warps (``"reduce"``); each thread's vectors as 4 loads
 #: (``"items"``) or one [128, 4] tile (``"tile"``). All give the same bits; they differ in speed.
+#: Rows of whole 512-element steps always read the tile, unmasked: compiled for sm_90 with the
+#: launch's specialisation that is one 8-byte load a vector where the items are four 2-byte ones.
 TREE = "reduce"
 LOAD = "items"
 #: Rows of whole 512-element steps: every combine of the tree joins two equal counts, so ATen's
@@ -99,6 +101,14 @@ if triton is not None:
     def _halves(x, R: tl.constexpr, N: tl.constexpr):
         """``x`` [R, N] as its first and second halves of columns, each [R, N / 2]."""
         return tl.split(tl.permute(tl.reshape(x, (R, 2, N // 2)), (0, 2, 1)))
+
+    @triton.jit
+    def _items(v):
+        """The 4 columns of a thread's vectors ``v`` [128, 4], each [128] in fp32."""
+        even, odd = tl.split(tl.reshape(v.to(tl.float32), (128, 2, 2)))
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        return v0, v1, v2, v3
 
     @triton.jit
     def _online_known(v, mean, m2, coef, ONLINE_FMA: tl.constexpr):
@@ -176,14 +186,16 @@ if triton is not None:
         return new_mean, new_m2, total, half_a
 
     @triton.jit
-    def _ln_order_stats(src, n, RCP, half, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr,
+    def _ln_order_stats(src, n, half, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr,
                         MEAN_FMA: tl.constexpr, TREE: tl.constexpr, LOAD: tl.constexpr, EVEN: tl.constexpr,
                         KNOWN: tl.constexpr):  # fmt: skip
         """Mean and variance of the row ``src[0:n]`` as ATen's fused layer-norm kernel computes
         them (``reduce_order``): per thread its 4-element vectors ``t, t + 128, ...`` folded
         element by element, then lanes halved within each warp, then the 4 warps. ``EVEN``: the
-        row is whole 512-element steps, so every thread's k-th update divides by k: ``RCP[k - 1]``
-        holds ``1 / k`` as the division rounds it, and no division is left in the chain."""
+        row is whole 512-element steps, so every thread's k-th update divides by k: ``1 / k`` is a
+        compile-time constant (rounded once to fp32, as the division rounds it: checked for every
+        ``k`` a row can have in ``tests/kernels/test_adaln.py``), and no division is left in the
+        chain."""
         thread = tl.arange(0, 128)
         mean = tl.zeros([128], tl.float32)
         m2 = tl.zeros([128], tl.float32)
@@ -191,19 +203,22 @@ if triton is not None:
         for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
             first = step * 512 + thread * 4  # [128] each thread's vector
             live = first < n
-            if EVEN:
-                for item in tl.static_range(4):
-                    v = tl.load(src + first + item).to(tl.float32)
-                    mean, m2 = _online_known(v, mean, m2, tl.load(RCP + step * 4 + item), ONLINE_FMA)
-            elif LOAD:
-                v = tl.load(src + first[:, None] + tl.arange(0, 4)[None, :], mask=live[:, None], other=0.0)
-                even, odd = tl.split(tl.reshape(v.to(tl.float32), (128, 2, 2)))
-                v0, v2 = tl.split(even)
-                v1, v3 = tl.split(odd)
-                mean, m2, count = _online(v0, mean, m2, count, live, ONLINE_FMA)
-                mean, m2, count = _online(v1, mean, m2, count, live, ONLINE_FMA)
-                mean, m2, count = _online(v2, mean, m2, count, live, ONLINE_FMA)
-                mean, m2, count = _online(v3, mean, m2, count, live, ONLINE_FMA)
+            if EVEN or LOAD:  # one 8-byte vector a thread (sm_90: LDG.E.64, not four LDG.E.U16)
+                vector = src + first[:, None] + tl.arange(0, 4)[None, :]
+                if EVEN:  # whole rows: no mask
+                    v0, v1, v2, v3 = _items(tl.load(vector))
+                else:
+                    v0, v1, v2, v3 = _items(tl.load(vector, mask=live[:, None], other=0.0))
+                if EVEN:
+                    mean, m2 = _online_known(v0, mean, m2, 1.0 / (step * 4 + 1), ONLINE_FMA)
+                    mean, m2 = _online_known(v1, mean, m2, 1.0 / (step * 4 + 2), ONLINE_FMA)
+                    mean, m2 = _online_known(v2, mean, m2, 1.0 / (step * 4 + 3), ONLINE_FMA)
+                    mean, m2 = _online_known(v3, mean, m2, 1.0 / (step * 4 + 4), ONLINE_FMA)
+                else:
+                    mean, m2, count = _online(v0, mean, m2, count, live, ONLINE_FMA)
+                    mean, m2, count = _online(v1, mean, m2, count, live, ONLINE_FMA)
+                    mean, m2, count = _online(v2, mean, m2, count, live, ONLINE_FMA)
+                    mean, m2, count = _online(v3, mean, m2, count, live, ONLINE_FMA)
             else:
                 for item in tl.static_range(4):
                     v = tl.load(src + first + item, mask=live, other=0.0).to(tl.float32)
@@ -260,7 +275,7 @@ if triton is not None:
 
     @triton.jit
     def _adaln_kernel(
-        X, OUT, SCALE, SHIFT, W, BIAS, RCP,
+        X, OUT, SCALE, SHIFT, W, BIAS,
         S, C,
         sx_b, sx_s, so_b, so_s,
         ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c,
@@ -278,7 +293,7 @@ if triton is not None:
         n = C + row * 0
         if EXACT:
             # statistics in ATen's order, then the row again chunk by chunk (from cache)
-            mean, var = _ln_order_stats(src, n, RCP, half, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN,
+            mean, var = _ln_order_stats(src, n, half, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN,
                                         KNOWN)  # fmt: skip
             rstd = tl.math.rsqrt(var + eps)
             for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
@@ -299,24 +314,6 @@ if triton is not None:
             y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s, ssc_c,
                           ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
             tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
-
-
-#: ``1 / k`` in fp32 as an IEEE division rounds it, for k = 1 .. the updates of the widest row
-#: (the ``exact`` kernel's Welford coefficients of whole rows), one table per device.
-_RECIPROCALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _reciprocals(device: torch.device) -> torch.Tensor | None:
-    """The table on ``device``; None while a CUDA graph is being captured and it is not made yet
-    (no copy may start then: the kernel divides as it goes instead)."""
-    table = _RECIPROCALS.get(device)
-    if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        updates = triton.cdiv(MAX_WIDTH, LN_THREADS * LN_VEC) * LN_VEC
-        ks = np.arange(1, updates + 1, dtype=np.float32)
-        table = _RECIPROCALS[device] = torch.from_numpy(np.float32(1.0) / ks).to(device)
-    return table
 
 
 @functools.cache  # (per width: the dispatcher's launches ask on every call)
@@ -398,9 +395,9 @@ def _launch(
     even: bool | None = None,
     combine: str | None = None,
 ) -> torch.Tensor:
-    """``even``: use the reciprocal table where the row is whole 512-element steps (None: the
-    default, yes; False: divide as ATen does, for tests; the same bits). ``combine``: see
-    :data:`COMBINE`."""
+    """``even``: where the row is whole 512-element steps, take the Welford updates' ``1 / k`` as
+    constants (None: the default, yes; False: divide as ATen does, for tests; the same bits).
+    ``combine``: see :data:`COMBINE`."""
     combine = combine or COMBINE
     if combine not in _COMBINES:
         raise ValueError(f"combine must be one of {_COMBINES}, got {combine!r}")
@@ -416,17 +413,13 @@ def _launch(
     block = triton.next_power_of_2(width)
     ssc = _modulation_strides(scale, x)
     ssh = _modulation_strides(shift, x)
-    table = None
     whole = width % (LN_THREADS * LN_VEC) == 0
-    if preset == "exact" and whole and even is not False:
-        table = _reciprocals(x.device)
     split = (tree or TREE) == "split"
     known = preset == "exact" and whole and combine == "known" and (split or not interpreted())
     _adaln_kernel[(batch * seq,)](
         x, out,
         scale if scale is not None else x, shift if shift is not None else x,
         weight if weight is not None else x, bias if bias is not None else x,
-        table if table is not None else x,
         seq, width,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         *ssc, *ssh,
@@ -438,7 +431,7 @@ def _launch(
         ONLINE_FMA=ONLINE_FMA if online_fma is None else online_fma,
         MEAN_FMA=_COMBINE_MEAN_FMAS.index(combine_mean_fma or COMBINE_MEAN_FMA),
         TREE=("split", "reduce").index(tree or TREE), LOAD=("items", "tile").index(load or LOAD),
-        EVEN=table is not None, KNOWN=known,
+        EVEN=preset == "exact" and whole and even is not False, KNOWN=known,
         num_warps=4 if preset == "exact" else warps or fast_warps(block),
         enable_fp_fusion=preset != "exact",
     )  # fmt: skip

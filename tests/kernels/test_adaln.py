@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from omnirt.kernels.adaln import (
+    MAX_WIDTH,
     adaln_modulate,
     adaln_modulate_reference,
     adaln_modulate_triton,
@@ -81,14 +82,22 @@ def test_variants_give_the_same_statistics():
 
 @interpreted
 @pytest.mark.parametrize("width", [512, 1536])
-def test_whole_rows_take_the_reciprocal_table_with_the_same_bits(width):
-    """Rows of whole 512-element steps read each Welford update's ``1 / k`` from a table instead
-    of dividing in the chain: bitwise what the divisions give (per sample and per token)."""
+def test_whole_rows_take_constant_reciprocals_with_the_same_bits(width):
+    """Rows of whole 512-element steps take each Welford update's ``1 / k`` as a compile-time
+    constant instead of dividing in the chain: bitwise what the divisions give (per sample and per
+    token)."""
     x, g = _x(batch=2, seq=5, width=width, seed=3)
     for scale, shift in list(_modulations(2, 5, width, g).values())[:2]:
-        table = adaln_modulate_triton(x, scale, shift, eps=1e-6)
+        constants = adaln_modulate_triton(x, scale, shift, eps=1e-6)
         divided = adaln_modulate_triton(x, scale, shift, eps=1e-6, even=False)
-        assert torch.equal(table, divided)
+        assert torch.equal(constants, divided)
+
+
+def test_each_reciprocal_constant_is_the_fp32_division():
+    """The kernel writes ``1.0 / k`` in Python (a double), which the compiler rounds to fp32: the
+    same bits as the fp32 division ATen's chain makes, for every update count a row can have."""
+    for k in range(1, MAX_WIDTH // 128 + 1):
+        assert np.float32(1.0 / k) == np.float32(1.0) / np.float32(k), k
 
 
 @pytest.mark.parametrize("width", range(512, 16385, 512))
