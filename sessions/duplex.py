@@ -160,6 +160,19 @@ class DuplexSession:
                 "Input audio transcription is not available in a full-duplex session.",
                 "session.audio.input.transcription",
             )
+        # Echoed but not followed, these would misstate the session: the model always speaks.
+        if config.output_modalities != ["audio"]:
+            raise SessionError(
+                ErrorCode.UNSUPPORTED,
+                "A full-duplex session always answers with audio: output_modalities must be ['audio'].",
+                "session.output_modalities",
+            )
+        if config.tools:
+            raise SessionError(
+                ErrorCode.UNSUPPORTED,
+                "Function calling is not available in a full-duplex session: the model calls no tools.",
+                "session.tools",
+            )
         if self._check_sendable is not None:
             self._check_sendable(SessionUpdated(self.id, config), "session")
         if config.input_format != self.config.input_format:

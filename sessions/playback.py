@@ -3,13 +3,16 @@
 ``conversation.item.truncate`` cuts an item at once. ``playback.ack`` (extension) reports how much
 of an item has played: after its response ended that is the same cut; while the response still
 streams the position is recorded, and the item is cut there if the response is then interrupted
-(:meth:`Playback.settle`). Methods validate before they change anything and return the event to
+(:meth:`Playback.settle`). That cut stands for what the client had said when the interruption came:
+its next truncate or ack of the item (the exact position, sent once it stopped playing) replaces it,
+up to the audio the item had. Methods validate before they change anything and return the event to
 send; the owning session sends it.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from .conversation import Conversation
 from .errors import ErrorCode, SessionError
@@ -28,10 +31,14 @@ class Playback:
         self.responses: collections.OrderedDict[str, Response] = collections.OrderedDict()
         #: Played audio (ms) acknowledged per assistant item of a still-streaming response.
         self._played: dict[str, int] = {}
+        #: The whole audio of items that :meth:`settle` cut at their last ack (the latest
+        #: interrupted response's only): the client's next truncate or ack of one cuts from it.
+        self._uncut: dict[str, OutputAudio] = {}
 
     def track(self, response: Response) -> None:
         """An in-conversation response started: its items may be acknowledged."""
         self.responses[response.id] = response
+        self._uncut.clear()
         while len(self.responses) > ACK_RESPONSES:
             self.responses.popitem(last=False)
 
@@ -51,12 +58,16 @@ class Playback:
             )
         part = item.content[content_index]
         assert isinstance(part, OutputAudio)
-        if audio_end_ms > part.end_ms:
+        whole = self._uncut.get(item_id) if content_index == 0 else None
+        end_ms = (whole or part).end_ms
+        if audio_end_ms > end_ms:
             raise SessionError(
                 ErrorCode.INVALID_VALUE,
-                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({part.end_ms} ms).",
+                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({end_ms} ms).",
                 "audio_end_ms",
             )
+        if whole is not None:
+            self._restore(item_id, part)
         part.truncate(audio_end_ms)
         self._played.pop(item_id, None)
         return ItemTruncated(item_id, content_index, audio_end_ms)
@@ -86,16 +97,19 @@ class Playback:
             raise SessionError(
                 ErrorCode.INVALID_VALUE, f"Item '{item_id}' has no audio at content_index 0.", "item_id"
             )
-        if played_ms < 0 or played_ms > part.duration_ms:
+        end_ms = (self._uncut.get(item_id) or part).end_ms
+        if played_ms < 0 or played_ms > end_ms:
             raise SessionError(
                 ErrorCode.INVALID_VALUE,
-                f"played_ms {played_ms} is outside the item's audio (0 to {part.duration_ms} ms).",
+                f"played_ms {played_ms} is outside the item's audio (0 to {end_ms} ms).",
                 "played_ms",
             )
         if streaming and not part.frozen:
             self._played[item_id] = played_ms
-        elif played_ms < part.duration_ms:
-            part.truncate(played_ms)
+        else:
+            self._restore(item_id, part)
+            if played_ms < part.duration_ms:
+                part.truncate(played_ms)
             self._played.pop(item_id, None)
         return PlaybackAcknowledged(response_id, item_id, played_ms, part.duration_ms)
 
@@ -108,7 +122,15 @@ class Playback:
                 continue
             part = item.content[0] if item.content else None
             if isinstance(part, OutputAudio) and not part.frozen and played < part.duration_ms:
+                self._uncut[item.id] = dataclasses.replace(part)  # truncate() rebinds, never mutates
                 part.truncate(played)
+
+    def _restore(self, item_id: str, part: OutputAudio) -> None:
+        """Undo :meth:`settle`'s cut of the item (its audio whole again, not frozen), if it had one."""
+        whole = self._uncut.pop(item_id, None)
+        if whole is not None:
+            part.chunks, part.transcript, part.marks = whole.chunks, whole.transcript, whole.marks
+            part.samples, part.frozen = whole.samples, whole.frozen
 
 
 def _check_truncatable(item: Item) -> None:

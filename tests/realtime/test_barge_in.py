@@ -257,3 +257,33 @@ def test_ack_progress_then_cancel_cuts_at_the_last_ack(slow: Server) -> None:
     assert all(a["committed_ms"] >= 320 for a in answers)
     assert item["content"][0]["transcript"] == "You said: w0"
     assert len(base64.b64decode(item["content"][0]["audio"])) == 240 * 48
+
+
+@pytest.mark.parametrize("how", ["truncate", "ack"])
+def test_what_was_heard_after_an_interruption_replaces_the_last_progress_ack(slow: Server, how: str) -> None:
+    """The push-to-talk press (and barge-in) flow with progress acks: an ack at 80 ms while the
+    reply streams, then response.cancel and, for what the user heard by then (400 ms: five
+    words), a truncate or an ack. The cancel cuts the history at the last ack (80 ms) only for
+    now: the client's own word on what was heard, up to the audio it was sent, replaces that cut."""
+
+    async def main() -> tuple[dict, dict]:
+        async with connect(slow) as c:
+            response_id, item_id = await start_long_reply(c, 480)
+            ack = {"type": "playback.ack", "response_id": response_id, "item_id": item_id}
+            await c.send({**ack, "played_ms": 80})
+            await c.until("playback.acknowledged")
+            await c.send({"type": "response.cancel"})
+            if how == "truncate":
+                cut = {"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0}
+                await c.send({**cut, "audio_end_ms": 400})
+                answer = (await c.until("conversation.item.truncated"))[-1]
+            else:
+                await c.send({**ack, "played_ms": 400})
+                answer = (await c.until("playback.acknowledged"))[-1]
+            await c.send({"type": "conversation.item.retrieve", "item_id": item_id})
+            return answer, (await c.until("conversation.item.retrieved"))[-1]["item"]
+
+    answer, item = run(main())
+    assert answer.get("audio_end_ms", answer.get("committed_ms")) == 400
+    assert len(base64.b64decode(item["content"][0]["audio"])) == 400 * 48
+    assert item["content"][0]["transcript"] == "You said: w0 w1 w2"

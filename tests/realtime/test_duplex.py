@@ -397,3 +397,37 @@ def test_models_and_metrics_show_the_duplex_model(dserver: DuplexServer) -> None
     metrics = httpx.get(base + "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith('omnirt_pipeline_steps_total{kind="duplex"}'))
     assert float(line.split()[-1]) == dserver.server.engine.stats.steps_by_kind["duplex"]
+
+
+def test_settings_the_model_cannot_follow_are_refused(dserver: DuplexServer) -> None:
+    """Text-only output and function tools: the duplex model always speaks and calls no tools, so
+    a session.update asking for either gets ``unsupported`` naming the field (the session keeps
+    what it had), instead of an echo that says text-only while audio keeps coming. ``["audio"]``,
+    no tools and a tool_choice alone are fine."""
+
+    async def main() -> tuple[list[dict], dict]:
+        async with opened(dserver) as c:
+            errors = []
+            tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+            for patch in ({"output_modalities": ["text"]}, {"tools": [tool]}):
+                await c.send({"type": "session.update", "session": {"type": "realtime", **patch}})
+                errors.append(await c.error())
+            await c.send(
+                {
+                    "type": "session.update",
+                    "session": {
+                        "type": "realtime",
+                        "output_modalities": ["audio"],
+                        "tools": [],
+                        "tool_choice": "auto",
+                    },
+                }
+            )
+            return errors, (await c.until("session.updated"))[-1]["session"]
+
+    errors, session = run(main())
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("unsupported", "session.output_modalities"),
+        ("unsupported", "session.tools"),
+    ]
+    assert session["output_modalities"] == ["audio"] and session["tools"] == []

@@ -66,3 +66,41 @@ def test_bad_acks_are_refused_and_change_nothing() -> None:
         reply(playback, n)
     with pytest.raises(SessionError):  # forgotten: only the most recent responses are kept
         playback.ack(response.id, "item_0", 10, streaming=False)
+
+
+def test_an_ack_takes_the_same_end_as_a_truncate() -> None:
+    """Audio that is not a whole number of ms (100.5 ms): a truncate may name its rounded-up end
+    (101), and so may the ack that stands for it; it keeps all of the audio."""
+    playback = Playback(Conversation("conv"))
+    part = OutputAudio(transcript="one")
+    part.append(np.ones(2412, np.int16), 3)
+    item = MessageItem("item_0", "assistant", [part])
+    playback.conversation.insert(item)
+    response = Response("resp_0", "conv", ["audio"], "inf", "alloy", "audio/pcm", output=[item])
+    playback.track(response)
+    assert playback.ack(response.id, "item_0", 101, streaming=False).played_ms == 101
+    assert (part.samples, part.transcript) == (2412, "one")
+    with pytest.raises(SessionError):
+        playback.ack(response.id, "item_0", 102, streaming=False)
+
+
+def test_the_cut_at_the_last_ack_gives_way_to_what_the_client_says_next() -> None:
+    """An interrupted reply is cut at its last ack (100 ms); the client's ack or truncate after
+    that (200 ms, what it heard when it stopped) cuts the whole audio there instead; one past
+    the whole audio is refused."""
+    for how in ("ack", "truncate"):
+        playback = Playback(Conversation("conv"))
+        response, part = reply(playback)
+        playback.ack(response.id, "item_0", 100, streaming=True)
+        response.status = "cancelled"
+        playback.settle(response)
+        assert (part.samples, part.transcript) == (2400, "one")
+        with pytest.raises(SessionError):
+            playback.ack(response.id, "item_0", 301, streaming=False)
+        if how == "ack":
+            assert playback.ack(response.id, "item_0", 200, streaming=False).committed_ms == 200
+        else:
+            playback.truncate("item_0", 0, 200)
+        assert (part.samples, part.transcript, part.frozen) == (4800, "one two", True)
+        with pytest.raises(SessionError):  # the client's word is final
+            playback.truncate("item_0", 0, 250)
