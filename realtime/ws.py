@@ -196,6 +196,15 @@ class RealtimeService:
                 CLOSE_POLICY,
             )
             return
+        if duplex and turn != "manual":
+            await self._refuse(
+                websocket,
+                ErrorCode.INVALID_VALUE,
+                f"turn={turn} does not apply to a full-duplex session (duplex=1): the model listens and "
+                "speaks at once, without turns; connect without turn.",
+                CLOSE_POLICY,
+            )
+            return
         if self.shutting_down or self.draining:
             with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
                 await websocket.close(CLOSE_SERVICE_RESTART)

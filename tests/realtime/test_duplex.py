@@ -353,6 +353,21 @@ def test_duplex_without_a_duplex_model_is_refused() -> None:
     assert error["code"] == "unsupported" and code == 1008
 
 
+def test_push_to_talk_with_duplex_is_refused_not_ignored() -> None:
+    """``?duplex=1&turn=push_to_talk`` asks for two things that cannot hold at once: refused with
+    ``invalid_value`` and close 1008 (it opened a duplex session, the turn silently dropped)."""
+
+    async def main(d: DuplexServer) -> tuple[dict, int | None]:
+        async with connect(d.server, query="&duplex=1&turn=push_to_talk", expect_session=False) as c:
+            error = await c.error()
+            return error, await c.closed()
+
+    with duplex_running() as d:
+        error, code = run(main(d))
+    assert (error["code"], code) == ("invalid_value", 1008)
+    assert "turn=push_to_talk does not apply to a full-duplex session" in error["message"]
+
+
 def test_a_stalled_reader_is_dropped_without_delaying_the_others() -> None:
     with duplex_running(max_held_seconds=1.0, hold_send_queue_bytes=32 * 1024) as d:
         service = d.server.service
