@@ -41,6 +41,7 @@ import bisect
 import collections
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -375,6 +376,7 @@ class RequestStream:
         self._queue: asyncio.Queue[Output] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._done = False
+        self._ended = False  # the engine's Finished has come (maybe not read yet)
         self._finished: Finished | None = None
 
     def _sink(self, output: Output) -> None:  # any thread
@@ -382,6 +384,7 @@ class RequestStream:
 
     def _deliver(self, output: Output) -> None:  # event loop
         if not self._done:
+            self._ended = self._ended or isinstance(output, Finished)
             self._queue.put_nowait(output)
 
     @property
@@ -394,6 +397,15 @@ class RequestStream:
             return
         self._engine.cancel(self.request_id)
         self._close(Finished("cancelled", self.usage))
+
+    def shut_down(self) -> None:
+        """End the request as :meth:`Engine.stop` does (its next item is a ``Finished`` error with
+        code ``shutdown``), the engine left running: for a server that stops waiting for it. The
+        engine drops it as it drops a cancelled one. A no-op once the engine has ended it."""
+        if self._done or self._ended:
+            return
+        self._engine.cancel(self.request_id)
+        self._close(Finished("error", self.usage, "server shutting down", "shutdown"))
 
     def hold(self, held: bool) -> None:
         """Hold the request (no more steps until released; for a client that is behind reading)."""
@@ -460,6 +472,8 @@ class EngineClient:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        #: Every stream submitted and still referenced (what :meth:`shut_down` ends).
+        self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
 
     @property
     def info(self) -> ModelInfo:
@@ -479,6 +493,7 @@ class EngineClient:
     def submit(self, request: Request) -> RequestStream:
         """Start a request; must be called from the event loop."""
         stream = RequestStream(self.engine, request)
+        self._streams.add(stream)
         self.engine.submit(request, stream._sink)
         return stream
 
@@ -490,8 +505,18 @@ class EngineClient:
             raise TypeError(f"{type(request).__name__} has no LiveInput in 'input': use submit()")
         live.on_data = self.engine._wake
         stream = LiveStream(self.engine, request, live)
+        self._streams.add(stream)
         self.engine.submit(request, stream._sink)
         return stream
+
+    def shut_down(self) -> int:
+        """End every request still running with the ``shutdown`` error (:meth:`RequestStream.shut_down`),
+        the engine left running: the server is stopping and waits for them no longer (HTTP clients
+        then get their 503). Returns how many were ended. Must be called from the event loop."""
+        running = [stream for stream in list(self._streams) if not (stream._done or stream._ended)]
+        for stream in running:
+            stream.shut_down()
+        return len(running)
 
     def serves(self, kind: str) -> bool:
         """Whether a pipeline of ``kind`` (``"duplex"``, ...) is loaded."""

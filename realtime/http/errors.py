@@ -3,7 +3,9 @@
 Handlers raise :class:`APIError`; the exception handlers installed by ``create_app`` turn it,
 Starlette's own ``HTTPException`` (unknown URL 404, wrong method 405) and any unexpected
 exception (500) into that shape with the right status code. Bad input is always answered,
-never fatal.
+never fatal. A client that goes away before its body is read whole (``ClientDisconnect``) is not
+the server's error: one INFO line, no traceback, and 499 (nginx's "client closed request") in the
+request metrics, answered to nobody.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from typing import Any
 from omnirt.stages.types import Finished
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from ..redact import public_message
 
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
+#: The status counted for a request whose client went away before it was read (nginx's).
+CLIENT_CLOSED_REQUEST = 499
 SERVER_ERROR = "server_error"
 
 
@@ -194,6 +198,12 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
     return APIError(exc.status_code, message, type=kind, code=code, headers=exc.headers).response()
 
 
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    """The client closed its connection before the body was read: nobody gets the answer."""
+    log.info("client went away before %s %s was read whole", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return APIError(
@@ -204,5 +214,6 @@ async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
 EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     HTTPException: handle_http_exception,
+    ClientDisconnect: handle_client_disconnect,
     Exception: handle_unexpected,
 }
