@@ -51,17 +51,25 @@ def test_stream_yields_started_text_audio_then_finished(engine: Engine) -> None:
     asyncio.run(main())
 
 
-def test_requests_are_batched_into_shared_steps(engine: Engine) -> None:
+def test_requests_are_batched_into_shared_steps() -> None:
+    engine = Engine(EchoPipeline(slots=2, step_seconds=0.002))
+
     async def main():
         client = EngineClient(engine)
+        # Both wait in the queue before the engine thread runs (on a loaded machine the thread
+        # could otherwise step the first alone before the second is submitted).
         streams = [client.submit(_request(f"r{i}")) for i in range(2)]
+        engine.start()
         results = await asyncio.gather(*(_collect(s) for s in streams))
         for outs in results:
             assert outs[-1].reason == "stop"
         # Two requests of 4 words each: shared steps, so far fewer than 2 * 5 steps with batch 1.
         assert engine.stats.rows("speech", "echo")[2] >= 3
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
 
 
 def test_more_requests_than_slots_wait_for_a_free_slot(engine: Engine) -> None:
