@@ -32,6 +32,7 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
 
     from .app import create_app
 
+    check_device(device)
     kernel_settings.set_fused(config.fused_kernels)  # before the models: the DiT loaders install them
     kernel_settings.set_vae_fast(config.vae_fast)
     try:
@@ -80,6 +81,21 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
         weights = ", RANDOM weights" if model.random_weights else ""
         log.info("%s pipeline: %s (%s, from %s%s)", kind, model.id, model.architecture, model.source, weights)
     return create_app(EngineClient(engine), config)
+
+
+def check_device(device: str | None) -> None:
+    """``--device cuda`` or ``cuda:N`` only where torch sees that GPU: :class:`BuildError` otherwise
+    (rather than torch's assertion deep in the first model's load)."""
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        raise BuildError(f"--device {device}: {why}; use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise BuildError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _configure_speech(pipelines: Sequence[object], config: ServerConfig) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -68,6 +69,13 @@ def _port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be between 1 and 65535, not {port}")
     return port
+
+
+def _host(text: str) -> str:
+    """An address to listen on; empty is refused (uvicorn would listen on every interface)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected an address such as 127.0.0.1 or 0.0.0.0, not an empty one")
+    return text.strip()
 
 
 def _positive(text: str) -> int:
@@ -212,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         "device (real size, for benchmarks; tokenizer and preprocessor from the folder when it has them, "
         "else the embedded default's)",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument(
+        "--host", type=_host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     serve.add_argument(
         "--api-key",
@@ -360,8 +370,18 @@ def _nonnegative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number, at least 0, not {text}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
     return value
 
 
@@ -382,7 +402,7 @@ def _add_replicas(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--min-replicas",
-        type=int,
+        type=_nonnegative,
         default=None,
         metavar="N",
         help="autoscale (Ray Serve's autoscaler, on ongoing sessions and requests) down to N replicas",

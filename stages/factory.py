@@ -262,6 +262,11 @@ def build_pipelines(
     if len(speech) > 1:
         raise ValueError(f"one speech model per server, got {len(speech)}: {', '.join(map(str, speech))}")
     embedded = not diffusion and all(m in DEMO_NAMES for m in speech)
+    if quantization != "none" and not diffusion and not embedded:
+        raise ValueError(
+            f"--quantization {quantization} quantizes image and video transformers; no image or video "
+            "model is served (speech models load as they are)"
+        )
     pipelines: list[Pipeline] = []
     if speech or embedded:
         model = speech[0] if speech else None

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ...kernels.w8a8 import STORAGE
+from ..speech.loader import check_weight_files, from_pretrained_checked
 from .quant import W8A8Linear
 
 #: compressed-tensors formats whose tensors are the quantized values and their scales as such.
@@ -116,10 +117,14 @@ def load_transformer(
     """The transformer of ``folder`` (a diffusers ``transformer/`` folder) and its quantization
     (``none``, ``int8``, ``fp8``): a compressed-tensors W8A8 checkpoint into W8A8 layers, anything
     else through ``cls.from_pretrained``."""
-    config = json.loads((folder / "config.json").read_text())
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CompressedCheckpointError(f"cannot read {folder / 'config.json'}: {exc}") from None
     scheme = read_scheme(config)
     if scheme is None:
-        return cls.from_pretrained(str(folder), torch_dtype=dtype).to(device), "none"
+        return from_pretrained_checked(cls, folder, "transformer", torch_dtype=dtype).to(device), "none"
+    check_weight_files(folder, quantized=True)
     kind, ignore = scheme
     from accelerate import init_empty_weights
 

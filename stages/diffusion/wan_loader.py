@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..speech.loader import READ_ERRORS, first_line, from_pretrained_checked
 from ..types import ModelInfo
 from .compressed import cast_keeping_fp32, load_transformer
 from .denoiser import Defaults
@@ -178,10 +179,15 @@ def _load_folder(
         # WanTransformer3DModel keeps some modules in fp32, which diffusers only loads through
         # accelerate's low-memory path.
         raise WanLoadError("loading a Wan transformer needs the accelerate package (pip install accelerate)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
-    text_encoder = UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+    except (*READ_ERRORS, ValueError) as exc:
+        raise WanLoadError(f"{path / 'tokenizer'}: the tokenizer does not load ({first_line(exc)})") from None
+    text_encoder = from_pretrained_checked(
+        UMT5EncoderModel, path / "text_encoder", "text encoder", dtype=dtype, ignore_mismatched_sizes=True
+    )
     transformer, stored = load_transformer(WanTransformer3DModel, path / "transformer", dtype=dtype)
-    vae = AutoencoderKLWan.from_pretrained(str(path / "vae"), torch_dtype=vae_dtype)
+    vae = from_pretrained_checked(AutoencoderKLWan, path / "vae", "VAE", torch_dtype=vae_dtype)
     if stored != "none":  # a W8A8 checkpoint: served as it is
         if quantization not in ("none", stored):
             raise WanLoadError(f"{path}: the transformer is stored {stored}, not servable as {quantization}")

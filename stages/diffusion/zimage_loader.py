@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..speech.loader import READ_ERRORS, first_line, from_pretrained_checked
 from ..types import ModelInfo
 from .compressed import load_transformer
 from .denoiser import Defaults
@@ -185,8 +186,14 @@ def load_zimage(
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
 
         transformer, stored = load_transformer(ZImageTransformer2DModel, path / "transformer", dtype=dtype)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
-        text_encoder = _text_encoder_class(path).from_pretrained(str(path / "text_encoder"), dtype=dtype)
+        vae = from_pretrained_checked(AutoencoderKL, path / "vae", "VAE", torch_dtype=dtype)
+        text_encoder = from_pretrained_checked(
+            _text_encoder_class(path),
+            path / "text_encoder",
+            "text encoder",
+            dtype=dtype,
+            ignore_mismatched_sizes=True,
+        )
         tokenizer = _load_tokenizer(path / "tokenizer")
         if stored != "none":  # a W8A8 checkpoint: served as it is
             if quantization not in ("none", stored):
@@ -224,6 +231,12 @@ def load_zimage(
 
 
 def _load_tokenizer(directory: Path) -> Any:
+    """The tokenizer of ``directory``; ``ValueError`` naming it when there is none or it does not load."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: no such folder (the pipeline's tokenizer)")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (*READ_ERRORS, ValueError) as exc:
+        raise ValueError(f"{directory}: the tokenizer does not load ({first_line(exc)})") from None
