@@ -25,8 +25,11 @@ It also keeps client mistakes that uvicorn logs as tracebacks to one line each
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -52,6 +55,17 @@ class GracefulServer(uvicorn.Server):
         self.realtime = app.state.realtime
         self.client = app.state.client
         self.grace = app.state.config.shutdown_grace_seconds
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, except that a SIGTERM it shut down for is not raised again after: a clean
+        stop exits 0 (as ``--replicas`` does), not as killed by the signal (143). Ctrl-C is raised
+        again as uvicorn does (the CLI logs it and exits 0)."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # no new connections while the sessions end

@@ -290,6 +290,7 @@ def test_omnirt_serve_runs_the_embedded_default() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
+    assert proc.returncode == 0, out  # a clean stop on SIGTERM exits 0, not as killed by it
     assert "RANDOM weights" in out  # the log says plainly what is being served
     # The server VAD process was started with the app and ended with it (no orphan left).
     started = re.search(r"server VAD: process (\d+) ready", out)
