@@ -371,7 +371,7 @@ def _nonnegative_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number, at least 0, not {text}")
+        raise argparse.ArgumentTypeError(f"must be at least 0 and finite, not {text}")
     return value
 
 

@@ -151,8 +151,8 @@ def test_device_cuda_without_cuda_is_refused_in_one_line(caplog: pytest.LogCaptu
         (["--host", ""], "not an empty one"),
         (["--host", " "], "not an empty one"),
         (["--min-replicas", "-1"], "argument --min-replicas: must be at least 0"),
-        (["--replica-cpus", "inf"], "must be a finite number"),
-        (["--drain-seconds", "nan"], "must be a finite number"),
+        (["--replica-cpus", "inf"], "must be at least 0 and finite"),
+        (["--drain-seconds", "nan"], "must be at least 0 and finite"),
     ],
 )
 def test_bad_listen_and_replica_values_exit_2(
