@@ -22,7 +22,7 @@ from PIL import Image
 from tests.leaky import LeakyPipeline, assert_nothing_internal
 from tests.server import serve
 
-from .conftest import Server, connect, running
+from .conftest import Server, connect, running, text_item
 
 
 def _refused_status(server: Server, origin: str) -> int:
@@ -94,16 +94,7 @@ def test_an_unreadable_image_is_refused_when_added_and_the_session_goes_on() -> 
                     {"type": "conversation.item.create", "item": _image_item(b"not an image", "image/png")}
                 )
                 refused = await client.until("error")
-                await client.send(
-                    {
-                        "type": "conversation.item.create",
-                        "item": {
-                            "type": "message",
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": "hi"}],
-                        },
-                    }
-                )
+                await client.send({"type": "conversation.item.create", "item": text_item("hi")})
                 await client.until("conversation.item.done")
                 await client.send({"type": "response.create"})
                 return refused, await client.until("response.done")
