@@ -78,3 +78,22 @@ def test_push_to_talk_turns_and_interrupting_a_reply(page, web):
     )
     assert "interrupted" in page.get_attribute(f"#transcript li[data-item-id={first_item}]", "class")
     page.screenshot(path=web.shots / "push-to-talk.png", full_page=True)
+
+
+def test_a_turn_held_when_the_page_loses_focus_ends_there(page, web):
+    """The space bar held when the window loses focus: its keyup goes elsewhere, so the page ends the
+    turn on ``blur`` (commit and reply) instead of sending audio until the next press."""
+    web.reply(frames_per_word=1, step_seconds=0.03)
+    conn = open_ui(page, web, "ptt")
+    page.keyboard.down("Space")
+    page.wait_for_function("() => window.omnirt.session.appendedMs >= 600")
+    page.evaluate("() => window.dispatchEvent(new Event('blur'))")
+    assert page.get_attribute("#talk", "aria-pressed") == "false"
+    page.wait_for_function("() => window.omnirt.session.log.acks.length >= 1")  # the reply played
+    appended = page.evaluate("() => window.omnirt.session.appendedMs")
+    page.wait_for_timeout(500)
+    assert page.evaluate("() => window.omnirt.session.appendedMs") == appended, "audio sent after the blur"
+    types = [e["type"] for e in conn.client_events()]
+    assert types.count("input_audio_buffer.commit") == types.count("response.create") == 1
+    page.keyboard.up("Space")  # the late keyup changes nothing
+    assert [e["type"] for e in conn.client_events()].count("input_audio_buffer.commit") == 1

@@ -34,6 +34,7 @@ const ui = {
 const transcript = new TranscriptView($("transcript"));
 let session = null;
 let camera = null;
+let starting = false; // connect() runs (the camera may still be asking): a second Connect is ignored
 let models = null; // GET /v1/models, once read
 let modelError = "";
 
@@ -115,35 +116,59 @@ async function loadModel() {
 }
 
 async function connect() {
+  if (starting || (session && ["connecting", "connected"].includes(session.state))) return;
+  starting = true;
+  try {
+    await startSession();
+  } finally {
+    starting = false;
+  }
+}
+
+async function startSession() {
   const profile = selectedProfile();
   transcript.clear();
   ui.latency.textContent = "–";
-  session = new VoiceSession({
+  stopCamera(); // a camera left from an earlier session
+  const current = new VoiceSession({
     profile,
     apiKey: ui.apiKey.value.trim(),
     model: (selectedModel() || {}).id || "",
     echoCancellation: ui.echo.checked,
   });
-  session.addEventListener("status", (e) => setStatus(e.detail));
-  session.addEventListener("level", (e) => {
+  session = current;
+  // Only the current session drives the page (an older one may still report its socket's close).
+  const on = (type, handler) =>
+    current.addEventListener(type, (e) => {
+      if (session === current) handler(e);
+    });
+  on("status", (e) => {
+    if (e.detail.state === "closed" || e.detail.state === "failed") {
+      // However the session ended (Disconnect, refused, the server gone): camera off, Talk up.
+      stopCamera();
+      ui.talk.setAttribute("aria-pressed", "false");
+    }
+    setStatus(e.detail);
+  });
+  on("level", (e) => {
     ui.level.value = Math.min(1, e.detail.peak);
     ui.level.textContent = e.detail.peak.toFixed(2);
   });
-  session.addEventListener("speaking", (e) => {
+  on("speaking", (e) => {
     ui.user.dataset.active = String(e.detail.user);
     ui.assistant.dataset.active = e.detail.assistant ? "true" : e.detail.waiting ? "waiting" : "false";
   });
-  session.addEventListener("transcript", (e) => transcript.update(e.detail));
-  session.addEventListener("latency", (e) => {
+  on("transcript", (e) => transcript.update(e.detail));
+  on("latency", (e) => {
     ui.latency.textContent = `${e.detail.ms} ms`;
     transcript.note(e.detail.itemId, "latency", `first audio after ${e.detail.ms} ms`);
   });
-  session.addEventListener("error", (e) => {
+  on("error", (e) => {
     const { code, message, param } = e.detail;
     showMessage("error", `Error${code ? ` (${code})` : ""}: ${message}${param ? ` [${param}]` : ""}`);
   });
-  session.addEventListener("notice", (e) => showMessage("notice", e.detail.message));
-  session.addEventListener("unavailable", (e) => {
+  on("notice", (e) => showMessage("notice", e.detail.message));
+  on("unavailable", (e) => {
     // This server does not offer the profile: say so beside it, and fall back to manual turns.
     const radio = ui.form.querySelector(`input[name=profile][value=${e.detail.profile}]`);
     radio.dataset.unavailable = "true";
@@ -154,24 +179,29 @@ async function connect() {
     showProfileControls();
   });
   if (ui.camera.checked && profile !== "duplex") {
-    camera = new Camera();
+    const opened = new Camera();
     try {
-      await camera.start(ui.preview);
+      await opened.start(ui.preview);
+      camera = opened;
       ui.preview.hidden = false;
-      session.imageSource = () => camera.frame();
+      current.imageSource = () => opened.frame();
     } catch (error) {
+      opened.stop();
       showMessage("error", `The camera could not be opened: ${error.message}`);
-      camera = null;
     }
   }
-  await session.start();
+  await current.start();
+}
+
+function stopCamera() {
+  if (camera) camera.stop();
+  camera = null;
+  ui.preview.hidden = true;
 }
 
 function disconnect() {
   if (session) session.stop();
-  if (camera) camera.stop();
-  camera = null;
-  ui.preview.hidden = true;
+  stopCamera();
 }
 
 // Push-to-talk: the Talk button (pointer) or the space bar, held.
@@ -216,6 +246,12 @@ document.addEventListener("keyup", (event) => {
     event.preventDefault();
     releaseTalk();
   }
+});
+// The page loses the keyboard (another window, another tab) while the space bar is down: its keyup
+// never comes here, so the turn ends now rather than sending audio until the next press.
+window.addEventListener("blur", releaseTalk);
+document.addEventListener("visibilitychange", () => {
+  if (document.hidden) releaseTalk();
 });
 
 showProfileControls();

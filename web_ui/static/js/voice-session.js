@@ -23,6 +23,7 @@ export class VoiceSession extends EventTarget {
     this.mic = new Microphone({ chunkMs, echoCancellation });
     this.client = null;
     this.state = "idle";
+    this.stopped = false; // stop() was called: whatever start() is still waiting for is let go
     this.activeResponse = null; // id of the response between response.created and response.done
     this.pendingItems = new Map(); // assistant itemId -> {responseId} with audio still to play
     this.discarded = new Set(); // items and responses cut by an interruption: later audio is dropped
@@ -58,9 +59,16 @@ export class VoiceSession extends EventTarget {
     try {
       await this.player.start(); // first: an AudioContext wants the click's user activation
     } catch (error) {
-      this.fail(`Audio output could not start: ${error.message}`);
+      if (this.stopped) return this.abandon();
+      // The playback worklet is fetched from the server: AbortError when the server is not answering.
+      this.fail(
+        error.name === "AbortError"
+          ? "Could not connect: the server did not answer (is it running?)"
+          : `Audio output could not start: ${error.message}`,
+      );
       return false;
     }
+    if (this.stopped) return this.abandon();
     this.wirePlayer();
     const profile = this.profile;
     this.client = new RealtimeClient({
@@ -76,6 +84,7 @@ export class VoiceSession extends EventTarget {
     try {
       await this.client.connect();
     } catch (error) {
+      if (this.stopped) return this.abandon();
       const serverError = error.serverError; // already shown, as every server error is
       if (serverError && serverError.code === "unsupported") {
         this.emit("unavailable", { profile: profile.id, message: serverError.message });
@@ -93,10 +102,13 @@ export class VoiceSession extends EventTarget {
     try {
       await this.mic.start();
     } catch (error) {
+      if (this.stopped || !this.client.open) return this.abandon();
       this.emit("error", { code: "microphone", message: microphoneErrorMessage(error) });
       this.setState("connected", "no microphone");
       return true;
     }
+    // Disconnected (or the socket closed) while the microphone was being allowed: let it go.
+    if (this.stopped || !this.client.open) return this.abandon();
     this.mic.addEventListener("chunk", (e) => this.onChunk(e.detail));
     this.mic.addEventListener("level", (e) => this.onLevel(e.detail));
     this.setState("connected", `microphone at ${this.mic.deviceRate} Hz`);
@@ -122,14 +134,39 @@ export class VoiceSession extends EventTarget {
   }
 
   stop() {
-    this.mic.stop();
-    this.player.close();
+    this.stopped = true;
+    this.release();
     if (this.client) this.client.close();
   }
 
-  onClose({ code, reason }) {
+  /** start() was overtaken by stop() or a close: release what it opened, end in "closed". */
+  abandon() {
+    this.release();
+    if (this.state !== "closed" && this.state !== "failed") this.setState("closed", "disconnected");
+    return false;
+  }
+
+  /** Microphone and playback off, and nobody shown speaking any more. */
+  release() {
     this.mic.stop();
     this.player.close();
+    this.talking = false;
+    this.userSpeaking = false;
+    this.awaitingReply = false;
+    this.emit("level", { rms: 0, peak: 0 });
+    this.emitSpeaking();
+  }
+
+  onClose({ code, reason }) {
+    // Closed by the server (restart, network) after it had accepted the session.
+    const lost = !this.stopped && this.state !== "failed" && Boolean(this.client && this.client.session);
+    this.release();
+    if (lost) {
+      this.emit("error", {
+        code: "connection",
+        message: `The connection to the server closed (code ${code}${reason ? `: ${reason}` : ""}); connect again to go on.`,
+      });
+    }
     if (this.state !== "failed") this.setState("closed", `code ${code}${reason ? `: ${reason}` : ""}`);
     this.emit("closed", { code });
   }
