@@ -137,6 +137,24 @@ def model_family(model: str) -> ModelFamily:
     )
 
 
+def _check_diffusion_kinds(models: Sequence[str]) -> None:
+    """Two image (or two video) models are refused before any of them loads: the engine serves one
+    pipeline of each kind, and loading and warming up a real model takes minutes. (Without a
+    diffusion runtime the builder says so instead.)"""
+    try:
+        from .diffusion.factory import diffusion_kind
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.diffusion.factory":
+            raise
+        return
+    seen: dict[str, str] = {}
+    for model in models:
+        kind = diffusion_kind(Path(model).expanduser())
+        if kind in seen:
+            raise ValueError(f"one {kind} model per server, got two: {seen[kind]} and {model}")
+        seen[kind] = model
+
+
 def build_diffusion_pipeline(
     path: Path, *, device: str, load_format: str, quantization: str = "none"
 ) -> Pipeline:
@@ -262,6 +280,7 @@ def build_pipelines(
     if len(speech) > 1:
         raise ValueError(f"one speech model per server, got {len(speech)}: {', '.join(map(str, speech))}")
     embedded = not diffusion and all(m in DEMO_NAMES for m in speech)
+    _check_diffusion_kinds(diffusion)
     if quantization != "none" and not diffusion and not embedded:
         raise ValueError(
             f"--quantization {quantization} quantizes image and video transformers; no image or video "

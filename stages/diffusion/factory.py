@@ -60,6 +60,16 @@ def diffusion_family(path: Path) -> Family:
     return families.pop()
 
 
+#: What each family's pipeline serves (``DiffusionPipeline.kind``): the engine takes one of each.
+KINDS: dict[Family, str] = {"z-image": "image", "wan": "video"}
+
+
+def diffusion_kind(path: Path) -> str:
+    """``"image"`` or ``"video"``: what the diffusers folder or components file at ``path`` serves
+    (:func:`diffusion_family`), read from its JSON alone, before anything loads."""
+    return KINDS[diffusion_family(path)]
+
+
 def build_diffusion_pipeline(
     path: Path,
     *,

@@ -182,6 +182,15 @@ def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
     assert image_reply.status_code == 200 and len(image_reply.json()["data"]) == 1
 
 
+def test_two_models_of_one_diffusion_kind_are_refused_before_any_loads(tmp_path: Path) -> None:
+    recorder = Recorder()
+    first = diffusers_folder(tmp_path, "zimage-a", "ZImagePipeline")
+    second = diffusers_folder(tmp_path, "zimage-b", "ZImagePipeline")
+    with pytest.raises(ValueError, match="one image model per server, got two: .*zimage-a and .*zimage-b"):
+        build_pipelines(["demo", str(first), str(second)], device="cpu", builders=recorder.builders)
+    assert recorder.calls == []  # nothing was loaded
+
+
 def test_two_speech_models_are_refused(tmp_path: Path) -> None:
     recorder = Recorder()
     with pytest.raises(ValueError, match="one speech model per server, got 2"):
