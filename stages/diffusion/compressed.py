@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ...kernels.w8a8 import STORAGE
-from ..speech.loader import check_weight_files, from_pretrained_checked
+from ..checkpoints import check_weight_files, from_pretrained_checked
 from .quant import W8A8Linear
 
 #: compressed-tensors formats whose tensors are the quantized values and their scales as such.

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..speech.loader import READ_ERRORS, first_line, from_pretrained_checked
+from ..checkpoints import READ_ERRORS, first_line, from_pretrained_checked
 from ..types import ModelInfo
 from .compressed import cast_keeping_fp32, load_transformer
 from .denoiser import Defaults

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..speech.loader import READ_ERRORS, first_line, from_pretrained_checked
+from ..checkpoints import READ_ERRORS, first_line, from_pretrained_checked
 from ..types import ModelInfo
 from .compressed import load_transformer
 from .denoiser import Defaults
