@@ -335,10 +335,6 @@ MOE_GROUP_PAIRS = (("decode, 8 rows", 64), ("decode, 128 rows", 1024), ("prompt 
                    ("two prompt pieces", 8192))  # fmt: skip
 
 
-def _eight_warps(config, pairs: int, experts: int):
-    return config(pairs, experts)[0], dict(num_warps=8)
-
-
 def moe_group_speed() -> list[str]:
     """``group_by_expert`` as launched, at 8 warps, and transformers' chain, from CUDA graphs."""
     from omnirt.kernels import moe_route
@@ -356,13 +352,12 @@ def moe_group_speed() -> list[str]:
         launched = bench(call)
         warps = moe_route.launch_config(pairs, experts)[1]["num_warps"]
         first = call()
-        config = moe_route.launch_config
-        moe_route.launch_config = functools.partial(_eight_warps, config)
+        moe_route.WARPS = 8
         try:
             eight = bench(call)
             same = all(torch.equal(a, b) for a, b in zip(first, call(), strict=True))
         finally:
-            moe_route.launch_config = config
+            moe_route.WARPS = None
         rows.append(f"| {pairs} ({name}) | {chain:.4f} | {launched:.4f} ({warps}) | {eight:.4f} | {same} |")
     return rows
 

@@ -50,6 +50,9 @@ MAX_PAIRS = 8192
 KEYS_PER_THREAD = 8
 #: One program's most warps (1,024 threads).
 MAX_WARPS = 32
+#: Overrides the warps of :func:`launch_config` (``benchmarks/kernels.py --moe-group`` sets it, as
+#: ``rms_norm.WARPS``).
+WARPS: int | None = None
 
 
 def group_by_expert_reference(ids: torch.Tensor, experts: int) -> Grouping:
@@ -101,7 +104,8 @@ def launch_config(pairs: int, experts: int) -> tuple[dict[str, int], dict[str, i
     ``benchmarks/kernel_compile.py`` compiles with them)."""
     block = max(16, triton.next_power_of_2(pairs))
     constants = dict(EXPERTS=experts, BINS=triton.next_power_of_2(experts), BLOCK=block)
-    return constants, dict(num_warps=min(MAX_WARPS, max(4, block // (32 * KEYS_PER_THREAD))))
+    warps = WARPS or min(MAX_WARPS, max(4, block // (32 * KEYS_PER_THREAD)))
+    return constants, dict(num_warps=warps)
 
 
 
