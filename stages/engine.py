@@ -398,14 +398,15 @@ class RequestStream:
         self._engine.cancel(self.request_id)
         self._close(Finished("cancelled", self.usage))
 
-    def shut_down(self) -> None:
+    def shut_down(self) -> bool:
         """End the request as :meth:`Engine.stop` does (its next item is a ``Finished`` error with
         code ``shutdown``), the engine left running: for a server that stops waiting for it. The
-        engine drops it as it drops a cancelled one. A no-op once the engine has ended it."""
+        engine drops it as it drops a cancelled one. A no-op (False) once the engine has ended it."""
         if self._done or self._ended:
-            return
+            return False
         self._engine.cancel(self.request_id)
         self._close(Finished("error", self.usage, "server shutting down", "shutdown"))
+        return True
 
     def hold(self, held: bool) -> None:
         """Hold the request (no more steps until released; for a client that is behind reading)."""
@@ -513,10 +514,7 @@ class EngineClient:
         """End every request still running with the ``shutdown`` error (:meth:`RequestStream.shut_down`),
         the engine left running: the server is stopping and waits for them no longer (HTTP clients
         then get their 503). Returns how many were ended. Must be called from the event loop."""
-        running = [stream for stream in list(self._streams) if not (stream._done or stream._ended)]
-        for stream in running:
-            stream.shut_down()
-        return len(running)
+        return sum(stream.shut_down() for stream in list(self._streams))
 
     def serves(self, kind: str) -> bool:
         """Whether a pipeline of ``kind`` (``"duplex"``, ...) is loaded."""
