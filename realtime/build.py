@@ -42,6 +42,7 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
             max_slots=config.max_sessions,
             cuda_graphs=config.cuda_graphs,
             prefill_chunk=config.prefill_chunk,
+            max_context=config.max_context,
             prefix_cache=config.prefix_cache,
             load_format=load_format,
             quantization=config.quantization,

@@ -291,6 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt is read over several ticks, so it never stalls the sessions already speaking",
     )
     serve.add_argument(
+        "--max-context",
+        type=_integer_from(64),
+        default=ServerConfig.max_context,
+        metavar="TOKENS",
+        help="tokens of context each speech session holds (default: the longest power of two up to the "
+        "model's limit whose slots fit the GPU's memory; 4096 on CPU). A realtime conversation longer "
+        "than that leaves its oldest messages out (session.truncation)",
+    )
+    serve.add_argument(
         "--first-audio-target-ms",
         type=_milliseconds(60_000),
         default=ServerConfig.first_audio_target_ms,
@@ -517,6 +526,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         max_sessions=args.max_sessions,
         cuda_graphs=not args.no_cuda_graphs,
         prefill_chunk=args.prefill_chunk,
+        max_context=args.max_context,
         prefix_cache=not args.no_prefix_cache,
         first_audio_target_ms=args.first_audio_target_ms,
         prompt_ticks=args.prompt_ticks,

@@ -34,6 +34,10 @@ class ServerConfig:
     #: Prompt tokens a speech prompt pass reads per engine tick; a longer prompt is read over
     #: several ticks beside the running sessions (``--prefill-chunk``).
     prefill_chunk: int = 512
+    #: Tokens of context each speech session's slot holds (``--max-context``; None: the longest
+    #: power of two up to the model's limit whose slots fit the memory, at most 4096 on CPU).
+    #: A realtime conversation over it is truncated (``session.truncation``).
+    max_context: int | None = None
     #: Keep each slot's prompt and reply for later requests that start the same way (the next
     #: turn of a conversation, out-of-band responses over one context): only the rest of their
     #: prompt is read (``--no-prefix-cache``: every prompt read whole).
@@ -98,8 +102,9 @@ class ServerConfig:
     #: A realtime connection with no client frame for this long is closed
     #: (``session_idle_timeout``, close 1001). ``None``: never.
     max_idle_seconds: float | None = 10 * 60
-    #: Images a realtime conversation may hold, and the largest one (decoded bytes);
-    #: over either: ``image_limit_exceeded``.
+    #: Images in a realtime session's model context, and the largest one (decoded bytes); over
+    #: either: ``image_limit_exceeded``, except that with truncation on a new image leaves the
+    #: oldest messages (up to the oldest image) out of the context instead.
     max_images_per_session: int = 16
     max_image_bytes: int = 10 * 1024 * 1024
     #: Out-of-band responses (``conversation: "none"``) one realtime session may run at once;

@@ -66,6 +66,9 @@ class SessionConfig:
     #: ``auto | none | required`` or ``{"type": "function", "name": ...}``.
     tool_choice: str | dict[str, Any] = "auto"
     max_output_tokens: int | Literal["inf"] = "inf"
+    #: ``auto``, ``disabled`` or ``{"type": "retention_ratio", "retention_ratio": ..., "token_limits":
+    #: {"post_instructions": ...}}`` (see :func:`~.context.stage_truncation`).
+    truncation: str | dict[str, Any] = "auto"
 
     def merged(self, patch: dict[str, Any], *, limits: SessionLimits, voice_locked: bool) -> SessionConfig:
         """A new config with ``patch`` applied; raises :class:`SessionError` and changes nothing
@@ -79,6 +82,8 @@ class SessionConfig:
         if "max_output_tokens" in patch:
             value = patch["max_output_tokens"]
             c.max_output_tokens = "inf" if value is None else value
+        if "truncation" in patch:
+            c.truncation = patch["truncation"] or "auto"
         if "tools" in patch:
             c.tools = [{"type": "function", **tool} for tool in patch["tools"] or []]
         if "tool_choice" in patch:

@@ -173,6 +173,20 @@ class DuplexSession:
                 "Function calling is not available in a full-duplex session: the model calls no tools.",
                 "session.tools",
             )
+        if config.max_output_tokens != "inf":
+            raise SessionError(
+                ErrorCode.UNSUPPORTED,
+                "A full-duplex session's model decides when it speaks and for how long: "
+                "max_output_tokens must stay 'inf'.",
+                "session.max_output_tokens",
+            )
+        if config.truncation != "auto":
+            raise SessionError(
+                ErrorCode.UNSUPPORTED,
+                "A full-duplex session's model attends to a window of its latest audio, the oldest "
+                "falling out as the conversation goes on: truncation is always 'auto'.",
+                "session.truncation",
+            )
         if self._check_sendable is not None:
             self._check_sendable(SessionUpdated(self.id, config), "session")
         if config.input_format != self.config.input_format:

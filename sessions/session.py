@@ -16,17 +16,19 @@ acknowledgements (``ack_playback``) and truncation keep the history to what the 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 from omnirt.stages.prompt_size import max_prompt_chars, prompt_chars, too_long_message
-from omnirt.stages.types import GenerationRequest
+from omnirt.stages.truncation import split_head
+from omnirt.stages.types import ContextMessage, GenerationRequest
 from omnirt.vad.worker import VadWorker
 
 from .config import SessionConfig, SessionLimits
-from .context import build_messages
+from .context import build_context, stage_truncation
 from .conversation import ROOT, Conversation
 from .errors import ErrorCode, SessionError
 from .events import (
@@ -102,6 +104,9 @@ class RealtimeSession:
         self.runs: dict[str, ResponseRun] = {}
         #: What the user heard of the in-conversation responses (acks and truncation).
         self.playback = Playback(self.conversation)
+        #: Items a response's truncation left out of the model's context (``session.truncation``):
+        #: they stay in the conversation, and later responses leave them out too.
+        self.left_out: set[str] = set()
         #: Input audio transcriptions in flight, by user item id.
         self.transcriptions: dict[str, TranscriptionRun] = {}
         self.audio_produced = False
@@ -286,13 +291,14 @@ class RealtimeSession:
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
         self._check_room(1, item_bytes(item), "item")
         self._check_text(item)
-        self._check_images([item], "item")
+        leave = self._check_images([item], "item")
         self._check_call_outputs([("item.call_id", item)])
         if self._check_sendable is not None:
             self.conversation.check_insert(item.id, previous_item_id)
             before = self.conversation.last_id if previous_item_id is None else previous_item_id
             self._check_sendable(ItemDone(item, None if before == ROOT else before), "item")
         previous = self.conversation.insert(item, previous_item_id)
+        self.left_out.update(leave)
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))
 
@@ -303,6 +309,7 @@ class RealtimeSession:
 
     def delete_item(self, item_id: str) -> None:
         self.conversation.delete(item_id)
+        self.left_out.discard(item_id)
         transcription = self.transcriptions.get(item_id)
         if transcription is not None:
             transcription.cancel()
@@ -354,8 +361,10 @@ class RealtimeSession:
             )
 
     def _check_text(self, item: Item) -> None:
-        """An item whose text, alone or with the conversation's, cannot fit the model's context
-        gets ``context_length_exceeded`` (counted in characters: no tokenising)."""
+        """An item whose text cannot fit the model's context alone, or (with ``truncation``
+        disabled) beside the conversation's, gets ``context_length_exceeded`` (counted in
+        characters: no tokenising). With truncation the conversation may outgrow the context: a
+        response leaves its oldest messages out."""
         limit = max_prompt_chars(self.limits.max_context_tokens)
         size = item_text_chars(item)
         if size > limit:
@@ -365,6 +374,8 @@ class RealtimeSession:
                 f"({self.limits.max_context_tokens} tokens) holds at most {limit}.",
                 "item",
             )
+        if self.config.truncation != "disabled":
+            return  # a conversation over the context is truncated when a response is made
         held = sum(item_text_chars(i) for i in self.conversation)
         if held + size > limit:
             raise SessionError(
@@ -374,13 +385,12 @@ class RealtimeSession:
                 "item",
             )
 
-    def _check_images(self, items: Iterable[Item], param: str) -> None:
-        def images(its: Iterable[Item]) -> list[InputImage]:
-            return [
-                c for i in its if isinstance(i, MessageItem) for c in i.content if isinstance(c, InputImage)
-            ]
-
-        new = images(items)
+    def _check_images(self, items: Iterable[Item], param: str) -> list[str]:
+        """Refuses an image over the size limit or unreadable, and images over ``max_images`` in
+        the model's context. With truncation on, the oldest messages are left out of the context
+        instead (up to the oldest holding images, enough of them for the new ones: a camera that
+        sends a frame each turn goes on): the ids to leave out once the items are taken."""
+        new = _images(items)
         for image in new:
             if len(image.data) > self.limits.max_image_bytes:
                 raise SessionError(
@@ -392,14 +402,23 @@ class RealtimeSession:
             problem = image_problem(image.data)
             if problem is not None:  # refused now, not in every later response that would hold it
                 raise SessionError(ErrorCode.INVALID_VALUE, f"The image could not be read: {problem}", param)
-        held = len(images(self.conversation))
-        if new and held + len(new) > self.limits.max_images:
-            raise SessionError(
-                ErrorCode.IMAGE_LIMIT,
-                f"The conversation would hold {held + len(new)} images; this server allows "
-                f"{self.limits.max_images} per session (delete some first).",
-                param,
-            )
+        in_context = [item for item in self.conversation if item.id not in self.left_out]
+        over = len(_images(in_context)) + len(new) - self.limits.max_images
+        if not new or over <= 0:
+            return []
+        leave: list[str] = []
+        if self.config.truncation != "disabled" and len(new) <= self.limits.max_images:
+            for item in in_context:
+                leave.append(item.id)
+                over -= len(_images([item]))
+                if over <= 0:
+                    return leave
+        raise SessionError(
+            ErrorCode.IMAGE_LIMIT,
+            f"The conversation would hold {len(_images(in_context)) + len(new)} images; this server "
+            f"allows {self.limits.max_images} per session (delete some first).",
+            param,
+        )
 
     # -- responses ---------------------------------------------------------------------------
     def create_response(self, options: ResponseOptions | None = None) -> Response:
@@ -453,10 +472,12 @@ class RealtimeSession:
         )
         instructions = options.instructions if options.instructions is not None else cfg.instructions
         cap = self.limits.max_output_tokens
-        messages = build_messages(instructions, context)
-        too_long = too_long_message(prompt_chars(messages, tools), self.limits.max_context_tokens)
-        if too_long is not None:  # refused before the engine tokenises it
-            raise SessionError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, too_long, "response")
+        messages, message_items = build_context(instructions, context)
+        truncation = stage_truncation(cfg.truncation)
+        if truncation is None:
+            too_long = too_long_message(prompt_chars(messages, tools), self.limits.max_context_tokens)
+            if too_long is not None:  # refused before the engine tokenises it
+                raise SessionError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, too_long, "response")
         request = GenerationRequest(
             request_id=response.id,
             messages=messages,
@@ -465,7 +486,11 @@ class RealtimeSession:
             voice=self.limits.voices.resolve(response.voice, "response.audio.output.voice"),
             tools=tools,
             tool_choice=tool_choice,
+            truncation=truncation,
         )
+        on_truncated = None
+        if options.input is None:  # its context is the conversation: what it leaves out stays out
+            on_truncated = functools.partial(self._left_out, messages, message_items)
         run = ResponseRun(
             response,
             request,
@@ -475,6 +500,7 @@ class RealtimeSession:
             conversation=self.conversation if in_conversation else None,
             on_audio=self._on_audio,
             on_done=self._on_done,
+            on_truncated=on_truncated,
         )
         self.runs[run.id] = run
         if in_conversation:
@@ -513,9 +539,16 @@ class RealtimeSession:
                 )
         run.cancel("client_cancelled")
 
+    def _left_out(self, messages: list[ContextMessage], items: list[tuple[str, ...]], dropped: int) -> None:
+        """A response's truncation left out the first ``dropped`` messages of its conversation
+        (after the instructions): their items stay out of later responses' context."""
+        head = len(split_head(messages)[0])
+        for ids in items[head : head + dropped]:
+            self.left_out.update(ids)
+
     def _context_items(self, replacement: list[Item | str] | None) -> list[Item]:
         if replacement is None:
-            return list(self.conversation)
+            return [item for item in self.conversation if item.id not in self.left_out]
         out: list[Item] = []
         for i, entry in enumerate(replacement):
             if isinstance(entry, str):
@@ -552,3 +585,7 @@ class RealtimeSession:
 
 def _discard(event: SessionEvent) -> None:
     """Where a closed session's events go."""
+
+
+def _images(items: Iterable[Item]) -> list[InputImage]:
+    return [c for i in items if isinstance(i, MessageItem) for c in i.content if isinstance(c, InputImage)]

@@ -23,7 +23,16 @@ from typing import Protocol
 
 import numpy as np
 from omnirt.codecs.audio import AudioEncoder, FormatType, bytes_per_ms
-from omnirt.stages.types import AudioDelta, Finished, GenerationRequest, Output, TextDelta, ToolCall, Usage
+from omnirt.stages.types import (
+    AudioDelta,
+    Finished,
+    GenerationRequest,
+    Output,
+    Started,
+    TextDelta,
+    ToolCall,
+    Usage,
+)
 
 from .conversation import Conversation
 from .events import (
@@ -110,9 +119,12 @@ class ResponseRun:
         conversation: Conversation | None,
         on_audio: Callable[[], None],
         on_done: Callable[[ResponseRun], None],
+        on_truncated: Callable[[int], None] | None = None,
     ) -> None:
         self.response = response
         self.request = request
+        #: Told how many of the request's messages its truncation left out (when any were).
+        self._on_truncated = on_truncated
         self._client = client
         self._emit = emit
         self._new_id = new_id
@@ -173,7 +185,10 @@ class ResponseRun:
             self._finish(Finished("error", self._stream.usage, f"internal error: {exc}"))  # type: ignore[arg-type]
 
     def _handle(self, output: Output) -> None:
-        if isinstance(output, TextDelta):
+        if isinstance(output, Started):
+            if output.dropped and self._on_truncated is not None:
+                self._on_truncated(output.dropped)
+        elif isinstance(output, TextDelta):
             self._text(output)
         elif isinstance(output, AudioDelta):
             self._audio(output)

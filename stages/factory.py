@@ -46,12 +46,13 @@ def build_pipeline(
     prefill_chunk: int = 512,
     prefix_cache: bool = True,
     load_format: str = "auto",
+    max_context: int | None = None,
 ) -> Pipeline:
     """The speech pipeline for ``model``: None or ``"demo"`` for the embedded default (a tiny
     Qwen3-Omni with random weights, built into the cache on first use), else a local checkpoint
     folder in the published layout. A missing or unloadable folder raises ``ValueError``.
     ``cuda_graphs``, ``prefill_chunk``, ``prefix_cache``, ``load_format`` (``"dummy"``: random weights from
-    config.json alone): see :func:`.speech.loader.load_speech_pipeline`."""
+    config.json alone), ``max_context``: see :func:`.speech.loader.load_speech_pipeline`."""
     from .speech.demo import ensure_demo_checkpoint
     from .speech.loader import load_speech_pipeline
 
@@ -76,6 +77,7 @@ def build_pipeline(
             prefix_cache=prefix_cache,
             warm_up=True,
             load_format=load_format,
+            max_context=max_context,
         )
     path = Path(model).expanduser()  # type: ignore[arg-type]
     if not path.exists():
@@ -91,6 +93,7 @@ def build_pipeline(
         prefix_cache=prefix_cache,
         warm_up=True,
         load_format=load_format,
+        max_context=max_context,
     )
 
 
@@ -253,6 +256,7 @@ def build_pipelines(
     prefill_chunk: int = 512,
     prefix_cache: bool = True,
     load_format: str = "auto",
+    max_context: int | None = None,
     quantization: str = "none",
     duplex_model: str | None = None,
     duplex_kv_dtype: str = "auto",
@@ -266,9 +270,10 @@ def build_pipelines(
     stands for the demo speech model. At most one speech model. ``quantization`` applies to the
     diffusion models (W8A8 DiT linear layers); speech models load as they are. ``ValueError``
     says what is wrong (a path no pipeline serves, two speech models, a model that does not
-    load). ``duplex_model``: see :func:`build_duplex_pipeline`; None serves the embedded duplex
-    model with the embedded default and none otherwise; ``"none"``: none. ``duplex_kv_dtype`` and
-    ``duplex_max_frames``: its KV cache (:func:`build_duplex_pipeline`)."""
+    load). ``max_context``: the speech slots' context (None: the loader's plan). ``duplex_model``:
+    see :func:`build_duplex_pipeline`; None serves the embedded duplex model with the embedded
+    default and none otherwise; ``"none"``: none. ``duplex_kv_dtype`` and ``duplex_max_frames``:
+    its KV cache (:func:`build_duplex_pipeline`)."""
     device = device or _default_device()
     speech: list[str | None] = []
     diffusion: list[str] = []
@@ -298,6 +303,7 @@ def build_pipelines(
                 prefill_chunk=prefill_chunk,
                 prefix_cache=prefix_cache,
                 load_format=load_format,
+                max_context=max_context,
             )
         )
     if embedded:

@@ -97,6 +97,24 @@ class ContextMessage:
     parts: tuple[Part, ...]
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """Leave a prompt's oldest messages out when it does not fit, instead of refusing it (the
+    Realtime API's session ``truncation``).
+
+    The conversation is what follows the leading ``system`` message (the instructions; with the
+    tools, the prompt's head, never dropped). It may hold ``budget`` tokens: the context less the
+    head and the reply's room (its ``max_output_tokens``, at most a quarter of the context), or
+    ``post_instructions`` when that is lower. Over it, messages are dropped from the oldest on
+    until the rest holds at most ``retention_ratio`` of ``budget`` (so the next turns fit without
+    dropping again, and reuse the cached prefix), and on past any answer (an assistant's reply, a
+    tool's result): what is kept starts with a question; the last message is always kept. A
+    prompt whose last message alone is over ``budget`` is refused, as without truncation."""
+
+    retention_ratio: float = 1.0
+    post_instructions: int | None = None
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -119,6 +137,8 @@ class GenerationRequest:
     #: Nobody waits to hear it (input transcription): admitted after every waiting request that is
     #: not background, so it never delays a reply's start.
     background: bool = False
+    #: Leave the oldest messages out of a prompt that does not fit (None: refuse it).
+    truncation: Truncation | None = None
     #: ``time.monotonic()`` when the reply was asked for (the request made): its first audio is
     #: due ``first_audio_target`` after this, time spent waiting for a slot or behind a batch
     #: step included.
@@ -173,9 +193,12 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Started:
-    """Sent once, when the prompt has been read (prefilled): the input side of the usage."""
+    """Sent once, when the prompt has been read (prefilled): the input side of the usage, and how
+    many of the request's messages (after its leading ``system`` message, oldest first) its
+    :class:`Truncation` left out."""
 
     usage: Usage
+    dropped: int = 0
 
 
 @dataclass(frozen=True)

@@ -192,8 +192,41 @@ ToolChoice = (
 
 TokenLimit = Annotated[Int, Field(ge=1, le=4096)] | Literal["inf"]
 
+
+class TruncationTokenLimits(Strict):
+    #: The most tokens the conversation after the instructions (and tools) may hold.
+    post_instructions: Int | None = Field(default=None, ge=1)
+
+
+class RetentionRatioTruncation(Strict):
+    type: Literal["retention_ratio"]
+    #: The share of the conversation's room that a truncation keeps (0.0 - 1.0).
+    retention_ratio: float = Field(ge=0.0, le=1.0)
+    token_limits: TruncationTokenLimits | None = None
+
+
+def _truncation_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "TruncationMode"
+    return "RetentionRatioTruncation" if isinstance(value, dict | RetentionRatioTruncation) else None
+
+
+#: ``auto``: leave the oldest messages out when the conversation does not fit; ``disabled``: a
+#: response whose context does not fit fails; or a retention ratio (PROTOCOL.md).
+Truncation = Annotated[
+    Annotated[Literal["auto", "disabled"], Tag("TruncationMode")]
+    | Annotated[RetentionRatioTruncation, Tag("RetentionRatioTruncation")],
+    Discriminator(
+        _truncation_tag,
+        custom_error_type="invalid_truncation",
+        custom_error_message=(
+            "expected 'auto', 'disabled' or {'type': 'retention_ratio', 'retention_ratio': ...}"
+        ),
+    ),
+]
+
 #: Session fields accepted and ignored (they change nothing here).
-IGNORED_SESSION_FIELDS = ("tracing", "prompt", "include", "truncation", "reasoning", "parallel_tool_calls")
+IGNORED_SESSION_FIELDS = ("tracing", "prompt", "include", "reasoning", "parallel_tool_calls")
 #: Beta-era session fields and where GA puts them (``None``: no GA equivalent).
 BETA_SESSION_FIELDS: dict[str, str | None] = {
     "modalities": "session.output_modalities",
@@ -222,7 +255,7 @@ class SessionPatch(Strict):
     tracing: Any = None
     prompt: Any = None
     include: Any = None
-    truncation: Any = None
+    truncation: Truncation | None = None
     reasoning: Any = None
     parallel_tool_calls: Any = None
     # Clients that echo the session object back send these; they are read-only.

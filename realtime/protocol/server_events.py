@@ -44,6 +44,7 @@ def session_to_wire(session_id: str, c: SessionConfig) -> dict[str, Any]:
         "tools": list(c.tools),
         "tool_choice": c.tool_choice,
         "max_output_tokens": c.max_output_tokens,
+        "truncation": c.truncation,
         "tracing": None,
         "prompt": None,
     }

@@ -60,6 +60,7 @@ keyed by the request's seed (:mod:`.draws`), so a seed gives the same reply what
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import time
@@ -75,16 +76,21 @@ from omnirt.codecs.audio import float_to_int16
 from ..draws import fresh_seed
 from ..graphs import batch_buckets, prewarm
 from ..pipeline import CallCounter, PhaseTimes, Priority, RequestRejected, StepTimer
-from ..prompt_size import prompt_chars, too_long_message
+from ..prompt_size import max_prompt_chars, prompt_chars, too_long_message
+from ..truncation import answers_before, conversation_budget, first_kept, reply_room, split_head
 from ..types import (
     SAMPLE_RATE,
     AudioDelta,
+    ContextMessage,
     Finished,
     GenerationRequest,
     ModelInfo,
     NamedTool,
     Output,
     Started,
+    TextPart,
+    ToolSpec,
+    Truncation,
     Usage,
 )
 from .code2wav import Vocoder, make_vocoder
@@ -407,11 +413,21 @@ class SpeechPipeline:
         if request.max_output_tokens is not None and request.max_output_tokens < 1:
             raise RequestRejected("max_output_tokens must be at least 1")
         speaker_id = self._speaker(request) if request.output_audio else -1
+        truncation = request.truncation
+        messages, dropped = request.messages, 0
+        if truncation is not None:  # megabytes of old text are left out before tokenising
+            messages, dropped = self._left_out_by_characters(messages, request.tools)
         # Refuse a prompt that cannot fit before tokenising it (seconds under the GIL for megabytes).
-        too_long = too_long_message(prompt_chars(request.messages, request.tools), self.max_context)
+        too_long = too_long_message(prompt_chars(messages, request.tools), self.max_context)
         if too_long is not None:
             raise RequestRejected(too_long)
-        prompt = self.prompts.build(request.messages, request.tools)
+        prompt = self.prompts.build(messages, request.tools)
+        if truncation is not None:
+            kept, more = self._left_out_by_tokens(request, truncation, messages, prompt.length)
+            if more:
+                prompt = self.prompts.build(kept, request.tools)
+                dropped += more
+        prompt.dropped = dropped
         if prompt.length >= self.max_context:
             raise RequestRejected(
                 f"the prompt is {prompt.length} tokens; this model's context is {self.max_context} tokens"
@@ -421,6 +437,52 @@ class SpeechPipeline:
         calls_only = request.tool_choice == "required" or isinstance(request.tool_choice, NamedTool)
         speak = request.output_audio and not calls_only
         return SpeechPrompt(prompt, speaker_id, max_tokens, constraint, speak)
+
+    def _left_out_by_characters(
+        self, messages: list[ContextMessage], tools: list[ToolSpec]
+    ) -> tuple[list[ContextMessage], int]:
+        """A truncation's first pass (:class:`~omnirt.stages.types.Truncation`): the oldest messages
+        left out until the rest is within the bound on characters that needs no tokenizer
+        (:mod:`~omnirt.stages.prompt_size`); and how many. Most prompts are far under it."""
+        head, conversation = split_head(messages)
+        sizes = [prompt_chars([m]) for m in conversation]
+        held = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # from message k on
+        room = max_prompt_chars(self.max_context) - prompt_chars(head, tools)
+        start = first_kept(len(conversation), held.__getitem__, room, 1.0, answers_before(conversation))
+        if not start:  # fits, or its last message alone does not: refused as it is
+            return messages, 0
+        return head + conversation[start:], start
+
+    def _left_out_by_tokens(
+        self, request: GenerationRequest, truncation: Truncation, messages: list[ContextMessage], length: int
+    ) -> tuple[list[ContextMessage], int]:
+        """A truncation's second pass: ``messages`` (whose prompt is ``length`` tokens) less the oldest
+        the rule leaves out, and how many. A prompt that fits costs one more rendering of the head
+        alone; one that does not, a rendering (no audio or image features) per bisection step."""
+        head, conversation = split_head(messages)
+        tools = request.tools
+        # The head's tokens with the reply's header (no instructions: an empty system message
+        # stands for the header and the tools, a few tokens over).
+        head_tokens = self.prompts.length(head or [ContextMessage("system", (TextPart(""),))], tools)
+        available = self.max_context - reply_room(self.max_context, request.max_output_tokens) - head_tokens
+        budget = conversation_budget(truncation, available)
+        if length - head_tokens <= budget or budget <= 0:
+            return messages, 0  # fits (or cannot: refused below when over the context)
+
+        def held(k: int) -> int:
+            whole = length if k == 0 else self.prompts.length(head + conversation[k:], tools)
+            return whole - head_tokens
+
+        start = first_kept(
+            len(conversation), held, budget, truncation.retention_ratio, answers_before(conversation)
+        )
+        if not start:
+            return messages, 0
+        log.info(
+            "%s: truncation leaves out the oldest %d of %d messages (the conversation may hold %d tokens)",
+            request.request_id, start, len(conversation), budget,
+        )
+        return head + conversation[start:], start
 
     def add(self, request: GenerationRequest, prepared: SpeechPrompt | None = None) -> None:
         """Takes a slot; ``prepared`` defaults to ``self.prepare(request)``, run here."""
@@ -648,7 +710,7 @@ class SpeechPipeline:
         self._retired.append(done)  # its tensors stay alive until this tick's sync has passed
         self.thinker.load(active.slot, done.thinker)
         active.prefilled = True
-        out.append((active.request.request_id, Started(Usage(**vars(active.usage)))))
+        out.append((active.request.request_id, Started(Usage(**vars(active.usage)), active.prompt.dropped)))
         t = active.talker
         if t is not None:
             assert done.talker is not None

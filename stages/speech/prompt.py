@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ from .prefix_cache import media_key
 from .tool_calls import CLOSE_TAG, OPEN_TAG
 
 ENCODER_RATE = 16_000
+#: Images whose token counts :meth:`PromptBuilder.length` keeps.
+IMAGE_COUNTS_KEPT = 64
 
 
 def audio_tokens_for_frames(frames: int, n_window: int) -> int:
@@ -68,6 +71,8 @@ class PromptInputs:
     #: negative digest of the part's content (:func:`~.prefix_cache.media_key`): prompts with
     #: equal keys up to a position have equal caches up to there. None: never reused.
     fingerprint: np.ndarray | None = None
+    #: Messages of the request (after its leading system message) its truncation left out.
+    dropped: int = 0
 
     @property
     def length(self) -> int:
@@ -112,10 +117,80 @@ class PromptBuilder:
         self.merge_size = merge_size
         self.max_audio_seconds = max_audio_seconds
         self._special = [t for t in tokenizer.get_added_vocab() if len(t) > 1]
+        #: Tokens of the images :meth:`length` has measured, by :func:`media_key` (oldest first).
+        self._image_counts: dict[int, int] = {}
+        self._image_counts_lock = threading.Lock()
 
     def build(self, messages: list[ContextMessage], tools: Sequence[ToolSpec] = ()) -> PromptInputs:
         if not messages:
             raise RequestRejected("the request has no messages")
+        ids, audios, images = self._render(messages, tools)
+        out = PromptInputs(input_ids=torch.empty(0))
+        audio_counts: list[int] = []
+        if audios:
+            audio_counts = self._audio_features(audios, out)
+        image_counts: list[int] = []
+        if images:
+            image_counts = self._image_features(images, out)
+        expanded: list[int] = []
+        keys: list[int] = []
+        a = i = 0
+        for tok in ids:
+            if tok == self.audio_token_id and audios:
+                if a >= len(audio_counts):
+                    raise RequestRejected("the prompt has more audio placeholders than audio parts")
+                expanded.extend([tok] * audio_counts[a])
+                keys.extend([media_key(audios[a].tobytes())] * audio_counts[a])
+                a += 1
+            elif tok == self.image_token_id and images:
+                if i >= len(image_counts):
+                    raise RequestRejected("the prompt has more image placeholders than image parts")
+                expanded.extend([tok] * image_counts[i])
+                keys.extend([media_key(images[i])] * image_counts[i])
+                i += 1
+            else:
+                expanded.append(tok)
+                keys.append(tok)
+        if a != len(audio_counts) or i != len(image_counts):
+            raise RequestRejected("the chat template dropped an audio or image part")
+        out.input_ids = torch.tensor([expanded], dtype=torch.long)
+        out.fingerprint = np.array(keys, dtype=np.int64)
+        out.audio_tokens = sum(audio_counts)
+        out.image_tokens = sum(image_counts)
+        return out
+
+    def length(self, messages: list[ContextMessage], tools: Sequence[ToolSpec] = ()) -> int:
+        """The tokens :meth:`build` makes of ``messages`` (none: the tools' part and the reply's
+        header alone), without its audio and image features: the audio parts' tokens from their
+        lengths, the images' from their patch grids (each image's count kept, by digest, for the
+        next call)."""
+        ids, audios, images = self._render(messages, tools)
+        expanded = len(ids) - len(audios) - len(images)
+        hop = int(self.feature_extractor.hop_length)
+        for pcm in audios:
+            frames = round(pcm.shape[0] * ENCODER_RATE / SAMPLE_RATE) // hop
+            expanded += audio_tokens_for_frames(frames, self.n_window)
+        for data in images:
+            expanded += self._image_tokens(data)
+        return expanded
+
+    def _image_tokens(self, data: bytes) -> int:
+        key = media_key(data)
+        with self._image_counts_lock:  # prompts are prepared on several threads
+            known = self._image_counts.get(key)
+        if known is not None:
+            return known
+        count = self._image_features([data], PromptInputs(torch.empty(0)))[0]
+        with self._image_counts_lock:
+            if len(self._image_counts) >= IMAGE_COUNTS_KEPT:
+                self._image_counts.pop(next(iter(self._image_counts)))
+            self._image_counts[key] = count
+        return count
+
+    def _render(
+        self, messages: list[ContextMessage], tools: Sequence[ToolSpec]
+    ) -> tuple[list[int], list[np.ndarray], list[bytes]]:
+        """The chat template's token ids (one pad per audio or image part) and the parts, in order."""
         chat: list[dict[str, Any]] = []
         audios: list[np.ndarray] = []
         images: list[bytes] = []
@@ -159,40 +234,7 @@ class PromptBuilder:
         except (TemplateError, TypeError, ValueError, KeyError) as exc:
             raise RequestRejected(f"the chat template cannot render this conversation: {exc}") from None
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-        out = PromptInputs(input_ids=torch.empty(0))
-        audio_counts: list[int] = []
-        if audios:
-            audio_counts = self._audio_features(audios, out)
-        image_counts: list[int] = []
-        if images:
-            image_counts = self._image_features(images, out)
-        expanded: list[int] = []
-        keys: list[int] = []
-        a = i = 0
-        for tok in ids:
-            if tok == self.audio_token_id and audios:
-                if a >= len(audio_counts):
-                    raise RequestRejected("the prompt has more audio placeholders than audio parts")
-                expanded.extend([tok] * audio_counts[a])
-                keys.extend([media_key(audios[a].tobytes())] * audio_counts[a])
-                a += 1
-            elif tok == self.image_token_id and images:
-                if i >= len(image_counts):
-                    raise RequestRejected("the prompt has more image placeholders than image parts")
-                expanded.extend([tok] * image_counts[i])
-                keys.extend([media_key(images[i])] * image_counts[i])
-                i += 1
-            else:
-                expanded.append(tok)
-                keys.append(tok)
-        if a != len(audio_counts) or i != len(image_counts):
-            raise RequestRejected("the chat template dropped an audio or image part")
-        out.input_ids = torch.tensor([expanded], dtype=torch.long)
-        out.fingerprint = np.array(keys, dtype=np.int64)
-        out.audio_tokens = sum(audio_counts)
-        out.image_tokens = sum(image_counts)
-        return out
+        return ids, audios, images
 
     def _check_text(self, text: str, allowed: tuple[str, ...] = (), what: str = "text parts") -> None:
         for special in self._special:

@@ -29,7 +29,7 @@ def test_serve_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     options = (
         "--model --load-format --host --port --api-key --max-sessions --voice-alias --device "
-        "--no-cuda-graphs --prefill-chunk --log-level --allowed-origin --metrics-host"
+        "--no-cuda-graphs --prefill-chunk --max-context --log-level --allowed-origin --metrics-host"
     )
     for option in options.split():
         assert option in out
@@ -61,6 +61,8 @@ def test_console_script_is_installed_and_answers_help() -> None:
         (["serve", "--metrics-host", "9100"], "expected HOST:PORT"),
         (["serve", "--prefill-chunk", "8"], "at least 16"),
         (["serve", "--prefill-chunk", "many"], "at least 16"),
+        (["serve", "--max-context", "63"], "at least 64"),
+        (["serve", "--max-context", "lots"], "not an integer"),
         (["serve", "--batch-slice-ms", "-1"], "expected whole milliseconds from 0 to 10000"),
         (["serve", "--batch-slice-ms", "2.5"], "expected whole milliseconds from 0 to 10000"),
         (["serve", "--metrics-host", "127.0.0.1:99999"], "expected HOST:PORT"),
@@ -184,8 +186,8 @@ def test_serve_passes_the_load_format_and_reports_a_bad_config(
 
 
 def test_serve_passes_the_prefill_chunk_to_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--prefill-chunk`` and ``--no-prefix-cache`` reach the pipeline builders (here one that
-    then refuses the model)."""
+    """``--prefill-chunk``, ``--max-context`` and ``--no-prefix-cache`` reach the pipeline builders
+    (here one that then refuses the model)."""
     import omnirt.stages.factory as factory
 
     seen: dict = {}
@@ -195,8 +197,10 @@ def test_serve_passes_the_prefill_chunk_to_the_pipelines(monkeypatch: pytest.Mon
         raise ValueError("no model here")
 
     monkeypatch.setattr(factory, "build_pipelines", refuse)
-    assert main(["serve", "--prefill-chunk", "128", "--no-prefix-cache", "--device", "cpu"]) == 1
-    assert seen["prefill_chunk"] == 128 and seen["prefix_cache"] is False
+    argv = ["serve", "--prefill-chunk", "128", "--max-context", "2048", "--no-prefix-cache"]
+    argv += ["--device", "cpu"]
+    assert main(argv) == 1
+    assert seen["prefill_chunk"] == 128 and seen["prefix_cache"] is False and seen["max_context"] == 2048
 
 
 def test_serve_passes_the_batch_slice_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -415,16 +415,26 @@ def test_models_and_metrics_show_the_duplex_model(dserver: DuplexServer) -> None
 
 
 def test_settings_the_model_cannot_follow_are_refused(dserver: DuplexServer) -> None:
-    """Text-only output and function tools: the duplex model always speaks and calls no tools, so
-    a session.update asking for either gets ``unsupported`` naming the field (the session keeps
-    what it had), instead of an echo that says text-only while audio keeps coming. ``["audio"]``,
-    no tools and a tool_choice alone are fine."""
+    """Text-only output, function tools, a reply length cap and a truncation other than ``auto``:
+    the duplex model always speaks, calls no tools, decides how long it speaks and lets its oldest
+    audio fall out of its window, so a session.update asking for any of them gets ``unsupported``
+    naming the field (the session keeps what it had), instead of an echo that says text-only while
+    audio keeps coming. ``["audio"]``, no tools, a tool_choice alone, ``max_output_tokens: inf``
+    and ``truncation: auto`` are fine."""
 
     async def main() -> tuple[list[dict], dict]:
         async with opened(dserver) as c:
             errors = []
             tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
-            for patch in ({"output_modalities": ["text"]}, {"tools": [tool]}):
+            ratio = {"type": "retention_ratio", "retention_ratio": 0.5}
+            patches = (
+                {"output_modalities": ["text"]},
+                {"tools": [tool]},
+                {"truncation": "disabled"},
+                {"truncation": ratio},
+                {"max_output_tokens": 100},
+            )
+            for patch in patches:
                 await c.send({"type": "session.update", "session": {"type": "realtime", **patch}})
                 errors.append(await c.error())
             await c.send(
@@ -435,6 +445,8 @@ def test_settings_the_model_cannot_follow_are_refused(dserver: DuplexServer) -> 
                         "output_modalities": ["audio"],
                         "tools": [],
                         "tool_choice": "auto",
+                        "truncation": "auto",
+                        "max_output_tokens": "inf",
                     },
                 }
             )
@@ -444,5 +456,9 @@ def test_settings_the_model_cannot_follow_are_refused(dserver: DuplexServer) -> 
     assert [(e["code"], e["param"]) for e in errors] == [
         ("unsupported", "session.output_modalities"),
         ("unsupported", "session.tools"),
+        ("unsupported", "session.truncation"),
+        ("unsupported", "session.truncation"),
+        ("unsupported", "session.max_output_tokens"),
     ]
     assert session["output_modalities"] == ["audio"] and session["tools"] == []
+    assert session["truncation"] == "auto"

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from omnirt.realtime.config import ServerConfig
 
-from .conftest import Server, connect, pcm_b64, png, run, running
+from .conftest import Server, connect, pcm_b64, png, run, running, text_item
 from .vad_helpers import vad_update
 
 
@@ -38,12 +38,16 @@ def image_item(size: int) -> dict[str, Any]:
 
 
 def test_images_per_session_and_image_bytes(limited: Server) -> None:
-    """Two images fit; a third gets image_limit_exceeded (param item); an image over 1000 bytes gets
-    image_limit_exceeded, in an item or in response.input; deleting an image frees its place. The
-    conversation is unchanged by each refusal."""
+    """With ``truncation: disabled``: two images fit; a third gets image_limit_exceeded (param
+    item); an image over 1000 bytes gets image_limit_exceeded, in an item or in response.input;
+    deleting an image frees its place. The conversation is unchanged by each refusal."""
 
     async def main() -> tuple[list[dict], list[str]]:
         async with connect(limited) as c:
+            await c.send(
+                {"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}}
+            )
+            await c.until("session.updated")
             errors = []
             for i in range(2):
                 await c.send(
@@ -85,6 +89,44 @@ def test_images_per_session_and_image_bytes(limited: Server) -> None:
     ]
     assert "2" in errors[0]["message"] and "1000" in errors[1]["message"]
     assert ids == ["item_retrieve_invalid_item_id", "img1", "img2"]
+
+
+def test_with_truncation_a_new_image_leaves_the_oldest_out_of_the_context(limited: Server) -> None:
+    """With truncation (``auto``, the default) a camera can send a frame every turn: past
+    ``max_images`` (2 here) each new image leaves the oldest messages, up to the oldest image, out
+    of the model's context, as a truncation would, instead of being refused; they stay in the
+    conversation. An image over the size limit is still refused."""
+
+    async def main() -> tuple[list[str], dict, dict]:
+        async with connect(limited, manual=True) as c:
+            types = []
+            for i in range(5):
+                await c.send(
+                    {"type": "conversation.item.create", "item": {**image_item(500), "id": f"cam{i}"}}
+                )
+                types.append((await c.recv())["type"])
+                await c.until("conversation.item.done")
+                await c.send(
+                    {"type": "conversation.item.create", "item": text_item(f"what now {i}?", f"ask{i}")}
+                )
+                await c.until("conversation.item.done")
+            await c.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+            await c.until("response.done")
+            await c.send({"type": "conversation.item.retrieve", "item_id": "cam0"})
+            oldest = (await c.until("conversation.item.retrieved"))[-1]
+            await c.send({"type": "conversation.item.create", "item": image_item(1001)})
+            return types, oldest, await c.error()
+
+    before = len(limited.pipeline.requests)
+    types, oldest, error = run(main())
+    assert types == ["conversation.item.added"] * 5
+    request = limited.pipeline.requests[before]
+    parts = [type(p).__name__ for m in request.messages for p in m.parts]
+    assert parts.count("ImagePart") == 2  # cam3 and cam4
+    texts = [p.text for m in request.messages for p in m.parts if type(p).__name__ == "TextPart"]
+    assert texts[0] == "what now 2?"  # everything up to cam2 left out, the rest kept
+    assert oldest["item"]["id"] == "cam0"
+    assert error["code"] == "image_limit_exceeded"
 
 
 def test_idle_connection_is_closed(limited: Server) -> None:

@@ -1,6 +1,8 @@
 """Text that cannot fit the model's context is refused before tokenising, with
-``context_length_exceeded``: an item alone or with the conversation's text, and a response's
-out-of-band input. The conversation is unchanged, and another session's turn runs on meanwhile."""
+``context_length_exceeded``: an item alone, and with ``truncation: disabled`` an item with the
+conversation's text and a response's out-of-band input. The conversation is unchanged, and
+another session's turn runs on meanwhile. (With truncation, the default, a conversation over the
+context leaves its oldest messages out instead: ``tests/e2e/test_truncation_demo.py``.)"""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ LIMIT = max_prompt_chars(4096)  # the echo pipeline's context
 def test_text_over_the_context_is_refused_and_the_conversation_kept(server: Server) -> None:
     async def main() -> tuple[list[dict], float, dict]:
         async with connect(server, manual=True) as c, connect(server, manual=True) as other:
+            await c.send(
+                {"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}}
+            )
+            await c.until("session.updated")
             errors = []
             t0 = time.perf_counter()
             await c.send({"type": "conversation.item.create", "item": text_item("x" * (LIMIT + 1))})

@@ -156,7 +156,7 @@ def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
         str(speech),
         {
             "device": "cpu", "max_slots": 32, "cuda_graphs": True, "prefill_chunk": 512, "prefix_cache": True,
-            "load_format": "dummy",
+            "load_format": "dummy", "max_context": None,
         },
     )
     assert recorder.calls[1:] == [
