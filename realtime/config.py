@@ -165,7 +165,9 @@ class ServerConfig:
     #: 0: the kernel's automatic sizing (which grows to megabytes even for a client that never reads).
     ws_send_buffer_bytes: int = 128 * 1024
     #: Realtime conversation caps: items held, and bytes held (text, audio, images); over
-    #: either, ``conversation.item.create`` and commits get ``conversation_limit_exceeded``.
+    #: either, ``conversation.item.create`` and commits get ``conversation_limit_exceeded``, except
+    #: that with truncation on the oldest items' audio and images are dropped to keep the bytes cap
+    #: (those items left out of the model's context; their text stays).
     max_conversation_items: int = 1000
     max_conversation_bytes: int = 64 * 1024 * 1024
     #: On shutdown (SIGTERM), how long realtime connections get to end their streaming responses

@@ -80,7 +80,7 @@ def _part(content: object) -> Part | None:
     if isinstance(content, InputAudio):
         return AudioPart(np.asarray(content.audio, dtype=np.float32)) if len(content.audio) else None
     if isinstance(content, InputImage):
-        return ImagePart(content.data)
+        return ImagePart(content.data) if content.data else None  # dropped: the bytes cap
     if isinstance(content, OutputAudio):
         return TextPart(content.transcript) if content.transcript else None
     return None

@@ -148,6 +148,35 @@ def item_bytes(item: Item) -> int:
     return len(item.output) + len(item.call_id)
 
 
+def media_bytes(item: Item) -> int:
+    """The bytes of audio and images an item holds: what :func:`drop_media` frees."""
+    if not isinstance(item, MessageItem):
+        return 0
+    total = 0
+    for part in item.content:
+        if isinstance(part, InputAudio):
+            total += part.audio.nbytes
+        elif isinstance(part, OutputAudio):
+            total += part.samples * 2
+        elif isinstance(part, InputImage):
+            total += len(part.data) + len(part.url)
+    return total
+
+
+def drop_media(item: Item) -> None:
+    """Drops an item's audio and images, keeping its text and transcripts (an old item the model
+    no longer sees: the conversation's bytes cap with truncation on)."""
+    if not isinstance(item, MessageItem):
+        return
+    for part in item.content:
+        if isinstance(part, InputAudio):
+            part.audio = np.zeros(0, dtype=np.float32)
+        elif isinstance(part, OutputAudio):
+            part.chunks, part.marks, part.samples, part.frozen = [], [], 0, True
+        elif isinstance(part, InputImage):
+            part.data, part.url = b"", ""
+
+
 def item_text_chars(item: Item) -> int:
     """Characters of text an item puts in a prompt (its text parts and transcripts; a call's
     name, arguments and output), for the context bound (:mod:`omnirt.stages.prompt_size`)."""

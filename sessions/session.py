@@ -54,8 +54,10 @@ from .items import (
     Item,
     MessageItem,
     OutputAudio,
+    drop_media,
     item_bytes,
     item_text_chars,
+    media_bytes,
 )
 from .playback import Playback
 from .response import Response, ResponseOptions, StatusReason
@@ -204,8 +206,9 @@ class RealtimeSession:
 
     def commit_audio(self) -> MessageItem:
         # float32 as stored: twice the buffer's PCM16 bytes.
-        self._check_room(1, 2 * self.input.held_bytes, None)
+        release = self._check_room(1, 2 * self.input.held_bytes, None)
         audio = self.input.commit()
+        self._release(release)
         item_id = self.turns.speech_item_id() or self.new_id("item")
         self.turns.reset()
         item = self._add_user_audio(item_id, audio)
@@ -272,10 +275,11 @@ class RealtimeSession:
         """Whether server VAD's turn fits the conversation caps; if not, the turn's audio is
         dropped and the client told (``conversation_limit_exceeded``), as a commit would be."""
         try:
-            self._check_room(1, audio.nbytes, None)
+            release = self._check_room(1, audio.nbytes, None)
         except SessionError as exc:
             self._emit(ErrorReported(exc.code, exc.message, exc.param, exc.type))
             return False
+        self._release(release)  # the turn is taken next
         return True
 
     def _respond_to_turn(self) -> None:
@@ -289,7 +293,7 @@ class RealtimeSession:
 
     # -- items -------------------------------------------------------------------------------
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
-        self._check_room(1, item_bytes(item), "item")
+        release = self._check_room(1, item_bytes(item), "item")
         self._check_text(item)
         leave = self._check_images([item], "item")
         self._check_call_outputs([("item.call_id", item)])
@@ -299,6 +303,7 @@ class RealtimeSession:
             self._check_sendable(ItemDone(item, None if before == ROOT else before), "item")
         previous = self.conversation.insert(item, previous_item_id)
         self.left_out.update(leave)
+        self._release(release)
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))
 
@@ -339,9 +344,13 @@ class RealtimeSession:
                     param,
                 )
 
-    def _check_room(self, items: int, size: int, param: str | None) -> None:
+    def _check_room(self, items: int, size: int, param: str | None) -> list[Item]:
         """The conversation caps (``max_items``, ``max_conversation_bytes``): raises
-        ``conversation_limit_exceeded`` when adding ``items`` holding ``size`` would pass one."""
+        ``conversation_limit_exceeded`` when adding ``items`` holding ``size`` would pass one.
+        With truncation on, the bytes cap is kept instead by dropping the audio and images of the
+        oldest items (out of the model's context already, or left out with everything before them,
+        as a truncation does), so a long spoken session goes on: the items to do that to once the
+        new ones are taken (:meth:`_release`)."""
         limits = self.limits
         held = len(self.conversation)
         if held + items > limits.max_items:
@@ -352,13 +361,43 @@ class RealtimeSession:
                 param,
             )
         held_bytes = self.conversation.bytes_held
-        if held_bytes + size > limits.max_conversation_bytes:
-            raise SessionError(
-                ErrorCode.CONVERSATION_LIMIT,
-                f"The conversation would hold {held_bytes + size} bytes of text, audio and images; "
-                f"this server's limit is {limits.max_conversation_bytes} (delete some items first).",
-                param,
-            )
+        over = held_bytes + size - limits.max_conversation_bytes
+        if over <= 0:
+            return []
+        release: list[Item] = []
+        if self.config.truncation != "disabled":
+            latest = next(reversed(self.playback.responses.values()), None)
+            playing = {item.id for item in latest.output} if latest is not None else set()
+            for item in self.conversation:
+                if item.status == "in_progress" or item.id in playing:
+                    break  # the reply being made or played: its audio is still cut by acks
+                freed = media_bytes(item)
+                if freed:
+                    release.append(item)
+                    over -= freed
+                    if over <= 0:
+                        return release
+        raise SessionError(
+            ErrorCode.CONVERSATION_LIMIT,
+            f"The conversation would hold {held_bytes + size} bytes of text, audio and images; "
+            f"this server's limit is {limits.max_conversation_bytes} (delete some items first).",
+            param,
+        )
+
+    def _release(self, items: list[Item]) -> None:
+        """Drops the audio and images of ``items`` (:meth:`_check_room`), which leaves them and every
+        item before them out of the model's context."""
+        if not items:
+            return
+        last = items[-1].id
+        for item in self.conversation:
+            self.left_out.add(item.id)
+            if item.id == last:
+                break
+        for item in items:
+            drop_media(item)
+        log.info("session %s: dropped the audio and images of %d old items (conversation bytes cap)",
+                 self.id, len(items))
 
     def _check_text(self, item: Item) -> None:
         """An item whose text cannot fit the model's context alone, or (with ``truncation``

@@ -327,6 +327,54 @@ def test_conversation_caps(capped: Server) -> None:
     assert len(ids) == 3
 
 
+@pytest.fixture(scope="module")
+def byte_capped() -> Iterator[Server]:
+    with running(ServerConfig(max_conversation_bytes=100_000)) as s:
+        yield s
+
+
+def test_with_truncation_old_audio_makes_room_for_a_long_spoken_session(byte_capped: Server) -> None:
+    """A bytes cap of 100 000 (two turns of 400 ms: float32 at 24 kHz, 38 400 bytes each): with
+    truncation (``auto``, the default) every further turn is taken, the oldest turns' audio
+    dropped and left out of the model's context (their items stay, retrievable); with
+    ``truncation: disabled`` the turn is refused as before, nothing dropped."""
+
+    async def main() -> tuple[list[str], dict, dict, dict]:
+        async with connect(byte_capped, manual=True) as c:
+            ids = []
+            for _ in range(4):
+                await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(400)})
+                await c.send({"type": "input_audio_buffer.commit"})
+                event = await c.recv()
+                assert event["type"] == "input_audio_buffer.committed", event
+                ids.append(event["item_id"])
+                await c.until("conversation.item.done")
+            await c.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+            await c.until("response.done")
+            await c.send({"type": "conversation.item.retrieve", "item_id": ids[0]})
+            oldest = (await c.until("conversation.item.retrieved"))[-1]
+            await c.send(
+                {"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}}
+            )
+            await c.until("session.updated")
+            await c.send({"type": "input_audio_buffer.append", "audio": pcm_b64(400)})
+            await c.send({"type": "input_audio_buffer.commit", "event_id": "evt_full"})
+            refused = await c.error()
+            await c.send({"type": "conversation.item.retrieve", "item_id": ids[-1]})
+            newest = (await c.until("conversation.item.retrieved"))[-1]
+            return ids, oldest, refused, newest
+
+    before = len(byte_capped.pipeline.requests)
+    ids, oldest, refused, newest = run(main())
+    assert len(ids) == 4
+    request = byte_capped.pipeline.requests[before]
+    audios = [p for m in request.messages for p in m.parts if type(p).__name__ == "AudioPart"]
+    assert len(audios) == 2  # two turns fit the cap: the two oldest were dropped
+    assert oldest["item"]["id"] == ids[0] and not oldest["item"]["content"][0].get("audio")
+    assert refused["code"] == "conversation_limit_exceeded" and refused["event_id"] == "evt_full"
+    assert newest["item"]["content"][0]["audio"]  # the kept turns keep their audio
+
+
 # -- graceful shutdown -----------------------------------------------------------------------
 def test_shutdown_ends_the_streaming_response_before_closing_with_1012() -> None:
     """The server stopped as SIGTERM stops it, mid-response: the client gets response.done
