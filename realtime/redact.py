@@ -1,9 +1,11 @@
-"""What the server's internals may not show a client: memory addresses and filesystem paths.
+"""What the server's internals may not show a client: memory addresses and filesystem paths; and
+how long an error's message may be.
 
 Exception text reaches clients in error messages (a decoder's ``str(exc)`` often carries a repr
 such as ``<_io.BytesIO object at 0x7f...>``, a loader's a path under the operator's home);
 :func:`public_message` scrubs both at the edge, where an error becomes an HTTP body or a realtime
-event, so no layer below has to remember to. The full text stays in the server's log.
+event, so no layer below has to remember to, and elides the middle of a message that quotes a
+long client value (:data:`MAX_ERROR_MESSAGE`). The full text stays in the server's log.
 """
 
 from __future__ import annotations
@@ -22,12 +24,28 @@ _POSIX_PATH = re.compile(r"(?<![\w:/.~#-])(?:~|/(?!/|v1/))[\w.@+-]*(?:/[\w.@+-]+
 _WINDOWS_PATH = re.compile(r"\b[A-Za-z]:\\[^\s'\",;]+")
 
 
+#: An error's message quotes what the client sent (an unknown id, a value, a field name); past
+#: this length the quote is elided in the middle, so that an error stays small (and, on a
+#: realtime connection, fits a frame and stays the error it is).
+MAX_ERROR_MESSAGE = 4096
+
+
+def elide(text: str, limit: int) -> str:
+    """``text`` with its middle replaced by a marker when it is longer than ``limit`` characters
+    (both ends kept: a message's quote is in the middle, its explanation at the end)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}...({len(text) - 2 * half} characters elided)...{text[-half:]}"
+
+
 def public_message(text: str) -> str:
-    """``text`` without memory addresses or filesystem paths (each replaced by a placeholder)."""
+    """``text`` without memory addresses or filesystem paths (each replaced by a placeholder),
+    at most :data:`MAX_ERROR_MESSAGE` characters long (:func:`elide`)."""
     text = _REPR.sub("<object>", text)
     text = _ADDRESS.sub("<address>", text)
     text = _WINDOWS_PATH.sub("<path>", text)
-    return _POSIX_PATH.sub("<path>", text)
+    return elide(_POSIX_PATH.sub("<path>", text), MAX_ERROR_MESSAGE)
 
 
 def public_source(source: str) -> str:

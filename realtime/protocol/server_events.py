@@ -13,7 +13,7 @@ from omnirt.sessions.config import SessionConfig
 from omnirt.sessions.response import Response
 from omnirt.stages.types import Usage
 
-from ..redact import public_message
+from ..redact import elide, public_message
 from .items import item_to_wire
 
 #: Every server frame stays under this (older SDKs close with 1009 above 1 MiB).
@@ -101,23 +101,13 @@ def response_to_wire(r: Response) -> dict[str, Any]:
     }
 
 
-#: An error's message and param quote what the client sent (an unknown id or event type, a field
-#: name); past these lengths the quote is elided in the middle, so that the error always fits a
-#: frame and stays the error it is (not a bare ``server_error`` for a frame too large to send).
-MAX_ERROR_MESSAGE = 4096
+#: An error's param quotes what the client sent (a field name); past this length it is elided in
+#: the middle, as a message is past :data:`~..redact.MAX_ERROR_MESSAGE`, so that the error always
+#: fits a frame and stays the error it is (not a bare ``server_error`` for a frame too large).
 MAX_ERROR_PARAM = 256
 #: Longest client ``event_id`` echoed in an error (6 bytes a character at worst, once escaped); a
 #: longer one is left out (null), and the message says so.
 MAX_ECHOED_EVENT_ID = 64 * 1024
-
-
-def elide(text: str, limit: int) -> str:
-    """``text`` with its middle replaced by a marker when it is longer than ``limit`` characters
-    (both ends kept: a message's quote is in the middle, its explanation at the end)."""
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}...({len(text) - 2 * half} characters elided)...{text[-half:]}"
 
 
 def error_event(
@@ -129,7 +119,7 @@ def error_event(
     client_event_id: str | None = None,
     type: str = "invalid_request_error",
 ) -> dict[str, Any]:
-    message = elide(public_message(message), MAX_ERROR_MESSAGE)
+    message = public_message(message)
     if client_event_id is not None and len(client_event_id) > MAX_ECHOED_EVENT_ID:
         message += f" (The event's event_id, of {len(client_event_id)} characters, is too long to echo.)"
         client_event_id = None

@@ -308,6 +308,17 @@ def test_wrong_model_is_404_model_not_found(server: Server) -> None:
     run(go())
 
 
+def test_a_huge_quoted_value_is_elided_in_the_message(server: Server) -> None:
+    """An error that quotes what the client sent stays small: a model name of 200 000 characters
+    comes back with its middle elided (as a realtime error's does), the explanation kept."""
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json={"model": "m" * 200_000, "messages": user("x")})
+    assert response.status_code == 404
+    message = response.json()["error"]["message"]
+    assert len(message) < 4200 and "characters elided" in message
+    assert message.startswith("The model `mmm") and message.endswith("do not have access to it.")
+
+
 def test_unknown_url_404_and_wrong_method_405_are_json(server: Server) -> None:
     with server.http() as http:
         missing = http.get("/v1/nothing-here")
