@@ -46,10 +46,16 @@ class DemoServer:
 
 
 @contextlib.contextmanager
-def running_demo(tmp_path_factory: pytest.TempPathFactory, *, max_output_tokens: int) -> Iterator[DemoServer]:
+def running_demo(
+    tmp_path_factory: pytest.TempPathFactory,
+    *,
+    max_output_tokens: int,
+    max_slots: int = 4,
+    max_context: int | None = None,
+) -> Iterator[DemoServer]:
     mp = pytest.MonkeyPatch()
     mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
-    pipeline = build_pipeline(None, device="cpu", max_slots=4)
+    pipeline = build_pipeline(None, device="cpu", max_slots=max_slots, max_context=max_context)
     engine = Engine(pipeline)
     app = create_app(EngineClient(engine), ServerConfig(max_output_tokens=max_output_tokens))
     try:

@@ -16,15 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from omnirt.realtime.app import create_app
-from omnirt.realtime.config import ServerConfig
-from omnirt.stages.engine import Engine, EngineClient
-from omnirt.stages.factory import build_pipeline
 
 from tests.realtime.conftest import connect, run, text_item
-from tests.server import serve
 
-from .test_demo_server import DemoServer
+from .test_demo_server import DemoServer, running_demo
 
 CONTEXT = 512
 MAX_OUTPUT = 8
@@ -34,16 +29,8 @@ TEXT_ONLY = {"output_modalities": ["text"]}
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoServer]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("OMNIRT_CACHE", str(tmp_path_factory.mktemp("cache")))
-    pipeline = build_pipeline(None, device="cpu", max_slots=2, max_context=CONTEXT)
-    engine = Engine(pipeline)
-    app = create_app(EngineClient(engine), ServerConfig(max_output_tokens=MAX_OUTPUT))
-    try:
-        with serve(app) as base_url:
-            yield DemoServer(base_url, engine)
-    finally:
-        mp.undo()
+    with running_demo(tmp_path_factory, max_output_tokens=MAX_OUTPUT, max_slots=2, max_context=CONTEXT) as s:
+        yield s
 
 
 def exchange(i: int) -> list[dict[str, Any]]:
@@ -72,6 +59,18 @@ async def respond(c) -> dict[str, Any]:
     return (await c.until("response.done", timeout=120))[-1]["response"]
 
 
+async def two_turns_over_the_context(c) -> tuple[dict[str, Any], dict[str, Any]]:
+    """16 exchanges (about 640 tokens, over the 504 a prompt may hold), a question and its
+    response; then one more question and its response."""
+    await fill(c, 16)
+    responses = []
+    for question in ("And the last one?", "One more?"):
+        await c.send({"type": "conversation.item.create", "item": text_item(question)})
+        await c.until("conversation.item.done")
+        responses.append(await respond(c))
+    return responses[0], responses[1]
+
+
 def test_auto_truncation_answers_from_the_newest_messages_and_keeps_every_item(demo: DemoServer) -> None:
     async def main() -> tuple[dict, dict, dict, dict]:
         async with connect(demo, manual=True) as c:  # type: ignore[arg-type]
@@ -79,13 +78,7 @@ def test_auto_truncation_answers_from_the_newest_messages_and_keeps_every_item(d
                 {"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}}
             )
             updated = (await c.until("session.updated"))[-1]["session"]
-            await fill(c, 16)
-            await c.send({"type": "conversation.item.create", "item": text_item("And the last one?")})
-            await c.until("conversation.item.done")
-            first = await respond(c)
-            await c.send({"type": "conversation.item.create", "item": text_item("One more?")})
-            await c.until("conversation.item.done")
-            second = await respond(c)
+            first, second = await two_turns_over_the_context(c)
             await c.send({"type": "conversation.item.retrieve", "item_id": "q0"})
             oldest = (await c.until("conversation.item.retrieved"))[-1]
             return updated, first, second, oldest
@@ -106,13 +99,7 @@ def test_a_retention_ratio_truncates_once_and_the_next_turn_reuses_the_cache(dem
                 {"type": "session.update", "session": {"type": "realtime", "truncation": truncation}}
             )
             updated = (await c.until("session.updated"))[-1]["session"]
-            await fill(c, 16)
-            await c.send({"type": "conversation.item.create", "item": text_item("And the last one?")})
-            await c.until("conversation.item.done")
-            first = await respond(c)
-            await c.send({"type": "conversation.item.create", "item": text_item("One more?")})
-            await c.until("conversation.item.done")
-            second = await respond(c)
+            first, second = await two_turns_over_the_context(c)
             return updated, first, second
 
     updated, first, second = run(main())
