@@ -457,14 +457,18 @@ class SpeechPipeline:
         self, request: GenerationRequest, truncation: Truncation, messages: list[ContextMessage], length: int
     ) -> tuple[list[ContextMessage], int]:
         """A truncation's second pass: ``messages`` (whose prompt is ``length`` tokens) less the oldest
-        the rule leaves out, and how many. A prompt that fits costs one more rendering of the head
-        alone; one that does not, a rendering (no audio or image features) per bisection step."""
+        the rule leaves out, and how many. A prompt that fits costs nothing more (with
+        ``post_instructions``, a rendering of the head alone); one that does not, a rendering (no
+        audio or image features) per bisection step."""
+        room = reply_room(self.max_context, request.max_output_tokens)
+        if truncation.post_instructions is None and length <= self.max_context - room:
+            return messages, 0  # fits: the common case, no more rendering
         head, conversation = split_head(messages)
         tools = request.tools
         # The head's tokens with the reply's header (no instructions: an empty system message
         # stands for the header and the tools, a few tokens over).
         head_tokens = self.prompts.length(head or [ContextMessage("system", (TextPart(""),))], tools)
-        available = self.max_context - reply_room(self.max_context, request.max_output_tokens) - head_tokens
+        available = self.max_context - room - head_tokens
         budget = conversation_budget(truncation, available)
         if length - head_tokens <= budget or budget <= 0:
             return messages, 0  # fits (or cannot: refused below when over the context)
