@@ -1,0 +1,31 @@
+"""``benchmarks/long_session.py`` at a tiny size (the embedded model on CPU, a context of 384
+tokens, 10 turns of 2 s): with truncation disabled the conversation's turns start failing once
+it is over the context; with ``auto`` and a retention ratio every turn is answered, and the ratio
+reads less of each prompt anew than ``auto`` does (its prefix stays in the cache)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.scripts import BENCHMARKS
+
+
+def test_truncation_keeps_a_long_session_going() -> None:
+    argv = ["--turns", "10", "--audio-seconds", "2", "--max-context", "384", "--max-output-tokens", "8"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "long_session.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in ("disabled", "auto", "retention 0.6"):
+            rows[cells[0]] = cells
+    disabled_done, disabled_failed = (int(n) for n in rows["disabled"][1].split(" / "))
+    assert disabled_failed > 0 and disabled_done + disabled_failed == 10
+    assert rows["auto"][1] == "10 / 0" and rows["retention 0.6"][1] == "10 / 0"
+    assert int(rows["retention 0.6"][4]) < int(rows["auto"][4])  # mean read, last half
