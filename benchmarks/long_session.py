@@ -13,8 +13,9 @@ setting:
 - **mean prompt / mean read** (tokens): ``usage.input_tokens`` and the part of it not from the
   prefix cache (``input_tokens - cached_tokens``), over the last half of the turns (a full
   conversation, past the context with ``--turns`` long enough): what each turn costs the
-  prefill. With ``auto`` a full conversation truncates at every turn, and its prompt no longer
-  starts as the turn before's did; a retention ratio truncates once every few turns;
+  prefill. Leaving out just enough (``retention_ratio`` 1.0, OpenAI's ``auto``) truncates a full
+  conversation at every turn, and its prompt no longer starts as the turn before's did; a lower
+  ratio (``auto`` here is 0.8) truncates once every few turns;
 - **first audio p50** (ms): commit to the first ``response.output_audio.delta``, same turns.
 
 Each setting's session speaks other audio (no prefix of one session is in the cache for another).
@@ -46,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.server
 
 SETTINGS: dict[str, Any] = {
     "disabled": "disabled",
-    "auto": "auto",
+    "auto": "auto",  # a retention ratio of 0.8 (sessions.context.AUTO_RETENTION)
+    "retention 1.0": {"type": "retention_ratio", "retention_ratio": 1.0},  # just enough: OpenAI's auto
     "retention 0.6": {"type": "retention_ratio", "retention_ratio": 0.6},
 }
 

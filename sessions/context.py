@@ -86,15 +86,22 @@ def _part(content: object) -> Part | None:
     return None
 
 
+#: The retention ratio of ``truncation: auto``: a full conversation is cut to 80% of its room, so
+#: the next turns fit without cutting again and read their prompt's start from the prefix cache
+#: (OpenAI's ``auto`` leaves out just enough, and a full conversation is then cut, and read anew,
+#: at every turn: ``retention_ratio`` 1.0 does that here).
+AUTO_RETENTION = 0.8
+
+
 def stage_truncation(setting: str | dict[str, Any]) -> Truncation | None:
     """``session.truncation`` as the engine takes it: ``disabled`` is None (a context that does
-    not fit fails the response); ``auto`` leaves out just enough of the oldest messages; a
-    retention ratio leaves out enough for the rest to hold that share of the room (and bounds
-    the conversation by ``token_limits.post_instructions`` when given)."""
+    not fit fails the response); ``auto`` is a retention ratio of :data:`AUTO_RETENTION`; a
+    retention ratio leaves out enough of the oldest messages for the rest to hold that share of
+    the room (and bounds the conversation by ``token_limits.post_instructions`` when given)."""
     if setting == "disabled":
         return None
     if setting == "auto":
-        return Truncation()
+        return Truncation(retention_ratio=AUTO_RETENTION)
     assert isinstance(setting, dict)
     limits = setting.get("token_limits") or {}
     return Truncation(

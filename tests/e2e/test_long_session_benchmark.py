@@ -1,7 +1,8 @@
 """``benchmarks/long_session.py`` at a tiny size (the embedded model on CPU, a context of 384
 tokens, 10 turns of 2 s): with truncation disabled the conversation's turns start failing once
-it is over the context; with ``auto`` and a retention ratio every turn is answered, and the ratio
-reads less of each prompt anew than ``auto`` does (its prefix stays in the cache)."""
+it is over the context; with every truncating setting every turn is answered, and ``auto`` (a
+retention ratio of 0.8) reads less of each prompt anew than leaving out just enough (ratio 1.0)
+does: its prefix stays in the cache."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def test_truncation_keeps_a_long_session_going() -> None:
     rows = {}
     for line in done.stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and cells[0] in ("disabled", "auto", "retention 0.6"):
+        if line.startswith("| ") and cells[0] in ("disabled", "auto", "retention 1.0", "retention 0.6"):
             rows[cells[0]] = cells
     disabled_done, disabled_failed = (int(n) for n in rows["disabled"][1].split(" / "))
     assert disabled_failed > 0 and disabled_done + disabled_failed == 10
-    assert rows["auto"][1] == "10 / 0" and rows["retention 0.6"][1] == "10 / 0"
-    assert int(rows["retention 0.6"][4]) < int(rows["auto"][4])  # mean read, last half
+    assert rows["auto"][1] == rows["retention 1.0"][1] == rows["retention 0.6"][1] == "10 / 0"
+    assert int(rows["auto"][4]) < int(rows["retention 1.0"][4])  # mean read, last half
