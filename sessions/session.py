@@ -295,14 +295,14 @@ class RealtimeSession:
     def create_item(self, item: Item, previous_item_id: str | None = None) -> None:
         release = self._check_room(1, item_bytes(item), "item")
         self._check_text(item)
-        leave = self._check_images([item], "item")
+        through = self._check_images([item], "item")
         self._check_call_outputs([("item.call_id", item)])
         if self._check_sendable is not None:
             self.conversation.check_insert(item.id, previous_item_id)
             before = self.conversation.last_id if previous_item_id is None else previous_item_id
             self._check_sendable(ItemDone(item, None if before == ROOT else before), "item")
         previous = self.conversation.insert(item, previous_item_id)
-        self.left_out.update(leave)
+        self._leave_out_through(through)
         self._release(release)
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))
@@ -389,15 +389,14 @@ class RealtimeSession:
         item before them out of the model's context."""
         if not items:
             return
-        last = items[-1].id
-        for item in self.conversation:
-            self.left_out.add(item.id)
-            if item.id == last:
-                break
+        self._leave_out_through(items[-1].id)
         for item in items:
             drop_media(item)
-        log.info("session %s: dropped the audio and images of %d old items (conversation bytes cap)",
-                 self.id, len(items))
+        log.info(
+            "session %s: dropped the audio and images of %d old items (conversation bytes cap)",
+            self.id,
+            len(items),
+        )
 
     def _check_text(self, item: Item) -> None:
         """An item whose text cannot fit the model's context alone, or (with ``truncation``
@@ -424,11 +423,22 @@ class RealtimeSession:
                 "item",
             )
 
-    def _check_images(self, items: Iterable[Item], param: str) -> list[str]:
+    def _leave_out_through(self, item_id: str | None) -> None:
+        """Leaves the conversation's items up to ``item_id`` (included) out of the model's context,
+        as a response's truncation leaves its oldest messages out."""
+        if item_id is None:
+            return
+        for item in self.conversation:
+            self.left_out.add(item.id)
+            if item.id == item_id:
+                return
+
+    def _check_images(self, items: Iterable[Item], param: str) -> str | None:
         """Refuses an image over the size limit or unreadable, and images over ``max_images`` in
         the model's context. With truncation on, the oldest messages are left out of the context
         instead (up to the oldest holding images, enough of them for the new ones: a camera that
-        sends a frame each turn goes on): the ids to leave out once the items are taken."""
+        sends a frame each turn goes on): the last item to leave out once the items are taken
+        (:meth:`_leave_out_through`)."""
         new = _images(items)
         for image in new:
             if len(image.data) > self.limits.max_image_bytes:
@@ -444,14 +454,12 @@ class RealtimeSession:
         in_context = [item for item in self.conversation if item.id not in self.left_out]
         over = len(_images(in_context)) + len(new) - self.limits.max_images
         if not new or over <= 0:
-            return []
-        leave: list[str] = []
+            return None
         if self.config.truncation != "disabled" and len(new) <= self.limits.max_images:
             for item in in_context:
-                leave.append(item.id)
                 over -= len(_images([item]))
                 if over <= 0:
-                    return leave
+                    return item.id
         raise SessionError(
             ErrorCode.IMAGE_LIMIT,
             f"The conversation would hold {len(_images(in_context)) + len(new)} images; this server "
