@@ -451,9 +451,11 @@ class RealtimeSession:
             problem = image_problem(image.data)
             if problem is not None:  # refused now, not in every later response that would hold it
                 raise SessionError(ErrorCode.INVALID_VALUE, f"The image could not be read: {problem}", param)
+        if not new:
+            return None
         in_context = [item for item in self.conversation if item.id not in self.left_out]
         over = len(_images(in_context)) + len(new) - self.limits.max_images
-        if not new or over <= 0:
+        if over <= 0:
             return None
         if self.config.truncation != "disabled" and len(new) <= self.limits.max_images:
             for item in in_context:

@@ -35,7 +35,7 @@ def first_kept(
     as ``k`` grows). 0 when the whole fits ``budget``; else the fewest oldest messages are left out
     for the rest to hold at most ``retention_ratio * budget`` (found by bisection: ``held`` is
     asked about ``log2(count)`` times), then the start moves on past any message that answers one
-    before it (``answers``: a tool result), but never past the last message, which is kept when it
+    before it (``answers``: a reply, a tool's result), but never past the last message, which is kept when it
     fits ``budget`` alone. None: the last message alone is over ``budget``."""
     if len(answers) != count:
         raise ValueError("answers must say, for each of the count messages, whether it answers one before")
