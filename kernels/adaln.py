@@ -60,9 +60,10 @@ LOAD = "items"
 #: (:func:`even_combine_coefficient`) and the kernel may take it instead of dividing at each of the
 #: tree's 7 levels (the same bits; ``"known"``) or divide as ATen does (``"divide"``). Under the
 #: interpreter Triton's reduction folds in order (unequal counts), so there ``"known"`` applies to
-#: the explicit tree (``tree="split"``) only. ``"divide"`` until the GPU has measured ``"known"``
-#: (its SASS at 1536 wide: 592 instructions against 704, docs/benchmarks.md).
-COMBINE = "divide"
+#: the explicit tree (``tree="split"``) only. ``"known"`` since the GPU measured it (an H100,
+#: 2026-12-05: bitwise equal to eager in the GPU tests and ``benchmarks/kernels.py --variants``,
+#: 0.073 against 0.080 ms at Wan 1.3B 480p; docs/benchmarks.md).
+COMBINE = "known"
 _COMBINES = ("divide", "known")
 #: Whether ``exact`` is bitwise equal to eager on the GPU tests' shapes (measured on the H200,
 #: without a LayerNorm weight and bias, as Wan's norm1/norm3); the dispatcher's ``auto`` setting
