@@ -14,8 +14,10 @@ random weights) and times, with ``torch.cuda.synchronize()`` around each call:
 * for each batch size B, the decode steps of B busy slots (each with ``--cached`` tokens of
   KV): the thinker token step and the talker frame step (code predictor's 15 groups, talker
   decode, sampling), graphed and eager (``use_graphs(False)``) in the same run, and one
-  code2wav vocoder step for B streams; their sum is the floor of a tick in which B sessions
-  speak (no prefill, no host work).
+  code2wav vocoder step for B streams, of one frame each and of a chunk each (the vocoder decodes
+  a chunk a step: ``code2wav`` is that step's share of a tick, its time over the chunk's frames);
+  the thinker, talker and that share sum to the floor of a tick in which B sessions speak (no
+  prefill, no host work).
 
 Prints a markdown table (median of ``--iters`` calls; eager: of ``--eager-iters``) and the
 start-up time (load + graph capture; ``--compile-report``: the start-up's Triton compiles by
@@ -97,22 +99,46 @@ def _measure(
         row[f"thinker {mode}"] = _timed(thinker, device, iters)
         row[f"talker {mode}"] = _timed(talker, device, iters)
     pipe.use_graphs(True)
+    row.update(_vocoder_steps(pipe, busy, device, args.iters))
+    row["tick floor graphs"] = row["thinker graphs"] + row["talker graphs"] + row["code2wav"]
+    return row
+
+
+def _vocoder_steps(pipe, busy: list[int], device: torch.device, iters: int) -> dict[str, float]:
+    """The code2wav step of ``busy`` streams: one frame each (what the vocoder ran every tick
+    before 2026-12-05; its graphs captured here as the baseline) and a chunk each (what it runs
+    now, once a chunk); ``code2wav``: a tick's share, the chunk's step over its frames."""
+    from functools import partial
+
+    from omnirt.stages.graphs import CudaGraphRunner
+
     vocoder = pipe.vocoder
+    streamer = getattr(vocoder, "streamer", None)
+    if streamer is None:  # the chunked vocoder: no steps of its own to time
+        return {"code2wav 1 frame": float("nan"), "code2wav chunk": float("nan"), "code2wav": float("nan")}
     keys = [f"v{i}" for i in busy]
     for k in keys:
         vocoder.open(k)
-    frame = torch.zeros(pipe.talker.num_groups, dtype=torch.long)
-
-    def code2wav() -> None:
-        for k in keys:
-            vocoder.push(k, frame)
-        vocoder.pull(())
-
-    row["code2wav"] = _timed(code2wav, device, args.iters)
+    slots = [vocoder._slot[k] for k in keys]
+    step_buckets, runners = list(streamer.step_buckets), dict(streamer.runners)
+    if runners and 1 not in runners:  # graphed: the one-frame step's graphs too
+        pool = streamer.pool
+        runner = CudaGraphRunner(
+            pool.step_io, partial(pool.make_inputs, steps=1), buckets=streamer.buckets, clone_outputs=False
+        )
+        runner.capture()
+        streamer.runners[1] = runner
+    streamer.step_buckets = sorted({1, *step_buckets})
+    chunk = vocoder.chunk
+    out = {}
+    for name, n in (("code2wav 1 frame", 1), ("code2wav chunk", chunk)):
+        codes = torch.zeros(n, pipe.talker.num_groups, dtype=torch.long)
+        out[name] = _timed(lambda codes=codes: streamer.step(dict.fromkeys(slots, codes)), device, iters)
+    out["code2wav"] = out["code2wav chunk"] / chunk
+    streamer.step_buckets, streamer.runners = step_buckets, runners
     for k in keys:
         vocoder.close(k)
-    row["tick floor graphs"] = row["thinker graphs"] + row["talker graphs"] + row["code2wav"]
-    return row
+    return out
 
 
 def _profile_steps(pipe, batch: int, device: torch.device, top: int) -> str:
@@ -530,7 +556,8 @@ def main() -> None:
         print()
     print(f"- decode steps with {args.cached} cached tokens per slot; median of {args.iters} (eager: "
           f"{args.eager_iters}) calls\n")
-    cols = ["thinker graphs", "thinker eager", "talker graphs", "talker eager", "code2wav"]
+    cols = ["thinker graphs", "thinker eager", "talker graphs", "talker eager", "code2wav 1 frame",
+            "code2wav chunk", "code2wav"]
     cols.append("tick floor graphs")
     if args.kernels_baseline:
         cols += ["thinker graphs, kernels off", "talker graphs, kernels off"]

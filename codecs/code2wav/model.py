@@ -219,8 +219,6 @@ class Code2WavModel(nn.Module):
             delay = (prev.delay + up.lookahead) * up.stride
             geometry.append(StreamGeometry(prev.per_frame * up.stride, delay))
         self.block_geometry: tuple[StreamGeometry, ...] = tuple(geometry)
-        # 0 .. per_frame - 1 of the widest geometry (the output); narrower ones use a prefix.
-        self.sample_offsets = nn.Buffer(torch.arange(geometry[-1].per_frame), persistent=False)
 
     @property
     def decoder_blocks(self) -> list[DecoderBlock]:
@@ -276,7 +274,6 @@ class Code2WavModel(nn.Module):
         self.code_offset = nn.Buffer(
             torch.arange(cfg.num_quantizers, device=device) * cfg.codebook_size, persistent=False
         )
-        self.sample_offsets = nn.Buffer(torch.arange(self.samples_per_frame, device=device), persistent=False)
         t = self.pre_transformer
         t.inv_freq = nn.Buffer(rope_inv_freq(t.rope_theta, t.head_dim, device), persistent=False)
         t.ring_index = nn.Buffer(torch.arange(t.sliding_window, device=device), persistent=False)

@@ -12,16 +12,17 @@ from .step import code2wav_step
 
 
 class Code2WavPool:
-    """``max_slots`` streams decoded together, one frame per executing row per step.
+    """``max_slots`` streams decoded together, up to ``steps`` frames per row per step.
 
     The pool moves ``model`` to ``device`` / ``dtype`` (RoPE frequencies stay float32) and
     holds the per-stream ``state`` (see :mod:`.state`). Three forms of the same step:
 
-    - :meth:`step`: codes and exec mask for the whole pool;
+    - :meth:`step`: codes and frame counts for the whole pool;
     - :meth:`step_io`: the form ``stages/graphs.py``'s ``CudaGraphRunner`` captures, a dict
-      ``{"codes": [b, num_quantizers] int64, "exec_mask": [b] bool}`` for slots ``0..b-1``
+      ``{"codes": [b, steps, num_quantizers] int64, "counts": [b] int64}`` for slots ``0..b-1``
       (state rows ``[:b]`` are views, so their addresses never change) returning
-      ``{"wav": [b, samples_per_frame]}``; :meth:`make_inputs` gives its idle example inputs;
+      ``{"wav": [b, steps * samples_per_frame]}``; :meth:`make_inputs` gives its idle example
+      inputs (a runner per ``steps``: the per-row shape of ``codes`` is part of a graph);
     - :meth:`step_rows`: only the given slots, their state rows gathered and written back (eager).
 
     None of them validates codes: callers do (see :class:`.streamer.Code2WavStreamer`).
@@ -54,35 +55,34 @@ class Code2WavPool:
         slots out of range or equal."""
         move_row(self.state.values(), source, target, self.max_slots, "code2wav slot")
 
-    @torch.no_grad()
-    def step(self, codes: Tensor, exec_mask: Tensor) -> Tensor:
-        """One frame for every row of ``exec_mask``; ``[max_slots, samples_per_frame]`` out."""
-        return code2wav_step(self.model, self.state, codes, exec_mask)
+    def step(self, codes: Tensor, counts: Tensor) -> Tensor:
+        """``counts[r]`` frames of ``codes[r]`` for every row of the pool; ``[max_slots, steps *
+        samples_per_frame]`` out."""
+        return code2wav_step(self.model, self.state, codes, counts)
 
-    @torch.no_grad()
-    def step_rows(self, rows: list[int], codes: Tensor) -> Tensor:
-        """One frame for each slot of ``rows`` (distinct, ascending) and no other: their state rows
-        are gathered into a batch of ``len(rows)``, stepped, and written back; ``[len(rows),
-        samples_per_frame]`` out. The eager form: it costs the streams that have a frame whatever
-        slots they hold, but allocates per call (not for CUDA graphs)."""
+    def step_rows(self, rows: list[int], codes: Tensor, counts: Tensor) -> Tensor:
+        """:meth:`step` for the slots of ``rows`` (distinct, ascending) and no other: their state
+        rows are gathered into a batch of ``len(rows)``, stepped, and written back; ``[len(rows),
+        steps * samples_per_frame]`` out. The eager form: it costs the streams that have frames
+        whatever slots they hold, but allocates per call (not for CUDA graphs)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         state = {name: tensor.index_select(0, index) for name, tensor in self.state.items()}
-        every = torch.ones(len(rows), dtype=torch.bool, device=self.device)
-        wav = code2wav_step(self.model, state, codes, every)
+        wav = code2wav_step(self.model, state, codes, counts)
         for name, tensor in self.state.items():
             tensor.index_copy_(0, index, state[name])
         return wav
 
-    @torch.no_grad()
     def step_io(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`step` for slots ``0..b-1``, over and into dicts of tensors (see the class doc)."""
         rows = inputs["codes"].shape[0]
         state = {name: tensor[:rows] for name, tensor in self.state.items()}
-        return {"wav": code2wav_step(self.model, state, inputs["codes"], inputs["exec_mask"])}
+        return {"wav": code2wav_step(self.model, state, inputs["codes"], inputs["counts"])}
 
-    def make_inputs(self, batch: int) -> dict[str, Tensor]:
-        """Inputs for ``batch`` slots with every row idle: stepping them changes no state."""
+    def make_inputs(self, batch: int, steps: int = 1) -> dict[str, Tensor]:
+        """Inputs for ``batch`` slots of ``steps`` frames with every row idle: stepping them
+        changes no state."""
+        q = self.model.num_quantizers
         return {
-            "codes": torch.zeros(batch, self.model.num_quantizers, dtype=torch.int64, device=self.device),
-            "exec_mask": torch.zeros(batch, dtype=torch.bool, device=self.device),
+            "codes": torch.zeros(batch, steps, q, dtype=torch.int64, device=self.device),
+            "counts": torch.zeros(batch, dtype=torch.int64, device=self.device),
         }

@@ -46,7 +46,12 @@ def _continue(streamer: Code2WavStreamer, slots: list[int]) -> dict[int, np.ndar
 BAD_STEPS: dict[str, tuple[Callable[[int], dict], str]] = {
     "too few codebooks": (lambda s: {s: torch.zeros(3, dtype=torch.long)}, "expects 4 codebooks"),
     "too many codebooks": (lambda s: {s: torch.zeros(5, dtype=torch.long)}, "expects 4 codebooks"),
-    "a [1, 4] frame": (lambda s: {s: torch.zeros(1, 4, dtype=torch.long)}, "expects 4 codebooks"),
+    "no frames": (lambda s: {s: torch.zeros(0, 4, dtype=torch.long)}, "expects 4 codebooks"),
+    "frames of 3 codebooks": (lambda s: {s: torch.zeros(2, 3, dtype=torch.long)}, "expects 4 codebooks"),
+    "a [1, 1, 4] tensor": (lambda s: {s: torch.zeros(1, 1, 4, dtype=torch.long)}, "expects 4 codebooks"),
+    "a bad code in a later frame": (
+        lambda s: {s: torch.tensor([[0, 1, 2, 3], [0, 1, 16, 3]])}, r"\[0, 16\), got values in \[0, 16\]"
+    ),
     "code too large": (lambda s: {s: torch.tensor([0, 16, 1, 2])}, r"\[0, 16\), got values in \[0, 16\]"),
     "negative code": (lambda s: {s: torch.tensor([0, -1, 1, 2])}, r"\[0, 16\)"),
     "float codes": (lambda s: {s: torch.zeros(4)}, "must be integers"),

@@ -67,14 +67,14 @@ def test_joining_and_leaving_change_no_other_session(hf: Qwen3OmniMoeCode2Wav) -
 def test_rows_without_a_frame_keep_their_state_bitwise(hf: Qwen3OmniMoeCode2Wav) -> None:
     pool = Code2WavPool(Code2WavModel.from_hf(hf), SLOTS)
     codes = _session_codes(5, 3)
-    pool.step(torch.stack([codes[0]] * SLOTS), torch.tensor([True, True, True]))
+    pool.step(torch.stack([codes[:1]] * SLOTS), torch.tensor([1, 1, 1]))
     before = {k: v.clone() for k, v in pool.state.items()}
-    pool.step(torch.stack([codes[1]] * SLOTS), torch.tensor([True, False, True]))
+    pool.step(torch.stack([codes[1:]] * SLOTS), torch.tensor([2, 0, 1]))
     idle_changed = {k for k, v in pool.state.items() if not torch.equal(v[1], before[k][1])}
     assert idle_changed == set()
     busy_changed = {k for k, v in pool.state.items() if not torch.equal(v[[0, 2]], before[k][[0, 2]])}
     assert busy_changed == set(pool.state)  # every state tensor advances on executing rows
-    assert pool.state["frame"].tolist() == [2, 1, 2]
+    assert pool.state["frame"].tolist() == [3, 1, 2]
 
 
 def test_reset_slot_equals_fresh_pool(hf: Qwen3OmniMoeCode2Wav) -> None:
@@ -102,17 +102,17 @@ def test_step_io_on_the_first_slots_leaves_the_rest_alone(hf: Qwen3OmniMoeCode2W
     like the whole-pool step does, and touches no state row from ``b`` on."""
     model = Code2WavModel.from_hf(hf)
     prefix, whole = Code2WavPool(model, SLOTS), Code2WavPool(model, SLOTS)
-    idle = prefix.make_inputs(2)
-    assert idle["codes"].shape == (2, 4) and not idle["exec_mask"].any()
-    codes = _session_codes(8, 3)
-    for frame in codes:
+    idle = prefix.make_inputs(2, steps=2)
+    assert idle["codes"].shape == (2, 2, 4) and not idle["counts"].any()
+    codes = _session_codes(8, 6)
+    for pair in codes.view(3, 2, 4):
         before = {k: v[2:].clone() for k, v in prefix.state.items()}
-        out = prefix.step_io({"codes": torch.stack([frame, frame]), "exec_mask": torch.tensor([True, False])})
-        expected = whole.step(torch.stack([frame] * SLOTS), torch.tensor([True, False, False]))
-        assert out["wav"].shape == (2, 1920)
+        out = prefix.step_io({"codes": torch.stack([pair, pair]), "counts": torch.tensor([2, 0])})
+        expected = whole.step(torch.stack([pair] * SLOTS), torch.tensor([2, 0, 0]))
+        assert out["wav"].shape == (2, 2 * 1920)
         torch.testing.assert_close(out["wav"][0], expected[0], rtol=1e-6, atol=1e-6)
         assert all(torch.equal(v[2:], before[k]) for k, v in prefix.state.items())
-    assert prefix.state["frame"].tolist() == whole.state["frame"].tolist() == [3, 0, 0]
+    assert prefix.state["frame"].tolist() == whole.state["frame"].tolist() == [6, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -128,5 +128,4 @@ def test_precomputed_buffers_follow_the_weights(hf: Qwen3OmniMoeCode2Wav, dtype:
         assert snake.exp_alpha.dtype == snake.inv_beta.dtype == dtype
         assert torch.equal(snake.exp_alpha, torch.exp(snake.alpha)[:, None])
         assert torch.equal(snake.inv_beta, 1.0 / (torch.exp(snake.beta)[:, None] + 0.000000001))
-    assert torch.equal(model.sample_offsets, torch.arange(1920))
     assert torch.equal(model.pre_transformer.ring_index, torch.arange(hf.config.sliding_window))

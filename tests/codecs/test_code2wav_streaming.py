@@ -28,15 +28,15 @@ def _offline(hf: Qwen3OmniMoeCode2Wav, codes: torch.Tensor) -> np.ndarray:
 
 
 def _spy_rows(streamer: Code2WavStreamer) -> list[int]:
-    """The row count of every call of ``streamer.runner`` from now on (the bucketed step)."""
+    """The row count of every one-frame step from now on (the bucketed step's runner)."""
     seen: list[int] = []
-    step = streamer.runner
+    step = streamer.runners.get(1, streamer.pool.step_io)
 
     def spy(inputs):
         seen.append(inputs["codes"].shape[0])
         return step(inputs)
 
-    streamer.runner = spy
+    streamer.runners[1] = spy
     return seen
 
 
@@ -219,3 +219,77 @@ def test_gathered_steps_run_only_the_streams_with_a_frame() -> None:
         np.testing.assert_allclose(
             np.concatenate(out[slot]), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max()
         )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sizes"),
+    [
+        ({}, [2, 6, 1, 2]),  # the vocoder's chunks; 6 frames pass the sliding window of 4
+        ({"sliding_window": 3, "num_key_value_heads": 2, "num_hidden_layers": 3}, [5, 3, 3]),
+        ({"upsample_rates": (2, 3), "upsampling_ratios": (2,), "decoder_dim": 8}, [1, 4, 4, 2]),
+        ({}, [11]),  # a whole stream in one step: almost 3 windows
+    ],
+    ids=["chunks", "window3", "rates-2-3", "one-step"],
+)
+def test_steps_of_several_frames_equal_offline(overrides: dict[str, object], sizes: list[int]) -> None:
+    """A stream decoded several frames a step (``[n, num_quantizers]`` codes) gives the offline
+    decode, each step ``n * 1920`` samples (less the 555 held back after its first frame), and
+    its state after a step of ``n`` frames is that of ``n`` one-frame steps."""
+    hf = _hf(**overrides)
+    codes = _codes(hf.config, sum(sizes))
+    several, single = Code2WavStreamer(hf, max_slots=2), Code2WavStreamer(hf, max_slots=2)
+    a, b = several.acquire(), single.acquire()
+    model = several.model
+    chunks, start = [], 0
+    for n in sizes:
+        chunks.append(several.step({a: codes[:, start : start + n].T})[a])
+        for f in range(start, start + n):
+            single.step({b: codes[:, f]})
+        start += n
+        for name, tensor in several.pool.state.items():
+            torch.testing.assert_close(tensor[a], single.pool.state[name][b], rtol=1e-5, atol=1e-5, msg=name)
+    per_frame, held_back = model.samples_per_frame, model.held_back
+    expected = [n * per_frame - (held_back if i == 0 else 0) for i, n in enumerate(sizes)]
+    assert [len(c) for c in chunks] == expected
+    reference = _offline(hf, codes)
+    streamed = np.concatenate(chunks)
+    np.testing.assert_allclose(streamed, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+
+
+def test_streams_of_other_frame_counts_share_a_step() -> None:
+    """One step decodes 6, 2, 1 and no frames of four streams (padded to the step bucket of 6):
+    each stream's audio is its offline decode, and the stream given none keeps its state bitwise."""
+    hf = _hf()
+    codes = [_codes(hf.config, FRAMES, seed=s) for s in (3, 4, 5, 6)]
+    streamer = Code2WavStreamer(hf, max_slots=4, step_buckets=(2, 6))
+    assert streamer.step_buckets == [2, 6]
+    steps_seen: list[int] = []
+    for n in (2, 6):
+        def spy(inputs, _n=n):
+            steps_seen.append(inputs["codes"].shape[1])
+            return streamer.pool.step_io(inputs)
+
+        streamer.runners[n] = spy
+    slots = [streamer.acquire() for _ in range(4)]
+    out: dict[int, list[np.ndarray]] = {s: [] for s in slots}
+    done = dict.fromkeys(slots, 0)
+    plan = [{0: 6, 1: 2, 2: 1}, {0: 5, 1: 2, 3: 2}, {1: 6, 2: 6, 3: 6}, {1: 1, 2: 4, 3: 3}]
+    for counts in plan:
+        idle = next((s for s in slots if s not in counts), None)
+        before = {k: t[idle].clone() for k, t in streamer.pool.state.items()} if idle is not None else {}
+        result = streamer.step({s: codes[s][:, done[s] : done[s] + n].T for s, n in counts.items()})
+        assert set(result) == set(counts)
+        for s, n in counts.items():
+            out[s].append(result[s])
+            done[s] += n
+        assert all(torch.equal(streamer.pool.state[k][idle], v) for k, v in before.items())
+    assert steps_seen == [6, 6, 6, 6]
+    for s in slots:
+        reference = _offline(hf, codes[s][:, : done[s]])
+        np.testing.assert_allclose(
+            np.concatenate(out[s]), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max(), err_msg=str(s)
+        )
+    streamer.step({0: codes[0][:, :2].T})
+    assert steps_seen[-1] == 2
+    with pytest.raises(ValueError, match="step buckets"):
+        Code2WavStreamer(hf, max_slots=1, step_buckets=(0, 2))

@@ -85,28 +85,32 @@ def test_cuda_fp32_reply_equals_generate(demo_dir: Path, no_tf32, graphs: bool) 
 
 
 def test_cuda_vocoder_replays_graphs_bitwise(demo_dir: Path) -> None:
-    """The pipeline's streaming vocoder captures its step at load and replays it every tick;
-    the audio of a turn equals an eager vocoder's (``graphs=False``) on the same codes, bitwise."""
+    """The pipeline's streaming vocoder captures its steps (2 and 6 frames) at load and replays
+    them; the audio of a turn equals an eager vocoder's (``graphs=False``) given the same pushes
+    and pulls, bitwise."""
     pipe = load_speech_pipeline(
         demo_dir, device="cuda", dtype=torch.bfloat16, max_slots=4, max_audio_frames=30
     )
     vocoder = pipe.vocoder
     assert isinstance(vocoder, StreamingVocoder)
-    runner = vocoder.streamer.runner
-    assert isinstance(runner, CudaGraphRunner) and runner.captured_buckets == [1, 2, 4]
-    pushed: list[torch.Tensor] = []
+    runners = vocoder.streamer.runners
+    assert sorted(runners) == [2, 6]
+    assert all(isinstance(r, CudaGraphRunner) and r.captured_buckets == [1, 2, 4] for r in runners.values())
+    calls: list[tuple[str, object]] = []  # ("push", frame) and ("pull", finishing), in order
     pulled: list[np.ndarray] = []
     paths: set[str] = set()
     push, pull = vocoder.push, vocoder.pull
 
     def record_push(key: str, frame: torch.Tensor) -> None:
-        pushed.append(frame.clone())
+        calls.append(("push", frame.clone()))
         push(key, frame)
 
     def record_pull(finishing):
-        runner.last_path = ""  # stays empty on ticks with no frame to decode
+        calls.append(("pull", set(finishing)))
+        for r in runners.values():
+            r.last_path = ""  # stays empty on ticks that decode nothing
         out = pull(finishing)
-        paths.add(runner.last_path)
+        paths.update(r.last_path for r in runners.values())
         pulled.extend(pcm for pcm, _ in out.values())
         return out
 
@@ -114,23 +118,28 @@ def test_cuda_vocoder_replays_graphs_bitwise(demo_dir: Path) -> None:
     pipe.add(audio_request("r", tone(1.0), max_output_tokens=12))
     outs = of(drain(pipe), "r")
     assert isinstance(outs[-1], Finished) and outs[-1].reason != "error"
-    assert len(pushed) > 8 and paths - {""} == {"graph"}
+    frames = sum(kind == "push" for kind, _ in calls)
+    assert frames > 8 and paths - {""} == {"graph"}
     assert vocoder.streamer.free_slots == 4
 
     eager = make_vocoder(pipe.model.code2wav, "stream", max_streams=4, graphs=False)
-    assert not isinstance(eager.streamer.runner, CudaGraphRunner)  # type: ignore[attr-defined]
+    assert eager.streamer.runners == {}  # type: ignore[attr-defined]
     eager.open("r")
-    for frame in pushed:
-        eager.push("r", frame)
-    expected, frames = eager.pull({"r"})["r"]
+    expected_parts = []
+    for kind, value in calls:
+        if kind == "push":
+            eager.push("r", value)
+        else:
+            expected_parts.extend(pcm for pcm, _ in eager.pull(value).values())
+    expected = np.concatenate(expected_parts)
     got = np.concatenate(pulled)
-    assert frames == len(pushed) and got.shape == expected.shape == (len(pushed) * 1920 - 555,)
+    assert got.shape == expected.shape == (frames * 1920 - 555,)
     assert np.array_equal(got, expected)
     sent = np.concatenate([o.pcm for o in outs if isinstance(o, AudioDelta)])
     assert np.array_equal(sent, float_to_int16(expected))
     print(
-        f"\n[gpu] speech pipeline bf16: vocoder replayed its CUDA graphs (buckets 1, 2, 4) for {len(pushed)} "
-        "frames; PCM == graphs=False vocoder bitwise"
+        f"\n[gpu] speech pipeline bf16: vocoder replayed its CUDA graphs (buckets 1, 2, 4; 2 and 6 frames) "
+        f"for {frames} frames; PCM == graphs=False vocoder bitwise"
     )
 
 

@@ -50,3 +50,54 @@ def test_streams_go_on_after_lower_ones_close_and_the_rest_move_down() -> None:
     assert vocoder._slot == {"d": 0}
     vocoder.close("d")
     assert vocoder.streamer.free_slots == 8
+
+
+def test_the_vocoder_decodes_once_a_chunk_and_streams_fall_into_step() -> None:
+    """A pull decodes only when some stream's chunk is due (2 frames, then 6) or a finishing
+    stream has frames left, and then every stream's queued frames in one step: streams that
+    started apart share the runs from the second one on, each stream's audio is its offline
+    decode, and pulls in between cost no step."""
+    hf = randomize_(Qwen3OmniMoeCode2Wav(tiny_code2wav_config()).eval(), 2)
+    vocoder = StreamingVocoder(hf, max_streams=4, graphs=False)
+    generator = torch.Generator().manual_seed(7)
+    frames = {"a": 20, "b": 15}
+    codes = {
+        k: torch.randint(0, hf.config.codebook_size, (n, hf.config.num_quantizers), generator=generator)
+        for k, n in frames.items()
+    }
+    steps: list[dict[int, int]] = []
+    step = vocoder.streamer.step
+
+    def spy(given):
+        steps.append({slot: len(c) for slot, c in given.items()})
+        return step(given)
+
+    vocoder.streamer.step = spy  # type: ignore[method-assign]
+    pcm: dict[str, list[np.ndarray]] = {k: [] for k in frames}
+    got: dict[str, list[int]] = {k: [] for k in frames}
+    pushed = dict.fromkeys(frames, 0)
+    vocoder.open("a")
+    for tick in range(24):
+        if tick == 3:
+            vocoder.open("b")
+        for k in frames:
+            if k in vocoder._slot and pushed[k] < frames[k]:
+                vocoder.push(k, codes[k][pushed[k]])
+                pushed[k] += 1
+        finishing = {k for k in frames if k in vocoder._slot and pushed[k] == frames[k]}
+        for k, (piece, n) in vocoder.pull(finishing).items():
+            pcm[k].append(piece)
+            got[k].append(n)
+        for k in finishing:
+            vocoder.close(k)
+    # a: its first chunk at its 2nd frame (tick 1); b joins at tick 3 and its first chunk at tick 4
+    # (a step of 2 frames) takes 2 of a's 3 along; a's next chunk at tick 9 takes b's 5, and from
+    # then on both go out together every 6 frames; b's flush at tick 17 takes a's 2 along, and a
+    # flushes its last 2 at tick 19.
+    assert got == {"a": [2, 2, 6, 6, 2, 2], "b": [2, 5, 6, 2]}
+    assert [sorted(s.values()) for s in steps] == [[2], [2, 2], [5, 6], [6, 6], [2, 2], [2]]
+    for k, c in codes.items():
+        with torch.no_grad():
+            reference = hf(c.T[None])[0, 0].numpy()
+        streamed = np.concatenate(pcm[k])
+        np.testing.assert_allclose(streamed, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
