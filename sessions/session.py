@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -344,39 +345,46 @@ class RealtimeSession:
                     param,
                 )
 
-    def _check_room(self, items: int, size: int, param: str | None) -> list[Item]:
+    def _check_room(self, items: int, size: int, param: str | None) -> _Room:
         """The conversation caps (``max_items``, ``max_conversation_bytes``): raises
         ``conversation_limit_exceeded`` when adding ``items`` holding ``size`` would pass one.
-        With truncation on, the bytes cap is kept instead by dropping the audio and images of the
-        oldest items (out of the model's context already, or left out with everything before them,
-        as a truncation does), so a long spoken session goes on: the items to do that to once the
-        new ones are taken (:meth:`_release`)."""
+        With truncation on, the caps are kept instead as a truncation would, from the oldest
+        items (out of the model's context already, or left out with everything before them), so
+        a long spoken session goes on: over ``max_items`` the oldest items are deleted (up to the
+        next user message, so that the conversation still starts with one), over the bytes cap the
+        audio and images of the oldest are dropped. What to do once the new items are taken
+        (:meth:`_release`); the reply being made or played is never touched."""
         limits = self.limits
+        truncating = self.config.truncation != "disabled"
         held = len(self.conversation)
-        if held + items > limits.max_items:
-            raise SessionError(
-                ErrorCode.CONVERSATION_LIMIT,
-                f"The conversation holds {held} items, this server's limit is {limits.max_items} "
-                "(delete some items first).",
-                param,
+        over_items = held + items - limits.max_items
+        room = _Room()
+        if over_items > 0:
+            settled = list(self._settled()) if truncating else []
+            if len(settled) < over_items:
+                raise SessionError(
+                    ErrorCode.CONVERSATION_LIMIT,
+                    f"The conversation holds {held} items, this server's limit is {limits.max_items} "
+                    "(delete some items first).",
+                    param,
+                )
+            cut = next(
+                (i for i in range(over_items, len(settled)) if _is_user_message(settled[i])), over_items
             )
-        held_bytes = self.conversation.bytes_held
+            room.delete = settled[:cut]
+        held_bytes = self.conversation.bytes_held - sum(item_bytes(i) for i in room.delete)
         over = held_bytes + size - limits.max_conversation_bytes
         if over <= 0:
-            return []
-        release: list[Item] = []
-        if self.config.truncation != "disabled":
-            latest = next(reversed(self.playback.responses.values()), None)
-            playing = {item.id for item in latest.output} if latest is not None else set()
-            for item in self.conversation:
-                if item.status == "in_progress" or item.id in playing:
-                    break  # the reply being made or played: its audio is still cut by acks
-                freed = media_bytes(item)
+            return room
+        if truncating:
+            deleted = {item.id for item in room.delete}
+            for item in self._settled():
+                freed = 0 if item.id in deleted else media_bytes(item)
                 if freed:
-                    release.append(item)
+                    room.media.append(item)
                     over -= freed
                     if over <= 0:
-                        return release
+                        return room
         raise SessionError(
             ErrorCode.CONVERSATION_LIMIT,
             f"The conversation would hold {held_bytes + size} bytes of text, audio and images; "
@@ -384,18 +392,36 @@ class RealtimeSession:
             param,
         )
 
-    def _release(self, items: list[Item]) -> None:
-        """Drops the audio and images of ``items`` (:meth:`_check_room`), which leaves them and every
-        item before them out of the model's context."""
-        if not items:
+    def _settled(self) -> Iterator[Item]:
+        """The conversation's items from the oldest, up to the first one being made or played (the
+        latest response's output: its audio is still cut by acks): what the caps may take from."""
+        latest = next(reversed(self.playback.responses.values()), None)
+        playing = {item.id for item in latest.output} if latest is not None else set()
+        for item in self.conversation:
+            if item.status == "in_progress" or item.id in playing:
+                return
+            yield item
+
+    def _release(self, room: _Room) -> None:
+        """Does what :meth:`_check_room` found the caps ask: deletes the oldest items (each told to
+        the client, ``conversation.item.deleted``, as a delete it asked for), and drops the audio
+        and images of the next ones, which leaves them and every item before them out of the
+        model's context."""
+        for item in room.delete:
+            self.delete_item(item.id)
+        if room.delete:
+            log.info(
+                "session %s: deleted the %d oldest items (conversation items cap)", self.id, len(room.delete)
+            )
+        if not room.media:
             return
-        self._leave_out_through(items[-1].id)
-        for item in items:
+        self._leave_out_through(room.media[-1].id)
+        for item in room.media:
             drop_media(item)
         log.info(
             "session %s: dropped the audio and images of %d old items (conversation bytes cap)",
             self.id,
-            len(items),
+            len(room.media),
         )
 
     def _check_text(self, item: Item) -> None:
@@ -479,8 +505,9 @@ class RealtimeSession:
                 f"Conversation already has an active response in progress: {self.active.id}. "
                 "Wait until the response is finished before creating a new one.",
             )
+        room = _Room()
         if in_conversation:  # its output items join the conversation
-            self._check_room(1, 0, None)
+            room = self._check_room(1, 0, None)
         else:
             running = sum(run is not self.active for run in self.runs.values())
             if running >= self.limits.max_out_of_band_responses:
@@ -521,6 +548,9 @@ class RealtimeSession:
         )
         instructions = options.instructions if options.instructions is not None else cfg.instructions
         cap = self.limits.max_output_tokens
+        if room.delete or room.media:  # every check passed: the caps' room is made now
+            self._release(room)
+            context = self._context_items(options.input)
         messages, message_items = build_context(instructions, context)
         truncation = stage_truncation(cfg.truncation)
         if truncation is None:
@@ -638,3 +668,17 @@ def _discard(event: SessionEvent) -> None:
 
 def _images(items: Iterable[Item]) -> list[InputImage]:
     return [c for i in items if isinstance(i, MessageItem) for c in i.content if isinstance(c, InputImage)]
+
+
+@dataclass
+class _Room:
+    """What the conversation caps ask before new items are taken (:meth:`RealtimeSession._check_room`)."""
+
+    #: The oldest items, deleted (over ``max_items``).
+    delete: list[Item] = field(default_factory=list)
+    #: Items whose audio and images are dropped (over ``max_conversation_bytes``).
+    media: list[Item] = field(default_factory=list)
+
+
+def _is_user_message(item: Item) -> bool:
+    return isinstance(item, MessageItem) and item.role == "user"

@@ -284,12 +284,16 @@ def capped() -> Iterator[Server]:
 
 
 def test_conversation_caps(capped: Server) -> None:
-    """Three items fit; a fourth (create or commit) gets conversation_limit_exceeded; an item that
-    would pass 48 000 bytes too; in-band response.create at the cap too. Nothing changes: the
-    conversation still lists its three items, the input buffer still commits once room is made."""
+    """With ``truncation: disabled``: three items fit; a fourth (create or commit) gets
+    conversation_limit_exceeded; an item that would pass 48 000 bytes too; in-band response.create
+    at the cap too. Nothing changes: the conversation still lists its three items, the input buffer
+    still commits once room is made."""
 
     async def main() -> tuple[list[dict], list[str]]:
         async with connect(capped, manual=True) as c:
+            disabled = {"type": "realtime", "truncation": "disabled"}
+            await c.send({"type": "session.update", "session": disabled})
+            await c.until("session.updated")
             for i in range(2):
                 await c.send({"type": "conversation.item.create", "item": text_item("hi", f"it{i}")})
                 await c.until("conversation.item.done")
@@ -325,6 +329,52 @@ def test_conversation_caps(capped: Server) -> None:
     assert "48000" in errors[0]["message"] and errors[0]["param"] == "item"
     assert "3" in errors[1]["message"]
     assert len(ids) == 3
+
+
+def test_with_truncation_the_oldest_items_make_room(capped: Server) -> None:
+    """Three items fit; with truncation (``auto``, the default) a fourth deletes the oldest items,
+    up to the next user message (a conversation never starts with a reply), each told to the client
+    (``conversation.item.deleted``) before the new item is added; a response.create at the cap
+    deletes the oldest one too, never the reply before it, and the engine reads what is left."""
+
+    def message(role: str, text: str, item_id: str) -> dict:
+        kind = "output_text" if role == "assistant" else "input_text"
+        return {"type": "message", "role": role, "content": [{"type": kind, "text": text}], "id": item_id}
+
+    async def main() -> tuple[list[str], list[str], list[str], dict]:
+        async with connect(capped, manual=True) as c:
+            first_three = (("user", "hi", "u0"), ("assistant", "hello", "a0"), ("user", "again", "u1"))
+            for role, text, item_id in first_three:
+                await c.send({"type": "conversation.item.create", "item": message(role, text, item_id)})
+                await c.until("conversation.item.done")
+            start = len(c.events)
+            await c.send({"type": "conversation.item.create", "item": message("user", "more", "u2")})
+            await c.until("conversation.item.done")
+            first = [e["type"] + ":" + (e.get("item_id") or e["item"]["id"]) for e in c.events[start:]]
+            await c.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+            await c.until("response.done")
+            start = len(c.events)
+            await c.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+            done = (await c.until("response.done"))[-1]
+            second = [e["item_id"] for e in c.events[start:] if e["type"] == "conversation.item.deleted"]
+            await c.send({"type": "conversation.item.retrieve", "item_id": "u1", "event_id": "evt_gone"})
+            gone = await c.error()
+            return first, second, [gone["code"], gone["event_id"]], done
+
+    before = len(capped.pipeline.requests)
+    first, second, gone, done = run(main())
+    assert first == [
+        "conversation.item.deleted:u0",
+        "conversation.item.deleted:a0",
+        "conversation.item.added:u2",
+        "conversation.item.done:u2",
+    ]
+    assert second == ["u1"]  # the first reply stays: it follows u2, the oldest user message left
+    assert gone == ["item_retrieve_invalid_item_id", "evt_gone"]
+    assert done["response"]["status"] == "completed"
+    texts = [p.text for m in capped.pipeline.requests[-1].messages for p in m.parts if hasattr(p, "text")]
+    assert "more" in texts and "again" not in texts and "hi" not in texts
+    assert len(capped.pipeline.requests) == before + 2
 
 
 @pytest.fixture(scope="module")
