@@ -148,6 +148,47 @@ log = logging.getLogger("realtime_with_diffusion")
 #: Phase-name suffixes of --compare-prompt-ticks, by the speech pipeline's prompt_ticks setting.
 OTHER_TICKS = {True: "prompt ticks", False: "prompts in frame ticks"}
 
+#: Phase-name suffix of --compare-vocoder-steps.
+PER_FRAME = "a vocoder step a frame"
+
+
+class PerFrameVocoder:
+    """Switches the speech pipeline's ``StreamingVocoder`` between its chunk steps and a step
+    every frame (chunks of one frame: one frame a stream each tick, a graph of one-frame steps
+    captured here on CUDA), the vocoder's cost as it was before 2026-12-05; between phases only."""
+
+    def __init__(self, speech: Any) -> None:
+        vocoder = getattr(speech, "vocoder", None)
+        self.streamer = getattr(vocoder, "streamer", None)
+        self.applies = self.streamer is not None
+        if not self.applies:
+            return
+        self.vocoder = vocoder
+        self.chunks = (vocoder.first_chunk, vocoder.chunk)
+        self.step_buckets = list(self.streamer.step_buckets)
+        self.runners = dict(self.streamer.runners)
+        self.frame_runners = dict(self.runners)
+        if self.runners and 1 not in self.runners:  # graphed: the one-frame step's graphs too
+            from functools import partial
+
+            from omnirt.stages.graphs import CudaGraphRunner
+
+            pool = self.streamer.pool
+            runner = CudaGraphRunner(
+                pool.step_io, partial(pool.make_inputs, steps=1), buckets=self.streamer.buckets,
+                clone_outputs=False,
+            )
+            runner.capture()
+            self.frame_runners = {1: runner}
+
+    def set(self, per_frame: bool) -> None:
+        if not self.applies:
+            return
+        self.vocoder.first_chunk, self.vocoder.chunk = (1, 1) if per_frame else self.chunks
+        self.streamer.step_buckets = [1] if per_frame else self.step_buckets
+        self.streamer.runners = self.frame_runners if per_frame else self.runners
+
+
 #: Goals of issue 10.
 P99_GROWTH_GOAL = 0.10
 THROUGHPUT_LOSS_GOAL = 0.15
@@ -793,7 +834,7 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
             f"| realtime frame p99, steps reading no prompt (ms) | {ms(a)} | {ms(b)} | {pct(change(a, b))} "
             "| - | - |"
         )
-        for label in OTHER_TICKS.values():
+        for label in (*OTHER_TICKS.values(), PER_FRAME):
             other_rt, other_both = (by.get(f"{n}, {label}") for n in ("realtime alone", "both"))
             if other_rt is not None and other_both is not None:
                 a, b = other_rt.frame_p(99), other_both.frame_p(99)
@@ -835,6 +876,13 @@ def goals_table(by: dict[str, Phase], kinds: list[str]) -> tuple[str, dict[str, 
             )
             a, b = alone_df.rate(alone_df.finished, kind), both.rate(both.finished, kind)
             lines.append(f"| {unit}/s | {per_s(a)} | {per_s(b)} | {pct(change(a, b))} | - | - |")
+            other = by.get(f"both, {PER_FRAME}")
+            if other is not None:
+                a, b = alone_df.rate(alone_df.steps, kind), other.rate(other.steps, kind)
+                lines.append(
+                    f"| {kind} denoising steps/s, {PER_FRAME} | {per_s(a)} | {per_s(b)} | "
+                    f"{pct(change(a, b))} | - | - |"
+                )
         met["diffusion throughput"] = all(losses) if losses else None
     return "\n".join(lines), met
 
@@ -1100,6 +1148,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also 'realtime alone' and 'both' with the other --prompt-ticks setting",
     )
+    add(
+        "--compare-vocoder-steps",
+        action="store_true",
+        help="also 'realtime alone' and 'both' with the vocoder stepping every frame (one frame a "
+        "stream a step, as before 2026-12-05) instead of once a chunk",
+    )
     add("--image-size", type=parse_size, default=None, help="WxH; default: the model's")
     add("--image-steps", type=int, default=None, help="default: the model's")
     add("--image-n", type=int, default=1, help="images per image job")
@@ -1328,21 +1382,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases: list[Phase] = []
     first_target, first_slice = args.first_audio_targets[0], args.batch_slices[0]
     ticks = args.prompt_ticks if hasattr(speech, "prompt_ticks") else None
-    plan: list[tuple[str, bool, bool, float | None, float | None, bool | None]] = [
-        ("realtime alone", True, False, first_target, first_slice, ticks),
-        ("diffusion alone", False, True, first_target, first_slice, ticks),
-        ("both", True, True, first_target, first_slice, ticks),
+    # (name, speech, diffusion, first-audio target, batch slice, prompt ticks, vocoder a step a frame)
+    plan: list[tuple[str, bool, bool, float | None, float | None, bool | None, bool]] = [
+        ("realtime alone", True, False, first_target, first_slice, ticks, False),
+        ("diffusion alone", False, True, first_target, first_slice, ticks, False),
+        ("both", True, True, first_target, first_slice, ticks, False),
     ]
     for target in args.first_audio_targets[1:]:
-        plan.append((f"both, first-audio target {_ms(target)}", True, True, target, first_slice, ticks))
+        label = f"both, first-audio target {_ms(target)}"
+        plan.append((label, True, True, target, first_slice, ticks, False))
     for batch_slice in args.batch_slices[1:]:
-        plan.append((f"both, batch slice {_ms(batch_slice)}", True, True, first_target, batch_slice, ticks))
+        plan.append(
+            (f"both, batch slice {_ms(batch_slice)}", True, True, first_target, batch_slice, ticks, False)
+        )
     if args.compare_prompt_ticks and ticks is not None:
         for name, diffusion in (("realtime alone", False), ("both", True)):
             label = f"{name}, {OTHER_TICKS[not ticks]}"
-            plan.append((label, True, diffusion, first_target, first_slice, not ticks))
+            plan.append((label, True, diffusion, first_target, first_slice, not ticks, False))
+    per_frame = PerFrameVocoder(speech) if args.compare_vocoder_steps and speech is not None else None
+    if per_frame is not None and per_frame.applies:
+        for name, diffusion in (("realtime alone", False), ("both", True)):
+            plan.append((f"{name}, {PER_FRAME}", True, diffusion, first_target, first_slice, ticks, True))
     skipped = []
-    for name, with_speech, with_diffusion, target, batch_slice, prompt_ticks in plan:
+    for name, with_speech, with_diffusion, target, batch_slice, prompt_ticks, frame_steps in plan:
         if (with_speech and speech is None) or (with_diffusion and not streams):
             continue
         elapsed = time.perf_counter() - started
@@ -1353,6 +1415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             speech.first_audio_target = target
         if prompt_ticks is not None:
             speech.prompt_ticks = prompt_ticks
+        if per_frame is not None:
+            per_frame.set(frame_steps)
         bench.scheduler.batch_slice = batch_slice
         phases.append(bench.run(name, with_speech, with_diffusion))
         print(phase_row(phases[-1], kinds), flush=True)

@@ -24,7 +24,7 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
         "--max-output-tokens", "2", "--max-audio-frames", "8", "--image-size", "64x64",
         "--image-steps", "2", "--video-size", "32x32", "--video-frames", "5", "--video-steps", "2",
         "--first-audio-targets", "0.25", "none", "--batch-slices", "0.02", "none", "--dit-iters", "0",
-        "--phase-timeout", "60", "--compare-prompt-ticks", "--save", str(saved),
+        "--phase-timeout", "60", "--compare-prompt-ticks", "--compare-vocoder-steps", "--save", str(saved),
     ]  # fmt: skip
     with benchmark_module("realtime_with_diffusion.py", "realtime_with_diffusion_under_test") as bench:
         assert bench.main(argv) == 0
@@ -36,7 +36,8 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
     header = next(line for line in out.splitlines() if line.startswith("| phase |"))
     cells = [c.strip() for c in header.strip("|").split("|")]
     phases = ("realtime alone", "both", "both, first-audio target none", "both, batch slice none")
-    for phase in (*phases, "realtime alone, prompts in frame ticks", "both, prompts in frame ticks"):
+    others = ("prompts in frame ticks", "a vocoder step a frame")
+    for phase in (*phases, *(f"{name}, {other}" for other in others for name in ("realtime alone", "both"))):
         row = dict(zip(cells, _row(out, phase), strict=True))
         assert row["ramp (s)"] != "incomplete", row
         assert int(row["frame ticks"]) > 0 and float(row["frame p99 (ms)"]) > 0, row
@@ -47,6 +48,8 @@ def test_the_benchmark_runs_every_phase_on_cpu(capsys: pytest.CaptureFixture[str
     assert "goal realtime p99:" in out and "goal diffusion throughput:" in out
     assert "| realtime frame p99, prompts in frame ticks (ms) |" in out
     assert "| realtime late deltas, prompts in frame ticks |" in out
+    assert "| realtime frame p99, a vocoder step a frame (ms) |" in out
+    assert "| image denoising steps/s, a vocoder step a frame |" in out
     places = next(line for line in out.splitlines() if line.startswith("| realtime late deltas: second"))
     assert re.fullmatch(r"\| [^|]+ \| \d+ / \d+ / \d+ \| \d+ / \d+ / \d+ \| - \| - \| - \|", places)
     beside = out.split("## What ran beside each step", 1)[1]
