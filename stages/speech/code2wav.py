@@ -63,13 +63,17 @@ class StreamingVocoder(_Chunking):
 
     Frames queue up per stream, and a :meth:`pull` decodes only when some stream's chunk is due
     (``first_chunk`` frames, then ``chunk``) or a finishing stream has frames left: then one
-    step decodes the due streams' frames and as many of every other stream's queued frames,
-    and hands every stream's new audio out (a new reply's first chunk is a step of
-    ``first_chunk`` frames, however many the playing replies have queued). On a GPU a step of
-    several frames costs little more than one (a few hundred kernels' launches: at the published
-    size, 8 streams, an H100, 8.1 ms for 6 frames each against 3.8 ms for one), so the vocoder
-    runs about once a chunk, not once a frame; and since the streams decode together, those that
-    play together fall into step and share the runs. A pull that decodes nothing costs nothing.
+    step decodes the due streams' frames, with graphs (``share_runs``) as many of every other
+    stream's queued frames too, and hands the new audio out (a new reply's first chunk is a
+    step of ``first_chunk`` frames, however many the playing replies have queued). On a GPU a
+    step of several frames costs little more than one (a few hundred kernels' launches: at the
+    published size, 8 streams, an H100, 8.1 ms for 6 frames each against 3.8 ms for one), so the
+    vocoder runs about once a chunk, not once a frame; and since graphed streams decode together,
+    those that play together fall into step and share the runs. Eager steps (CPU) gather the
+    rows they decode, so there each stream decodes its own chunks, at its own ticks (the work
+    spreads over the ticks). A first audio is handed out once its whole first chunk is decoded
+    (or its stream finishes), later audio as soon as it is decoded. A pull that decodes nothing
+    costs nothing.
 
     With ``graphs`` (the default) on a CUDA module a step runs the first rows of the pool up to
     the smallest of ``buckets`` (default: the whole pool of ``max_streams``) that covers the
@@ -125,39 +129,49 @@ class StreamingVocoder(_Chunking):
                 with torch.cuda.device(param.device):
                     runner.capture()
                 self.streamer.runners[steps] = runner
+        #: Whether a run takes every stream's queued frames along, not just the due streams':
+        #: graphed steps compute every row of their bucket anyway, so sharing the runs is free;
+        #: eager steps gather the rows they decode, so others' frames would only lengthen the tick.
+        self.share_runs = graphed
         self._slot: dict[str, int] = {}
         self._queued: dict[str, list[torch.Tensor]] = {}
         self._sent: dict[str, int] = {}
+        #: PCM decoded and not handed out yet, and the frames it covers, per stream.
+        self._held: dict[str, tuple[list[np.ndarray], int]] = {}
 
     def open(self, key: str) -> None:
         self._slot[key] = self.streamer.acquire()
         self._queued[key] = []
         self._sent[key] = 0
+        self._held[key] = ([], 0)
 
     def push(self, key: str, frame: torch.Tensor) -> None:
         self._queued[key].append(frame)
 
     def pull(self, finishing: Collection[str]) -> dict[str, tuple[np.ndarray, int]]:
-        queued, sent = self._queued, self._sent
-        due = [k for k, q in queued.items() if q and (k in finishing or self.due(sent[k], sent[k] + len(q)))]
-        if not due:
-            return {}
-        # The due streams set the step's frames (2 for a first chunk, then 6); the others take
-        # part up to that many and keep the rest for a later run.
-        take = min(self.chunk, max(len(queued[k]) for k in due))
-        pieces: dict[str, list[np.ndarray]] = {}
-        frames: dict[str, int] = {}
-        while any(queued[k] for k in due):
-            batch = {k: q[:take] for k, q in queued.items() if q}
+        queued, sent, held = self._queued, self._sent, self._held
+        due = [
+            k
+            for k, q in queued.items()
+            if (q or held[k][1]) and (k in finishing or self.due(sent[k], sent[k] + held[k][1] + len(q)))
+        ]
+        # Shared runs: every stream's frames go along, up to the due streams' count.
+        taking = (list(queued) if due else []) if self.share_runs else due
+        take = min(self.chunk, max((len(queued[k]) for k in due), default=0))  # 0: only held audio is due
+        while take and (batch := {k: queued[k][:take] for k in taking if queued[k]}):
             pcm = self.streamer.step({self._slot[k]: torch.stack(codes) for k, codes in batch.items()})
             for k, codes in batch.items():
-                pieces.setdefault(k, []).append(pcm[self._slot[k]])
-                frames[k] = frames.get(k, 0) + len(codes)
+                pieces, frames = held[k]
+                held[k] = ([*pieces, pcm[self._slot[k]]], frames + len(codes))
                 del queued[k][: len(codes)]
+            if not any(queued[k] for k in due):
+                break
         out: dict[str, tuple[np.ndarray, int]] = {}
-        for k, parts in pieces.items():
-            out[k] = (np.concatenate(parts), frames[k])
-            self._sent[k] += frames[k]
+        for k, (pieces, frames) in held.items():  # a first audio waits for its whole first chunk
+            if frames and (sent[k] or k in finishing or frames >= self.first_chunk):
+                out[k] = (np.concatenate(pieces), frames)
+                sent[k] += frames
+                held[k] = ([], 0)
         return out
 
     def close(self, key: str) -> None:
@@ -170,7 +184,7 @@ class StreamingVocoder(_Chunking):
                 for source, target in moves:
                     k = at.pop(source)
                     self._slot[k], at[target] = target, k
-        for d in (self._queued, self._sent):
+        for d in (self._queued, self._sent, self._held):
             d.pop(key, None)
 
 

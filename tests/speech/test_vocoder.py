@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from omnirt.codecs.code2wav.random_init import randomize_, tiny_code2wav_config
 from omnirt.stages.speech.code2wav import StreamingVocoder, make_vocoder
@@ -52,13 +53,18 @@ def test_streams_go_on_after_lower_ones_close_and_the_rest_move_down() -> None:
     assert vocoder.streamer.free_slots == 8
 
 
-def test_the_vocoder_decodes_once_a_chunk_and_streams_fall_into_step() -> None:
+@pytest.mark.parametrize("share_runs", [True, False], ids=["shared", "own"])
+def test_the_vocoder_decodes_once_a_chunk(share_runs: bool) -> None:
     """A pull decodes only when some stream's chunk is due (2 frames, then 6) or a finishing
-    stream has frames left, and then every stream's queued frames in one step: streams that
-    started apart share the runs from the second one on, each stream's audio is its offline
-    decode, and pulls in between cost no step."""
+    stream has frames left. Shared runs (graphed steps, which compute every row anyway): every
+    stream's queued frames go along, up to the due ones' count, so streams that started apart
+    share the runs from the second one on. Own runs (eager steps, which gather their rows): each
+    stream decodes its own chunks. Each stream's audio is its offline decode either way, and
+    pulls in between cost no step."""
     hf = randomize_(Qwen3OmniMoeCode2Wav(tiny_code2wav_config()).eval(), 2)
     vocoder = StreamingVocoder(hf, max_streams=4, graphs=False)
+    assert not vocoder.share_runs  # eager: gathered rows
+    vocoder.share_runs = share_runs
     generator = torch.Generator().manual_seed(7)
     frames = {"a": 20, "b": 15}
     codes = {
@@ -90,14 +96,48 @@ def test_the_vocoder_decodes_once_a_chunk_and_streams_fall_into_step() -> None:
             got[k].append(n)
         for k in finishing:
             vocoder.close(k)
-    # a: its first chunk at its 2nd frame (tick 1); b joins at tick 3 and its first chunk at tick 4
-    # (a step of 2 frames) takes 2 of a's 3 along; a's next chunk at tick 9 takes b's 5, and from
-    # then on both go out together every 6 frames; b's flush at tick 17 takes a's 2 along, and a
-    # flushes its last 2 at tick 19.
-    assert got == {"a": [2, 2, 6, 6, 2, 2], "b": [2, 5, 6, 2]}
-    assert [sorted(s.values()) for s in steps] == [[2], [2, 2], [5, 6], [6, 6], [2, 2], [2]]
+    if share_runs:
+        # a: its first chunk at its 2nd frame (tick 1); b joins at tick 3 and its first chunk at
+        # tick 4 (a step of 2 frames) takes 2 of a's 3 along; a's next chunk at tick 9 takes b's 5,
+        # and from then on both go out together every 6 frames; b's flush at tick 17 takes a's 2
+        # along, and a flushes its last 2 at tick 19.
+        assert got == {"a": [2, 2, 6, 6, 2, 2], "b": [2, 5, 6, 2]}
+        assert [sorted(s.values()) for s in steps] == [[2], [2, 2], [5, 6], [6, 6], [2, 2], [2]]
+    else:  # each at its own ticks: a at 1, 7, 13, 19; b at 4, 10, 16 and its flush at 17
+        assert got == {"a": [2, 6, 6, 6], "b": [2, 6, 6, 1]}
+        assert [list(s.values()) for s in steps] == [[2], [2], [6], [6], [6], [6], [1], [6]]
     for k, c in codes.items():
         with torch.no_grad():
             reference = hf(c.T[None])[0, 0].numpy()
         streamed = np.concatenate(pcm[k])
         np.testing.assert_allclose(streamed, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+
+
+def test_a_first_audio_taken_along_waits_for_its_whole_first_chunk() -> None:
+    """Shared runs: a new stream's first frame decoded in another stream's run is held, not sent
+    as a one-frame first audio; it goes out with the next frame (its first chunk of 2), or alone
+    when the stream finishes with it."""
+    hf = randomize_(Qwen3OmniMoeCode2Wav(tiny_code2wav_config()).eval(), 3)
+    vocoder = StreamingVocoder(hf, max_streams=4, graphs=False)
+    vocoder.share_runs = True
+    frame = torch.zeros(hf.config.num_quantizers, dtype=torch.long)
+    vocoder.open("a")
+    for _ in range(2):
+        vocoder.push("a", frame)
+    assert {k: n for k, (_, n) in vocoder.pull(()).items()} == {"a": 2}
+    for _ in range(5):
+        vocoder.push("a", frame)
+        assert vocoder.pull(()) == {}
+    vocoder.open("c")
+    vocoder.open("d")
+    for k in "acd":
+        vocoder.push(k, frame)
+    out = vocoder.pull(())  # a's chunk of 6 is due; c's and d's first frames go along, held
+    assert {k: n for k, (_, n) in out.items()} == {"a": 6}
+    vocoder.push("c", frame)
+    out = vocoder.pull(())
+    assert {k: n for k, (_, n) in out.items()} == {"c": 2}
+    assert out["c"][0].size == 2 * 1920 - 555
+    out = vocoder.pull({"d"})  # d ends with its one frame, decoded already: sent as it is
+    assert {k: n for k, (_, n) in out.items()} == {"d": 1} and out["d"][0].size == 1920 - 555
+    assert vocoder.pull(()) == {}
