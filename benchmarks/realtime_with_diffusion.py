@@ -153,18 +153,18 @@ PER_FRAME = "a vocoder step a frame"
 
 
 class PerFrameVocoder:
-    """Switches the speech pipeline's ``StreamingVocoder`` between its chunk steps and a step
-    every frame (chunks of one frame: one frame a stream each tick, a graph of one-frame steps
-    captured here on CUDA), the vocoder's cost as it was before 2026-12-05; between phases only."""
+    """Switches the speech pipeline's ``StreamingVocoder`` between its chunk steps and the vocoder
+    as it was before 2026-12-05: a one-frame step for every stream with a frame at every pull
+    (graphs of one-frame steps captured here on CUDA), the audio held and handed out by the same
+    chunks (2 frames, then 6). Between phases only."""
 
     def __init__(self, speech: Any) -> None:
         vocoder = getattr(speech, "vocoder", None)
         self.streamer = getattr(vocoder, "streamer", None)
-        self.applies = self.streamer is not None
+        self.applies = self.streamer is not None and hasattr(vocoder, "_held")
         if not self.applies:
             return
         self.vocoder = vocoder
-        self.chunks = (vocoder.first_chunk, vocoder.chunk)
         self.step_buckets = list(self.streamer.step_buckets)
         self.runners = dict(self.streamer.runners)
         self.frame_runners = dict(self.runners)
@@ -184,9 +184,27 @@ class PerFrameVocoder:
     def set(self, per_frame: bool) -> None:
         if not self.applies:
             return
-        self.vocoder.first_chunk, self.vocoder.chunk = (1, 1) if per_frame else self.chunks
         self.streamer.step_buckets = [1] if per_frame else self.step_buckets
         self.streamer.runners = self.frame_runners if per_frame else self.runners
+        if per_frame:
+            self.vocoder.pull = self._pull_every_frame
+        else:
+            self.vocoder.__dict__.pop("pull", None)
+
+    def _pull_every_frame(self, finishing: Any) -> dict[str, tuple[np.ndarray, int]]:
+        v = self.vocoder
+        while batch := {k: q.pop(0) for k, q in v._queued.items() if q}:
+            pcm = v.streamer.step({v._slot[k]: codes for k, codes in batch.items()})
+            for k in batch:
+                pieces, frames = v._held[k]
+                v._held[k] = ([*pieces, pcm[v._slot[k]]], frames + 1)
+        out: dict[str, tuple[np.ndarray, int]] = {}
+        for k, (pieces, frames) in v._held.items():
+            if frames and (k in finishing or v.due(v._sent[k], v._sent[k] + frames)):
+                out[k] = (np.concatenate(pieces), frames)
+                v._sent[k] += frames
+                v._held[k] = ([], 0)
+        return out
 
 
 #: Goals of issue 10.
@@ -1151,8 +1169,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--compare-vocoder-steps",
         action="store_true",
-        help="also 'realtime alone' and 'both' with the vocoder stepping every frame (one frame a "
-        "stream a step, as before 2026-12-05) instead of once a chunk",
+        help="also 'realtime alone' and 'both' with the vocoder as before 2026-12-05 (a one-frame step "
+        "at every tick, the audio handed out by the same chunks) instead of a step once a chunk",
     )
     add("--image-size", type=parse_size, default=None, help="WxH; default: the model's")
     add("--image-steps", type=int, default=None, help="default: the model's")
