@@ -8,7 +8,9 @@ pool.
 
 Every step takes an exec mask (bool, one per row). State moves forward only where the mask is
 True (``commit``): a row without a new frame keeps its state bit for bit, whatever the other
-rows do, and the batch keeps one shape.
+rows do, and the batch keeps one shape. (code2wav's step, which decodes several frames a row,
+takes a frame count per row instead, 0 where a mask would be False: each row's state is taken
+where its frames end, ``code2wav/step.py``'s ``_decoded_tail``.)
 
 Also the RoPE inverse frequencies both codecs' transformers use (:func:`rope_inv_freq`), and
 :class:`SlotAllocator`, the one slot allocator of every slot pool (the codecs' pools, the speech

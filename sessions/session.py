@@ -305,6 +305,8 @@ class RealtimeSession:
         previous = self.conversation.insert(item, previous_item_id)
         self._leave_out_through(through)
         self._release(release)
+        if release.delete:  # the item it follows may be among the oldest, deleted
+            previous = self.conversation.previous_id(item.id)
         self._emit(ItemAdded(item, previous))
         self._emit(ItemDone(item, previous))
 

@@ -377,6 +377,28 @@ def test_with_truncation_the_oldest_items_make_room(capped: Server) -> None:
     assert len(capped.pipeline.requests) == before + 2
 
 
+def test_an_item_placed_after_a_deleted_one_names_what_it_follows_now(capped: Server) -> None:
+    """An item created after one that the items cap then deletes: its ``conversation.item.added``
+    names the item it follows once the oldest are gone (here none: it is the first)."""
+
+    async def main() -> list[dict]:
+        async with connect(capped, manual=True) as c:
+            for i in range(3):
+                await c.send({"type": "conversation.item.create", "item": text_item("hi", f"m{i}")})
+                await c.until("conversation.item.done")
+            start = len(c.events)
+            await c.send(
+                {"type": "conversation.item.create", "previous_item_id": "m0", "item": text_item("x", "m3")}
+            )
+            await c.until("conversation.item.done")
+            return c.events[start:]
+
+    events = run(main())
+    assert [(e["type"], e.get("item_id")) for e in events[:1]] == [("conversation.item.deleted", "m0")]
+    added = next(e for e in events if e["type"] == "conversation.item.added")
+    assert added["item"]["id"] == "m3" and added["previous_item_id"] is None
+
+
 @pytest.fixture(scope="module")
 def byte_capped() -> Iterator[Server]:
     with running(ServerConfig(max_conversation_bytes=100_000)) as s:
