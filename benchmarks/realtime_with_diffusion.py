@@ -169,17 +169,9 @@ class PerFrameVocoder:
         self.runners = dict(self.streamer.runners)
         self.frame_runners = dict(self.runners)
         if self.runners and 1 not in self.runners:  # graphed: the one-frame step's graphs too
-            from functools import partial
+            from omnirt.stages.speech.code2wav import capture_step_graphs
 
-            from omnirt.stages.graphs import CudaGraphRunner
-
-            pool = self.streamer.pool
-            runner = CudaGraphRunner(
-                pool.step_io, partial(pool.make_inputs, steps=1), buckets=self.streamer.buckets,
-                clone_outputs=False,
-            )
-            runner.capture()
-            self.frame_runners = {1: runner}
+            self.frame_runners = {1: capture_step_graphs(self.streamer, 1)}
 
     def set(self, per_frame: bool) -> None:
         if not self.applies:

@@ -108,9 +108,7 @@ def _vocoder_steps(pipe, busy: list[int], device: torch.device, iters: int) -> d
     """The code2wav step of ``busy`` streams: one frame each (what the vocoder ran every tick
     before 2026-12-05; its graphs captured here as the baseline) and a chunk each (what it runs
     now, once a chunk); ``code2wav``: a tick's share, the chunk's step over its frames."""
-    from functools import partial
-
-    from omnirt.stages.graphs import CudaGraphRunner
+    from omnirt.stages.speech.code2wav import capture_step_graphs
 
     vocoder = pipe.vocoder
     streamer = getattr(vocoder, "streamer", None)
@@ -122,12 +120,7 @@ def _vocoder_steps(pipe, busy: list[int], device: torch.device, iters: int) -> d
     slots = [vocoder._slot[k] for k in keys]
     step_buckets, runners = list(streamer.step_buckets), dict(streamer.runners)
     if runners and 1 not in runners:  # graphed: the one-frame step's graphs too
-        pool = streamer.pool
-        runner = CudaGraphRunner(
-            pool.step_io, partial(pool.make_inputs, steps=1), buckets=streamer.buckets, clone_outputs=False
-        )
-        runner.capture()
-        streamer.runners[1] = runner
+        streamer.runners[1] = capture_step_graphs(streamer, 1)
     streamer.step_buckets = sorted({1, *step_buckets})
     chunk = vocoder.chunk
     out = {}

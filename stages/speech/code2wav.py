@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..graphs import CudaGraphRunner
+
+if TYPE_CHECKING:
+    from omnirt.codecs.code2wav import Code2WavStreamer
 
 
 class Vocoder(Protocol):
@@ -116,19 +119,8 @@ class StreamingVocoder(_Chunking):
             step_buckets=(first_chunk, chunk),
         )
         if graphed:
-            pool = self.streamer.pool
             for steps in self.streamer.step_buckets:
-                # The streamer indexes the rows it needs out of the output (a copy), so the
-                # runner can hand out views of its static output buffer.
-                runner = CudaGraphRunner(
-                    pool.step_io,
-                    functools.partial(pool.make_inputs, steps=steps),
-                    buckets=self.streamer.buckets,
-                    clone_outputs=False,
-                )
-                with torch.cuda.device(param.device):
-                    runner.capture()
-                self.streamer.runners[steps] = runner
+                self.streamer.runners[steps] = capture_step_graphs(self.streamer, steps)
         #: Whether a run takes every stream's queued frames along, not just the due streams':
         #: graphed steps compute every row of their bucket anyway, so sharing the runs is free;
         #: eager steps gather the rows they decode, so others' frames would only lengthen the tick.
@@ -186,6 +178,23 @@ class StreamingVocoder(_Chunking):
                     self._slot[k], at[target] = target, k
         for d in (self._queued, self._sent, self._held):
             d.pop(key, None)
+
+
+def capture_step_graphs(streamer: Code2WavStreamer, steps: int) -> CudaGraphRunner:
+    """The CUDA graphs of a ``Code2WavStreamer``'s step of ``steps`` frames, one per row bucket,
+    captured (on the pool's device): what ``streamer.runners[steps]`` takes."""
+    pool = streamer.pool
+    # The streamer indexes the rows it needs out of the output (a copy), so the runner can hand
+    # out views of its static output buffer.
+    runner = CudaGraphRunner(
+        pool.step_io,
+        functools.partial(pool.make_inputs, steps=steps),
+        buckets=streamer.buckets,
+        clone_outputs=False,
+    )
+    with torch.cuda.device(pool.device):
+        runner.capture()
+    return runner
 
 
 class ChunkedVocoder(_Chunking):
