@@ -159,7 +159,7 @@ def numerics(variants: bool, quick: bool) -> list[str]:
         if variants and norm == "composite":
             runs += [("exact", {"composite_sum": a}) for a in _COMPOSITE_SUMS]
         if variants and norm == "fused":
-            runs += [("exact", {"tree": "reduce"})]
+            runs += [("exact", {"tree": "reduce"}), ("exact", {"output_from": "held"})]
         for preset, extra in runs:
             try:
                 out = qk_norm_rope_triton(q, k, qw, kw, table, preset=preset, **kw_args, **extra)
@@ -179,6 +179,7 @@ def numerics(variants: bool, quick: bool) -> list[str]:
                 ("exact", {"tree": t, "load": ld}) for t in ("split", "reduce") for ld in ("items", "tile")
             ]
             runs += [("exact", {"combine": "known", "load": ld}) for ld in ("items", "tile")]
+            runs += [("exact", {"output_from": "held"})]
         for preset, extra in runs:
             label = preset + (f" {extra}" if extra else "")
             try:
@@ -380,7 +381,8 @@ def variant_speed() -> list[str]:
     from omnirt.kernels.qk_norm_rope import qk_norm_rope_triton
 
     rows = ["| exact kernel variant | ms |", "|---|---|"]
-    shapes = (QK_SHAPES[0], QK_SHAPES[7], QK_SHAPES[2], QK_SHAPES[5])  # composite ones: the sum orders
+    # composite ones: the sum orders; fused ones (Wan): where the output reads the token
+    shapes = (QK_SHAPES[0], QK_SHAPES[7], QK_SHAPES[2], QK_SHAPES[3], QK_SHAPES[5])
     for name, b, t, hq, hk, d, per_head, norm, rope, inter in shapes:
         q, k, qw, kw, table = qk_inputs(b, t, hq, hk, d, per_head, rope, False)
         args = dict(eps=1e-6, interleaved=inter, per_head=per_head, norm=norm, rope=rope)
@@ -391,17 +393,16 @@ def variant_speed() -> list[str]:
                 )
                 rows.append(f"| qk {name} composite_sum={order} | {bench(call):.3f} |")
             continue
-        for tree in ("split", "reduce"):
-            ms = bench(functools.partial(qk_norm_rope_triton, q, k, qw, kw, table, tree=tree, **args))
-            rows.append(f"| qk {name} tree={tree} | {ms:.3f} |")
+        # (tree=split against reduce: the same speed, 2026-12-04)
+        for source in ("reload", "held"):
+            call = functools.partial(qk_norm_rope_triton, q, k, qw, kw, table, output_from=source, **args)
+            rows.append(f"| qk {name} output_from={source} | {bench(call):.3f} |")
     for name, b, t, c, mod in (ADALN_SHAPES[0], ADALN_SHAPES[1], ADALN_SHAPES[4]):
         x, scale, shift = adaln_inputs(b, t, c, mod)
-        for combine in ("divide", "known"):  # (tree=split: 1.6 ms at 4096 x 3072, 2026-12-04)
-            for load in ("items", "tile"):
-                call = functools.partial(
-                    adaln_modulate_triton, x, scale, shift, eps=1e-6, combine=combine, load=load
-                )
-                rows.append(f"| adaln {name} combine={combine} load={load} | {bench(call):.3f} |")
+        # (combine=divide against known and load=items against tile: 2026-12-05, docs/benchmarks.md)
+        for source in ("reload", "held"):
+            call = functools.partial(adaln_modulate_triton, x, scale, shift, eps=1e-6, output_from=source)
+            rows.append(f"| adaln {name} output_from={source} | {bench(call):.3f} |")
     for name, b, t, c, mod in (ADALN_SHAPES[1], ADALN_SHAPES[3], ADALN_SHAPES[4], ADALN_SHAPES[-1]):
         x, scale, shift = adaln_inputs(b, t, c, mod)
         for warps in (2, 4, 8, 16):

@@ -35,6 +35,8 @@ from .settings import Preset, check_preset, interpreted
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
+
+    from .reduce_order import vector_items
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -65,6 +67,18 @@ LOAD = "items"
 #: 0.073 against 0.080 ms at Wan 1.3B 480p; docs/benchmarks.md).
 COMBINE = "known"
 _COMBINES = ("divide", "known")
+#: Where the ``exact`` kernel reads a row of whole 512-element steps for its output: again, chunk
+#: by chunk, from cache (``"reload"``), or from the tiles its statistics loaded, held in registers
+#: (``"held"``: the row read once, in the layout of ATen's threads, 8-byte vectors; rows of at
+#: most :data:`HELD_STEPS` steps). The same bits; they differ in speed (``benchmarks/kernels.py
+#: --variant-speed``). ``"held"`` since measured on an H100 (2026-12-05): bitwise equal to eager in
+#: the GPU tests and at every numerics shape; 0.518 against 0.712 ms at Wan 14B 720p (75600 x
+#: 5120, 1.30x torch.compile where the second read was 0.94x), 0.070 against 0.072 at Wan 1.3B.
+OUTPUT_FROM = "held"
+_OUTPUT_FROMS = ("reload", "held")
+#: The longest row, in 512-element steps, whose tiles ``"held"`` keeps (4 fp32 registers a step
+#: and thread once converted).
+HELD_STEPS = 16
 #: Whether ``exact`` is bitwise equal to eager on the GPU tests' shapes (measured on the H200,
 #: without a LayerNorm weight and bias, as Wan's norm1/norm3); the dispatcher's ``auto`` setting
 #: uses the kernel only then.
@@ -102,14 +116,6 @@ if triton is not None:
     def _halves(x, R: tl.constexpr, N: tl.constexpr):
         """``x`` [R, N] as its first and second halves of columns, each [R, N / 2]."""
         return tl.split(tl.permute(tl.reshape(x, (R, 2, N // 2)), (0, 2, 1)))
-
-    @triton.jit
-    def _items(v):
-        """The 4 columns of a thread's vectors ``v`` [128, 4], each [128] in fp32."""
-        even, odd = tl.split(tl.reshape(v.to(tl.float32), (128, 2, 2)))
-        v0, v2 = tl.split(even)
-        v1, v3 = tl.split(odd)
-        return v0, v1, v2, v3
 
     @triton.jit
     def _online_known(v, mean, m2, coef, ONLINE_FMA: tl.constexpr):
@@ -201,15 +207,18 @@ if triton is not None:
         mean = tl.zeros([128], tl.float32)
         m2 = tl.zeros([128], tl.float32)
         count = tl.zeros([128], tl.float32)
+        held = ()  # a whole row's [128, 4] tiles, as loaded (``EVEN``)
         for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
             first = step * 512 + thread * 4  # [128] each thread's vector
             live = first < n
             if EVEN or LOAD:  # one 8-byte vector a thread (sm_90: LDG.E.64, not four LDG.E.U16)
                 vector = src + first[:, None] + tl.arange(0, 4)[None, :]
                 if EVEN:  # whole rows: no mask
-                    v0, v1, v2, v3 = _items(tl.load(vector))
+                    tile = tl.load(vector)
+                    held = held + (tile,)
+                    v0, v1, v2, v3 = vector_items(tile)
                 else:
-                    v0, v1, v2, v3 = _items(tl.load(vector, mask=live[:, None], other=0.0))
+                    v0, v1, v2, v3 = vector_items(tl.load(vector, mask=live[:, None], other=0.0))
                 if EVEN:
                     mean, m2 = _online_known(v0, mean, m2, 1.0 / (step * 4 + 1), ONLINE_FMA)
                     mean, m2 = _online_known(v1, mean, m2, 1.0 / (step * 4 + 2), ONLINE_FMA)
@@ -252,7 +261,7 @@ if triton is not None:
             mean, m2, count = _halve(mean, m2, count, half, 1, 2, MEAN_FMA, KNOWN)
             mean_all = tl.sum(tl.reshape(mean, (1,)), axis=0)
             m2_all = tl.sum(tl.reshape(m2, (1,)), axis=0)
-        return mean_all, tl.math.div_rn(m2_all, n.to(tl.float32))
+        return mean_all, tl.math.div_rn(m2_all, n.to(tl.float32)), held
 
     @triton.jit
     def _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s, ssc_c, ssh_b, ssh_s,
@@ -284,7 +293,7 @@ if triton is not None:
         CB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SHIFT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, EXACT: tl.constexpr,
         LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr,
-        LOAD: tl.constexpr, EVEN: tl.constexpr, KNOWN: tl.constexpr,
+        LOAD: tl.constexpr, EVEN: tl.constexpr, KNOWN: tl.constexpr, HELD: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         b = row // S
@@ -293,18 +302,29 @@ if triton is not None:
         dst = OUT + b * so_b + s * so_s
         n = C + row * 0
         if EXACT:
-            # statistics in ATen's order, then the row again chunk by chunk (from cache)
-            mean, var = _ln_order_stats(src, n, half, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN,
-                                        KNOWN)  # fmt: skip
+            # statistics in ATen's order, then the row: the tiles the statistics hold (``HELD``)
+            # or the row again chunk by chunk (from cache)
+            mean, var, held = _ln_order_stats(src, n, half, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD,
+                                              EVEN, KNOWN)  # fmt: skip
             rstd = tl.math.rsqrt(var + eps)
-            for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
-                c = chunk * CHUNK + tl.arange(0, CHUNK)
-                live = c < C
-                x = tl.load(src + c, mask=live, other=0.0).to(tl.float32)
-                y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s,
-                              ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W,
-                              HAS_B)  # fmt: skip
-                tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+            if HELD:
+                thread = tl.arange(0, 128)
+                for step in tl.static_range(LN_K):
+                    c = step * 512 + thread[:, None] * 4 + tl.arange(0, 4)[None, :]  # [128, 4]
+                    live = c < C
+                    y = _modulate(held[step].to(tl.float32), c, live, mean, rstd, b, s, W, BIAS, SCALE,
+                                  SHIFT, ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE,
+                                  HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
+                    tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+            else:
+                for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
+                    c = chunk * CHUNK + tl.arange(0, CHUNK)
+                    live = c < C
+                    x = tl.load(src + c, mask=live, other=0.0).to(tl.float32)
+                    y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s,
+                                  ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W,
+                                  HAS_B)  # fmt: skip
+                    tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
         else:
             c = tl.arange(0, CB)
             live = c < C
@@ -395,13 +415,17 @@ def _launch(
     warps: int | None = None,
     even: bool | None = None,
     combine: str | None = None,
+    output_from: str | None = None,
 ) -> torch.Tensor:
     """``even``: where the row is whole 512-element steps, take the Welford updates' ``1 / k`` as
     constants (None: the default, yes; False: divide as ATen does, for tests; the same bits).
-    ``combine``: see :data:`COMBINE`."""
+    ``combine``: see :data:`COMBINE`; ``output_from``: see :data:`OUTPUT_FROM`."""
     combine = combine or COMBINE
     if combine not in _COMBINES:
         raise ValueError(f"combine must be one of {_COMBINES}, got {combine!r}")
+    output_from = output_from or OUTPUT_FROM
+    if output_from not in _OUTPUT_FROMS:
+        raise ValueError(f"output_from must be one of {_OUTPUT_FROMS}, got {output_from!r}")
     batch, seq, width = x.shape
     if preset == "exact" and x.data_ptr() % 16:
         # ATen reads a misaligned row unvectorised, in an order the kernel does not model
@@ -417,6 +441,8 @@ def _launch(
     whole = width % (LN_THREADS * LN_VEC) == 0
     split = (tree or TREE) == "split"
     known = preset == "exact" and whole and combine == "known" and (split or not interpreted())
+    even = preset == "exact" and whole and even is not False
+    steps = triton.cdiv(width, LN_THREADS * LN_VEC)
     _adaln_kernel[(batch * seq,)](
         x, out,
         scale if scale is not None else x, shift if shift is not None else x,
@@ -428,11 +454,11 @@ def _launch(
         CB=block, CHUNK=min(block, 1024), CHUNKS=triton.cdiv(width, min(block, 1024)),
         HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
         HAS_W=weight is not None, HAS_B=bias is not None, EXACT=preset == "exact",
-        LN_K=triton.cdiv(width, LN_THREADS * LN_VEC),
+        LN_K=steps,
         ONLINE_FMA=ONLINE_FMA if online_fma is None else online_fma,
         MEAN_FMA=_COMBINE_MEAN_FMAS.index(combine_mean_fma or COMBINE_MEAN_FMA),
         TREE=("split", "reduce").index(tree or TREE), LOAD=("items", "tile").index(load or LOAD),
-        EVEN=preset == "exact" and whole and even is not False, KNOWN=known,
+        EVEN=even, KNOWN=known, HELD=even and output_from == "held" and steps <= HELD_STEPS,
         num_warps=4 if preset == "exact" else warps or fast_warps(block),
         enable_fp_fusion=preset != "exact",
     )  # fmt: skip

@@ -50,7 +50,7 @@ try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
 
-    from .reduce_order import half_sum, halving_sum, pair_sum
+    from .reduce_order import half_sum, halving_sum, pair_sum, vector_items
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -88,6 +88,18 @@ _COMPLEX_FMAS = ("none", "ac", "bd")
 COMPOSITE_SUM = "vec4_lanes"
 #: The layer-norm order's final tree as explicit splits or Triton's own reduction (same bits).
 TREE = "reduce"
+#: Where the ``exact`` fused norm over all of a token's heads (Wan's ``rms_norm_across_heads``,
+#: interleaved pairs) reads the token for its output: again, head tiles from cache, after its
+#: statistic's read (``"reload"``), or from the 4-element vectors that read loaded, held in
+#: registers (``"held"``: the token read once, in the layout of ATen's threads, 8-byte vectors, no
+#: head tile padded to a power of two; tokens of at most :data:`HELD_STEPS` 512-element steps).
+#: The same bits; they differ in speed (``benchmarks/kernels.py --variant-speed``). ``"held"``
+#: since measured on an H100 (2026-12-05): bitwise equal to eager in the GPU tests (Wan 14B packed
+#: QKV included) and at Wan 1.3B 480p; 0.155 against 0.189 ms at Wan 1.3B 480p, 0.353 against
+#: 0.427 at 720p, 1.101 against 1.162 at Wan 14B 720p.
+OUTPUT_FROM = "held"
+_OUTPUT_FROMS = ("reload", "held")
+HELD_STEPS = 16
 #: Each order's warp tree (the kernel's ``HALVING``).
 _HALVING = {
     "lanes": 0, "vec4": 0, "lanes_halving": 1, "vec4_halving": 1, "vec4_warp": 2, "vec4_lanes": 3
@@ -288,6 +300,83 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _normed(x, rstd, w, DT: tl.constexpr, HAS_W: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr):
+        """``x`` normalised by ``rstd`` and weighted by ``w``, rounded where the chain rounds."""
+        if EXACT and NORM == 0:
+            y = _rnd(x * rstd, DT)
+            if HAS_W:
+                y = _rnd(y * w, DT)
+        elif EXACT:
+            y = rstd * x
+            if HAS_W:
+                y = w * y
+            y = _rnd(y, DT)
+        else:
+            y = x * rstd
+            if HAS_W:
+                y = y * w
+        return y
+
+    @triton.jit
+    def _rotated(x1, x2, c, s, DT: tl.constexpr, EXACT: tl.constexpr, ROPE: tl.constexpr, CPLX: tl.constexpr):
+        """The pairs ``(x1, x2)`` rotated by ``(c, s)`` as the chain ``ROPE`` computes them."""
+        if EXACT and ROPE == 0:
+            o1 = _rnd(_rnd(x1 * c, DT) - _rnd(x2 * s, DT), DT)
+            o2 = _rnd(_rnd(x2 * c, DT) + _rnd(x1 * s, DT), DT)
+        elif EXACT and ROPE == 2 and CPLX == 1:
+            o1 = tl.fma(x1, c, -(x2 * s))
+            o2 = tl.fma(x1, s, x2 * c)
+        elif EXACT and ROPE == 2 and CPLX == 2:
+            o1 = tl.fma(-x2, s, x1 * c)
+            o2 = tl.fma(x2, c, x1 * s)
+        else:
+            o1 = x1 * c - x2 * s
+            o2 = x1 * s + x2 * c
+        return o1, o2
+
+    @triton.jit
+    def _held_rows(src, s_h, dst, d_h, w_ptr, tab, n, eps, D: tl.constexpr, DT: tl.constexpr,
+                   LN_K: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr, CPLX: tl.constexpr,
+                   TREE: tl.constexpr):  # fmt: skip
+        """The exact fused norm over all of a token's ``n`` elements (heads of ``D`` at a ``s_h``
+        stride), then interleaved rotation, from one read: thread ``t`` of 128 loads its
+        4-element vectors ``t, t + 128, ...`` (ATen's order, as :func:`_ln_order_sum_squares`)
+        and keeps them for the output, where each vector holds two whole pairs."""
+        thread = tl.arange(0, 128)
+        acc = tl.zeros([128], tl.float32)
+        held = ()
+        for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
+            p = (step * 512 + thread * 4).to(tl.int64)[:, None] + tl.arange(0, 4)[None, :]  # [128, 4]
+            tile = tl.load(src + (p // D) * s_h + p % D, mask=p < n, other=0.0)
+            held = held + (tile,)
+            v0, v1, v2, v3 = vector_items(tile)
+            acc = tl.fma(v0, v0, acc)
+            acc = tl.fma(v1, v1, acc)
+            acc = tl.fma(v2, v2, acc)
+            acc = tl.fma(v3, v3, acc)
+        if TREE:  # Triton's reduction over 4 warps of one value each: the same halving tree
+            total = tl.sum(acc, axis=0)
+        else:
+            total = halving_sum(acc)
+        rstd = tl.math.rsqrt(tl.math.div_rn(total, n.to(tl.float32)) + eps)
+        for step in tl.static_range(LN_K):
+            first = (step * 512 + thread * 4).to(tl.int64)
+            p = first[:, None] + tl.arange(0, 4)[None, :]
+            live = p < n
+            if HAS_W:
+                w = tl.load(w_ptr + p, mask=live, other=0.0).to(tl.float32)
+            else:
+                w = p  # (no weight: never read)
+            y = _normed(held[step].to(tl.float32), rstd, w, DT, HAS_W, True, 1)
+            x1, x2 = tl.split(tl.reshape(y, (128, 2, 2)))  # items (0, 2) and (1, 3): two pairs
+            f = ((first % D) // 2)[:, None] + tl.arange(0, 2)[None, :]  # [128, 2] their frequencies
+            c = tl.load(tab + f).to(tl.float32)
+            s = tl.load(tab + D // 2 + f).to(tl.float32)
+            o1, o2 = _rotated(x1, x2, c, s, DT, True, ROPE, CPLX)
+            out = tl.reshape(tl.join(o1, o2), (128, 4))
+            tl.store(dst + (p // D) * d_h + p % D, out.to(DT), mask=live)
+
+    @triton.jit
     def _qk_norm_rope_kernel(
         Q, K, QO, KO, QW, KW, TAB, V, VO, POS,
         T, HQ, HK,
@@ -300,14 +389,14 @@ if triton is not None:
         INTERLEAVED: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
         Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr, K_STEPS: tl.constexpr, K_LANES: tl.constexpr,
         CPLX: tl.constexpr, VEC: tl.constexpr, HALVING: tl.constexpr, TREE: tl.constexpr,
-        CACHE: tl.constexpr, LANE_READS: tl.constexpr,
+        CACHE: tl.constexpr, LANE_READS: tl.constexpr, HELD: tl.constexpr, LN_K: tl.constexpr,
     ):  # fmt: skip
         # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles. ``CACHE``
         # (one token per row): keys go to row ``b``'s cache entry ``POS[b]`` (``KO`` a cache,
         # ``so_kt`` its entry stride, ``so_kh`` its head stride) and the k program copies the
         # row's values ``V`` to the same entry of ``VO``.
         # ``LANE_READS`` (``vec4_lanes``): heads read and written at offsets Triton knows to be
-        # contiguous in runs of 4 only (see :data:`COMPOSITE_SUM`).
+        # contiguous in runs of 4 only (see :data:`COMPOSITE_SUM`). ``HELD``: see :data:`OUTPUT_FROM`.
         row = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         b = row // T
@@ -333,86 +422,69 @@ if triton is not None:
             w_ptr = KW
             heads = row * 0 + HK
             factor = k_factor
-        d = tl.arange(0, D)[None, :]
-        f = tl.arange(0, D // 2)[None, :]
-        if LANE_READS:  # ``d``, known contiguous in runs of 4 only: a thread reads one lane's vector
-            dx = (d // 4) * 4 + d % 4
+        if HELD:  # the exact fused norm over all heads, interleaved pairs: the token read once
+            tab = TAB + b * stab_b + t * stab_t
+            _held_rows(src, s_h, dst, d_h, w_ptr, tab, heads * D, eps, D, DT, LN_K, HAS_W, ROPE, CPLX, TREE)
         else:
-            dx = d
-        tab = TAB + b * stab_b + t * stab_t
-        c = tl.load(tab + f).to(tl.float32)
-        s = tl.load(tab + D // 2 + f).to(tl.float32)
-
-        if not PER_HEAD:  # one norm over all heads: its statistic first
-            n = heads * D
-            if EXACT and NORM == 1:
-                ss = _ln_order_sum_squares(src, s_h, n, D, (n + 511) // 512, TREE)
-                rstd_all = tl.math.rsqrt(tl.math.div_rn(ss, n.to(tl.float32)) + eps)
+            d = tl.arange(0, D)[None, :]
+            f = tl.arange(0, D // 2)[None, :]
+            if LANE_READS:  # ``d``, known contiguous in runs of 4 only: a thread reads one lane's vector
+                dx = (d // 4) * 4 + d % 4
             else:
-                total = tl.zeros([HC, D], tl.float32)
-                for h0 in range(0, heads, HC):
-                    h = h0 + tl.arange(0, HC)[:, None]
-                    x = tl.load(src + h.to(tl.int64) * s_h + d, mask=h < heads, other=0.0).to(tl.float32)
-                    total += x * x
-                rstd_all = tl.math.rsqrt(tl.sum(tl.sum(total, axis=1), axis=0) * factor + eps)
+                dx = d
+            tab = TAB + b * stab_b + t * stab_t
+            c = tl.load(tab + f).to(tl.float32)
+            s = tl.load(tab + D // 2 + f).to(tl.float32)
 
-        for h0 in range(0, heads, HC):
-            h = h0 + tl.arange(0, HC)[:, None]
-            live = h < heads
-            base = src + h.to(tl.int64) * s_h
-            x = tl.load(base + dx, mask=live, other=0.0).to(tl.float32)
-            # -- RMSNorm
-            if PER_HEAD:
-                if which == 0:
-                    ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
-                else:
-                    ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
+            if not PER_HEAD:  # one norm over all heads: its statistic first
+                n = heads * D
                 if EXACT and NORM == 1:
-                    rstd = tl.math.rsqrt(tl.math.div_rn(ss, D * 1.0) + eps)
+                    ss = _ln_order_sum_squares(src, s_h, n, D, (n + 511) // 512, TREE)
+                    rstd_all = tl.math.rsqrt(tl.math.div_rn(ss, n.to(tl.float32)) + eps)
                 else:
-                    rstd = tl.math.rsqrt(ss * factor + eps)
-            else:
-                rstd = rstd_all
-            if HAS_W:
+                    total = tl.zeros([HC, D], tl.float32)
+                    for h0 in range(0, heads, HC):
+                        h = h0 + tl.arange(0, HC)[:, None]
+                        x = tl.load(src + h.to(tl.int64) * s_h + d, mask=h < heads, other=0.0).to(tl.float32)
+                        total += x * x
+                    rstd_all = tl.math.rsqrt(tl.sum(tl.sum(total, axis=1), axis=0) * factor + eps)
+
+            for h0 in range(0, heads, HC):
+                h = h0 + tl.arange(0, HC)[:, None]
+                live = h < heads
+                base = src + h.to(tl.int64) * s_h
+                x = tl.load(base + dx, mask=live, other=0.0).to(tl.float32)
+                # -- RMSNorm
                 if PER_HEAD:
-                    w = tl.load(w_ptr + d).to(tl.float32)
+                    if which == 0:
+                        ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
+                    else:
+                        ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
+                    if EXACT and NORM == 1:
+                        rstd = tl.math.rsqrt(tl.math.div_rn(ss, D * 1.0) + eps)
+                    else:
+                        rstd = tl.math.rsqrt(ss * factor + eps)
                 else:
-                    w = tl.load(w_ptr + h * D + d, mask=live, other=0.0).to(tl.float32)
-            if EXACT and NORM == 0:
-                y = _rnd(x * rstd, DT)
+                    rstd = rstd_all
                 if HAS_W:
-                    y = _rnd(y * w, DT)
-            elif EXACT:
-                y = rstd * x
-                if HAS_W:
-                    y = w * y
-                y = _rnd(y, DT)
-            else:
-                y = x * rstd
-                if HAS_W:
-                    y = y * w
-            # -- rotary embedding
-            if INTERLEAVED:
-                x1, x2 = tl.split(tl.reshape(y, (HC, D // 2, 2)))
-            else:
-                x1, x2 = tl.split(tl.permute(tl.reshape(y, (HC, 2, D // 2)), (0, 2, 1)))
-            if EXACT and ROPE == 0:
-                o1 = _rnd(_rnd(x1 * c, DT) - _rnd(x2 * s, DT), DT)
-                o2 = _rnd(_rnd(x2 * c, DT) + _rnd(x1 * s, DT), DT)
-            elif EXACT and ROPE == 2 and CPLX == 1:
-                o1 = tl.fma(x1, c, -(x2 * s))
-                o2 = tl.fma(x1, s, x2 * c)
-            elif EXACT and ROPE == 2 and CPLX == 2:
-                o1 = tl.fma(-x2, s, x1 * c)
-                o2 = tl.fma(x2, c, x1 * s)
-            else:
-                o1 = x1 * c - x2 * s
-                o2 = x1 * s + x2 * c
-            if INTERLEAVED:
-                out = tl.reshape(tl.join(o1, o2), (HC, D))
-            else:
-                out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
-            tl.store(dst + h.to(tl.int64) * d_h + dx, out.to(DT), mask=live)
+                    if PER_HEAD:
+                        w = tl.load(w_ptr + d).to(tl.float32)
+                    else:
+                        w = tl.load(w_ptr + h * D + d, mask=live, other=0.0).to(tl.float32)
+                else:
+                    w = x  # (no weight: never read)
+                y = _normed(x, rstd, w, DT, HAS_W, EXACT, NORM)
+                # -- rotary embedding
+                if INTERLEAVED:
+                    x1, x2 = tl.split(tl.reshape(y, (HC, D // 2, 2)))
+                else:
+                    x1, x2 = tl.split(tl.permute(tl.reshape(y, (HC, 2, D // 2)), (0, 2, 1)))
+                o1, o2 = _rotated(x1, x2, c, s, DT, EXACT, ROPE, CPLX)
+                if INTERLEAVED:
+                    out = tl.reshape(tl.join(o1, o2), (HC, D))
+                else:
+                    out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
+                tl.store(dst + h.to(tl.int64) * d_h + dx, out.to(DT), mask=live)
         if CACHE:
             if which == 1:  # the values, copied as they are
                 v_src = V + b * sv_b
@@ -482,9 +554,14 @@ def _launch(
     composite_sum: str | None = None,
     tree: str | None = None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    output_from: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cache``: ``(v, k_cache, v_cache, positions)`` (see :func:`qk_norm_rope_to_cache`): the keys
-    and values go into the caches and the second output is ``k_cache``."""
+    and values go into the caches and the second output is ``k_cache``. ``output_from``: see
+    :data:`OUTPUT_FROM`."""
+    output_from = output_from or OUTPUT_FROM
+    if output_from not in _OUTPUT_FROMS:
+        raise ValueError(f"output_from must be one of {_OUTPUT_FROMS}, got {output_from!r}")
     batch, tokens, hq, dim = q.shape
     hk = k.shape[2]
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -510,6 +587,11 @@ def _launch(
     q_cfg = (aten_order and _sum_config(dim, batch * tokens * hq, vec)) or (0, 32)
     k_cfg = (aten_order and _sum_config(dim, batch * tokens * hk, vec)) or (0, 32)
     heads_chunk = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // dim))
+    steps = triton.cdiv(max(hq, hk) * dim, 512)
+    held = (
+        output_from == "held" and exact and norm == "fused" and not per_head and interleaved
+        and cache is None and steps <= HELD_STEPS
+    )  # fmt: skip
     cplx = _COMPLEX_FMAS.index(complex_fma or COMPLEX_FMA)
     dummy = q
     # (tensor of the weight or a stand-in never read: HAS_W tells the kernel)
@@ -530,7 +612,7 @@ def _launch(
         Q_STEPS=q_cfg[0], Q_LANES=q_cfg[1], K_STEPS=k_cfg[0], K_LANES=k_cfg[1],
         CPLX=cplx, VEC=vec, HALVING=_HALVING[order],
         TREE=("split", "reduce").index(tree or TREE),
-        CACHE=cache is not None, LANE_READS=lane_reads,
+        CACHE=cache is not None, LANE_READS=lane_reads, HELD=held, LN_K=steps if held else 0,
         num_warps=4,
         enable_fp_fusion=not exact,
     )  # fmt: skip

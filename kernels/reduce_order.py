@@ -210,6 +210,14 @@ if triton is not None:
         return a + b
 
     @triton.jit
+    def vector_items(v):
+        """The 4 columns of ATen's threads' vectors ``v`` [128, 4], each [128] in fp32."""
+        even, odd = tl.split(tl.reshape(v.to(tl.float32), (128, 2, 2)))
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        return v0, v1, v2, v3
+
+    @triton.jit
     def half_sum(x, R: tl.constexpr, N: tl.constexpr):
         """``[R, N] -> [R, N / 2]``: ``x[:, i] + x[:, i + N / 2]`` (one level of a halving tree)."""
         a, b = tl.split(tl.permute(tl.reshape(x, (R, 2, N // 2)), (0, 2, 1)))

@@ -93,6 +93,29 @@ def test_whole_rows_take_constant_reciprocals_with_the_same_bits(width):
         assert torch.equal(constants, divided)
 
 
+@interpreted
+@pytest.mark.parametrize("width", [512, 1536, 5120])
+def test_output_from_held_tiles_has_the_reloaded_rows_bits(width):
+    """``output_from="held"`` writes a row of whole steps from the tiles its statistics loaded (one
+    read of the row): bitwise the chunked second read, for every modulation shape, with and without
+    a LayerNorm weight and bias; rows of other widths take the second read."""
+    x, g = _x(batch=2, seq=3, width=width, seed=7)
+    weight, bias = torch.randn(width, generator=g), torch.randn(width, generator=g)
+    for name, (scale, shift) in _modulations(2, 3, width, g).items():
+        for w, b in ((None, None), (weight, bias)):
+            kw = dict(eps=1e-6, weight=w, bias=b)
+            held = adaln_modulate_triton(x, scale, shift, output_from="held", **kw)
+            assert torch.equal(held, adaln_modulate_triton(x, scale, shift, output_from="reload", **kw)), name
+    x, g = _x(width=1000, seed=8)
+    scale = torch.randn(2, 1, 1000, generator=g)
+    torch.testing.assert_close(
+        adaln_modulate_triton(x, scale, None, eps=1e-6, output_from="held"),
+        adaln_modulate_reference(x, scale, None, eps=1e-6), rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="output_from must be one of"):
+        adaln_modulate_triton(x, scale, None, eps=1e-6, output_from="twice")
+
+
 def test_each_reciprocal_constant_is_the_fp32_division():
     """The kernel writes ``1.0 / k`` in Python (a double), which the compiler rounds to fp32: the
     same bits as the fp32 division ATen's chain makes, for every update count a row can have."""

@@ -178,6 +178,30 @@ def test_packed_qkv_is_read_in_place():
 
 
 @interpreted
+@pytest.mark.parametrize("rope", ["float32", "io"])
+def test_output_from_held_vectors_has_the_reloaded_bits(rope):
+    """``output_from="held"`` (the exact fused norm over all heads, interleaved pairs) writes each
+    token from the vectors its statistic read: bitwise the head tiles read again, for separate and
+    packed inputs, grouped keys, tokens past one 512-element step and not whole steps (masked),
+    with and without weights."""
+    g = torch.Generator().manual_seed(9)
+    args = dict(eps=1e-6, interleaved=True, per_head=False, norm="fused", rope=rope)
+    for hq, hk, dim in ((12, 12, 128), (6, 2, 64), (5, 3, 128)):
+        qkv = torch.randn(2, 3, (hq + 2 * hk) * dim, generator=g) * 2
+        packed = split_packed_qkv(qkv, hq, hk, dim)[:2]
+        _, _, qw, kw, table = _inputs(batch=2, tokens=3, hq=hq, hk=hk, dim=dim, per_head=False, seed=hq)
+        for q, k in (packed, (packed[0].contiguous(), packed[1].contiguous())):
+            for weights in ((qw, kw), (None, None)):
+                held = qk_norm_rope_triton(q, k, *weights, table, output_from="held", **args)
+                reload = qk_norm_rope_triton(q, k, *weights, table, output_from="reload", **args)
+                for a, b in zip(held, reload, strict=True):
+                    assert torch.equal(a, b), (hq, hk, dim)
+                _close(held, qk_norm_rope_reference(q, k, *weights, table, **args))
+    with pytest.raises(ValueError, match="output_from must be one of"):
+        qk_norm_rope_triton(q, k, None, None, table, output_from="twice", **args)
+
+
+@interpreted
 def test_offsets_past_two_to_the_31(monkeypatch):
     """A token 2^31 elements into its storage (packed QKV of 75,600 tokens with CFG batch 2 is
     past that): 32-bit offsets would wrap, which the interpreter reproduces."""
@@ -197,6 +221,10 @@ def test_offsets_past_two_to_the_31(monkeypatch):
     table = torch.cat([angles.cos(), angles.sin()], dim=-1)
     args = dict(eps=1e-6, interleaved=False)
     got = qk_norm_rope_triton(q, k, None, None, table, **args)
+    _close(got, qk_norm_rope_reference(q, k, None, None, table, **args))
+    # Wan's chain, each token read once (``output_from="held"``)
+    args = dict(eps=1e-6, interleaved=True, per_head=False, norm="fused", rope="float32")
+    got = qk_norm_rope_triton(q, k, None, None, table, output_from="held", **args)
     _close(got, qk_norm_rope_reference(q, k, None, None, table, **args))
 
 
