@@ -21,8 +21,6 @@ Three tables (markdown), each measured in this run:
    RMSNorm after it) at the Qwen3-Omni thinker's and talker's widths and decode batch rows, the
    exact kernel at each warp count against the count it runs at (``rms_norm.warps_for``), and
    eager.
-7. **The RMSNorm kernel's row read once** (``--rms-held``): ``rms_norm.OUTPUT_FROM`` ``held``
-   against ``reload`` at the shapes of tables 4 and 5, and whether they give the same bits.
 6. **The MoE grouping** (``--moe-group``): ``kernels/moe_route.py``'s one-launch grouping of a
    MoE layer's (token, expert) pairs at decode and prompt sizes, with the warps it launches at
    (``launch_config``: at most 8 keys a thread, for its compile time) against 8 warps (its former
@@ -30,7 +28,7 @@ Three tables (markdown), each measured in this run:
    ``cumsum``, the inverse's scatter), each from a CUDA graph.
 
     python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps] [--speech-rms]
-        [--rms-held] [--moe-group]
+        [--moe-group]
 """
 
 from __future__ import annotations
@@ -343,46 +341,6 @@ def speech_rms_speed() -> list[str]:
     return rows
 
 
-def rms_held_speed() -> list[str]:
-    """The RMSNorm kernel's ``exact`` preset with its output written from the tiles its sums
-    loaded (``rms_norm.OUTPUT_FROM = "held"``) against the row read again (``"reload"``): Z-Image's
-    modulated norms and the speech decoders' residual add and norm, each from a CUDA graph, and
-    whether the two give the same bits."""
-    from omnirt.kernels import rms_norm
-    from omnirt.kernels.rms_norm import add_rms_norm_triton, rms_norm_modulate_triton
-
-    rows = ["| kernel and shape | reload ms | held ms | held speed-up | same bits |", "|---|---|---|---|---|"]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    calls = []
-    for name, b, t, c, residual in RMS_SHAPES:
-        x = torch.randn(b, t, c, device="cuda", generator=g).bfloat16()
-        w = torch.randn(c, device="cuda", generator=g).bfloat16()
-        mul = torch.randn(b, 1, c, device="cuda", generator=g).bfloat16()
-        res = torch.randn(b, t, c, device="cuda", generator=g).bfloat16() if residual else None
-        call = functools.partial(rms_norm_modulate_triton, x, w, 1e-5, mul, res)
-        calls.append((f"rms-norm-modulate {name}", call))
-    for name, width in SPEECH_RMS:
-        for count in SPEECH_ROWS:
-            x = torch.randn(count, width, device="cuda", generator=g).bfloat16()
-            delta = torch.randn(count, width, device="cuda", generator=g).bfloat16()
-            w = torch.randn(width, device="cuda", generator=g).bfloat16()
-            call = functools.partial(add_rms_norm_triton, x, delta, w, 1e-6)
-            calls.append((f"add-rms-norm {name} x {count} rows", call))
-    for name, call in calls:
-        times, outs = [], []
-        for source in ("reload", "held"):
-            rms_norm.OUTPUT_FROM = source
-            try:
-                outs.append(call())
-                times.append(bench(call))
-            finally:
-                rms_norm.OUTPUT_FROM = "reload"
-        a, b = (o if isinstance(o, tuple) else (o,) for o in outs)
-        same = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-        rows.append(f"| {name} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x | {same} |")
-    return rows
-
-
 #: (what, pairs): Qwen3-Omni's thinker (128 experts, 8 a token) at decode rows and prompt pieces.
 MOE_GROUP_PAIRS = (("decode, 8 rows", 64), ("decode, 128 rows", 1024), ("prompt piece, 512 tokens", 4096),
                    ("two prompt pieces", 8192))  # fmt: skip
@@ -528,7 +486,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rms", action="store_true", help="the modulated RMSNorm at Z-Image's shapes")
     p.add_argument("--rms-warps", action="store_true", help="and the exact kernel at 1, 2, 4, 8 warps")
     p.add_argument("--speech-rms", action="store_true", help="add_rms_norm at the speech models' shapes")
-    p.add_argument("--rms-held", action="store_true", help="the RMSNorm kernel's rows held against reloaded")
     p.add_argument("--moe-group", action="store_true", help="the MoE grouping kernel, 8 warps, torch's chain")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -545,9 +502,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.speech_rms:
         print("## The speech models' residual add and RMSNorm\n")
         print("\n".join(speech_rms_speed()), flush=True)
-    if args.rms_held:
-        print("## The RMSNorm kernel's row read once\n")
-        print("\n".join(rms_held_speed()), flush=True)
     if args.moe_group:
         print("## The MoE layers' grouping by expert\n")
         print("\n".join(moe_group_speed()), flush=True)

@@ -88,19 +88,14 @@ def add_rms_norm_reference(
 if triton is not None:
 
     @triton.jit
-    def _summed(X, D, at, DT: tl.constexpr, HAS_D: tl.constexpr):
-        """The row's elements at ``at``: ``x``, or ``x + delta`` rounded to the input dtype."""
-        v = tl.load(X + at)
+    def _normed(X, D, W, M, R, base, at, m_base, rstd, DT: tl.constexpr, HAS_D: tl.constexpr,
+                HAS_M: tl.constexpr, HAS_R: tl.constexpr, ROUNDS: tl.constexpr):  # fmt: skip
+        """The output at ``at`` of a row (``residual + mul * weight * norm``) in fp32, before its
+        last rounding to the input dtype (``ROUNDS``: each product and sum rounded before it, as
+        transformers' and diffusers' chains; else none, as Moshi's)."""
+        v = tl.load(X + base + at)
         if HAS_D:
-            v = (v.to(tl.float32) + tl.load(D + at).to(tl.float32)).to(DT)
-        return v
-
-    @triton.jit
-    def _normed(v, W, M, R, base, at, m_base, rstd, DT: tl.constexpr, HAS_M: tl.constexpr,
-                HAS_R: tl.constexpr, ROUNDS: tl.constexpr):  # fmt: skip
-        """The output at ``at`` of a row whose elements there are ``v`` (``residual + mul * weight *
-        norm``) in fp32, before its last rounding to the input dtype (``ROUNDS``: each product and
-        sum rounded before it, as transformers' and diffusers' chains; else none, as Moshi's)."""
+            v = (v.to(tl.float32) + tl.load(D + base + at).to(tl.float32)).to(DT)
         w = tl.load(W + at).to(tl.float32)
         if ROUNDS:  # each product and sum rounded to the input dtype, as eager
             y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
@@ -118,22 +113,14 @@ if triton is not None:
 
     @triton.jit
     def _squares(X, D, XO, at, DT: tl.constexpr, HAS_D: tl.constexpr):
-        """The row's elements at ``at`` (:func:`_summed`, stored to ``XO`` with ``HAS_D``) and their
-        squares in fp32."""
-        v = _summed(X, D, at, DT, HAS_D)
+        """The squares (fp32) of the row's elements at ``at``: of ``x + delta`` rounded to the input
+        dtype, which is stored to ``XO``, with ``HAS_D``."""
+        v = tl.load(X + at)
         if HAS_D:
+            v = (v.to(tl.float32) + tl.load(D + at).to(tl.float32)).to(DT)
             tl.store(XO + at, v)
-        f = v.to(tl.float32)
-        return v, f * f
-
-    @triton.jit
-    def _row_values(X, D, base, at, held, step: tl.constexpr, DT: tl.constexpr, HAS_D: tl.constexpr,
-                    HELD: tl.constexpr):  # fmt: skip
-        """The row's elements at ``at`` for the output: the ``step``-th tile the sums loaded
-        (``HELD``), or read again."""
-        if HELD:
-            return held[step]
-        return _summed(X, D, base + at, DT, HAS_D)
+        v = v.to(tl.float32)
+        return v * v
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -142,33 +129,25 @@ if triton is not None:
         HAS_D: tl.constexpr, HAS_SS: tl.constexpr, HAS_M: tl.constexpr, HAS_R: tl.constexpr,
         ATEN: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
         QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, ROWS_TREE: tl.constexpr,
-        WARP: tl.constexpr, ROUNDS: tl.constexpr, HELD: tl.constexpr,
+        WARP: tl.constexpr, ROUNDS: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the row read as STEPS slices of LANES vectors of VEC elements.
-        # ``HELD``: the output written from the tiles the sums loaded (see :data:`OUTPUT_FROM`).
         row = tl.program_id(0).to(tl.int64)
         DT: tl.constexpr = X.dtype.element_ty
         base = row * WIDTH
         piece = tl.arange(0, LANES * VEC)
-        held = ()
         if ROWS_TREE:  # ATen's order with lanes as [G, 32] (lane g * 32 + t), each lane's vector last
             G: tl.constexpr = LANES // 32
             g = tl.arange(0, G)[:, None, None] * 32
             lanes = (g + tl.arange(0, 32)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
             acc3 = tl.zeros([G, 32, 4], tl.float32)
             for step in tl.static_range(STEPS):
-                v, sq = _squares(X, D, XO, base + step * LANES * VEC + lanes, DT, HAS_D)
-                if HELD:
-                    held = held + (v,)
-                acc3 += sq
+                acc3 += _squares(X, D, XO, base + step * LANES * VEC + lanes, DT, HAS_D)
             ss = warp_rows_sum(acc3, G, WARP)
         else:
-            lanes = piece
             acc = tl.zeros([LANES, VEC], tl.float32)
             for step in tl.static_range(STEPS):
-                v, sq = _squares(X, D, XO, base + step * LANES * VEC + piece, DT, HAS_D)
-                if HELD:
-                    held = held + (v,)
+                sq = _squares(X, D, XO, base + step * LANES * VEC + piece, DT, HAS_D)
                 acc += tl.reshape(sq, (LANES, VEC))
             if ATEN and VEC == 4:
                 ss = vec4_lanes_sum(acc, LANES)
@@ -179,30 +158,25 @@ if triton is not None:
         if HAS_SS:
             tl.store(SS + row, ss)
         rstd = tl.math.rsqrt(ss * factor + eps)
-        # The row again, slice by slice, from the held tiles in their layout or read again (the
-        # sum recomputed, not read back: another thread may have stored it).
-        if not HELD:
-            lanes = piece
+        # The row again, slice by slice (the sum recomputed, not read back: another thread may
+        # have stored it).
         m_base = (row // tokens) * m_stride
         if QUANT:  # the output quantized per row (w8a8.quantize_rows of it): its peak, then the values
-            peak = tl.zeros(lanes.shape, tl.float32)
+            peak = tl.zeros([LANES * VEC], tl.float32)
             for step in tl.static_range(STEPS):
-                at = step * LANES * VEC + lanes
-                v = _row_values(X, D, base, at, held, step, DT, HAS_D, HELD)
-                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
+                at = step * LANES * VEC + piece
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
                 peak = tl.maximum(peak, tl.abs(y.to(DT).to(tl.float32)))
-            scale = tl.maximum(tl.max(tl.reshape(peak, (LANES * VEC,)), axis=0), MIN_PEAK) * INV_QMAX
+            scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
             tl.store(QS + row, scale)
             for step in tl.static_range(STEPS):
-                at = step * LANES * VEC + lanes
-                v = _row_values(X, D, base, at, held, step, DT, HAS_D, HELD)
-                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
+                at = step * LANES * VEC + piece
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
                 tl.store(Y + base + at, quantize_values(y.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8))
         else:
             for step in tl.static_range(STEPS):
-                at = step * LANES * VEC + lanes
-                v = _row_values(X, D, base, at, held, step, DT, HAS_D, HELD)
-                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
+                at = step * LANES * VEC + piece
+                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
                 tl.store(Y + base + at, y.to(DT))
 
 
@@ -241,13 +215,9 @@ def _launch(
     mul: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     kind: str | None = None,
-    output_from: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(x + delta, out, scale)``: ``out`` the norm's output, or with ``kind`` its 8-bit values
-    [rows, W] and ``scale`` their per-row scales [rows, 1]. ``output_from``: see
-    :data:`OUTPUT_FROM`."""
-    if output_from not in (None, *_OUTPUT_FROMS):
-        raise ValueError(f"output_from must be one of {_OUTPUT_FROMS}, got {output_from!r}")
+    [rows, W] and ``scale`` their per-row scales [rows, 1]."""
     width = x.shape[-1]
     rows = x.numel() // width
     if kind is None:
@@ -263,7 +233,6 @@ def _launch(
     steps, lanes, vec = config or _fast_config(width)
     rows_tree = ROWS_TREE and config is not None and vec == 4 and lanes >= 32
     m_stride, tokens = _mul_layout(x, mul) if mul is not None else (0, 1)
-    warps = 1 if rows_tree else warps_for(lanes * vec)
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, summed, out,
         sumsq if sumsq is not None else out, mul if mul is not None else x,
@@ -272,8 +241,7 @@ def _launch(
         WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
         HAS_M=mul is not None, HAS_R=residual is not None, ATEN=config is not None, ROUNDS=preset == "exact",
         QUANT=kind is not None, **w8a8.quantize_constants(kind), ROWS_TREE=rows_tree,
-        WARP=rows_tree and not settings.interpreted(), num_warps=warps,
-        HELD=(output_from or OUTPUT_FROM) == "held" and steps * lanes * vec <= HELD_VALUES * 32 * warps,
+        WARP=rows_tree and not settings.interpreted(), num_warps=1 if rows_tree else warps_for(lanes * vec),
         enable_fp_fusion=not exact,
     )  # fmt: skip
     return summed, out, scale
@@ -285,13 +253,6 @@ WARPS: int | None = None
 #: (the lanes' halving levels in registers, the last 32 by the warp's shuffles), rather than by
 #: :func:`~.reduce_order.vec4_lanes_sum`'s levels through shared memory (the same sums).
 ROWS_TREE = True
-#: Where the kernel reads a row for its output: again, slice by slice, from cache (``"reload"``),
-#: or from the tiles its sums loaded, held in registers (``"held"``: the row read once, and
-#: ``x + delta`` added once; rows of at most :data:`HELD_VALUES` elements a thread). The same
-#: bits; they differ in speed (``benchmarks/kernels.py --rms --speech-rms``).
-OUTPUT_FROM = "reload"
-_OUTPUT_FROMS = ("reload", "held")
-HELD_VALUES = 128
 
 
 def warps_for(tile: int) -> int:

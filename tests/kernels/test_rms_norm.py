@@ -84,39 +84,6 @@ def test_kernel_is_the_eager_chain_with_atens_sums(shape):
 
 
 @interpreted
-def test_output_from_held_tiles_has_the_reloaded_bits(monkeypatch):
-    """``OUTPUT_FROM = "held"`` writes each row from the tiles its sums loaded (the row read once,
-    ``x + delta`` added once): bitwise the row read again, for every chain, with and without a
-    delta, the modulated and quantizing kernels, rows too long to hold included."""
-    from omnirt.kernels import rms_norm
-    from omnirt.kernels.rms_norm import rms_norm_modulate_quantize_triton
-
-    def outputs():
-        got = []
-        for width, rows in ((64, 5), (1024, 1), (2048, 3), (1024, 16), (3840, 16)):
-            x, d, w = _inputs(width, rows, seed=width + rows)
-            for preset, chain in (("exact", "transformers"), ("exact", "moshi"), ("fast", "transformers")):
-                got += add_rms_norm_triton(x, d, w, 1e-6, preset=preset, chain=chain)
-                got += add_rms_norm_triton(x, None, w, 1e-6, preset=preset, chain=chain)[1:]
-        for shape in ((2, 9, 3840), (2, 20, 256)):
-            x, w, scale, gate, residual = _dit_inputs(*shape)
-            got += [rms_norm_modulate_triton(x, w, 1e-5, scale, None)]
-            got += [rms_norm_modulate_triton(x, w, 1e-5, gate, residual)]
-            got += list(rms_norm_modulate_quantize_triton(x, w, 1e-5, scale, "int8"))
-        return got
-
-    monkeypatch.setattr(rms_norm, "OUTPUT_FROM", "reload")
-    reloaded = outputs()
-    monkeypatch.setattr(rms_norm, "OUTPUT_FROM", "held")
-    held = outputs()
-    assert len(held) == len(reloaded)
-    for a, b in zip(held, reloaded, strict=True):
-        assert torch.equal(a, b)
-    monkeypatch.setattr(rms_norm, "HELD_VALUES", 1)  # nothing held: the second read, the same bits
-    assert all(torch.equal(a, b) for a, b in zip(outputs(), reloaded, strict=True))
-
-
-@interpreted
 @pytest.mark.parametrize("shape", [(1024, 1), (2048, 3), (1024, 16)], ids=str)
 def test_moshis_chain_has_atens_sums(shape):
     width, rows = shape
