@@ -14,7 +14,9 @@ full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
    clock: a late one is an audible glitch, so they come first). An early step that does not fit
    waits for its own deadline;
 3. runs batch pipelines' steps (round robin) in the time left before the earliest realtime
-   deadline: a batch step starts only when its ``step_cost()`` fits before that deadline. A
+   deadline: a batch step starts only when its ``step_cost()`` fits before that deadline; when the
+   step of the pipeline whose turn it is does not fit, the next one whose step fits runs, and the
+   turn stays (an image's few-millisecond pieces fill a gap too short for a video's). A
    pipeline whose steps are pieces of longer work (``Pipeline.fit``: split diffusion calls) is
    first asked to size its next piece to that time and, while any realtime pipeline has work, to
    at most ``batch_slice`` when one is set: pieces fill the gaps between realtime steps, and
@@ -243,7 +245,8 @@ class Scheduler:
             lanes = self._batch_lanes_with_work()
             if not lanes:
                 return
-            lane = lanes[self._batch_turn % len(lanes)]
+            turn = self._batch_turn % len(lanes)
+            lane = lanes[turn]
             now = self.clock()
             horizon = self._horizon()
             if horizon is None:
@@ -251,15 +254,25 @@ class Scheduler:
                     return
                 self._batch_cost(lane, None)
             elif self._batch_cost(lane, horizon - now) > horizon - now + SLACK:
-                if stepped or now - lane.served_at < self.starvation_limit:
+                if not stepped and now - lane.served_at >= self.starvation_limit:
+                    log.debug("%s: a batch step runs past a realtime deadline (starved)", lane.kind)
+                    self._batch_cost(lane, None)  # one slice, however late
+                    self._batch_turn = turn + 1
+                    self._step(lane, out)
+                    flush()
                     return
-                log.debug("%s: a batch step runs past a realtime deadline (starved)", lane.kind)
-                self._batch_cost(lane, None)  # one slice, however late
-                self._batch_turn += 1
+                # the next lane in turn whose step fits the time left (an image's few-ms pieces in
+                # a gap too short for a video's): the lane whose turn it was keeps its turn
+                room = horizon - now
+                others = lanes[turn + 1 :] + lanes[:turn]
+                lane = next((o for o in others if self._batch_cost(o, room) <= room + SLACK), None)
+                if lane is None:
+                    return
                 self._step(lane, out)
                 flush()
-                return
-            self._batch_turn += 1
+                stepped = True
+                continue
+            self._batch_turn = turn + 1
             self._step(lane, out)
             flush()
             stepped = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from omnirt.stages.pipeline import RequestRejected
 from omnirt.stages.scheduler import Outputs, Scheduler
@@ -53,6 +55,40 @@ def test_realtime_frames_never_wait_more_than_one_batch_step(batch_cost: float) 
         # A 200 ms step never fits an 80 ms period: it runs once starved for a second, late.
         assert max(frames.lateness) > 0.1
         assert 3 <= batch_steps <= 6
+
+
+@dataclass
+class _VideoRequest:
+    request_id: str
+    steps: int = 3
+
+
+class _VideoJobs(JobPipeline):
+    kind = "video"
+
+    def __init__(self, clock: FakeClock, *, cost: float) -> None:
+        super().__init__(clock, cost=cost)
+        self.request_type = _VideoRequest
+
+
+def test_a_gap_too_short_for_one_batch_pipeline_goes_to_another() -> None:
+    """Frames every 80 ms leave 70 ms gaps: a 100 ms video step never fits one (it runs once
+    starved for a second), so the image pipeline's 20 ms steps fill every gap, whoever's turn it
+    is, and the video keeps its turn for the next gap."""
+    clock = FakeClock()
+    frames = FramePipeline(clock, period=0.08, cost=0.01)
+    images, videos = JobPipeline(clock, cost=0.02), _VideoJobs(clock, cost=0.1)
+    s = Scheduler([frames, images, videos], clock=clock.now, starvation_limit=1.0)
+    _enqueue(s, JobRequest("image", steps=10_000))
+    _enqueue(s, _VideoRequest("video", steps=10_000))
+    _enqueue(s, FrameRequest("call", frames=50))  # 4 s of frames
+    ticks_before = clock.t
+    _run_until_frames_done(s, clock, frames)
+    image_steps, video_steps = sum(images.calls.values()), sum(videos.calls.values())
+    assert image_steps >= 3 * (49 - 2 * video_steps)  # three 20 ms steps in each 70 ms gap left
+    assert 3 <= video_steps <= 5  # starved once a second, never in a gap
+    assert max(frames.lateness) <= 0.1 + 1e-9  # a frame waits at most one (starved) batch step
+    assert clock.t - ticks_before < 4.2
 
 
 def _run_until_frames_done(s: Scheduler, clock: FakeClock, frames: FramePipeline) -> Outputs:
