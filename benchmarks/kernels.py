@@ -159,7 +159,8 @@ def numerics(variants: bool, quick: bool) -> list[str]:
         if variants and norm == "composite":
             runs += [("exact", {"composite_sum": a}) for a in _COMPOSITE_SUMS]
         if variants and norm == "fused":
-            runs += [("exact", {"tree": "reduce"}), ("exact", {"output_from": "held"})]
+            runs += [("exact", {"tree": "reduce"}), ("exact", {"output_from": "reload"})]
+            runs += [("exact", {"tokens_per_program": n}) for n in (2, 4)]
         for preset, extra in runs:
             try:
                 out = qk_norm_rope_triton(q, k, qw, kw, table, preset=preset, **kw_args, **extra)
@@ -179,7 +180,8 @@ def numerics(variants: bool, quick: bool) -> list[str]:
                 ("exact", {"tree": t, "load": ld}) for t in ("split", "reduce") for ld in ("items", "tile")
             ]
             runs += [("exact", {"combine": "known", "load": ld}) for ld in ("items", "tile")]
-            runs += [("exact", {"output_from": "held"})]
+            runs += [("exact", {"output_from": "reload"})]
+            runs += [("exact", {"rows": n}) for n in (2, 4)]
         for preset, extra in runs:
             label = preset + (f" {extra}" if extra else "")
             try:
@@ -394,15 +396,19 @@ def variant_speed() -> list[str]:
                 rows.append(f"| qk {name} composite_sum={order} | {bench(call):.3f} |")
             continue
         # (tree=split against reduce: the same speed, 2026-12-04)
-        for source in ("reload", "held"):
-            call = functools.partial(qk_norm_rope_triton, q, k, qw, kw, table, output_from=source, **args)
-            rows.append(f"| qk {name} output_from={source} | {bench(call):.3f} |")
-    for name, b, t, c, mod in (ADALN_SHAPES[0], ADALN_SHAPES[1], ADALN_SHAPES[4]):
+        for source, count in (("reload", 1), ("held", 1), ("held", 2), ("held", 4)):
+            call = functools.partial(
+                qk_norm_rope_triton, q, k, qw, kw, table, output_from=source, tokens_per_program=count, **args
+            )
+            rows.append(f"| qk {name} output_from={source} tokens_per_program={count} | {bench(call):.3f} |")
+    for name, b, t, c, mod in (ADALN_SHAPES[0], ADALN_SHAPES[1], ADALN_SHAPES[2], ADALN_SHAPES[4]):
         x, scale, shift = adaln_inputs(b, t, c, mod)
         # (combine=divide against known and load=items against tile: 2026-12-05, docs/benchmarks.md)
-        for source in ("reload", "held"):
-            call = functools.partial(adaln_modulate_triton, x, scale, shift, eps=1e-6, output_from=source)
-            rows.append(f"| adaln {name} output_from={source} | {bench(call):.3f} |")
+        for source, count in (("reload", 1), ("held", 1), ("held", 2), ("held", 4)):
+            call = functools.partial(
+                adaln_modulate_triton, x, scale, shift, eps=1e-6, output_from=source, rows=count
+            )
+            rows.append(f"| adaln {name} output_from={source} rows={count} | {bench(call):.3f} |")
     for name, b, t, c, mod in (ADALN_SHAPES[1], ADALN_SHAPES[3], ADALN_SHAPES[4], ADALN_SHAPES[-1]):
         x, scale, shift = adaln_inputs(b, t, c, mod)
         for warps in (2, 4, 8, 16):

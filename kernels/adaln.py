@@ -79,6 +79,10 @@ _OUTPUT_FROMS = ("reload", "held")
 #: The longest row, in 512-element steps, whose tiles ``"held"`` keeps (4 fp32 registers a step
 #: and thread once converted).
 HELD_STEPS = 16
+#: Rows a program of held rows takes (1, 2 or 4): every row's tiles are loaded before the first
+#: row's statistics, so more bytes are in flight for narrow rows, each row summed in ATen's order
+#: as alone (the same bits).
+ROWS = 1
 #: Whether ``exact`` is bitwise equal to eager on the GPU tests' shapes (measured on the H200,
 #: without a LayerNorm weight and bias, as Wan's norm1/norm3); the dispatcher's ``auto`` setting
 #: uses the kernel only then.
@@ -193,9 +197,21 @@ if triton is not None:
         return new_mean, new_m2, total, half_a
 
     @triton.jit
-    def _ln_order_stats(src, n, half, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr,
+    def _whole_row(src, row, total, LN_K: tl.constexpr):
+        """Row ``row`` (at ``src``) of whole 512-element steps as ATen's threads read it: one
+        [128, 4] tile a step (thread ``t``'s vectors ``t, t + 128, ...``); zeros past ``total``."""
+        thread = tl.arange(0, 128)
+        ok = (row + thread * 0 < total)[:, None]
+        tiles = ()
+        for step in tl.static_range(LN_K):
+            vector = src + (step * 512 + thread * 4)[:, None] + tl.arange(0, 4)[None, :]
+            tiles = tiles + (tl.load(vector, mask=ok, other=0.0),)
+        return tiles
+
+    @triton.jit
+    def _ln_order_stats(src, n, half, tiles, LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr,
                         MEAN_FMA: tl.constexpr, TREE: tl.constexpr, LOAD: tl.constexpr, EVEN: tl.constexpr,
-                        KNOWN: tl.constexpr):  # fmt: skip
+                        KNOWN: tl.constexpr, LOADED: tl.constexpr):  # fmt: skip
         """Mean and variance of the row ``src[0:n]`` as ATen's fused layer-norm kernel computes
         them (``reduce_order``): per thread its 4-element vectors ``t, t + 128, ...`` folded
         element by element, then lanes halved within each warp, then the 4 warps. ``EVEN``: the
@@ -213,8 +229,11 @@ if triton is not None:
             live = first < n
             if EVEN or LOAD:  # one 8-byte vector a thread (sm_90: LDG.E.64, not four LDG.E.U16)
                 vector = src + first[:, None] + tl.arange(0, 4)[None, :]
-                if EVEN:  # whole rows: no mask
-                    tile = tl.load(vector)
+                if EVEN:  # whole rows: no mask (``LOADED``: the caller's ``tiles``, :func:`_whole_row`)
+                    if LOADED:
+                        tile = tiles[step]
+                    else:
+                        tile = tl.load(vector)
                     held = held + (tile,)
                     v0, v1, v2, v3 = vector_items(tile)
                 else:
@@ -286,7 +305,7 @@ if triton is not None:
     @triton.jit
     def _adaln_kernel(
         X, OUT, SCALE, SHIFT, W, BIAS,
-        S, C,
+        S, C, total,
         sx_b, sx_s, so_b, so_s,
         ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c,
         eps, scale_offset, half,
@@ -294,7 +313,35 @@ if triton is not None:
         HAS_SHIFT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, EXACT: tl.constexpr,
         LN_K: tl.constexpr, ONLINE_FMA: tl.constexpr, MEAN_FMA: tl.constexpr, TREE: tl.constexpr,
         LOAD: tl.constexpr, EVEN: tl.constexpr, KNOWN: tl.constexpr, HELD: tl.constexpr,
+        ROWS: tl.constexpr,
     ):  # fmt: skip
+        if HELD:
+            # ``ROWS`` rows a program (``total`` of them in all), every row's tiles loaded before
+            # the first row's statistics: more bytes in flight, each row in ATen's order as alone
+            first = tl.program_id(0).to(tl.int64) * ROWS
+            loaded = ()
+            for r in tl.static_range(ROWS):
+                row = first + r
+                src = X + (row // S) * sx_b + (row % S) * sx_s
+                loaded = loaded + (_whole_row(src, row, total, LN_K),)
+            thread = tl.arange(0, 128)
+            for r in tl.static_range(ROWS):
+                row = first + r
+                b = row // S
+                s = row % S
+                src = X + b * sx_b + s * sx_s
+                dst = OUT + b * so_b + s * so_s
+                mean, var, held = _ln_order_stats(src, C + row * 0, half, loaded[r], LN_K, ONLINE_FMA,
+                                                  MEAN_FMA, TREE, LOAD, EVEN, KNOWN, True)  # fmt: skip
+                rstd = tl.math.rsqrt(var + eps)
+                for step in tl.static_range(LN_K):
+                    c = step * 512 + thread[:, None] * 4 + tl.arange(0, 4)[None, :]  # [128, 4]
+                    live = (c < C) & (row + c * 0 < total)
+                    y = _modulate(held[step].to(tl.float32), c, live, mean, rstd, b, s, W, BIAS, SCALE,
+                                  SHIFT, ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE,
+                                  HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
+                    tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+            return
         row = tl.program_id(0).to(tl.int64)
         b = row // S
         s = row % S
@@ -302,29 +349,18 @@ if triton is not None:
         dst = OUT + b * so_b + s * so_s
         n = C + row * 0
         if EXACT:
-            # statistics in ATen's order, then the row: the tiles the statistics hold (``HELD``)
-            # or the row again chunk by chunk (from cache)
-            mean, var, held = _ln_order_stats(src, n, half, LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD,
-                                              EVEN, KNOWN)  # fmt: skip
+            # statistics in ATen's order, then the row again chunk by chunk (from cache)
+            mean, var, _ = _ln_order_stats(src, n, half, (), LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN,
+                                           KNOWN, False)  # fmt: skip
             rstd = tl.math.rsqrt(var + eps)
-            if HELD:
-                thread = tl.arange(0, 128)
-                for step in tl.static_range(LN_K):
-                    c = step * 512 + thread[:, None] * 4 + tl.arange(0, 4)[None, :]  # [128, 4]
-                    live = c < C
-                    y = _modulate(held[step].to(tl.float32), c, live, mean, rstd, b, s, W, BIAS, SCALE,
-                                  SHIFT, ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE,
-                                  HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
-                    tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
-            else:
-                for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
-                    c = chunk * CHUNK + tl.arange(0, CHUNK)
-                    live = c < C
-                    x = tl.load(src + c, mask=live, other=0.0).to(tl.float32)
-                    y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s,
-                                  ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W,
-                                  HAS_B)  # fmt: skip
-                    tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
+            for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
+                c = chunk * CHUNK + tl.arange(0, CHUNK)
+                live = c < C
+                x = tl.load(src + c, mask=live, other=0.0).to(tl.float32)
+                y = _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s,
+                              ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE, HAS_SHIFT, HAS_W,
+                              HAS_B)  # fmt: skip
+                tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
         else:
             c = tl.arange(0, CB)
             live = c < C
@@ -416,10 +452,12 @@ def _launch(
     even: bool | None = None,
     combine: str | None = None,
     output_from: str | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """``even``: where the row is whole 512-element steps, take the Welford updates' ``1 / k`` as
     constants (None: the default, yes; False: divide as ATen does, for tests; the same bits).
-    ``combine``: see :data:`COMBINE`; ``output_from``: see :data:`OUTPUT_FROM`."""
+    ``combine``: see :data:`COMBINE`; ``output_from``: see :data:`OUTPUT_FROM`; ``rows``: see
+    :data:`ROWS`."""
     combine = combine or COMBINE
     if combine not in _COMBINES:
         raise ValueError(f"combine must be one of {_COMBINES}, got {combine!r}")
@@ -443,11 +481,15 @@ def _launch(
     known = preset == "exact" and whole and combine == "known" and (split or not interpreted())
     even = preset == "exact" and whole and even is not False
     steps = triton.cdiv(width, LN_THREADS * LN_VEC)
-    _adaln_kernel[(batch * seq,)](
+    held = even and output_from == "held" and steps <= HELD_STEPS
+    per_program = (rows or ROWS) if held else 1
+    if per_program not in (1, 2, 4):
+        raise ValueError(f"rows must be 1, 2 or 4, got {per_program}")
+    _adaln_kernel[(triton.cdiv(batch * seq, per_program),)](
         x, out,
         scale if scale is not None else x, shift if shift is not None else x,
         weight if weight is not None else x, bias if bias is not None else x,
-        seq, width,
+        seq, width, batch * seq,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         *ssc, *ssh,
         eps, scale_offset, even_combine_coefficient(width) if known else 0.0,
@@ -458,7 +500,7 @@ def _launch(
         ONLINE_FMA=ONLINE_FMA if online_fma is None else online_fma,
         MEAN_FMA=_COMBINE_MEAN_FMAS.index(combine_mean_fma or COMBINE_MEAN_FMA),
         TREE=("split", "reduce").index(tree or TREE), LOAD=("items", "tile").index(load or LOAD),
-        EVEN=even, KNOWN=known, HELD=even and output_from == "held" and steps <= HELD_STEPS,
+        EVEN=even, KNOWN=known, HELD=held, ROWS=per_program,
         num_warps=4 if preset == "exact" else warps or fast_warps(block),
         enable_fp_fusion=preset != "exact",
     )  # fmt: skip

@@ -100,6 +100,10 @@ TREE = "reduce"
 OUTPUT_FROM = "held"
 _OUTPUT_FROMS = ("reload", "held")
 HELD_STEPS = 16
+#: Tokens a program of held rows takes (1, 2 or 4): every token's vectors are loaded before the
+#: first token's sum, so more bytes are in flight for narrow tokens (Wan 1.3B's 1,536 elements),
+#: each token summed in ATen's order as alone (the same bits).
+TOKENS = 1
 #: Each order's warp tree (the kernel's ``HALVING``).
 _HALVING = {
     "lanes": 0, "vec4": 0, "lanes_halving": 1, "vec4_halving": 1, "vec4_warp": 2, "vec4_lanes": 3
@@ -335,21 +339,30 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
-    def _held_rows(src, s_h, dst, d_h, w_ptr, tab, n, eps, D: tl.constexpr, DT: tl.constexpr,
+    def _held_tiles(src, s_h, n, row, rows, D: tl.constexpr, LN_K: tl.constexpr):
+        """Token ``row``'s ``n`` elements (heads of ``D`` at a ``s_h`` stride, from ``src``) as
+        ATen's fused-norm threads read them: thread ``t`` of 128 its 4-element vectors ``t, t +
+        128, ...``, one [128, 4] tile a step; zeros past ``rows`` tokens."""
+        thread = tl.arange(0, 128)
+        tiles = ()
+        for step in tl.static_range(LN_K):
+            p = (step * 512 + thread * 4).to(tl.int64)[:, None] + tl.arange(0, 4)[None, :]  # [128, 4]
+            live = (p < n) & (row + p * 0 < rows)
+            tiles = tiles + (tl.load(src + (p // D) * s_h + p % D, mask=live, other=0.0),)
+        return tiles
+
+    @triton.jit
+    def _held_rows(tiles, dst, w_ptr, tab, n, eps, row, rows, D: tl.constexpr, DT: tl.constexpr,
                    LN_K: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr, CPLX: tl.constexpr,
                    TREE: tl.constexpr):  # fmt: skip
-        """The exact fused norm over all of a token's ``n`` elements (heads of ``D`` at a ``s_h``
-        stride), then interleaved rotation, from one read: thread ``t`` of 128 loads its
-        4-element vectors ``t, t + 128, ...`` (ATen's order, as :func:`_ln_order_sum_squares`)
-        and keeps them for the output, where each vector holds two whole pairs."""
+        """The exact fused norm over all of a token's ``n`` elements, then interleaved rotation,
+        from the ``tiles`` :func:`_held_tiles` loaded (ATen's order, as
+        :func:`_ln_order_sum_squares`), written to ``dst`` ([H, D] contiguous) in their layout:
+        each vector holds two whole pairs."""
         thread = tl.arange(0, 128)
         acc = tl.zeros([128], tl.float32)
-        held = ()
-        for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
-            p = (step * 512 + thread * 4).to(tl.int64)[:, None] + tl.arange(0, 4)[None, :]  # [128, 4]
-            tile = tl.load(src + (p // D) * s_h + p % D, mask=p < n, other=0.0)
-            held = held + (tile,)
-            v0, v1, v2, v3 = vector_items(tile)
+        for step in tl.static_range(LN_K):
+            v0, v1, v2, v3 = vector_items(tiles[step])
             acc = tl.fma(v0, v0, acc)
             acc = tl.fma(v1, v1, acc)
             acc = tl.fma(v2, v2, acc)
@@ -362,24 +375,25 @@ if triton is not None:
         for step in tl.static_range(LN_K):
             first = (step * 512 + thread * 4).to(tl.int64)
             p = first[:, None] + tl.arange(0, 4)[None, :]
-            live = p < n
+            live = (p < n) & (row + p * 0 < rows)
             if HAS_W:
                 w = tl.load(w_ptr + p, mask=live, other=0.0).to(tl.float32)
             else:
                 w = p  # (no weight: never read)
-            y = _normed(held[step].to(tl.float32), rstd, w, DT, HAS_W, True, 1)
+            y = _normed(tiles[step].to(tl.float32), rstd, w, DT, HAS_W, True, 1)
             x1, x2 = tl.split(tl.reshape(y, (128, 2, 2)))  # items (0, 2) and (1, 3): two pairs
             f = ((first % D) // 2)[:, None] + tl.arange(0, 2)[None, :]  # [128, 2] their frequencies
-            c = tl.load(tab + f).to(tl.float32)
-            s = tl.load(tab + D // 2 + f).to(tl.float32)
+            ok = row + f * 0 < rows
+            c = tl.load(tab + f, mask=ok, other=0.0).to(tl.float32)
+            s = tl.load(tab + D // 2 + f, mask=ok, other=0.0).to(tl.float32)
             o1, o2 = _rotated(x1, x2, c, s, DT, True, ROPE, CPLX)
             out = tl.reshape(tl.join(o1, o2), (128, 4))
-            tl.store(dst + (p // D) * d_h + p % D, out.to(DT), mask=live)
+            tl.store(dst + p, out.to(DT), mask=live)
 
     @triton.jit
     def _qk_norm_rope_kernel(
         Q, K, QO, KO, QW, KW, TAB, V, VO, POS,
-        T, HQ, HK,
+        T, HQ, HK, BT,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
         so_qb, so_qt, so_kb, so_kt, so_kh,
         sv_b, sv_h, so_vb, so_vt, so_vh,
@@ -390,13 +404,41 @@ if triton is not None:
         Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr, K_STEPS: tl.constexpr, K_LANES: tl.constexpr,
         CPLX: tl.constexpr, VEC: tl.constexpr, HALVING: tl.constexpr, TREE: tl.constexpr,
         CACHE: tl.constexpr, LANE_READS: tl.constexpr, HELD: tl.constexpr, LN_K: tl.constexpr,
+        TOKENS: tl.constexpr,
     ):  # fmt: skip
         # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles. ``CACHE``
         # (one token per row): keys go to row ``b``'s cache entry ``POS[b]`` (``KO`` a cache,
         # ``so_kt`` its entry stride, ``so_kh`` its head stride) and the k program copies the
         # row's values ``V`` to the same entry of ``VO``.
         # ``LANE_READS`` (``vec4_lanes``): heads read and written at offsets Triton knows to be
-        # contiguous in runs of 4 only (see :data:`COMPOSITE_SUM`). ``HELD``: see :data:`OUTPUT_FROM`.
+        # contiguous in runs of 4 only (see :data:`COMPOSITE_SUM`). ``HELD`` (see
+        # :data:`OUTPUT_FROM`): ``TOKENS`` tokens a program (``BT`` in all), every token's vectors
+        # loaded before the first token's sum.
+        if HELD:
+            which_h = tl.program_id(1)
+            DT_H: tl.constexpr = QO.dtype.element_ty
+            first_row = tl.program_id(0).to(tl.int64) * TOKENS
+            zero = first_row * 0  # (64-bit integers on both branches)
+            if which_h == 0:
+                x_ptr, o_ptr, w_h = Q, QO, QW
+                sx_b, sx_t, sx_h = zero + sq_b, zero + sq_t, zero + sq_h
+                sxo_b, sxo_t, n_h = zero + so_qb, zero + so_qt, zero + HQ * D
+            else:
+                x_ptr, o_ptr, w_h = K, KO, KW
+                sx_b, sx_t, sx_h = zero + sk_b, zero + sk_t, zero + sk_h
+                sxo_b, sxo_t, n_h = zero + so_kb, zero + so_kt, zero + HK * D
+            loaded = ()
+            for r in tl.static_range(TOKENS):
+                rr = first_row + r
+                at = x_ptr + (rr // T) * sx_b + (rr % T) * sx_t
+                loaded = loaded + (_held_tiles(at, sx_h, n_h, rr, BT, D, LN_K),)
+            for r in tl.static_range(TOKENS):
+                rr = first_row + r
+                bb = rr // T
+                tt = rr % T
+                _held_rows(loaded[r], o_ptr + bb * sxo_b + tt * sxo_t, w_h, TAB + bb * stab_b + tt * stab_t,
+                           n_h, eps, rr, BT, D, DT_H, LN_K, HAS_W, ROPE, CPLX, TREE)  # fmt: skip
+            return
         row = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         b = row // T
@@ -422,69 +464,65 @@ if triton is not None:
             w_ptr = KW
             heads = row * 0 + HK
             factor = k_factor
-        if HELD:  # the exact fused norm over all heads, interleaved pairs: the token read once
-            tab = TAB + b * stab_b + t * stab_t
-            _held_rows(src, s_h, dst, d_h, w_ptr, tab, heads * D, eps, D, DT, LN_K, HAS_W, ROPE, CPLX, TREE)
+        d = tl.arange(0, D)[None, :]
+        f = tl.arange(0, D // 2)[None, :]
+        if LANE_READS:  # ``d``, known contiguous in runs of 4 only: a thread reads one lane's vector
+            dx = (d // 4) * 4 + d % 4
         else:
-            d = tl.arange(0, D)[None, :]
-            f = tl.arange(0, D // 2)[None, :]
-            if LANE_READS:  # ``d``, known contiguous in runs of 4 only: a thread reads one lane's vector
-                dx = (d // 4) * 4 + d % 4
+            dx = d
+        tab = TAB + b * stab_b + t * stab_t
+        c = tl.load(tab + f).to(tl.float32)
+        s = tl.load(tab + D // 2 + f).to(tl.float32)
+
+        if not PER_HEAD:  # one norm over all heads: its statistic first
+            n = heads * D
+            if EXACT and NORM == 1:
+                ss = _ln_order_sum_squares(src, s_h, n, D, (n + 511) // 512, TREE)
+                rstd_all = tl.math.rsqrt(tl.math.div_rn(ss, n.to(tl.float32)) + eps)
             else:
-                dx = d
-            tab = TAB + b * stab_b + t * stab_t
-            c = tl.load(tab + f).to(tl.float32)
-            s = tl.load(tab + D // 2 + f).to(tl.float32)
+                total = tl.zeros([HC, D], tl.float32)
+                for h0 in range(0, heads, HC):
+                    h = h0 + tl.arange(0, HC)[:, None]
+                    x = tl.load(src + h.to(tl.int64) * s_h + d, mask=h < heads, other=0.0).to(tl.float32)
+                    total += x * x
+                rstd_all = tl.math.rsqrt(tl.sum(tl.sum(total, axis=1), axis=0) * factor + eps)
 
-            if not PER_HEAD:  # one norm over all heads: its statistic first
-                n = heads * D
+        for h0 in range(0, heads, HC):
+            h = h0 + tl.arange(0, HC)[:, None]
+            live = h < heads
+            base = src + h.to(tl.int64) * s_h
+            x = tl.load(base + dx, mask=live, other=0.0).to(tl.float32)
+            # -- RMSNorm
+            if PER_HEAD:
+                if which == 0:
+                    ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
+                else:
+                    ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
                 if EXACT and NORM == 1:
-                    ss = _ln_order_sum_squares(src, s_h, n, D, (n + 511) // 512, TREE)
-                    rstd_all = tl.math.rsqrt(tl.math.div_rn(ss, n.to(tl.float32)) + eps)
+                    rstd = tl.math.rsqrt(tl.math.div_rn(ss, D * 1.0) + eps)
                 else:
-                    total = tl.zeros([HC, D], tl.float32)
-                    for h0 in range(0, heads, HC):
-                        h = h0 + tl.arange(0, HC)[:, None]
-                        x = tl.load(src + h.to(tl.int64) * s_h + d, mask=h < heads, other=0.0).to(tl.float32)
-                        total += x * x
-                    rstd_all = tl.math.rsqrt(tl.sum(tl.sum(total, axis=1), axis=0) * factor + eps)
-
-            for h0 in range(0, heads, HC):
-                h = h0 + tl.arange(0, HC)[:, None]
-                live = h < heads
-                base = src + h.to(tl.int64) * s_h
-                x = tl.load(base + dx, mask=live, other=0.0).to(tl.float32)
-                # -- RMSNorm
+                    rstd = tl.math.rsqrt(ss * factor + eps)
+            else:
+                rstd = rstd_all
+            if HAS_W:
                 if PER_HEAD:
-                    if which == 0:
-                        ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
-                    else:
-                        ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
-                    if EXACT and NORM == 1:
-                        rstd = tl.math.rsqrt(tl.math.div_rn(ss, D * 1.0) + eps)
-                    else:
-                        rstd = tl.math.rsqrt(ss * factor + eps)
+                    w = tl.load(w_ptr + d).to(tl.float32)
                 else:
-                    rstd = rstd_all
-                if HAS_W:
-                    if PER_HEAD:
-                        w = tl.load(w_ptr + d).to(tl.float32)
-                    else:
-                        w = tl.load(w_ptr + h * D + d, mask=live, other=0.0).to(tl.float32)
-                else:
-                    w = x  # (no weight: never read)
-                y = _normed(x, rstd, w, DT, HAS_W, EXACT, NORM)
-                # -- rotary embedding
-                if INTERLEAVED:
-                    x1, x2 = tl.split(tl.reshape(y, (HC, D // 2, 2)))
-                else:
-                    x1, x2 = tl.split(tl.permute(tl.reshape(y, (HC, 2, D // 2)), (0, 2, 1)))
-                o1, o2 = _rotated(x1, x2, c, s, DT, EXACT, ROPE, CPLX)
-                if INTERLEAVED:
-                    out = tl.reshape(tl.join(o1, o2), (HC, D))
-                else:
-                    out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
-                tl.store(dst + h.to(tl.int64) * d_h + dx, out.to(DT), mask=live)
+                    w = tl.load(w_ptr + h * D + d, mask=live, other=0.0).to(tl.float32)
+            else:
+                w = x  # (no weight: never read)
+            y = _normed(x, rstd, w, DT, HAS_W, EXACT, NORM)
+            # -- rotary embedding
+            if INTERLEAVED:
+                x1, x2 = tl.split(tl.reshape(y, (HC, D // 2, 2)))
+            else:
+                x1, x2 = tl.split(tl.permute(tl.reshape(y, (HC, 2, D // 2)), (0, 2, 1)))
+            o1, o2 = _rotated(x1, x2, c, s, DT, EXACT, ROPE, CPLX)
+            if INTERLEAVED:
+                out = tl.reshape(tl.join(o1, o2), (HC, D))
+            else:
+                out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
+            tl.store(dst + h.to(tl.int64) * d_h + dx, out.to(DT), mask=live)
         if CACHE:
             if which == 1:  # the values, copied as they are
                 v_src = V + b * sv_b
@@ -555,10 +593,11 @@ def _launch(
     tree: str | None = None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     output_from: str | None = None,
+    tokens_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cache``: ``(v, k_cache, v_cache, positions)`` (see :func:`qk_norm_rope_to_cache`): the keys
     and values go into the caches and the second output is ``k_cache``. ``output_from``: see
-    :data:`OUTPUT_FROM`."""
+    :data:`OUTPUT_FROM`; ``tokens_per_program``: see :data:`TOKENS`."""
     output_from = output_from or OUTPUT_FROM
     if output_from not in _OUTPUT_FROMS:
         raise ValueError(f"output_from must be one of {_OUTPUT_FROMS}, got {output_from!r}")
@@ -595,12 +634,15 @@ def _launch(
     cplx = _COMPLEX_FMAS.index(complex_fma or COMPLEX_FMA)
     dummy = q
     # (tensor of the weight or a stand-in never read: HAS_W tells the kernel)
-    _qk_norm_rope_kernel[(batch * tokens, 2)](
+    per_program = (tokens_per_program or TOKENS) if held else 1
+    if per_program not in (1, 2, 4):
+        raise ValueError(f"tokens_per_program must be 1, 2 or 4, got {per_program}")
+    _qk_norm_rope_kernel[(triton.cdiv(batch * tokens, per_program), 2)](
         q, k, qo, ko,
         q_weight if q_weight is not None else dummy,
         k_weight if k_weight is not None else dummy,
         table, v, vo, positions,
-        tokens, hq, hk,
+        tokens, hq, hk, batch * tokens,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), *k_strides, *v_strides,
         table.stride(0) if table.shape[0] > 1 else 0, table.stride(1),
@@ -613,6 +655,7 @@ def _launch(
         CPLX=cplx, VEC=vec, HALVING=_HALVING[order],
         TREE=("split", "reduce").index(tree or TREE),
         CACHE=cache is not None, LANE_READS=lane_reads, HELD=held, LN_K=steps if held else 0,
+        TOKENS=per_program,
         num_warps=4,
         enable_fp_fusion=not exact,
     )  # fmt: skip

@@ -106,6 +106,15 @@ def test_output_from_held_tiles_has_the_reloaded_rows_bits(width):
             kw = dict(eps=1e-6, weight=w, bias=b)
             held = adaln_modulate_triton(x, scale, shift, output_from="held", **kw)
             assert torch.equal(held, adaln_modulate_triton(x, scale, shift, output_from="reload", **kw)), name
+    # several rows a program (3 x 3 rows: the last program's rows past the end masked)
+    x, g = _x(batch=3, seq=3, width=min(width, 1536), seed=9)
+    for name, (scale, shift) in list(_modulations(3, 3, x.shape[-1], g).items())[:3]:
+        one = adaln_modulate_triton(x, scale, shift, eps=1e-6, output_from="held", rows=1)
+        for rows in (2, 4):
+            got = adaln_modulate_triton(x, scale, shift, eps=1e-6, output_from="held", rows=rows)
+            assert torch.equal(got, one), (name, rows)
+    with pytest.raises(ValueError, match="rows must be"):
+        adaln_modulate_triton(x, None, None, eps=1e-6, output_from="held", rows=3)
     x, g = _x(width=1000, seed=8)
     scale = torch.randn(2, 1, 1000, generator=g)
     torch.testing.assert_close(

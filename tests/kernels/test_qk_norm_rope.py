@@ -197,6 +197,15 @@ def test_output_from_held_vectors_has_the_reloaded_bits(rope):
                 for a, b in zip(held, reload, strict=True):
                     assert torch.equal(a, b), (hq, hk, dim)
                 _close(held, qk_norm_rope_reference(q, k, *weights, table, **args))
+    # several tokens a program (2 x 3 tokens: the last program's tokens past the end masked)
+    for q, k in (packed, (packed[0].contiguous(), packed[1].contiguous())):
+        held = dict(output_from="held", **args)
+        one = qk_norm_rope_triton(q, k, qw, kw, table, tokens_per_program=1, **held)
+        for count in (2, 4):
+            got = qk_norm_rope_triton(q, k, qw, kw, table, tokens_per_program=count, **held)
+            assert all(torch.equal(a, b) for a, b in zip(got, one, strict=True)), count
+    with pytest.raises(ValueError, match="tokens_per_program must be"):
+        qk_norm_rope_triton(q, k, None, None, table, output_from="held", tokens_per_program=3, **args)
     with pytest.raises(ValueError, match="output_from must be one of"):
         qk_norm_rope_triton(q, k, None, None, table, output_from="twice", **args)
 
