@@ -54,7 +54,9 @@ Measured per phase (window only):
   while the lateness must stay at 0;
 - **diffusion throughput**: images finished per second, video jobs finished per second, and
   denoising steps per second of each kind (one ``Progress``: one step of one request, all its
-  images; the CFG branches of a step count once). The throughput goal is checked on steps/s
+  images; the CFG branches of a step count once), with the parts of the steps under way at the
+  window's edges (``DiffusionPipeline.steps_done``: a Wan step is seconds, so whole steps alone
+  would count a 15 s window's video work in thirds). The throughput goal is checked on steps/s
   (finished jobs/s are coarse in a short window);
 - **step times per call**: every pipeline step timed alone (on CUDA with ``synchronize`` after it):
   the speech tick, and each diffusion call (``encode``, ``cond``, ``uncond``, ``decode``,
@@ -356,6 +358,18 @@ class JobStream:
             self.submitted[request.request_id] = at
 
 
+def _partial_steps(phase: Phase, streams: list[JobStream], sign: int) -> None:
+    """Counts the parts of the steps under way at a window's edge (``DiffusionPipeline.
+    steps_done``): a step counts once its ``Progress`` arrives in the window, so the part of it run
+    before the window starts comes off (``sign`` -1) and the part run before it ends goes on (+1).
+    A Wan step is seconds: whole steps alone would count a 15 s window's video work to a third."""
+    for stream in streams:
+        for rid in stream.submitted:
+            done = stream.pipeline.steps_done(rid)
+            if done is not None:
+                phase.steps[stream.kind] += sign * (done - math.floor(done))
+
+
 def parse_size(text: str) -> tuple[int, int]:
     try:
         width, height = (int(v) for v in text.lower().split("x"))
@@ -422,7 +436,8 @@ class Phase:
     #: Late deltas by their place in the reply: "second" (after the first chunk), "later", "last".
     late_places: Counter[str] = field(default_factory=Counter)
     turns_done: int = 0
-    steps: Counter[str] = field(default_factory=Counter)  # denoising steps per kind
+    #: Denoising steps per kind in the window, with the parts of the steps under way at its edges.
+    steps: Counter[str] = field(default_factory=Counter)
     finished: Counter[str] = field(default_factory=Counter)  # images / videos per kind
     job_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     calls: dict[CallKey, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -583,12 +598,14 @@ class Bench:
             if now - begin > args.phase_timeout:
                 if stage == "window":
                     window_end = now
+                    _partial_steps(phase, streams, +1)
                 log.warning(
                     "%s: stopped at --phase-timeout %g s (in the %s)", name, args.phase_timeout, stage
                 )
                 break
             if stage == "window" and now - window_start >= args.seconds:
                 stage, window_end, self.recording, self.recording_beside = "tail", now, None, None
+                _partial_steps(phase, streams, +1)
             if stage == "tail" and not any(s.request_id and s.in_window and not s.heard for s in sessions):
                 break
             for s in sessions:
@@ -670,6 +687,7 @@ class Bench:
                         phase.frame_latency_plain.append(latency)
             if stage == "ramp" and all(s.ever_heard for s in sessions) and all(s.progressed for s in streams):
                 stage, window_start, phase.ramp_s = "window", t1, t1 - begin
+                _partial_steps(phase, streams, -1)
                 self.recording, self.recording_beside = phase.calls, phase.beside
             tick += 1
             if in_window:  # this iteration's time outside its steps

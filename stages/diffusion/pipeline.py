@@ -423,6 +423,24 @@ class DiffusionPipeline:
     def next_deadline(self) -> float | None:
         return None
 
+    def steps_done(self, request_id: str) -> float | None:
+        """A request's denoising steps done, with the part of the step under way: its ``cond``
+        call if that has run, and the blocks run so far of its split call, over the step's calls
+        (two when guided). None for a request this pipeline does not hold. (Benchmarks count
+        steps in a time window with it: a Wan step is seconds.)"""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return None
+        if job.stage != "denoise":
+            return float(job.index)
+        part = 0.0
+        if self._branched is not None and any(j is job for j, _ in self._branched.jobs):
+            part += 1.0
+        call = self._call
+        if call is not None and call.blocks and any(j is job for j, _ in call.jobs):
+            part += call.done / call.blocks
+        return job.index + part / (2 if job.prep.guided else 1)
+
     def remove(self, request_id: str) -> Usage | None:
         encoding = self.media.drop(request_id)
         job = self._jobs.pop(request_id, None)

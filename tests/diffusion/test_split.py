@@ -425,3 +425,31 @@ def test_while_realtime_work_is_active_batch_pieces_stay_within_the_slice(
     assert after and max(after) > 0.04
 
 
+
+
+def test_steps_done_counts_the_step_under_way(wan: WanDenoiser) -> None:
+    """``steps_done``: a guided request's steps with the part of the step under way (its ``cond``
+    call run, the blocks of its split call run), rising piece by piece to the next whole step as
+    its ``Progress`` comes out."""
+    from omnirt.stages.diffusion.types import Progress
+
+    p = DiffusionPipeline(wan, split_calls=True, max_step_seconds=TINY)
+    request = VideoRequest("v", "a cat", negative_prompt="blurry", num_inference_steps=2,
+                           guidance_scale=5.0, seed=3, **WAN_SIZE)  # fmt: skip
+    assert p.steps_done("v") is None
+    p.add(request, p.prepare(request))
+    seen = [p.steps_done("v")]
+    progress = []
+    while p.has_work():
+        out = p.step()
+        done = p.steps_done("v")
+        if done is None:  # finished and gone
+            break
+        progress += [o.done for _, o in out if isinstance(o, Progress)]
+        if any(isinstance(o, Progress) for _, o in out):
+            assert done == float(progress[-1])  # a step's Progress: a whole number
+        seen.append(done)
+    assert seen == sorted(seen) and seen[0] == 0.0 and progress == [1, 2]
+    # each call (start, 2 blocks, finish) rises by a quarter of a step per block: 0, 1/4, 1/2 ...
+    fractions = sorted({round(v - int(v), 6) for v in seen})
+    assert fractions == [0.0, 0.25, 0.5, 0.75], fractions
