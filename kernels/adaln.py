@@ -218,12 +218,11 @@ if triton is not None:
         row is whole 512-element steps, so every thread's k-th update divides by k: ``1 / k`` is a
         compile-time constant (rounded once to fp32, as the division rounds it: checked for every
         ``k`` a row can have in ``tests/kernels/test_adaln.py``), and no division is left in the
-        chain."""
+        chain. ``LOADED`` (whole rows only): the row's tiles are ``tiles`` (:func:`_whole_row`)."""
         thread = tl.arange(0, 128)
         mean = tl.zeros([128], tl.float32)
         m2 = tl.zeros([128], tl.float32)
         count = tl.zeros([128], tl.float32)
-        held = ()  # a whole row's [128, 4] tiles, as loaded (``EVEN``)
         for step in tl.static_range(LN_K):  # unrolled: every vector's load issued up front
             first = step * 512 + thread * 4  # [128] each thread's vector
             live = first < n
@@ -234,7 +233,6 @@ if triton is not None:
                         tile = tiles[step]
                     else:
                         tile = tl.load(vector)
-                    held = held + (tile,)
                     v0, v1, v2, v3 = vector_items(tile)
                 else:
                     v0, v1, v2, v3 = vector_items(tl.load(vector, mask=live[:, None], other=0.0))
@@ -280,7 +278,7 @@ if triton is not None:
             mean, m2, count = _halve(mean, m2, count, half, 1, 2, MEAN_FMA, KNOWN)
             mean_all = tl.sum(tl.reshape(mean, (1,)), axis=0)
             m2_all = tl.sum(tl.reshape(m2, (1,)), axis=0)
-        return mean_all, tl.math.div_rn(m2_all, n.to(tl.float32)), held
+        return mean_all, tl.math.div_rn(m2_all, n.to(tl.float32))
 
     @triton.jit
     def _modulate(x, c, live, mean, rstd, b, s, W, BIAS, SCALE, SHIFT, ssc_b, ssc_s, ssc_c, ssh_b, ssh_s,
@@ -331,13 +329,13 @@ if triton is not None:
                 s = row % S
                 src = X + b * sx_b + s * sx_s
                 dst = OUT + b * so_b + s * so_s
-                mean, var, held = _ln_order_stats(src, C + row * 0, half, loaded[r], LN_K, ONLINE_FMA,
-                                                  MEAN_FMA, TREE, LOAD, EVEN, KNOWN, True)  # fmt: skip
+                mean, var = _ln_order_stats(src, C + row * 0, half, loaded[r], LN_K, ONLINE_FMA, MEAN_FMA,
+                                            TREE, LOAD, EVEN, KNOWN, True)  # fmt: skip
                 rstd = tl.math.rsqrt(var + eps)
                 for step in tl.static_range(LN_K):
                     c = step * 512 + thread[:, None] * 4 + tl.arange(0, 4)[None, :]  # [128, 4]
                     live = (c < C) & (row + c * 0 < total)
-                    y = _modulate(held[step].to(tl.float32), c, live, mean, rstd, b, s, W, BIAS, SCALE,
+                    y = _modulate(loaded[r][step].to(tl.float32), c, live, mean, rstd, b, s, W, BIAS, SCALE,
                                   SHIFT, ssc_b, ssc_s, ssc_c, ssh_b, ssh_s, ssh_c, scale_offset, HAS_SCALE,
                                   HAS_SHIFT, HAS_W, HAS_B)  # fmt: skip
                     tl.store(dst + c, y.to(OUT.dtype.element_ty), mask=live)
@@ -350,8 +348,8 @@ if triton is not None:
         n = C + row * 0
         if EXACT:
             # statistics in ATen's order, then the row again chunk by chunk (from cache)
-            mean, var, _ = _ln_order_stats(src, n, half, (), LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN,
-                                           KNOWN, False)  # fmt: skip
+            mean, var = _ln_order_stats(src, n, half, (), LN_K, ONLINE_FMA, MEAN_FMA, TREE, LOAD, EVEN,
+                                        KNOWN, False)  # fmt: skip
             rstd = tl.math.rsqrt(var + eps)
             for chunk in tl.static_range(CHUNKS):  # unrolled, as the statistics' loads
                 c = chunk * CHUNK + tl.arange(0, CHUNK)
