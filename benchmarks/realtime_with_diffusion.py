@@ -190,15 +190,8 @@ class PerFrameVocoder:
         while batch := {k: q.pop(0) for k, q in v._queued.items() if q}:
             pcm = v.streamer.step({v._slot[k]: codes for k, codes in batch.items()})
             for k in batch:
-                pieces, frames = v._held[k]
-                v._held[k] = ([*pieces, pcm[v._slot[k]]], frames + 1)
-        out: dict[str, tuple[np.ndarray, int]] = {}
-        for k, (pieces, frames) in v._held.items():
-            if frames and (k in finishing or v.due(v._sent[k], v._sent[k] + frames)):
-                out[k] = (np.concatenate(pieces), frames)
-                v._sent[k] += frames
-                v._held[k] = ([], 0)
-        return out
+                v._hold(k, pcm[v._slot[k]], 1)
+        return v._hand_out(lambda k, frames: k in finishing or v.due(v._sent[k], v._sent[k] + frames))
 
 
 #: Goals of issue 10.

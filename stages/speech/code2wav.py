@@ -18,7 +18,7 @@ once per tick pulls the audio that is due. Two implementations:
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -153,17 +153,27 @@ class StreamingVocoder(_Chunking):
         while take and (batch := {k: queued[k][:take] for k in taking if queued[k]}):
             pcm = self.streamer.step({self._slot[k]: torch.stack(codes) for k, codes in batch.items()})
             for k, codes in batch.items():
-                pieces, frames = held[k]
-                held[k] = ([*pieces, pcm[self._slot[k]]], frames + len(codes))
+                self._hold(k, pcm[self._slot[k]], len(codes))
                 del queued[k][: len(codes)]
             if not any(queued[k] for k in due):
                 break
+        # a first audio waits for its whole first chunk
+        return self._hand_out(lambda k, frames: bool(sent[k]) or k in finishing or frames >= self.first_chunk)
+
+    def _hold(self, key: str, pcm: np.ndarray, frames: int) -> None:
+        """Keeps ``frames`` frames' decoded ``pcm`` of a stream until :meth:`_hand_out`."""
+        pieces, held = self._held[key]
+        self._held[key] = ([*pieces, pcm], held + frames)
+
+    def _hand_out(self, ready: Callable[[str, int], bool]) -> dict[str, tuple[np.ndarray, int]]:
+        """The held audio, and the frames it covers, of every stream for which ``ready(key,
+        frames)`` holds; those streams' audio counts as sent."""
         out: dict[str, tuple[np.ndarray, int]] = {}
-        for k, (pieces, frames) in held.items():  # a first audio waits for its whole first chunk
-            if frames and (sent[k] or k in finishing or frames >= self.first_chunk):
+        for k, (pieces, frames) in self._held.items():
+            if frames and ready(k, frames):
                 out[k] = (np.concatenate(pieces), frames)
-                sent[k] += frames
-                held[k] = ([], 0)
+                self._sent[k] += frames
+                self._held[k] = ([], 0)
         return out
 
     def close(self, key: str) -> None:
