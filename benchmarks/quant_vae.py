@@ -1,8 +1,9 @@
 """W8A8 DiTs (``--quantization``) and the Wan VAE decoder's fast path (``--vae-fast``) at real size.
 
 - **Transformer steps**: one step of Z-Image (6.15 B, 1024x1024) and optionally Wan (1.3 B or
-  14 B, 480p or 720p, 81 frames) in bf16, int8 and fp8, from the published configs with random bf16
-  weights; the weights' memory and the step output's SNR against bf16 on the same weights and
+  14 B, 480p or 720p, 81 frames) in bf16, int8, fp8 and fp8 with fp8 attention (``--fp8-attention
+  on``: cuDNN's fp8 flash attention, ``kernels/fp8_attention.py``), from the published configs
+  with random bf16 weights; the weights' memory and the step output's SNR against bf16 on the same weights and
   inputs (a copy of the bf16 model is quantized, so both stay loaded), with the fused kernels of
   ``stages/diffusion/fused.py`` installed as the server installs them. Milliseconds are the median
   of ``triton.testing.do_bench``.
@@ -64,9 +65,59 @@ def snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean()))
 
 
-def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
+#: The formats each table compares with bf16: (label, W8A8 kind, attention in fp8).
+FORMATS = (("int8", "int8", False), ("fp8", "fp8", False), ("fp8, fp8 attention", "fp8", True))
+
+
+@contextlib.contextmanager
+def attention_in_fp8(on: bool):
+    """``kernels.settings.FP8_ATTENTION`` on or off for the block (``--fp8-attention``)."""
+    from omnirt.kernels import settings
+
+    before = settings.FP8_ATTENTION
+    settings.set_fp8_attention("on" if on else "off")
+    try:
+        yield
+    finally:
+        settings.set_fp8_attention(before)
+
+
+def _attention_note(on: bool) -> str:
+    """What the fp8 attention did in the rows so far: cuDNN's plans built, shapes it declined."""
+    from omnirt.kernels import fp8_attention
+
+    if not on:
+        return ""
+    if not fp8_attention._plans:
+        return " (not applied: bf16 attention)"
+    declined = f", {len(fp8_attention._declined)} shapes declined" if fp8_attention._declined else ""
+    return f" ({len(fp8_attention._plans)} cuDNN plans{declined})"
+
+
+def quantized_copies(model: torch.nn.Module):
+    """``(label, model, layers, weight bytes, fp8 attention)`` per :data:`FORMATS`: a quantized copy
+    of ``model`` per W8A8 kind, with the fused paths installed (merging the layers that read one
+    input, as the server does), each dropped before the next is made (the caller drops its name
+    for it at the end of each turn: ``del``)."""
     from omnirt.stages.diffusion import fused
     from omnirt.stages.diffusion.quant import quantize_model
+
+    current, quantized, done = None, None, None
+    for label, kind, attention in FORMATS:
+        if kind != current:
+            del quantized
+            torch.cuda.empty_cache()
+            quantized = copy.deepcopy(model)
+            done = quantize_model(quantized, kind)
+            fused.install(quantized)
+            current = kind
+        yield label, quantized, done.layers, done.bytes_after, attention
+    del quantized
+    torch.cuda.empty_cache()
+
+
+def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
+    from omnirt.stages.diffusion import fused
 
     fused.install(model)  # as the server runs it on CUDA (issue 13's kernels), in every row
 
@@ -75,18 +126,15 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         base = bench(lambda: call(model))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         rows = [f"| {name} | bf16 | {base:.1f} | 1.00x | {weights / 2**30:.2f} | - |"]
-        for kind in ("int8", "fp8"):
-            quantized = copy.deepcopy(model)
-            done = quantize_model(quantized, kind)
-            fused.install(quantized)  # merges the layers that read one input, as the server does
-            out = call(quantized)
-            ms = bench(lambda q=quantized: call(q))
+        for label, quantized, layers, size, attention in quantized_copies(model):
+            with attention_in_fp8(attention):
+                out = call(quantized)
+                ms = bench(lambda q=quantized: call(q))
             rows.append(
-                f"| {name} | {kind} ({done.layers} layers) | {ms:.1f} | {base / ms:.2f}x "
-                f"| {done.bytes_after / 2**30:.2f} | {snr_db(out, ref):.1f} |"
+                f"| {name} | {label} ({layers} layers){_attention_note(attention)} | {ms:.1f} "
+                f"| {base / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
             )
-            del quantized
-            torch.cuda.empty_cache()
+            del quantized, out
     return rows
 
 
@@ -154,15 +202,15 @@ def dit_profile(top: int = 16) -> None:
                 print(f"| bf16 | {name} | {ms:.1f} |", flush=True)
             except RuntimeError as e:
                 print(f"| bf16 | {name} | refused: {str(e).splitlines()[0][:80]} |", flush=True)
-        for kind in ("bf16", "fp8"):
-            m = model
-            if kind != "bf16":
-                m = copy.deepcopy(model)
-                quantize_model(m, kind)
-                fused.install(m)
-            table.append(_step_timings(m, call, kind))
-            _host_profile(functools.partial(call, m), kind)
-            totals = kernel_times(lambda m=m: call(m))
+        fp8 = copy.deepcopy(model)
+        quantize_model(fp8, "fp8")
+        fused.install(fp8)
+        runs = (("bf16", model, False), ("fp8", fp8, False), ("fp8, fp8 attention", fp8, True))
+        for kind, m, attention in runs:
+            with attention_in_fp8(attention):
+                table.append(_step_timings(m, call, kind))
+                _host_profile(functools.partial(call, m), kind)
+                totals = kernel_times(lambda m=m: call(m))
             by_kind: dict[str, float] = {}
             for key, (t, _) in totals.items():
                 by_kind[_category(key)] = by_kind.get(_category(key), 0.0) + t
@@ -171,9 +219,8 @@ def dit_profile(top: int = 16) -> None:
             for cat, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
                 print(f"  {t / 1000:8.2f} ms {100 * t / whole:5.1f}% {cat}")
             print_top(totals, f"{kind}: the top kernels", top)
-            if m is not model:
-                del m
-                torch.cuda.empty_cache()
+        del fp8
+        torch.cuda.empty_cache()
     print("\n" + "\n".join(table), flush=True)
 
 
@@ -250,7 +297,6 @@ def psnr_db(got: torch.Tensor, want: torch.Tensor, peak: float = 2.0) -> float:
 def zimage_final_rows(steps: int = 8) -> list[str]:
     """Z-Image's sampling loop (as ``ZImagePipeline``, no guidance) and its VAE, per weight format."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
-    from omnirt.stages.diffusion.quant import quantize_model
 
     comps = json.loads((ROOT / "benchmarks/models/z-image-turbo/z-image-turbo.components.json").read_text())
     strip = lambda d: {k: v for k, v in d.items() if not k.startswith("_")}  # noqa: E731
@@ -283,14 +329,12 @@ def zimage_final_rows(steps: int = 8) -> list[str]:
     rows = []
     with torch.no_grad():
         ref = sample(model)
-        for kind in ("int8", "fp8"):
-            quantized = copy.deepcopy(model)
-            quantize_model(quantized, kind)
-            rows.append(
-                f"| Z-Image 1024x1024, {steps} steps + VAE | {kind} | {psnr_db(sample(quantized), ref):.1f} |"
-            )
+        for label, quantized, _, _, attention in quantized_copies(model):
+            with attention_in_fp8(attention):
+                psnr = psnr_db(sample(quantized), ref)
+            note = _attention_note(attention)
+            rows.append(f"| Z-Image 1024x1024, {steps} steps + VAE | {label}{note} | {psnr:.1f} |")
             del quantized
-            torch.cuda.empty_cache()
     return rows
 
 

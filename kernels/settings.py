@@ -13,6 +13,10 @@ a Triton kernel may run.
   ``"fast"`` (non-bitwise reorderings, within a stated PSNR: the top level's convolutions as 2D
   ones over their time taps) or
   ``"off"``. ``omnirt serve --vae-fast`` sets it.
+- **FP8 attention** (``kernels/fp8_attention.py``): ``FP8_ATTENTION`` ``"on"`` runs the
+  attention of the fp8 W8A8 DiT blocks as cuDNN's fp8 flash attention (queries, keys, values and
+  probabilities in e4m3: not bitwise), where it applies; ``"off"`` (the default until measured at
+  real size) keeps it in the model's dtype. ``omnirt serve --fp8-attention`` sets it.
 - **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only under
   ``TRITON_INTERPRET=1`` (:func:`interpreted`, fp32), when a test calls it directly or installs the
   VAE hooks on a CPU model itself, never from a dispatcher.
@@ -44,6 +48,10 @@ VaeLevel = Literal["exact", "fast", "off"]
 VAE_LEVELS: tuple[VaeLevel, ...] = ("exact", "fast", "off")
 VAE_FAST: VaeLevel = "exact"
 
+Fp8Attention = Literal["on", "off"]
+FP8_ATTENTION_SETTINGS: tuple[Fp8Attention, ...] = ("on", "off")
+FP8_ATTENTION: Fp8Attention = "off"
+
 T = TypeVar("T")
 
 
@@ -65,6 +73,15 @@ def set_vae_fast(level: str) -> None:
     """Sets :data:`VAE_FAST` (``exact``, ``fast`` or ``off``)."""
     global VAE_FAST
     VAE_FAST = check_vae_level(level)
+
+
+def set_fp8_attention(setting: str) -> None:
+    """Sets :data:`FP8_ATTENTION` (``on`` or ``off``)."""
+    global FP8_ATTENTION
+    if setting not in FP8_ATTENTION_SETTINGS:
+        choices = ", ".join(FP8_ATTENTION_SETTINGS)
+        raise ValueError(f"fp8 attention must be one of {choices}, not {setting!r}")
+    FP8_ATTENTION = setting  # type: ignore[assignment]
 
 
 def check_preset(preset: str) -> Preset:

@@ -35,6 +35,7 @@ def build_app(config: ServerConfig, *, device: str | None, load_format: str = "a
     check_device(device)
     kernel_settings.set_fused(config.fused_kernels)  # before the models: the DiT loaders install them
     kernel_settings.set_vae_fast(config.vae_fast)
+    kernel_settings.set_fp8_attention(config.fp8_attention)
     try:
         pipelines = build_pipelines(
             config.models,

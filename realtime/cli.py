@@ -347,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
         "not bitwise, 46 dB or more against diffusers; docs/kernels.md), off",
     )
     serve.add_argument(
+        "--fp8-attention",
+        choices=("on", "off"),
+        default=ServerConfig.fp8_attention,
+        help="with --quantization fp8, the DiT blocks' attention in fp8 too (cuDNN's fp8 flash attention "
+        "on Hopper and later: queries, keys, values and probabilities in e4m3; not bitwise; "
+        "default %(default)s)",
+    )
+    serve.add_argument(
         "--quantization",
         choices=("none", "int8", "fp8"),
         default=ServerConfig.quantization,
@@ -533,6 +541,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         batch_slice_ms=args.batch_slice_ms,
         fused_kernels=args.fused_kernels,
         vae_fast=args.vae_fast,
+        fp8_attention=args.fp8_attention,
         quantization=args.quantization,
         voice_aliases=dict(args.voice_alias),
         allowed_origins=list(args.allowed_origin),

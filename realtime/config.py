@@ -63,6 +63,9 @@ class ServerConfig:
     #: The Wan VAE decoder's fast path on CUDA: ``exact`` (bitwise diffusers'), ``fast`` (some
     #: convolutions reordered: not bitwise, within a stated PSNR) or ``off`` (``--vae-fast``).
     vae_fast: str = "exact"
+    #: The fp8 W8A8 DiT blocks' attention in fp8 as well (cuDNN's fp8 flash attention, where it
+    #: applies): ``on`` or ``off`` (``--fp8-attention``).
+    fp8_attention: str = "off"
     #: W8A8 linear layers for the diffusion transformers: ``none``, ``int8`` or ``fp8``
     #: (``--quantization``; reported per model in ``/v1/models``).
     quantization: str = "none"

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...kernels import settings
+from ...kernels import fp8_attention, settings
 from ...kernels.adaln import adaln_modulate
 from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
 from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_quantize
@@ -54,6 +54,39 @@ class _FusedProcessor:
         self._parallel_config = getattr(original, "_parallel_config", None)
 
 
+def _fp8_block(attn: Any) -> bool:
+    """Whether ``attn``'s projections are fp8 W8A8 layers and :data:`~omnirt.kernels.settings.FP8_ATTENTION`
+    asks for fp8 attention in such blocks."""
+    if settings.FP8_ATTENTION != "on":
+        return False
+    projection = getattr(attn, "to_qkv", None) or getattr(attn, "to_q", None)
+    return isinstance(projection, W8A8Linear) and projection.kind == "fp8"
+
+
+def _attend(
+    processor: _FusedProcessor, attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None, prefix_keys: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The attention of ``query`` [B, S, H, D] over ``key``, ``value``: in fp8 where the block is
+    an fp8 one (:func:`_fp8_block`) and cuDNN's fp8 attention applies, else through diffusers'
+    dispatcher with the processor's backend, as the original processor calls it. ``prefix_keys``:
+    a 2D ``mask`` is [B, S_kv] booleans, each row's live keys a prefix (as diffusers' Z-Image builds
+    them), given to the dispatcher as [B, 1, 1, S_kv]; else the mask goes as it is (any mask: bf16)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    keys_2d = prefix_keys and mask is not None and mask.ndim == 2
+    if _fp8_block(attn) and (mask is None or (keys_2d and mask.dtype == torch.bool)):
+        lengths = None if mask is None else mask.sum(dim=-1, dtype=torch.int32)
+        if fp8_attention.applies(query, key, value, lengths):
+            return fp8_attention.fp8_attention(query, key, value, lengths)
+    if keys_2d:
+        mask = mask[:, None, None, :]
+    return dispatch_attention_fn(
+        query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+        backend=processor._attention_backend, parallel_config=processor._parallel_config,
+    )  # fmt: skip
+
+
 class ZImageFusedProcessor(_FusedProcessor):
     """diffusers' ``ZSingleStreamAttnProcessor`` (0.42) with the QK norm and rotary fused."""
 
@@ -67,8 +100,6 @@ class ZImageFusedProcessor(_FusedProcessor):
     ) -> torch.Tensor:
         if freqs_cis is None or attn.norm_q is None or attn.norm_k is None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         to_qkv = getattr(attn, "to_qkv", None)
         if isinstance(to_qkv, W8A8Linear):  # merged W8A8 layers: one product (its input maybe quantized)
             query, key, value = to_qkv(hidden_states).unflatten(-1, (3, attn.heads, -1)).unbind(-3)
@@ -81,12 +112,7 @@ class ZImageFusedProcessor(_FusedProcessor):
             eps=attn.norm_q.eps, interleaved=True, per_head=True, norm="composite", rope="complex",
             preset=self.preset,
         )  # fmt: skip
-        if attention_mask is not None and attention_mask.ndim == 2:
-            attention_mask = attention_mask[:, None, None, :]
-        out = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config,
-        )  # fmt: skip
+        out = _attend(self, attn, query, key, value, attention_mask, prefix_keys=True)
         out = out.flatten(2, 3).to(query.dtype)
         out = attn.to_out[0](out)
         if len(attn.to_out) > 1:  # dropout
@@ -108,7 +134,6 @@ class WanFusedProcessor(_FusedProcessor):
     ) -> torch.Tensor:
         if rotary_emb is None or encoder_hidden_states is not None or attn.add_k_proj is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
@@ -123,10 +148,7 @@ class WanFusedProcessor(_FusedProcessor):
             preset=self.preset,
         )  # fmt: skip
         value = value.unflatten(2, (heads, -1))
-        out = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config,
-        )  # fmt: skip
+        out = _attend(self, attn, query, key, value, attention_mask, prefix_keys=False)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)

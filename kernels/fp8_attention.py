@@ -1,0 +1,350 @@
+"""FP8 attention for the W8A8 DiTs: queries, keys and values quantized to e4m3 with one scale per
+tensor, then cuDNN's fused FP8 flash attention (Hopper and later), the output in the model's dtype.
+
+Why: with W8A8 fp8 weights, a Z-Image step's products take 37 ms of its 67 and bf16 attention 17
+(H200, ``docs/benchmarks.md``); Wan at 480p is attention-bound. Issue 15's 1.6x over bf16 needs
+the attention's two products on the FP8 tensor cores too.
+
+What cuDNN computes (``sdpa_fp8``, forward): ``S = (Q8 K8^T) * descale_q * descale_k * attn_scale``
+in fp32; the online softmax's probabilities ``P`` (in [0, 1] against the running row maximum)
+scaled by ``scale_s`` = 448 and rounded to e4m3; ``P8 V8`` accumulated in fp32, times
+``descale_s * descale_v``, over the fp32 row sums; written in bf16 or fp16 (``scale_o`` 1).
+:func:`fp8_attention_reference` models that in fp32 (the same roundings of Q, K, V and P, with
+the final row maximum in place of the running one), for the tests.
+
+Scales. :func:`quantize_tensor` maps a tensor's largest magnitude to 448, as
+:func:`~omnirt.kernels.w8a8.quantize_rows` does for a row (one row of everything: the same
+bits); on CUDA two Triton kernels (the peak by atomic maximum, then the values), no host sync, so
+CUDA graphs capture it. Key padding (Z-Image's batched captions) is a prefix mask: ``key_lengths``
+[B] int32, each row's first keys live.
+
+:func:`fp8_attention` runs where :func:`applies` says (CUDA, compute capability 9.0 or later,
+``cudnn`` importable, bf16 or fp16 of head dim a multiple of 16 up to 256); a graph cuDNN
+declines at build is remembered and :func:`applies` then says no for its shapes, so the caller's
+bf16 attention runs. The cuDNN graphs are built once per shape and kept (:data:`MAX_PLANS`).
+``kernels.settings.FP8_ATTENTION`` (``omnirt serve --fp8-attention``) says whether the fp8 W8A8
+models use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .w8a8 import STORAGE, quantize_constants, quantize_rows
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+
+    from .w8a8 import quantize_values
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+log = logging.getLogger(__name__)
+
+#: e4m3's largest value: where the probabilities' 1 goes (``scale_s``).
+P_SCALE = 448.0
+#: Built cuDNN graphs kept (least recently used dropped past it).
+MAX_PLANS = 32
+#: Head dims cuDNN's fp8 attention takes on Hopper: multiples of 16 up to this.
+MAX_HEAD_DIM = 256
+
+_CUDNN_DTYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
+
+# uids of the graph's tensors (above those the front end gives its virtual tensors)
+_Q, _K, _V, _O, _Q_DESCALE, _K_DESCALE, _V_DESCALE, _S_DESCALE, _S_SCALE, _O_SCALE = range(100, 110)
+_O_AMAX, _SEQ_Q, _SEQ_KV = 110, 111, 112
+
+
+# --- per-tensor quantization --------------------------------------------------------------------
+
+
+def quantize_tensor_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as e4m3 values (its shape, contiguous) and one fp32 scale [1]: ``x ~ values * scale``,
+    the largest magnitude mapped to 448 (:func:`~omnirt.kernels.w8a8.quantize_rows` of ``x`` as
+    one row)."""
+    values, scale = quantize_rows(x.reshape(1, -1), "fp8")
+    return values.view(x.shape), scale.view(1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _peak_kernel(X, PEAK, rows, cols, stride_x, BR: tl.constexpr, BC: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)[:, None]
+        c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+        v = tl.load(X + r * stride_x + c, mask=(r < rows) & (c < cols), other=0.0).to(tl.float32)
+        tl.atomic_max(PEAK, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+
+    @triton.jit
+    def _quantize_tensor_kernel(X, Q, PEAK, SCALE, rows, cols, stride_x, INV_QMAX, QMAX: tl.constexpr,
+                                MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, INT8: tl.constexpr,
+                                BR: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)[:, None]
+        c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+        scale = tl.maximum(tl.load(PEAK), MIN_PEAK) * INV_QMAX
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(SCALE, scale)
+        live = (r < rows) & (c < cols)
+        v = tl.load(X + r * stride_x + c, mask=live, other=0.0).to(tl.float32)
+        tl.store(Q + r * cols + c, quantize_values(v, scale, QMAX, ROUNDER, INT8), mask=live)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., H, D] as a [tokens, H * D] view with unit column stride (a copy if it has none)."""
+    flat = x.flatten(-2) if x.dim() >= 2 else x.reshape(1, -1)
+    try:
+        rows = flat.view(-1, flat.shape[-1])
+    except RuntimeError:
+        rows = flat.reshape(-1, flat.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def quantize_tensor_triton(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tensor_reference` in two Triton kernels (the same bits); ``x`` [..., H, D]
+    with rows of unit column stride (views of a packed QKV are read in place). ``kind`` ``int8``
+    (values -127..127, the same kernels) is there for the interpreter's tests: it has no fp8."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    rows = _rows(x)
+    count, cols = rows.shape
+    values = torch.empty(x.shape, dtype=STORAGE[kind], device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    peak = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if count and cols:
+        br, bc = 8, min(triton.next_power_of_2(cols), 1024)
+        grid = (triton.cdiv(count, br), triton.cdiv(cols, bc))
+        _peak_kernel[grid](rows, peak, count, cols, rows.stride(0), BR=br, BC=bc, num_warps=4)
+        _quantize_tensor_kernel[grid](
+            rows, values, peak, scale, count, cols, rows.stride(0), **quantize_constants(kind),  # type: ignore[arg-type]
+            BR=br, BC=bc, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    else:
+        scale.fill_(quantize_constants(kind)["MIN_PEAK"] * quantize_constants(kind)["INV_QMAX"])
+    return values, scale
+
+
+def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as e4m3 values and one fp32 scale [1]: the Triton kernels on CUDA, else the eager
+    chain (the same bits)."""
+    if triton is not None and x.is_cuda:
+        return quantize_tensor_triton(x)
+    return quantize_tensor_reference(x)
+
+
+# --- the reference ------------------------------------------------------------------------------
+
+
+def _key_mask(key_lengths: torch.Tensor | None, batch: int, keys: int, device: torch.device):
+    if key_lengths is None:
+        return None
+    live = torch.arange(keys, device=device)[None, :] < key_lengths.to(device).view(batch, 1)
+    return live[:, None, None, :]  # [B, 1, 1, S_kv]
+
+
+def fp8_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """What :func:`fp8_attention` computes, in fp32 on any device: ``q`` [B, S_q, H, D], ``k`` and
+    ``v`` [B, S_kv, H_kv, D] quantized per tensor, attention with e4m3 probabilities, returned
+    [B, S_q, H, D] in ``q``'s dtype."""
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    attn_scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_tensor_reference(t) for t in (q, k, v))
+    qf = (q8.float() * qs).transpose(1, 2)  # [B, H, S, D]
+    kf = (k8.float() * ks).transpose(1, 2)
+    vf = (v8.float() * vs).transpose(1, 2)
+    if kv_heads != heads:
+        kf = kf.repeat_interleave(heads // kv_heads, dim=1)
+        vf = vf.repeat_interleave(heads // kv_heads, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * attn_scale
+    mask = _key_mask(key_lengths, batch, k.shape[1], q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    total = p.sum(dim=-1, keepdim=True)
+    p8 = (p * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE
+    out = (p8 @ vf) / total
+    return out.transpose(1, 2).to(q.dtype)
+
+
+# --- cuDNN --------------------------------------------------------------------------------------
+
+
+def _cudnn() -> Any | None:
+    try:
+        import cudnn
+    except Exception:  # not installed, or no libcudnn to load
+        return None
+    return cudnn
+
+
+@dataclass(frozen=True)
+class _Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    queries: int
+    keys: int
+    dim: int
+    dtype: torch.dtype
+    masked: bool
+    device: int
+    scale: float
+
+
+@dataclass
+class _Plan:
+    graph: Any
+    workspace: torch.Tensor
+    handle: Any
+    constants: dict[int, torch.Tensor]  # the probabilities' scale and descale, the output's scale
+
+
+_plans: OrderedDict[_Shape, _Plan] = OrderedDict()
+_declined: set[_Shape] = set()
+_handles: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+def _bhsd_strides(tokens: int, heads: int, dim: int) -> tuple[int, int, int, int]:
+    """Strides of dims (B, H, S, D) for a contiguous [B, S, H, D] tensor."""
+    return (tokens * heads * dim, dim, heads * dim, 1)
+
+
+def build_graph(cudnn: Any, shape: _Shape) -> Any:
+    """The cuDNN graph of one fp8 attention shape, before validation (which needs libcudnn): Q, K, V
+    e4m3 in [B, S, H, D] memory, the output in ``shape.dtype``, per-tensor descales, and where
+    ``masked`` the keys past each row's length masked (``seq_len_q`` all queries)."""
+    dt = cudnn.data_type
+    fp8, out_type = dt.FP8_E4M3, getattr(dt, _CUDNN_DTYPES[shape.dtype])
+    graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT)
+    b, h, hk, sq, skv, d = shape.batch, shape.heads, shape.kv_heads, shape.queries, shape.keys, shape.dim
+
+    def scalar(uid: int) -> Any:
+        return graph.tensor(uid=uid, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=dt.FLOAT)
+
+    q = graph.tensor(uid=_Q, dim=(b, h, sq, d), stride=_bhsd_strides(sq, h, d), data_type=fp8)
+    k = graph.tensor(uid=_K, dim=(b, hk, skv, d), stride=_bhsd_strides(skv, hk, d), data_type=fp8)
+    v = graph.tensor(uid=_V, dim=(b, hk, skv, d), stride=_bhsd_strides(skv, hk, d), data_type=fp8)
+    extra: dict[str, Any] = {}
+    if shape.masked:  # each row's lengths [B, 1, 1, 1]
+        lengths = {name: graph.tensor(uid=uid, dim=(b, 1, 1, 1), stride=(1, 1, 1, 1), data_type=dt.INT32)
+                   for name, uid in (("seq_len_q", _SEQ_Q), ("seq_len_kv", _SEQ_KV))}  # fmt: skip
+        extra = {"use_padding_mask": True, **lengths}
+    o, _stats, _amax_s, amax_o = graph.sdpa_fp8(
+        q=q, k=k, v=v, descale_q=scalar(_Q_DESCALE), descale_k=scalar(_K_DESCALE),
+        descale_v=scalar(_V_DESCALE), descale_s=scalar(_S_DESCALE), scale_s=scalar(_S_SCALE),
+        scale_o=scalar(_O_SCALE), generate_stats=False, attn_scale=shape.scale, use_causal_mask=False,
+        **extra,
+    )  # fmt: skip
+    o.set_uid(_O).set_output(True).set_dim((b, h, sq, d)).set_stride(_bhsd_strides(sq, h, d))
+    o.set_data_type(out_type)
+    amax_o.set_uid(_O_AMAX).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1))
+    amax_o.set_data_type(dt.FLOAT)
+    return graph
+
+
+def _handle(cudnn: Any, device: int) -> Any:
+    handle = _handles.get(device)
+    if handle is None:
+        with torch.cuda.device(device):
+            handle = _handles[device] = cudnn.create_handle()
+    return handle
+
+
+def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
+    with _lock:
+        plan = _plans.get(shape)
+        if plan is not None:
+            _plans.move_to_end(shape)
+            return plan
+        if shape in _declined:
+            return None
+        try:
+            graph = build_graph(cudnn, shape)
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+            graph.build_plans()
+        except Exception as error:  # cuDNN declines the shape (or this backend has no fp8 attention)
+            _declined.add(shape)
+            log.warning("cuDNN fp8 attention declined %s: %s; bf16 attention runs there", shape, error)
+            return None
+        device = torch.device("cuda", shape.device)
+        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
+        constants = {
+            uid: torch.full((1,), value, dtype=torch.float32, device=device)
+            for uid, value in ((_S_SCALE, P_SCALE), (_S_DESCALE, 1.0 / P_SCALE), (_O_SCALE, 1.0))
+        }
+        plan = _plans[shape] = _Plan(graph, workspace, _handle(cudnn, shape.device), constants)
+        while len(_plans) > MAX_PLANS:
+            _plans.popitem(last=False)
+        return plan
+
+
+def _shape(q: torch.Tensor, k: torch.Tensor, key_lengths: torch.Tensor | None, scale: float | None) -> _Shape:
+    batch, queries, heads, dim = q.shape
+    return _Shape(
+        batch, heads, k.shape[2], queries, k.shape[1], dim, q.dtype, key_lengths is not None,
+        q.device.index or 0, 1.0 / math.sqrt(dim) if scale is None else float(scale),
+    )  # fmt: skip
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the tensors are a call cuDNN's fp8 attention can take (before asking it)."""
+    if triton is None or not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dtype not in _CUDNN_DTYPES:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    batch, _, heads, dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != dim or heads % k.shape[2] or dim % 16 or dim > MAX_HEAD_DIM:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] >= 9 and _cudnn() is not None
+
+
+def applies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> bool:  # fmt: skip
+    """Whether :func:`fp8_attention` runs this call: :func:`supported`, and cuDNN builds its graph
+    (built here the first time a shape comes)."""
+    if not supported(q, k, v):
+        return False
+    return _plan(_cudnn(), _shape(q, k, key_lengths, scale)) is not None
+
+
+def fp8_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of ``q`` [B, S_q, H, D] over ``k``, ``v`` [B, S_kv, H_kv, D] (bf16 or fp16; ``v``
+    may be a view of a packed QKV) with all three in e4m3 and e4m3 probabilities; ``key_lengths``
+    [B]: each row's live keys (a prefix). Returns [B, S_q, H, D] in ``q``'s dtype. Only where
+    :func:`applies`; raises otherwise."""
+    cudnn = _cudnn()
+    plan = _plan(cudnn, _shape(q, k, key_lengths, scale)) if supported(q, k, v) else None
+    if plan is None:
+        raise RuntimeError("fp8 attention does not apply to these tensors (see fp8_attention.applies)")
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_tensor(t) for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    pack = {
+        _Q: q8, _K: k8, _V: v8, _O: out, _Q_DESCALE: qs, _K_DESCALE: ks, _V_DESCALE: vs,
+        _O_AMAX: torch.empty(1, dtype=torch.float32, device=q.device), **plan.constants,
+    }  # fmt: skip
+    if key_lengths is not None:
+        pack[_SEQ_Q] = torch.full((q.shape[0], 1, 1, 1), q.shape[1], dtype=torch.int32, device=q.device)
+        pack[_SEQ_KV] = key_lengths.to(device=q.device, dtype=torch.int32).view(-1, 1, 1, 1)
+    cudnn.set_stream(plan.handle, torch.cuda.current_stream(q.device).cuda_stream)
+    plan.graph.execute(pack, plan.workspace, handle=plan.handle)
+    return out

@@ -1,0 +1,111 @@
+"""FP8 attention on the GPU (marker ``gpu``; Hopper or later with ``nvidia-cudnn-frontend``): the
+per-tensor quantization kernels bitwise the eager chain in fp8; cuDNN's fp8 attention against its
+fp32 model (``fp8_attention_reference``) and against bf16 attention, with key padding; captured
+in a CUDA graph, replay tracking new inputs; a W8A8 fp8 Z-Image with ``--fp8-attention on`` close
+to the same model with bf16 attention, its attention having run in fp8."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omnirt.kernels import fp8_attention, settings
+
+
+def _hopper_with_cudnn() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    return fp8_attention._cudnn() is not None
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _hopper_with_cudnn(), reason="needs a Hopper GPU and nvidia-cudnn-frontend"),
+]
+
+
+def _snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    noise = (got.float() - want.float()).pow(2).mean()
+    return 10 * math.log10(want.float().pow(2).mean() / noise)
+
+
+def _qkv(batch: int, tokens: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randn(batch, tokens, 3, heads, dim, device="cuda", generator=g)
+    q, k, v = packed.to(torch.bfloat16).unbind(2)  # views of a packed QKV, as the merged DiTs make them
+    return F.rms_norm(q, (dim,)) * 1.5, F.rms_norm(k, (dim,)) * 1.5, v
+
+
+def test_quantize_tensor_kernels_are_bitwise_the_eager_chain_in_fp8():
+    q, k, v = _qkv(2, 1000, 6, 128, seed=1)
+    for t in (q, k, v):  # v: a strided view
+        got, got_scale = fp8_attention.quantize_tensor_triton(t)
+        want, want_scale = fp8_attention.quantize_tensor_reference(t)
+        assert torch.equal(got_scale, want_scale)
+        assert torch.equal(got.view(torch.int8), want.view(torch.int8))
+
+
+@pytest.mark.parametrize("batch, tokens, heads", [(1, 4128, 30), (2, 1000, 6)])
+def test_cudnn_fp8_attention_against_its_model_and_bf16(batch, tokens, heads):
+    q, k, v = _qkv(batch, tokens, heads, 128, seed=2)
+    lengths = None if batch == 1 else torch.tensor([tokens, 777], dtype=torch.int32, device="cuda")
+    assert fp8_attention.applies(q, k, v, lengths)
+    got = fp8_attention.fp8_attention(q, k, v, lengths)
+    model = fp8_attention.fp8_attention_reference(q, k, v, lengths)
+    mask = None
+    if lengths is not None:
+        mask = (torch.arange(tokens, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    bf16 = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+    bf16 = bf16.transpose(1, 2)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    print(f"fp8 vs its model {_snr_db(got, model):.1f} dB, vs bf16 {_snr_db(got, bf16):.1f} dB")
+    assert _snr_db(got, model) > 30  # the running maximum and the sums' order differ
+    assert _snr_db(got, bf16) > 20
+
+
+def test_fp8_attention_in_a_cuda_graph_tracks_new_inputs():
+    q, k, v = _qkv(1, 1024, 4, 128, seed=3)
+    static = [t.clone() for t in (q, k, v)]
+    fp8_attention.fp8_attention(*static)  # builds the plan outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_attention.fp8_attention(*static)
+    for seed in (4, 5):
+        fresh = _qkv(1, 1024, 4, 128, seed=seed)
+        for dst, src in zip(static, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(out, fp8_attention.fp8_attention(*fresh))
+
+
+def test_fp8_zimage_attends_in_fp8_when_asked(monkeypatch):
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import quantize_model
+
+    from .dit_models import tiny_zimage
+
+    zimage = tiny_zimage(dim=768, heads=6)
+    quantize_model(zimage, "fp8")
+    fused.install(zimage)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    latents = [torch.randn(16, 1, 32, 32, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)]
+    caption = [torch.randn(n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for n in (7, 19)]
+    t = torch.tensor([0.3, 0.7], device="cuda", dtype=torch.bfloat16)
+    calls = []
+    run = fp8_attention.fp8_attention
+    monkeypatch.setattr(fp8_attention, "fp8_attention", lambda *a: calls.append(a[3] is not None) or run(*a))
+    before = settings.FP8_ATTENTION
+    try:
+        with torch.no_grad():
+            want = torch.stack(zimage(latents, t, caption, return_dict=False)[0]).float()
+            assert not calls
+            settings.set_fp8_attention("on")
+            got = torch.stack(zimage(latents, t, caption, return_dict=False)[0]).float()
+    finally:
+        settings.set_fp8_attention(before)
+    assert len(calls) == 4 and any(calls)  # every attention; the main layers' captions padded
+    print(f"fp8 attention Z-Image vs bf16 attention: {_snr_db(got, want):.1f} dB")
+    assert _snr_db(got, want) > 20
