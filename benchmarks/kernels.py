@@ -159,6 +159,7 @@ def numerics(variants: bool, quick: bool) -> list[str]:
         runs = [("fast", {}), ("exact", {})]
         if variants and norm == "composite":
             runs += [("exact", {"composite_sum": a}) for a in _COMPOSITE_SUMS]
+            runs += [("exact", {"head_loop": "static"})]
         if variants and norm == "fused":
             runs += [("exact", {"tree": "reduce"}), ("exact", {"output_from": "reload"})]
             runs += [("exact", {"tokens_per_program": n}) for n in (2, 4)]
@@ -405,6 +406,8 @@ def variant_speed() -> list[str]:
                     qk_norm_rope_triton, q, k, qw, kw, table, composite_sum=order, **args
                 )
                 rows.append(f"| qk {name} composite_sum={order} | {bench(call):.3f} |")
+            call = functools.partial(qk_norm_rope_triton, q, k, qw, kw, table, head_loop="static", **args)
+            rows.append(f"| qk {name} head_loop=static | {bench(call):.3f} |")
             continue
         # (tree=split against reduce: the same speed, 2026-12-04)
         for source, count in (("reload", 1), ("held", 1), ("held", 2), ("held", 4)):

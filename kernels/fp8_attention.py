@@ -8,15 +8,20 @@ the attention's two products on the FP8 tensor cores too.
 What cuDNN computes (``sdpa_fp8``, forward): ``S = (Q8 K8^T) * descale_q * descale_k * attn_scale``
 in fp32; the online softmax's probabilities ``P`` (in [0, 1] against the running row maximum)
 scaled by ``scale_s`` = 448 and rounded to e4m3; ``P8 V8`` accumulated in fp32, times
-``descale_s * descale_v``, over the fp32 row sums; written in bf16 or fp16 (``scale_o`` 1).
+``descale_s * descale_v``, over the fp32 row sums; written in bf16 or fp16 (``scale_o`` 1), or,
+where a cuDNN version declines that, in e4m3 at V's scale (``scale_o`` its reciprocal: an output
+row is an average of V's rows, so it stays within V's peak) and widened after.
 :func:`fp8_attention_reference` models that in fp32 (the same roundings of Q, K, V and P, with
 the final row maximum in place of the running one), for the tests.
 
 Scales. :func:`quantize_tensor` maps a tensor's largest magnitude to 448, as
 :func:`~omnirt.kernels.w8a8.quantize_rows` does for a row (one row of everything: the same
 bits); on CUDA two Triton kernels (the peak by atomic maximum, then the values), no host sync, so
-CUDA graphs capture it. Key padding (Z-Image's batched captions) is a prefix mask: ``key_lengths``
-[B] int32, each row's first keys live.
+CUDA graphs capture it. Queries and keys that a QK norm made may come in e4m3 already, over the
+fixed scales of :func:`normed_scale` (``qk_norm_rope.qk_norm_rope_quantized`` writes them so, in
+the DiT processors of ``stages/diffusion/fused.py``): values alone are read for a peak then.
+Key padding (Z-Image's batched captions) is a prefix mask: ``key_lengths`` [B] int32, each row's
+first keys live.
 
 :func:`fp8_attention` runs where :func:`applies` says (CUDA, compute capability 9.0 or later,
 ``cudnn`` importable, bf16 or fp16 of head dim a multiple of 16 up to 256); a graph cuDNN
@@ -139,6 +144,28 @@ def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_tensor_reference(x)
 
 
+#: How far above its bound a normed, rotated element may come out of its roundings (each a half
+#: unit in bf16's last place, 2^-9, a few of them in turn): the bound's margin.
+_BOUND_MARGIN = 1.0 + 2.0**-5
+
+
+def normed_scale(
+    weight: torch.Tensor | None, elements: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """A fixed e4m3 scale [1] for queries or keys RMS-normalised over ``elements`` values (a head,
+    or all heads) with ``weight``, then rotated: no element exceeds ``sqrt(elements) * max|weight|``
+    (a normalised vector's squares sum to ``elements``; weighting and rotating pairs keep each
+    pair's length within it), so that bound, with a margin, goes to 448. No read of the tensor
+    for its peak; the cost is range, not precision: e4m3 keeps its 3 mantissa bits for every
+    element above 2^-6 of the scale's unit (at a head of 128: elements above about 1/2500 of
+    ``max|weight|``), and an element typical of a unit-RMS row lands near 448 / sqrt(elements)."""
+    peak = 1.0 if weight is None else weight.detach().abs().amax().float()
+    bound = peak * (math.sqrt(elements) * _BOUND_MARGIN / 448.0)
+    if weight is None:
+        return torch.full((1,), bound, dtype=torch.float32, device=device)
+    return bound.reshape(1)
+
+
 # --- the reference ------------------------------------------------------------------------------
 
 
@@ -151,11 +178,12 @@ def _key_mask(key_lengths: torch.Tensor | None, batch: int, keys: int, device: t
 
 def fp8_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
-    scale: float | None = None,
+    scale: float | None = None, fp8_out: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """What :func:`fp8_attention` computes, in fp32 on any device: ``q`` [B, S_q, H, D], ``k`` and
     ``v`` [B, S_kv, H_kv, D] quantized per tensor, attention with e4m3 probabilities, returned
-    [B, S_q, H, D] in ``q``'s dtype."""
+    [B, S_q, H, D] in ``q``'s dtype (``fp8_out``: through e4m3 at V's scale first, as a plan whose
+    output cuDNN writes in e4m3)."""
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     attn_scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -174,6 +202,8 @@ def fp8_attention_reference(
     total = p.sum(dim=-1, keepdim=True)
     p8 = (p * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE
     out = (p8 @ vf) / total
+    if fp8_out:
+        out = (out / vs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * vs
     return out.transpose(1, 2).to(q.dtype)
 
 
@@ -207,7 +237,8 @@ class _Plan:
     graph: Any
     workspace: torch.Tensor
     handle: Any
-    constants: dict[int, torch.Tensor]  # the probabilities' scale and descale, the output's scale
+    constants: dict[int, torch.Tensor]  # the probabilities' scale and descale (and the output's)
+    fp8_out: bool  # the output in e4m3 (scaled by V's scale), widened after
 
 
 _plans: OrderedDict[_Shape, _Plan] = OrderedDict()
@@ -221,13 +252,19 @@ def _bhsd_strides(tokens: int, heads: int, dim: int) -> tuple[int, int, int, int
     return (tokens * heads * dim, dim, heads * dim, 1)
 
 
-def build_graph(cudnn: Any, shape: _Shape) -> Any:
+def build_graph(cudnn: Any, shape: _Shape, handle: Any = None, fp8_out: bool = False) -> Any:
     """The cuDNN graph of one fp8 attention shape, before validation (which needs libcudnn): Q, K, V
     e4m3 in [B, S, H, D] memory, the output in ``shape.dtype``, per-tensor descales, and where
-    ``masked`` the keys past each row's length masked (``seq_len_q`` all queries)."""
+    ``masked`` the keys past each row's length masked (``seq_len_q`` all queries); ``handle``: the
+    cuDNN handle of the device it will run on; ``fp8_out``: the output in e4m3 instead (for cuDNN
+    versions without a wider output)."""
     dt = cudnn.data_type
-    fp8, out_type = dt.FP8_E4M3, getattr(dt, _CUDNN_DTYPES[shape.dtype])
-    graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT)
+    fp8 = dt.FP8_E4M3
+    out_type = fp8 if fp8_out else getattr(dt, _CUDNN_DTYPES[shape.dtype])
+    context = {"handle": handle} if handle is not None else {}
+    graph = cudnn.pygraph(
+        io_data_type=fp8, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT, **context
+    )
     b, h, hk, sq, skv, d = shape.batch, shape.heads, shape.kv_heads, shape.queries, shape.keys, shape.dim
 
     def scalar(uid: int) -> Any:
@@ -270,42 +307,53 @@ def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
             return plan
         if shape in _declined:
             return None
-        try:
-            graph = build_graph(cudnn, shape)
-            graph.validate()
-            graph.build_operation_graph()
-            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            graph.check_support()
-            graph.build_plans()
-        except Exception as error:  # cuDNN declines the shape (or this backend has no fp8 attention)
+        errors = []
+        for fp8_out in (False, True):  # the output in the model's dtype, else in e4m3
+            try:
+                handle = _handle(cudnn, shape.device)
+                graph = build_graph(cudnn, shape, handle, fp8_out)
+                graph.validate()
+                graph.build_operation_graph()
+                graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                graph.check_support()
+                graph.build_plans()
+                break
+            except Exception as error:  # cuDNN declines it (or this backend has no fp8 attention)
+                errors.append(f"{'e4m3' if fp8_out else 'wide'} output: {error}")
+        else:
             _declined.add(shape)
-            log.warning("cuDNN fp8 attention declined %s: %s; bf16 attention runs there", shape, error)
+            reasons = "; ".join(errors)
+            log.warning("cuDNN fp8 attention declined %s (%s); bf16 attention runs there", shape, reasons)
             return None
+        if fp8_out:
+            log.info("cuDNN fp8 attention for %s writes e4m3 (%s)", shape, errors[0])
         device = torch.device("cuda", shape.device)
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-        constants = {
-            uid: torch.full((1,), value, dtype=torch.float32, device=device)
-            for uid, value in ((_S_SCALE, P_SCALE), (_S_DESCALE, 1.0 / P_SCALE), (_O_SCALE, 1.0))
-        }
-        plan = _plans[shape] = _Plan(graph, workspace, _handle(cudnn, shape.device), constants)
+        fixed = ((_S_SCALE, P_SCALE), (_S_DESCALE, 1.0 / P_SCALE)) + (() if fp8_out else ((_O_SCALE, 1.0),))
+        constants = {uid: torch.full((1,), value, dtype=torch.float32, device=device) for uid, value in fixed}
+        plan = _plans[shape] = _Plan(graph, workspace, handle, constants, fp8_out)
         while len(_plans) > MAX_PLANS:
             _plans.popitem(last=False)
         return plan
 
 
-def _shape(q: torch.Tensor, k: torch.Tensor, key_lengths: torch.Tensor | None, scale: float | None) -> _Shape:
+def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None,
+           scale: float | None) -> _Shape:  # fmt: skip
     batch, queries, heads, dim = q.shape
     return _Shape(
-        batch, heads, k.shape[2], queries, k.shape[1], dim, q.dtype, key_lengths is not None,
+        batch, heads, k.shape[2], queries, k.shape[1], dim, v.dtype, key_lengths is not None,
         q.device.index or 0, 1.0 / math.sqrt(dim) if scale is None else float(scale),
     )  # fmt: skip
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the tensors are a call cuDNN's fp8 attention can take (before asking it)."""
-    if triton is None or not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dtype not in _CUDNN_DTYPES:
+    """Whether the tensors are a call cuDNN's fp8 attention can take (before asking it): ``v`` bf16
+    or fp16, ``q`` and ``k`` of its dtype or already e4m3."""
+    if triton is None or not (q.is_cuda and k.is_cuda and v.is_cuda) or v.dtype not in _CUDNN_DTYPES:
         return False
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+    if any(t.dtype not in (v.dtype, torch.float8_e4m3fn) for t in (q, k)):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         return False
     batch, _, heads, dim = q.shape
     if k.shape[0] != batch or k.shape[3] != dim or heads % k.shape[2] or dim % 16 or dim > MAX_HEAD_DIM:
@@ -321,30 +369,41 @@ def applies(
     (built here the first time a shape comes)."""
     if not supported(q, k, v):
         return False
-    return _plan(_cudnn(), _shape(q, k, key_lengths, scale)) is not None
+    return _plan(_cudnn(), _shape(q, k, v, key_lengths, scale)) is not None
+
+
+def _e4m3(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype != torch.float8_e4m3fn:
+        return quantize_tensor(x)
+    if scale is None:
+        raise ValueError("e4m3 queries or keys come with their scale")
+    return x, scale
 
 
 def fp8_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
-    scale: float | None = None,
+    scale: float | None = None, *, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of ``q`` [B, S_q, H, D] over ``k``, ``v`` [B, S_kv, H_kv, D] (bf16 or fp16; ``v``
     may be a view of a packed QKV) with all three in e4m3 and e4m3 probabilities; ``key_lengths``
-    [B]: each row's live keys (a prefix). Returns [B, S_q, H, D] in ``q``'s dtype. Only where
-    :func:`applies`; raises otherwise."""
+    [B]: each row's live keys (a prefix). ``q`` and ``k`` may come quantized already (e4m3, with
+    ``q_scale`` and ``k_scale``, [1] fp32: ``qk_norm_rope.qk_norm_rope_quantized`` writes them so).
+    Returns [B, S_q, H, D] in ``v``'s dtype. Only where :func:`applies`; raises otherwise."""
     cudnn = _cudnn()
-    plan = _plan(cudnn, _shape(q, k, key_lengths, scale)) if supported(q, k, v) else None
+    plan = _plan(cudnn, _shape(q, k, v, key_lengths, scale)) if supported(q, k, v) else None
     if plan is None:
         raise RuntimeError("fp8 attention does not apply to these tensors (see fp8_attention.applies)")
-    (q8, qs), (k8, ks), (v8, vs) = (quantize_tensor(t) for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    (q8, qs), (k8, ks), (v8, vs) = _e4m3(q, q_scale), _e4m3(k, k_scale), quantize_tensor(v)
+    out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if plan.fp8_out else v.dtype, device=q.device)
     pack = {
         _Q: q8, _K: k8, _V: v8, _O: out, _Q_DESCALE: qs, _K_DESCALE: ks, _V_DESCALE: vs,
         _O_AMAX: torch.empty(1, dtype=torch.float32, device=q.device), **plan.constants,
     }  # fmt: skip
+    if plan.fp8_out:  # each output row is an average of V's rows: at most V's peak, 448 in V's units
+        pack[_O_SCALE] = vs.reciprocal()
     if key_lengths is not None:
         pack[_SEQ_Q] = torch.full((q.shape[0], 1, 1, 1), q.shape[1], dtype=torch.int32, device=q.device)
         pack[_SEQ_KV] = key_lengths.to(device=q.device, dtype=torch.int32).view(-1, 1, 1, 1)
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(q.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=plan.handle)
-    return out
+    return (out.float() * vs).to(v.dtype) if plan.fp8_out else out

@@ -45,12 +45,14 @@ import torch.nn.functional as F
 from . import settings
 from .reduce_order import aten_reduce_config, mean_factor
 from .settings import Preset, check_preset
+from .w8a8 import STORAGE, quantize_constants, quantize_scaled
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
 
     from .reduce_order import half_sum, halving_sum, pair_sum, vector_items
+    from .w8a8 import quantize_values
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -104,6 +106,13 @@ HELD_STEPS = 16
 #: first token's sum, so more bytes are in flight for narrow tokens (Wan 1.3B's 1,536 elements),
 #: each token summed in ATen's order as alone (the same bits).
 TOKENS = 1
+#: How a program walks its token's heads outside the held rows: ``"runtime"``, a loop of
+#: ``heads / HC`` turns, each tile loaded as its turn comes; ``"static"`` (where q and k have as
+#: many heads), the turns unrolled and every tile loaded before the first is normed, so all of the
+#: token's bytes are in flight at once (Z-Image: 30 heads, two tiles of 16). The same bits; they
+#: differ in speed (``benchmarks/kernels.py --variant-speed``), not yet measured.
+HEAD_LOOP = "runtime"
+_HEAD_LOOPS = ("runtime", "static")
 #: Each order's warp tree (the kernel's ``HALVING``).
 _HALVING = {
     "lanes": 0, "vec4": 0, "lanes_halving": 1, "vec4_halving": 1, "vec4_warp": 2, "vec4_lanes": 3
@@ -226,6 +235,17 @@ if triton is not None:
     def _rnd(x, DT: tl.constexpr):
         """``x`` rounded to ``DT`` (round to nearest even), back in fp32."""
         return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _written(out, scale, DT: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
+                 ROUNDER: tl.constexpr, INT8: tl.constexpr):  # fmt: skip
+        """What is stored of ``out``: rounded to ``DT``, then (``QUANT``) over ``scale`` as 8-bit
+        values (``w8a8.quantize_values``)."""
+        if QUANT:
+            v = quantize_values(out.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8)
+        else:
+            v = out.to(DT)
+        return v
 
     @triton.jit
     def _head_sums(x, base, live, HC: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr,
@@ -352,9 +372,10 @@ if triton is not None:
         return tiles
 
     @triton.jit
-    def _held_rows(tiles, dst, w_ptr, tab, n, eps, row, rows, D: tl.constexpr, DT: tl.constexpr,
+    def _held_rows(tiles, dst, w_ptr, tab, n, eps, row, rows, out_scale, D: tl.constexpr, DT: tl.constexpr,
                    LN_K: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr, CPLX: tl.constexpr,
-                   TREE: tl.constexpr):  # fmt: skip
+                   TREE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, ROUNDER: tl.constexpr,
+                   INT8: tl.constexpr):  # fmt: skip
         """The exact fused norm over all of a token's ``n`` elements, then interleaved rotation,
         from the ``tiles`` :func:`_held_tiles` loaded (ATen's order, as
         :func:`_ln_order_sum_squares`), written to ``dst`` ([H, D] contiguous) in their layout:
@@ -388,11 +409,57 @@ if triton is not None:
             s = tl.load(tab + D // 2 + f, mask=ok, other=0.0).to(tl.float32)
             o1, o2 = _rotated(x1, x2, c, s, DT, True, ROPE, CPLX)
             out = tl.reshape(tl.join(o1, o2), (128, 4))
-            tl.store(dst + p, out.to(DT), mask=live)
+            tl.store(dst + p, _written(out, out_scale, DT, QUANT, QMAX, ROUNDER, INT8), mask=live)
+
+    @triton.jit
+    def _head_tile(x, h, heads, which, src, s_h, dst, d_h, dx, d, c, s, w_ptr, rstd_all, factor, eps,
+                   out_scale, D: tl.constexpr, HC: tl.constexpr, DT: tl.constexpr, HAS_W: tl.constexpr,
+                   PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr,
+                   ROPE: tl.constexpr, Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr,
+                   K_STEPS: tl.constexpr, K_LANES: tl.constexpr, CPLX: tl.constexpr, VEC: tl.constexpr,
+                   HALVING: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, ROUNDER: tl.constexpr,
+                   INT8: tl.constexpr):  # fmt: skip
+        """Heads ``h`` [HC, 1] of a token, loaded as ``x`` [HC, D] (fp32) from ``src``: normed (their
+        own statistic, or ``rstd_all``), rotated by ``(c, s)``, written to ``dst`` (see
+        :func:`_written`)."""
+        live = h < heads
+        base = src + h.to(tl.int64) * s_h
+        # -- RMSNorm
+        if PER_HEAD:
+            if which == 0:
+                ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
+            else:
+                ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
+            if EXACT and NORM == 1:
+                rstd = tl.math.rsqrt(tl.math.div_rn(ss, D * 1.0) + eps)
+            else:
+                rstd = tl.math.rsqrt(ss * factor + eps)
+        else:
+            rstd = rstd_all
+        if HAS_W:
+            if PER_HEAD:
+                w = tl.load(w_ptr + d).to(tl.float32)
+            else:
+                w = tl.load(w_ptr + h * D + d, mask=live, other=0.0).to(tl.float32)
+        else:
+            w = x  # (no weight: never read)
+        y = _normed(x, rstd, w, DT, HAS_W, EXACT, NORM)
+        # -- rotary embedding
+        if INTERLEAVED:
+            x1, x2 = tl.split(tl.reshape(y, (HC, D // 2, 2)))
+        else:
+            x1, x2 = tl.split(tl.permute(tl.reshape(y, (HC, 2, D // 2)), (0, 2, 1)))
+        o1, o2 = _rotated(x1, x2, c, s, DT, EXACT, ROPE, CPLX)
+        if INTERLEAVED:
+            out = tl.reshape(tl.join(o1, o2), (HC, D))
+        else:
+            out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
+        tl.store(dst + h.to(tl.int64) * d_h + dx, _written(out, out_scale, DT, QUANT, QMAX, ROUNDER, INT8),
+                 mask=live)  # fmt: skip
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        Q, K, QO, KO, QW, KW, TAB, V, VO, POS,
+        Q, K, QO, KO, QW, KW, TAB, V, VO, POS, QS, KS,
         T, HQ, HK, BT,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
         so_qb, so_qt, so_kb, so_kt, so_kh,
@@ -404,7 +471,8 @@ if triton is not None:
         Q_STEPS: tl.constexpr, Q_LANES: tl.constexpr, K_STEPS: tl.constexpr, K_LANES: tl.constexpr,
         CPLX: tl.constexpr, VEC: tl.constexpr, HALVING: tl.constexpr, TREE: tl.constexpr,
         CACHE: tl.constexpr, LANE_READS: tl.constexpr, HELD: tl.constexpr, LN_K: tl.constexpr,
-        TOKENS: tl.constexpr,
+        TOKENS: tl.constexpr, HEAD_TILES: tl.constexpr,
+        QUANT: tl.constexpr, QMAX: tl.constexpr, ROUNDER: tl.constexpr, INT8: tl.constexpr,
     ):  # fmt: skip
         # One program per (token, q or k), its heads ``HC`` at a time as [HC, D] tiles. ``CACHE``
         # (one token per row): keys go to row ``b``'s cache entry ``POS[b]`` (``KO`` a cache,
@@ -413,20 +481,22 @@ if triton is not None:
         # ``LANE_READS`` (``vec4_lanes``): heads read and written at offsets Triton knows to be
         # contiguous in runs of 4 only (see :data:`COMPOSITE_SUM`). ``HELD`` (see
         # :data:`OUTPUT_FROM`): ``TOKENS`` tokens a program (``BT`` in all), every token's vectors
-        # loaded before the first token's sum.
+        # loaded before the first token's sum. ``QUANT``: the outputs 8-bit, over the scales ``QS``
+        # and ``KS`` ([1] each), as :func:`_written` makes them (the rounding dtype is the input's).
         if HELD:
             which_h = tl.program_id(1)
-            DT_H: tl.constexpr = QO.dtype.element_ty
+            DT_H: tl.constexpr = Q.dtype.element_ty
             first_row = tl.program_id(0).to(tl.int64) * TOKENS
             zero = first_row * 0  # (64-bit integers on both branches)
             if which_h == 0:
-                x_ptr, o_ptr, w_h = Q, QO, QW
+                x_ptr, o_ptr, w_h, s_ptr = Q, QO, QW, QS
                 sx_b, sx_t, sx_h = zero + sq_b, zero + sq_t, zero + sq_h
                 sxo_b, sxo_t, n_h = zero + so_qb, zero + so_qt, zero + HQ * D
             else:
-                x_ptr, o_ptr, w_h = K, KO, KW
+                x_ptr, o_ptr, w_h, s_ptr = K, KO, KW, KS
                 sx_b, sx_t, sx_h = zero + sk_b, zero + sk_t, zero + sk_h
                 sxo_b, sxo_t, n_h = zero + so_kb, zero + so_kt, zero + HK * D
+            held_scale = tl.load(s_ptr) if QUANT else eps
             loaded = ()
             for r in tl.static_range(TOKENS):
                 rr = first_row + r
@@ -437,13 +507,14 @@ if triton is not None:
                 bb = rr // T
                 tt = rr % T
                 _held_rows(loaded[r], o_ptr + bb * sxo_b + tt * sxo_t, w_h, TAB + bb * stab_b + tt * stab_t,
-                           n_h, eps, rr, BT, D, DT_H, LN_K, HAS_W, ROPE, CPLX, TREE)  # fmt: skip
+                           n_h, eps, rr, BT, held_scale, D, DT_H, LN_K, HAS_W, ROPE, CPLX, TREE, QUANT, QMAX,
+                           ROUNDER, INT8)  # fmt: skip
             return
         row = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         b = row // T
         t = row % T
-        DT: tl.constexpr = QO.dtype.element_ty
+        DT: tl.constexpr = Q.dtype.element_ty
         if which == 0:
             src = Q + b * sq_b + t * sq_t
             s_h = row * 0 + sq_h
@@ -452,6 +523,7 @@ if triton is not None:
             w_ptr = QW
             heads = row * 0 + HQ
             factor = q_factor
+            out_scale = tl.load(QS) if QUANT else eps
         else:
             src = K + b * sk_b + t * sk_t
             s_h = row * 0 + sk_h
@@ -464,6 +536,7 @@ if triton is not None:
             w_ptr = KW
             heads = row * 0 + HK
             factor = k_factor
+            out_scale = tl.load(KS) if QUANT else eps
         d = tl.arange(0, D)[None, :]
         f = tl.arange(0, D // 2)[None, :]
         if LANE_READS:  # ``d``, known contiguous in runs of 4 only: a thread reads one lane's vector
@@ -474,6 +547,7 @@ if triton is not None:
         c = tl.load(tab + f).to(tl.float32)
         s = tl.load(tab + D // 2 + f).to(tl.float32)
 
+        rstd_all = eps * 0.0  # (per head: never read)
         if not PER_HEAD:  # one norm over all heads: its statistic first
             n = heads * D
             if EXACT and NORM == 1:
@@ -487,42 +561,25 @@ if triton is not None:
                     total += x * x
                 rstd_all = tl.math.rsqrt(tl.sum(tl.sum(total, axis=1), axis=0) * factor + eps)
 
-        for h0 in range(0, heads, HC):
-            h = h0 + tl.arange(0, HC)[:, None]
-            live = h < heads
-            base = src + h.to(tl.int64) * s_h
-            x = tl.load(base + dx, mask=live, other=0.0).to(tl.float32)
-            # -- RMSNorm
-            if PER_HEAD:
-                if which == 0:
-                    ss = _sums(base, live, x, HC, Q_STEPS, Q_LANES, VEC, HALVING)
-                else:
-                    ss = _sums(base, live, x, HC, K_STEPS, K_LANES, VEC, HALVING)
-                if EXACT and NORM == 1:
-                    rstd = tl.math.rsqrt(tl.math.div_rn(ss, D * 1.0) + eps)
-                else:
-                    rstd = tl.math.rsqrt(ss * factor + eps)
-            else:
-                rstd = rstd_all
-            if HAS_W:
-                if PER_HEAD:
-                    w = tl.load(w_ptr + d).to(tl.float32)
-                else:
-                    w = tl.load(w_ptr + h * D + d, mask=live, other=0.0).to(tl.float32)
-            else:
-                w = x  # (no weight: never read)
-            y = _normed(x, rstd, w, DT, HAS_W, EXACT, NORM)
-            # -- rotary embedding
-            if INTERLEAVED:
-                x1, x2 = tl.split(tl.reshape(y, (HC, D // 2, 2)))
-            else:
-                x1, x2 = tl.split(tl.permute(tl.reshape(y, (HC, 2, D // 2)), (0, 2, 1)))
-            o1, o2 = _rotated(x1, x2, c, s, DT, EXACT, ROPE, CPLX)
-            if INTERLEAVED:
-                out = tl.reshape(tl.join(o1, o2), (HC, D))
-            else:
-                out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (HC, D))
-            tl.store(dst + h.to(tl.int64) * d_h + dx, out.to(DT), mask=live)
+        if HEAD_TILES:  # every head tile loaded before the first is normed (see :data:`HEAD_LOOP`)
+            tiles = ()
+            for i in tl.static_range(HEAD_TILES):
+                h = i * HC + tl.arange(0, HC)[:, None]
+                tiles = tiles + (tl.load(src + h.to(tl.int64) * s_h + dx, mask=h < heads, other=0.0),)
+            for i in tl.static_range(HEAD_TILES):
+                h = i * HC + tl.arange(0, HC)[:, None]
+                _head_tile(tiles[i].to(tl.float32), h, heads, which, src, s_h, dst, d_h, dx, d, c, s, w_ptr,
+                           rstd_all, factor, eps, out_scale, D, HC, DT, HAS_W, PER_HEAD, INTERLEAVED, EXACT,
+                           NORM, ROPE, Q_STEPS, Q_LANES, K_STEPS, K_LANES, CPLX, VEC, HALVING, QUANT, QMAX,
+                           ROUNDER, INT8)  # fmt: skip
+        else:
+            for h0 in range(0, heads, HC):
+                h = h0 + tl.arange(0, HC)[:, None]
+                x = tl.load(src + h.to(tl.int64) * s_h + dx, mask=h < heads, other=0.0).to(tl.float32)
+                _head_tile(x, h, heads, which, src, s_h, dst, d_h, dx, d, c, s, w_ptr,
+                           rstd_all, factor, eps, out_scale, D, HC, DT, HAS_W, PER_HEAD, INTERLEAVED, EXACT,
+                           NORM, ROPE, Q_STEPS, Q_LANES, K_STEPS, K_LANES, CPLX, VEC, HALVING, QUANT, QMAX,
+                           ROUNDER, INT8)  # fmt: skip
         if CACHE:
             if which == 1:  # the values, copied as they are
                 v_src = V + b * sv_b
@@ -594,18 +651,29 @@ def _launch(
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     output_from: str | None = None,
     tokens_per_program: int | None = None,
+    head_loop: str | None = None,
+    out_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_kind: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cache``: ``(v, k_cache, v_cache, positions)`` (see :func:`qk_norm_rope_to_cache`): the keys
     and values go into the caches and the second output is ``k_cache``. ``output_from``: see
-    :data:`OUTPUT_FROM`; ``tokens_per_program``: see :data:`TOKENS`."""
+    :data:`OUTPUT_FROM`; ``tokens_per_program``: see :data:`TOKENS`; ``head_loop``: see
+    :data:`HEAD_LOOP`; ``out_scales``: q's and k's scales ([1] fp32 each): the outputs are
+    ``out_kind`` values over them (see :func:`qk_norm_rope_quantized`)."""
     output_from = output_from or OUTPUT_FROM
     if output_from not in _OUTPUT_FROMS:
         raise ValueError(f"output_from must be one of {_OUTPUT_FROMS}, got {output_from!r}")
+    head_loop = head_loop or HEAD_LOOP
+    if head_loop not in _HEAD_LOOPS:
+        raise ValueError(f"head_loop must be one of {_HEAD_LOOPS}, got {head_loop!r}")
     batch, tokens, hq, dim = q.shape
     hk = k.shape[2]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out_scales is not None and cache is not None:
+        raise ValueError("quantized outputs do not go into a cache")
+    out_dtype = q.dtype if out_scales is None else STORAGE[out_kind]
+    qo = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if cache is None:
-        ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        ko = torch.empty(k.shape, dtype=out_dtype, device=k.device)
         v, vo, positions = qo, qo, qo  # stand-ins never read (CACHE says so)
         k_strides = (ko.stride(0), ko.stride(1), dim)
         v_strides = (0, 0, 0, 0, 0)
@@ -635,13 +703,15 @@ def _launch(
     dummy = q
     # (tensor of the weight or a stand-in never read: HAS_W tells the kernel)
     per_program = (tokens_per_program or TOKENS) if held else 1
+    quant = quantize_constants(out_kind)  # type: ignore[arg-type]
+    head_tiles = triton.cdiv(hq, heads_chunk) if head_loop == "static" and hq == hk and not held else 0
     if per_program not in (1, 2, 4):
         raise ValueError(f"tokens_per_program must be 1, 2 or 4, got {per_program}")
     _qk_norm_rope_kernel[(triton.cdiv(batch * tokens, per_program), 2)](
         q, k, qo, ko,
         q_weight if q_weight is not None else dummy,
         k_weight if k_weight is not None else dummy,
-        table, v, vo, positions,
+        table, v, vo, positions, *(out_scales or (qo, qo)),
         tokens, hq, hk, batch * tokens,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), *k_strides, *v_strides,
@@ -655,7 +725,8 @@ def _launch(
         CPLX=cplx, VEC=vec, HALVING=_HALVING[order],
         TREE=("split", "reduce").index(tree or TREE),
         CACHE=cache is not None, LANE_READS=lane_reads, HELD=held, LN_K=steps if held else 0,
-        TOKENS=per_program,
+        TOKENS=per_program, HEAD_TILES=head_tiles,
+        QUANT=out_scales is not None, QMAX=quant["QMAX"], ROUNDER=quant["ROUNDER"], INT8=quant["INT8"],
         num_warps=4,
         enable_fp_fusion=not exact,
     )  # fmt: skip
@@ -787,6 +858,73 @@ def qk_norm_rope(
     if kernel_applies(q, k, q_weight, k_weight, table, per_head=per_head, norm=norm, rope=rope):
         return fused_qk_norm_rope(q, k, q_weight, k_weight, table, preset=preset, **args)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, table, **args)
+
+
+@torch.library.custom_op("omnirt::qk_norm_rope_quantized", mutates_args=())
+def _qk_norm_rope_quantized_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    per_head: bool,
+    norm: str,
+    rope: str,
+    preset: str,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (q_scale, k_scale, eps, interleaved, per_head, norm, rope, preset, kind)
+    return _quantized_launch(q, k, q_weight, k_weight, table, *args)
+
+
+@_qk_norm_rope_quantized_op.register_fake
+def _qk_norm_rope_quantized_fake(q, k, q_weight, k_weight, table, q_scale, k_scale, *args):
+    kind = args[-1]
+    return q.new_empty(q.shape, dtype=STORAGE[kind]), k.new_empty(k.shape, dtype=STORAGE[kind])
+
+
+def qk_norm_rope_quantized(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    *,
+    eps: float,
+    interleaved: bool,
+    per_head: bool = True,
+    norm: Norm = "composite",
+    rope: Rope = "io",
+    preset: Preset = "exact",
+    kind: str = "fp8",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rope`'s outputs as 8-bit values over fixed scales (``q_scale``, ``k_scale``:
+    [1] fp32 each, on the device; ``kind`` ``fp8`` or ``int8``), what an fp8 attention reads: the
+    kernel's last store quantizes the rounded output (``w8a8.quantize_values``), where the kernel
+    applies; elsewhere the eager chain, then ``w8a8.quantize_scaled`` (the same bits)."""
+    args = dict(eps=eps, interleaved=interleaved, per_head=per_head, norm=norm, rope=rope)
+    if kernel_applies(q, k, q_weight, k_weight, table, per_head=per_head, norm=norm, rope=rope):
+        return settings.dispatch(
+            torch.ops.omnirt.qk_norm_rope_quantized, _quantized_launch,
+            q, k, q_weight, k_weight, table, q_scale, k_scale, eps, interleaved, per_head, norm, rope,
+            check_preset(preset), kind,
+        )  # fmt: skip
+    qo, ko = qk_norm_rope_reference(q, k, q_weight, k_weight, table, **args)
+    return quantize_scaled(qo, q_scale, kind), quantize_scaled(ko, k_scale, kind)  # type: ignore[arg-type]
+
+
+def _quantized_launch(q, k, q_weight, k_weight, table, q_scale, k_scale, eps, interleaved, per_head, norm,
+                      rope, preset, kind):  # fmt: skip
+    return _launch(
+        q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset,
+        out_scales=(q_scale, k_scale), out_kind=kind,
+    )  # fmt: skip
 
 
 # --- a decode step's keys and values straight into a slot cache ---------------------------------

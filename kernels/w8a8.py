@@ -79,10 +79,16 @@ def quantize_rows(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tens
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_MIN_PEAK)
     scale = amax * _INVERSE_QMAX[kind]
-    scaled = xf / scale
+    return quantize_scaled(xf, scale, kind), scale
+
+
+def quantize_scaled(x: torch.Tensor, scale: torch.Tensor, kind: Kind) -> torch.Tensor:
+    """``x`` over a given ``scale`` (broadcast; fp32) as 8-bit values: the IEEE quotient in fp32,
+    int8 rounded to the nearest integer (ties to even), clamped to the format's range, cast."""
+    scaled = x.float() / scale
     if kind == "int8":
-        return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
-    return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+        return scaled.round_().clamp_(-127, 127).to(torch.int8)
+    return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 @dataclass(frozen=True)

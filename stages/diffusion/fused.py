@@ -33,7 +33,12 @@ import torch
 
 from ...kernels import fp8_attention, settings
 from ...kernels.adaln import adaln_modulate
-from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
+from ...kernels.qk_norm_rope import (
+    qk_norm_rope,
+    qk_norm_rope_quantized,
+    table_from_complex,
+    table_from_interleaved,
+)
 from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_quantize
 from ...kernels.settings import Preset
 from ...kernels.swiglu import swiglu, swiglu_quantize
@@ -63,23 +68,57 @@ def _fp8_block(attn: Any) -> bool:
     return isinstance(projection, W8A8Linear) and projection.kind == "fp8"
 
 
-def _attend(
+def _fp8_lengths(
+    attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    prefix_keys: bool,
+) -> tuple[bool, torch.Tensor | None]:  # fmt: skip
+    """Whether this attention runs in fp8 (an fp8 block, :func:`_fp8_block`, where cuDNN's fp8
+    attention applies; ``query`` and ``key`` as they come from the projections), and the key
+    lengths it takes: ``prefix_keys``, a 2D ``mask`` is [B, S_kv] booleans, each row's live keys a
+    prefix (as diffusers' Z-Image builds them); any other mask keeps the attention in bf16."""
+    keys_2d = prefix_keys and mask is not None and mask.ndim == 2 and mask.dtype == torch.bool
+    if not _fp8_block(attn) or not (mask is None or keys_2d):
+        return False, None
+    lengths = None if mask is None else mask.sum(dim=-1, dtype=torch.int32)
+    return fp8_attention.applies(query, key, value, lengths), lengths
+
+
+def _qk_scales(attn: Any, elements: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed e4m3 scales of ``attn``'s normed, rotated queries and keys
+    (``fp8_attention.normed_scale`` of its norms' weights, over ``elements`` each), kept on the
+    module while its weights stay the ones they were taken from."""
+    weights = (attn.norm_q.weight, attn.norm_k.weight)
+    key = tuple((w.data_ptr(), w._version) for w in weights) + elements
+    kept = getattr(attn, "_omnirt_fp8_qk_scales", None)
+    if kept is None or kept[0] != key:
+        scales = tuple(fp8_attention.normed_scale(w, n) for w, n in zip(weights, elements, strict=True))
+        kept = (key, scales)
+        attn._omnirt_fp8_qk_scales = kept
+    return kept[1]
+
+
+def _attention(
     processor: _FusedProcessor, attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    mask: torch.Tensor | None, prefix_keys: bool,
+    table: torch.Tensor, mask: torch.Tensor | None, *, per_head: bool, norm: str, rope: str,
+    prefix_keys: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """The attention of ``query`` [B, S, H, D] over ``key``, ``value``: in fp8 where the block is
-    an fp8 one (:func:`_fp8_block`) and cuDNN's fp8 attention applies, else through diffusers'
-    dispatcher with the processor's backend, as the original processor calls it. ``prefix_keys``:
-    a 2D ``mask`` is [B, S_kv] booleans, each row's live keys a prefix (as diffusers' Z-Image builds
-    them), given to the dispatcher as [B, 1, 1, S_kv]; else the mask goes as it is (any mask: bf16)."""
+    """Queries and keys (as projected, [B, S, H, D]) normed and rotated by :func:`qk_norm_rope`,
+    then attention over ``value``: in fp8 where :func:`_fp8_lengths` says so (the norm writing e4m3
+    at fixed scales, :func:`_qk_scales`), else through diffusers' dispatcher with the processor's
+    backend, as the original processor calls it (a 2D prefix ``mask`` given as [B, 1, 1, S_kv])."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    keys_2d = prefix_keys and mask is not None and mask.ndim == 2
-    if _fp8_block(attn) and (mask is None or (keys_2d and mask.dtype == torch.bool)):
-        lengths = None if mask is None else mask.sum(dim=-1, dtype=torch.int32)
-        if fp8_attention.applies(query, key, value, lengths):
-            return fp8_attention.fp8_attention(query, key, value, lengths)
-    if keys_2d:
+    args = dict(eps=attn.norm_q.eps, interleaved=True, per_head=per_head, norm=norm, rope=rope)
+    args["preset"] = processor.preset
+    weights = (attn.norm_q.weight, attn.norm_k.weight)
+    fp8, lengths = _fp8_lengths(attn, query, key, value, mask, prefix_keys)
+    if fp8:
+        heads = (1, 1) if per_head else (query.shape[-2], key.shape[-2])  # normed over a head, or all
+        q_scale, k_scale = _qk_scales(attn, (query.shape[-1] * heads[0], key.shape[-1] * heads[1]))
+        query, key = qk_norm_rope_quantized(query, key, *weights, table, q_scale, k_scale, **args)
+        return fp8_attention.fp8_attention(query, key, value, lengths, q_scale=q_scale, k_scale=k_scale)
+    query, key = qk_norm_rope(query, key, *weights, table, **args)
+    if prefix_keys and mask is not None and mask.ndim == 2:
         mask = mask[:, None, None, :]
     return dispatch_attention_fn(
         query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
@@ -107,13 +146,11 @@ class ZImageFusedProcessor(_FusedProcessor):
             query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
             key = attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1))
             value = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
-        query, key = qk_norm_rope(
-            query, key, attn.norm_q.weight, attn.norm_k.weight, table_from_complex(freqs_cis),
-            eps=attn.norm_q.eps, interleaved=True, per_head=True, norm="composite", rope="complex",
-            preset=self.preset,
+        out = _attention(
+            self, attn, query, key, value, table_from_complex(freqs_cis), attention_mask, per_head=True,
+            norm="composite", rope="complex", prefix_keys=True,
         )  # fmt: skip
-        out = _attend(self, attn, query, key, value, attention_mask, prefix_keys=True)
-        out = out.flatten(2, 3).to(query.dtype)
+        out = out.flatten(2, 3).to(value.dtype)
         out = attn.to_out[0](out)
         if len(attn.to_out) > 1:  # dropout
             out = attn.to_out[1](out)
@@ -141,15 +178,12 @@ class WanFusedProcessor(_FusedProcessor):
         # fp32 rotary tables (as loaded: ``rope`` is kept in fp32) rotate in fp32 with one
         # rounding; tables cast to the model's dtype round every product, as eager does then
         rope = "float32" if rotary_emb[0].dtype == torch.float32 else "io"
-        query, key = qk_norm_rope(
-            query.unflatten(2, (heads, -1)), key.unflatten(2, (heads, -1)),
-            attn.norm_q.weight, attn.norm_k.weight, table_from_interleaved(*rotary_emb),
-            eps=attn.norm_q.eps, interleaved=True, per_head=False, norm="fused", rope=rope,
-            preset=self.preset,
+        out = _attention(
+            self, attn, query.unflatten(2, (heads, -1)), key.unflatten(2, (heads, -1)),
+            value.unflatten(2, (heads, -1)), table_from_interleaved(*rotary_emb), attention_mask,
+            per_head=False, norm="fused", rope=rope, prefix_keys=False,
         )  # fmt: skip
-        value = value.unflatten(2, (heads, -1))
-        out = _attend(self, attn, query, key, value, attention_mask, prefix_keys=False)
-        out = out.flatten(2, 3).type_as(query)
+        out = out.flatten(2, 3).type_as(value)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 

@@ -83,3 +83,30 @@ def test_off_installs_nothing():
         assert not any(isinstance(getattr(m, "processor", None), WanFusedProcessor) for m in model.modules())
     finally:
         settings.set_fused(before)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_fp8_attention_asks_for_fp8_blocks_and_falls_back_off_cuda(kind, fused_on):
+    """``--fp8-attention on`` picks the attentions of fp8 W8A8 blocks; where cuDNN's fp8 attention
+    does not apply (here: the CPU) those blocks compute what they compute with it off."""
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import quantize_model
+
+    g = torch.Generator().manual_seed(2)
+    zimage = _zimage(torch.bfloat16)
+    quantize_model(zimage, kind)
+    install(zimage)
+    latents = [torch.randn(16, 1, 16, 16, dtype=torch.bfloat16, generator=g) for _ in range(2)]
+    caption = [torch.randn(n, 32, dtype=torch.bfloat16, generator=g) for n in (5, 11)]  # padded: a mask
+    t = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
+    attention = zimage.layers[0].attention
+    before = settings.FP8_ATTENTION
+    try:
+        with torch.no_grad():
+            want = torch.stack(zimage(latents, t, caption, return_dict=False)[0])
+            assert not fused._fp8_block(attention)
+            settings.set_fp8_attention("on")
+            assert fused._fp8_block(attention) == (kind == "fp8")
+            assert torch.equal(torch.stack(zimage(latents, t, caption, return_dict=False)[0]), want)
+    finally:
+        settings.set_fp8_attention(before)

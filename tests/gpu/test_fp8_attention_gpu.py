@@ -47,20 +47,54 @@ def test_quantize_tensor_kernels_are_bitwise_the_eager_chain_in_fp8():
         assert torch.equal(got.view(torch.int8), want.view(torch.int8))
 
 
+@pytest.mark.parametrize("chain", ["zimage", "wan"])
+def test_qk_kernel_writes_e4m3_over_fixed_scales(chain):
+    """The QK kernel's e4m3 outputs are bitwise its bf16 outputs over the scales; then attention
+    from them keeps to bf16 attention of the bf16 outputs."""
+    from omnirt.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_quantized, table_from_complex
+    from omnirt.kernels.w8a8 import quantize_scaled
+
+    heads, dim, tokens = (30, 128, 1000) if chain == "zimage" else (12, 128, 1560)
+    q, k, v = _qkv(1, tokens, heads, 128, seed=6)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    per_head = chain == "zimage"
+    width = dim if per_head else heads * dim
+    qw, kw = ((torch.rand(width, device="cuda", generator=g) + 0.5).bfloat16() for _ in range(2))
+    angles = torch.rand(tokens, dim // 2, device="cuda", generator=g) * 6
+    if per_head:
+        table = table_from_complex(torch.polar(torch.ones_like(angles), angles))[None]
+        args = dict(eps=1e-5, interleaved=True, per_head=True, norm="composite", rope="complex")
+    else:
+        table = torch.cat([angles.cos(), angles.sin()], -1)[None]
+        args = dict(eps=1e-6, interleaved=True, per_head=False, norm="fused", rope="float32")
+    scales = (fp8_attention.normed_scale(qw, width), fp8_attention.normed_scale(kw, width))
+    plain = qk_norm_rope(q, k, qw, kw, table, **args)
+    got = qk_norm_rope_quantized(q, k, qw, kw, table, *scales, **args)
+    for a, b, scale in zip(got, plain, scales, strict=True):
+        assert a.dtype == torch.float8_e4m3fn
+        assert torch.equal(a.view(torch.int8), quantize_scaled(b, scale, "fp8").view(torch.int8))
+    out = fp8_attention.fp8_attention(*got, v, q_scale=scales[0], k_scale=scales[1])
+    bf16 = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (*plain, v))).transpose(1, 2)
+    print(f"{chain}: attention from the QK kernel's e4m3 vs bf16 {_snr_db(out, bf16):.1f} dB")
+    assert _snr_db(out, bf16) > 20
+
+
 @pytest.mark.parametrize("batch, tokens, heads", [(1, 4128, 30), (2, 1000, 6)])
 def test_cudnn_fp8_attention_against_its_model_and_bf16(batch, tokens, heads):
     q, k, v = _qkv(batch, tokens, heads, 128, seed=2)
     lengths = None if batch == 1 else torch.tensor([tokens, 777], dtype=torch.int32, device="cuda")
     assert fp8_attention.applies(q, k, v, lengths)
     got = fp8_attention.fp8_attention(q, k, v, lengths)
-    model = fp8_attention.fp8_attention_reference(q, k, v, lengths)
+    plan = fp8_attention._plans[fp8_attention._shape(q, k, lengths, None)]
+    model = fp8_attention.fp8_attention_reference(q, k, v, lengths, fp8_out=plan.fp8_out)
     mask = None
     if lengths is not None:
         mask = (torch.arange(tokens, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
     bf16 = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
     bf16 = bf16.transpose(1, 2)
     assert got.shape == q.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-    print(f"fp8 vs its model {_snr_db(got, model):.1f} dB, vs bf16 {_snr_db(got, bf16):.1f} dB")
+    out = "e4m3" if plan.fp8_out else "bf16"
+    print(f"fp8 ({out} out) vs its model {_snr_db(got, model):.1f} dB, vs bf16 {_snr_db(got, bf16):.1f} dB")
     assert _snr_db(got, model) > 30  # the running maximum and the sums' order differ
     assert _snr_db(got, bf16) > 20
 
@@ -96,7 +130,12 @@ def test_fp8_zimage_attends_in_fp8_when_asked(monkeypatch):
     t = torch.tensor([0.3, 0.7], device="cuda", dtype=torch.bfloat16)
     calls = []
     run = fp8_attention.fp8_attention
-    monkeypatch.setattr(fp8_attention, "fp8_attention", lambda *a: calls.append(a[3] is not None) or run(*a))
+
+    def spy(*args, **kwargs):
+        calls.append((args[3] is not None, args[0].dtype))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_attention, "fp8_attention", spy)
     before = settings.FP8_ATTENTION
     try:
         with torch.no_grad():
@@ -106,6 +145,8 @@ def test_fp8_zimage_attends_in_fp8_when_asked(monkeypatch):
             got = torch.stack(zimage(latents, t, caption, return_dict=False)[0]).float()
     finally:
         settings.set_fp8_attention(before)
-    assert len(calls) == 4 and any(calls)  # every attention; the main layers' captions padded
+    # every attention, its queries and keys written e4m3 by the QK kernel; the captions padded
+    assert len(calls) == 4 and any(masked for masked, _ in calls)
+    assert all(dtype == torch.float8_e4m3fn for _, dtype in calls)
     print(f"fp8 attention Z-Image vs bf16 attention: {_snr_db(got, want):.1f} dB")
     assert _snr_db(got, want) > 20

@@ -90,6 +90,16 @@ def test_fp8_attention_reference_is_close_to_exact_attention(batch, masked):
         assert _snr_db(moved[1], exact[1]) > 18.0
 
 
+def test_an_e4m3_output_costs_a_little_more():
+    q, k, v = (t.bfloat16() for t in _dit_qkv(1, 200, 2, 64, seed=6))
+    wide = fp8_attention.fp8_attention_reference(q, k, v)
+    narrow = fp8_attention.fp8_attention_reference(q, k, v, fp8_out=True)
+    exact = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    exact = exact.transpose(1, 2)
+    assert 18.0 < _snr_db(narrow, exact) < _snr_db(wide, exact)
+    assert _snr_db(narrow, wide) > 25.0
+
+
 def test_grouped_keys_are_repeated_over_their_query_heads():
     q, _, _ = _dit_qkv(1, 64, 4, 32, seed=7)
     _, k, v = _dit_qkv(1, 64, 2, 32, seed=8)
@@ -98,6 +108,37 @@ def test_grouped_keys_are_repeated_over_their_query_heads():
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
     ).transpose(1, 2)
     assert _snr_db(got, want) > 20.0
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_normed_scale_bounds_every_normed_rotated_element(per_head):
+    """A row with all of its weight on the element of the largest norm weight reaches the bound
+    (within the roundings): it stays within 448 of the scale, as every random row does."""
+    from omnirt.kernels.qk_norm_rope import qk_norm_rope_reference
+
+    heads, dim = 4, 64
+    g = torch.Generator().manual_seed(12)
+    width = dim if per_head else heads * dim
+    weight = (torch.randn(width, generator=g) * 0.5 + 1.0).bfloat16()
+    top = int(weight.float().abs().argmax())
+    q = torch.randn(1, 40, heads, dim, generator=g).bfloat16()
+    for row in range(8):  # one-hot rows: the norm puts sqrt(n) on the heaviest weight's element
+        q[0, row] = 0
+        q[0, row].view(-1)[top % dim if per_head else top] = 3.0 * (row + 1)
+    angles = torch.rand(1, 40, dim // 2, generator=g) * 6
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).bfloat16()
+    norm = dict(norm="composite", rope="io") if per_head else dict(norm="fused", rope="io")
+    out, _ = qk_norm_rope_reference(q, q, weight, weight, table, eps=1e-6, interleaved=True,
+                                    per_head=per_head, **norm)  # fmt: skip
+    scale = fp8_attention.normed_scale(weight, width if not per_head else dim)
+    peak = out.float().abs().max() / scale
+    assert 400 < peak <= 448  # the one-hot rows come close to the bound, none past it
+    # a random row's elements: 448 / sqrt(n) in RMS, times the weights' RMS over their peak, far
+    # above e4m3's subnormals (below 2^-6)
+    typical = out.float()[0, 8:].pow(2).mean().sqrt() / scale
+    spread = weight.float().pow(2).mean().sqrt() / weight.float().abs().max()
+    assert 0.8 < typical / (448 / math.sqrt(width if not per_head else dim) * spread) < 1.0
+    assert fp8_attention.normed_scale(None, 128).item() == pytest.approx(math.sqrt(128) * (1 + 2**-5) / 448)
 
 
 def test_fp8_attention_does_not_apply_off_cuda():

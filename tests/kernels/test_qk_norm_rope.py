@@ -13,6 +13,7 @@ from omnirt.kernels import settings
 from omnirt.kernels.qk_norm_rope import (
     kernel_applies,
     qk_norm_rope,
+    qk_norm_rope_quantized,
     qk_norm_rope_reference,
     qk_norm_rope_to_cache,
     qk_norm_rope_triton,
@@ -22,6 +23,7 @@ from omnirt.kernels.qk_norm_rope import (
     table_from_interleaved,
     to_cache_applies,
 )
+from omnirt.kernels.w8a8 import quantize_scaled
 
 from . import sm90
 from .conftest import interpreted
@@ -211,6 +213,68 @@ def test_output_from_held_vectors_has_the_reloaded_bits(rope):
 
 
 @interpreted
+@pytest.mark.parametrize("chain", CHAINS, ids=["-".join(map(str, c)) for c in CHAINS])
+def test_static_head_loop_has_the_runtime_loops_bits(chain):
+    """``head_loop="static"`` (every head tile loaded before the first is normed) writes the same
+    bits as the runtime loop: two tiles with the last one part masked, one tile part masked, packed
+    and separate inputs; grouped keys keep the runtime loop."""
+    per_head, norm, rope, interleaved = chain
+    args = dict(eps=1e-6, interleaved=interleaved, per_head=per_head, norm=norm, rope=rope)
+    g = torch.Generator().manual_seed(11)
+    for hq, hk, dim in ((40, 40, 64), (3, 3, 128), (6, 2, 64)):
+        qkv = torch.randn(2, 3, (hq + 2 * hk) * dim, generator=g) * 2
+        packed = split_packed_qkv(qkv, hq, hk, dim)[:2]
+        _, _, qw, kw, table = _inputs(batch=2, tokens=3, hq=hq, hk=hk, dim=dim, per_head=per_head, seed=hq)
+        for q, k in (packed, (packed[0].contiguous(), packed[1].contiguous())):
+            for preset in ("exact", "fast"):
+                static = qk_norm_rope_triton(q, k, qw, kw, table, preset=preset, head_loop="static", **args)
+                runtime = qk_norm_rope_triton(q, k, qw, kw, table, preset=preset, head_loop="runtime", **args)
+                assert all(torch.equal(a, b) for a, b in zip(static, runtime, strict=True)), (hq, hk, preset)
+        _close(static, qk_norm_rope_reference(q, k, qw, kw, table, **args))
+    with pytest.raises(ValueError, match="head_loop must be one of"):
+        qk_norm_rope_triton(q, k, qw, kw, table, head_loop="unrolled", **args)
+
+
+@interpreted
+@pytest.mark.parametrize("chain", CHAINS, ids=["-".join(map(str, c)) for c in CHAINS])
+def test_quantized_outputs_are_the_rounded_outputs_over_their_scales(chain):
+    """``out_scales``: the outputs stored as 8-bit values over fixed scales are bitwise the
+    unquantized kernel's outputs quantized over them (int8 here: the interpreter has no fp8), on
+    the runtime and static head loops and the held rows, with values past the scale's range
+    clamped."""
+    per_head, norm, rope, interleaved = chain
+    args = dict(eps=1e-6, interleaved=interleaved, per_head=per_head, norm=norm, rope=rope)
+    for hq, hk, dim in ((12, 12, 64), (5, 3, 128)):
+        q, k, qw, kw, table = _inputs(batch=2, tokens=3, hq=hq, hk=hk, dim=dim, per_head=per_head, seed=hq)
+        scales = (torch.tensor([0.02]), torch.tensor([0.004]))  # k's small: some of its values clamp
+        for preset in ("exact", "fast"):
+            for variant in ({}, {"head_loop": "static"}, {"output_from": "reload"}):
+                plain = qk_norm_rope_triton(q, k, qw, kw, table, preset=preset, **variant, **args)
+                got = qk_norm_rope_triton(
+                    q, k, qw, kw, table, preset=preset, out_scales=scales, out_kind="int8", **variant, **args
+                )
+                for g, p, scale in zip(got, plain, scales, strict=True):
+                    assert g.dtype == torch.int8 and torch.equal(g, quantize_scaled(p, scale, "int8"))
+        assert (got[1].abs() == 127).any() and (got[0].abs() < 127).any()
+    with pytest.raises(ValueError, match="quantized outputs do not go into a cache"):
+        _launch = importlib.import_module("omnirt.kernels.qk_norm_rope")._launch
+        v = torch.zeros(1, 1, 2, 64)
+        _launch(q[:1, :1], k[:1, :1], qw, kw, table, 1e-6, interleaved, per_head, norm, rope, "exact",
+                cache=(v, v, v, torch.zeros(1)), out_scales=scales)  # fmt: skip
+
+
+def test_quantized_dispatcher_runs_the_eager_chain_off_cuda():
+    q, k, qw, kw, table = _inputs()
+    args = dict(eps=1e-6, interleaved=False)
+    scales = (torch.tensor([0.03]), torch.tensor([0.01]))
+    got = qk_norm_rope_quantized(q, k, qw, kw, table, *scales, **args)
+    want = qk_norm_rope_reference(q, k, qw, kw, table, **args)
+    for g, w, scale in zip(got, want, scales, strict=True):
+        assert g.dtype == torch.float8_e4m3fn
+        assert torch.equal(g.view(torch.int8), quantize_scaled(w, scale, "fp8").view(torch.int8))
+
+
+@interpreted
 def test_offsets_past_two_to_the_31(monkeypatch):
     """A token 2^31 elements into its storage (packed QKV of 75,600 tokens with CFG batch 2 is
     past that): 32-bit offsets would wrap, which the interpreter reproduces."""
@@ -329,6 +393,12 @@ def test_custom_op_schema_fake_and_kernel():
     )
     got = torch.ops.omnirt.qk_norm_rope(*args)
     _close(got, qk_norm_rope_reference(q, k, qw, kw, table, eps=1e-6, interleaved=True, rope="complex"))
+    scales = (torch.tensor([0.05]), torch.tensor([0.05]))
+    quantized = (*args[:5], *scales, *args[5:], "int8")
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.omnirt.qk_norm_rope_quantized.default, quantized, test_utils=checks)
+    got = torch.ops.omnirt.qk_norm_rope_quantized(*quantized)
+    assert all(g.dtype == torch.int8 for g in got)
 
 
 @interpreted
