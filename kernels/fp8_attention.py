@@ -18,7 +18,7 @@ Scales. :func:`quantize_tensor` maps a tensor's largest magnitude to 448, as
 :func:`~omnirt.kernels.w8a8.quantize_rows` does for a row (one row of everything: the same
 bits); on CUDA two Triton kernels (the peak by atomic maximum, then the values), no host sync, so
 CUDA graphs capture it. Queries and keys that a QK norm made may come in e4m3 already, over the
-fixed scales of :func:`normed_scale` (``qk_norm_rope.qk_norm_rope_quantized`` writes them so, in
+fixed scales of :func:`normed_scale` (``qk_norm_rope.qk_norm_rope(..., out_scales=)`` writes them so, in
 the DiT processors of ``stages/diffusion/fused.py``): values alone are read for a peak then.
 Key padding (Z-Image's batched captions) is a prefix mask: ``key_lengths`` [B] int32, each row's
 first keys live.
@@ -387,7 +387,7 @@ def fp8_attention(
     """Attention of ``q`` [B, S_q, H, D] over ``k``, ``v`` [B, S_kv, H_kv, D] (bf16 or fp16; ``v``
     may be a view of a packed QKV) with all three in e4m3 and e4m3 probabilities; ``key_lengths``
     [B]: each row's live keys (a prefix). ``q`` and ``k`` may come quantized already (e4m3, with
-    ``q_scale`` and ``k_scale``, [1] fp32: ``qk_norm_rope.qk_norm_rope_quantized`` writes them so).
+    ``q_scale`` and ``k_scale``, [1] fp32: ``qk_norm_rope(..., out_scales=)`` writes them so).
     Returns [B, S_q, H, D] in ``v``'s dtype. Only where :func:`applies`; raises otherwise."""
     cudnn = _cudnn()
     plan = _plan(cudnn, _shape(q, k, v, key_lengths, scale)) if supported(q, k, v) else None

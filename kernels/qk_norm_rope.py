@@ -659,7 +659,7 @@ def _launch(
     and values go into the caches and the second output is ``k_cache``. ``output_from``: see
     :data:`OUTPUT_FROM`; ``tokens_per_program``: see :data:`TOKENS`; ``head_loop``: see
     :data:`HEAD_LOOP`; ``out_scales``: q's and k's scales ([1] fp32 each): the outputs are
-    ``out_kind`` values over them (see :func:`qk_norm_rope_quantized`)."""
+    ``out_kind`` values over them (see :func:`qk_norm_rope`)."""
     output_from = output_from or OUTPUT_FROM
     if output_from not in _OUTPUT_FROMS:
         raise ValueError(f"output_from must be one of {_OUTPUT_FROMS}, got {output_from!r}")
@@ -788,13 +788,27 @@ def _qk_norm_rope_op(
     norm: str,
     rope: str,
     preset: str,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    kind: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset)
+    return _launch_op(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset,
+                      q_scale, k_scale, kind)  # fmt: skip
+
+
+def _launch_op(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset, q_scale=None,
+               k_scale=None, kind="fp8"):  # fmt: skip
+    """The op's body (what :func:`~.settings.dispatch` runs outside ``torch.compile``)."""
+    scales = None if q_scale is None or k_scale is None else (q_scale, k_scale)
+    return _launch(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset,
+                   out_scales=scales, out_kind=kind)  # fmt: skip
 
 
 @_qk_norm_rope_op.register_fake
-def _qk_norm_rope_fake(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+def _qk_norm_rope_fake(q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset,
+                       q_scale=None, k_scale=None, kind="fp8"):  # fmt: skip
+    dtypes = (q.dtype, k.dtype) if q_scale is None else (STORAGE[kind], STORAGE[kind])
+    return q.new_empty(q.shape, dtype=dtypes[0]), k.new_empty(k.shape, dtype=dtypes[1])
 
 
 def kernel_applies(
@@ -830,11 +844,15 @@ def fused_qk_norm_rope(
     norm: Norm = "composite",
     rope: Rope = "io",
     preset: Preset = "exact",
+    out_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kind: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The custom op, for a caller that has checked :func:`kernel_applies` itself."""
+    q_scale, k_scale = out_scales if out_scales is not None else (None, None)
     return settings.dispatch(
-        torch.ops.omnirt.qk_norm_rope, _launch,
+        torch.ops.omnirt.qk_norm_rope, _launch_op,
         q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, check_preset(preset),
+        q_scale, k_scale, kind,
     )  # fmt: skip
 
 
@@ -851,80 +869,23 @@ def qk_norm_rope(
     norm: Norm = "composite",
     rope: Rope = "io",
     preset: Preset = "exact",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernel where it applies (:func:`kernel_applies`), else the eager chain; both
-    return contiguous [B, T, H, D] tensors."""
-    args = dict(eps=eps, interleaved=interleaved, per_head=per_head, norm=norm, rope=rope)
-    if kernel_applies(q, k, q_weight, k_weight, table, per_head=per_head, norm=norm, rope=rope):
-        return fused_qk_norm_rope(q, k, q_weight, k_weight, table, preset=preset, **args)
-    return qk_norm_rope_reference(q, k, q_weight, k_weight, table, **args)
-
-
-@torch.library.custom_op("omnirt::qk_norm_rope_quantized", mutates_args=())
-def _qk_norm_rope_quantized_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    table: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    eps: float,
-    interleaved: bool,
-    per_head: bool,
-    norm: str,
-    rope: str,
-    preset: str,
-    kind: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (q_scale, k_scale, eps, interleaved, per_head, norm, rope, preset, kind)
-    return _quantized_launch(q, k, q_weight, k_weight, table, *args)
-
-
-@_qk_norm_rope_quantized_op.register_fake
-def _qk_norm_rope_quantized_fake(q, k, q_weight, k_weight, table, q_scale, k_scale, *args):
-    kind = args[-1]
-    return q.new_empty(q.shape, dtype=STORAGE[kind]), k.new_empty(k.shape, dtype=STORAGE[kind])
-
-
-def qk_norm_rope_quantized(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    table: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    *,
-    eps: float,
-    interleaved: bool,
-    per_head: bool = True,
-    norm: Norm = "composite",
-    rope: Rope = "io",
-    preset: Preset = "exact",
+    out_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     kind: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`qk_norm_rope`'s outputs as 8-bit values over fixed scales (``q_scale``, ``k_scale``:
-    [1] fp32 each, on the device; ``kind`` ``fp8`` or ``int8``), what an fp8 attention reads: the
-    kernel's last store quantizes the rounded output (``w8a8.quantize_values``), where the kernel
-    applies; elsewhere the eager chain, then ``w8a8.quantize_scaled`` (the same bits)."""
+    """The fused kernel where it applies (:func:`kernel_applies`), else the eager chain; both
+    return contiguous [B, T, H, D] tensors. ``out_scales`` (q's and k's, [1] fp32 each, on the
+    device): the outputs as 8-bit values over them (``kind`` ``fp8`` or ``int8``), what an fp8
+    attention reads: the kernel's last store quantizes the rounded output
+    (``w8a8.quantize_values``); the eager chain is followed by ``w8a8.quantize_scaled`` (the same
+    bits)."""
     args = dict(eps=eps, interleaved=interleaved, per_head=per_head, norm=norm, rope=rope)
     if kernel_applies(q, k, q_weight, k_weight, table, per_head=per_head, norm=norm, rope=rope):
-        return settings.dispatch(
-            torch.ops.omnirt.qk_norm_rope_quantized, _quantized_launch,
-            q, k, q_weight, k_weight, table, q_scale, k_scale, eps, interleaved, per_head, norm, rope,
-            check_preset(preset), kind,
-        )  # fmt: skip
+        return fused_qk_norm_rope(q, k, q_weight, k_weight, table, preset=preset, out_scales=out_scales,
+                                  kind=kind, **args)  # fmt: skip
     qo, ko = qk_norm_rope_reference(q, k, q_weight, k_weight, table, **args)
-    return quantize_scaled(qo, q_scale, kind), quantize_scaled(ko, k_scale, kind)  # type: ignore[arg-type]
-
-
-def _quantized_launch(q, k, q_weight, k_weight, table, q_scale, k_scale, eps, interleaved, per_head, norm,
-                      rope, preset, kind):  # fmt: skip
-    return _launch(
-        q, k, q_weight, k_weight, table, eps, interleaved, per_head, norm, rope, preset,
-        out_scales=(q_scale, k_scale), out_kind=kind,
-    )  # fmt: skip
+    if out_scales is None:
+        return qo, ko
+    return quantize_scaled(qo, out_scales[0], kind), quantize_scaled(ko, out_scales[1], kind)  # type: ignore[arg-type]
 
 
 # --- a decode step's keys and values straight into a slot cache ---------------------------------

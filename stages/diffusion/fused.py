@@ -33,12 +33,7 @@ import torch
 
 from ...kernels import fp8_attention, settings
 from ...kernels.adaln import adaln_modulate
-from ...kernels.qk_norm_rope import (
-    qk_norm_rope,
-    qk_norm_rope_quantized,
-    table_from_complex,
-    table_from_interleaved,
-)
+from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
 from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_quantize
 from ...kernels.settings import Preset
 from ...kernels.swiglu import swiglu, swiglu_quantize
@@ -115,7 +110,7 @@ def _attention(
     if fp8:
         heads = (1, 1) if per_head else (query.shape[-2], key.shape[-2])  # normed over a head, or all
         q_scale, k_scale = _qk_scales(attn, (query.shape[-1] * heads[0], key.shape[-1] * heads[1]))
-        query, key = qk_norm_rope_quantized(query, key, *weights, table, q_scale, k_scale, **args)
+        query, key = qk_norm_rope(query, key, *weights, table, out_scales=(q_scale, k_scale), **args)
         return fp8_attention.fp8_attention(query, key, value, lengths, q_scale=q_scale, k_scale=k_scale)
     query, key = qk_norm_rope(query, key, *weights, table, **args)
     if prefix_keys and mask is not None and mask.ndim == 2:

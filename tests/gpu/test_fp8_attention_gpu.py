@@ -51,7 +51,7 @@ def test_quantize_tensor_kernels_are_bitwise_the_eager_chain_in_fp8():
 def test_qk_kernel_writes_e4m3_over_fixed_scales(chain):
     """The QK kernel's e4m3 outputs are bitwise its bf16 outputs over the scales; then attention
     from them keeps to bf16 attention of the bf16 outputs."""
-    from omnirt.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_quantized, table_from_complex
+    from omnirt.kernels.qk_norm_rope import qk_norm_rope, table_from_complex
     from omnirt.kernels.w8a8 import quantize_scaled
 
     heads, dim, tokens = (30, 128, 1000) if chain == "zimage" else (12, 128, 1560)
@@ -69,7 +69,7 @@ def test_qk_kernel_writes_e4m3_over_fixed_scales(chain):
         args = dict(eps=1e-6, interleaved=True, per_head=False, norm="fused", rope="float32")
     scales = (fp8_attention.normed_scale(qw, width), fp8_attention.normed_scale(kw, width))
     plain = qk_norm_rope(q, k, qw, kw, table, **args)
-    got = qk_norm_rope_quantized(q, k, qw, kw, table, *scales, **args)
+    got = qk_norm_rope(q, k, qw, kw, table, out_scales=scales, **args)
     for a, b, scale in zip(got, plain, scales, strict=True):
         assert a.dtype == torch.float8_e4m3fn
         assert torch.equal(a.view(torch.int8), quantize_scaled(b, scale, "fp8").view(torch.int8))

@@ -13,7 +13,6 @@ from omnirt.kernels import settings
 from omnirt.kernels.qk_norm_rope import (
     kernel_applies,
     qk_norm_rope,
-    qk_norm_rope_quantized,
     qk_norm_rope_reference,
     qk_norm_rope_to_cache,
     qk_norm_rope_triton,
@@ -267,7 +266,7 @@ def test_quantized_dispatcher_runs_the_eager_chain_off_cuda():
     q, k, qw, kw, table = _inputs()
     args = dict(eps=1e-6, interleaved=False)
     scales = (torch.tensor([0.03]), torch.tensor([0.01]))
-    got = qk_norm_rope_quantized(q, k, qw, kw, table, *scales, **args)
+    got = qk_norm_rope(q, k, qw, kw, table, out_scales=scales, **args)
     want = qk_norm_rope_reference(q, k, qw, kw, table, **args)
     for g, w, scale in zip(got, want, scales, strict=True):
         assert g.dtype == torch.float8_e4m3fn
@@ -394,10 +393,10 @@ def test_custom_op_schema_fake_and_kernel():
     got = torch.ops.omnirt.qk_norm_rope(*args)
     _close(got, qk_norm_rope_reference(q, k, qw, kw, table, eps=1e-6, interleaved=True, rope="complex"))
     scales = (torch.tensor([0.05]), torch.tensor([0.05]))
-    quantized = (*args[:5], *scales, *args[5:], "int8")
+    quantized = (*args, *scales, "int8")
     checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.omnirt.qk_norm_rope_quantized.default, quantized, test_utils=checks)
-    got = torch.ops.omnirt.qk_norm_rope_quantized(*quantized)
+    torch.library.opcheck(torch.ops.omnirt.qk_norm_rope.default, quantized, test_utils=checks)
+    got = torch.ops.omnirt.qk_norm_rope(*quantized)
     assert all(g.dtype == torch.int8 for g in got)
 
 
