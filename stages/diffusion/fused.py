@@ -83,7 +83,7 @@ def _qk_scales(attn: Any, elements: tuple[int, int]) -> tuple[torch.Tensor, torc
     (``fp8_attention.normed_scale`` of its norms' weights, over ``elements`` each), kept on the
     module while its weights stay the ones they were taken from."""
     weights = (attn.norm_q.weight, attn.norm_k.weight)
-    key = tuple((w.data_ptr(), w._version) for w in weights) + elements
+    key = tuple(None if w is None else (w.data_ptr(), w._version) for w in weights) + elements
     kept = getattr(attn, "_omnirt_fp8_qk_scales", None)
     if kept is None or kept[0] != key:
         scales = tuple(fp8_attention.normed_scale(w, n) for w, n in zip(weights, elements, strict=True))
