@@ -148,3 +148,27 @@ def test_double_click_on_connect_opens_one_session(page, web):
     assert len(web.recorder.connections) - before == 1
     assert page.inner_text("#messages") == ""
     assert page.evaluate("() => window.__streams.length") == 2  # one microphone, one camera
+
+
+def test_a_level_the_worklet_sent_before_the_end_is_not_shown_after_it(page, web):
+    """The capture worklet posts levels on its own thread: one already on its way when the session
+    lets go of the microphone must not show the user speaking, or the meter up, afterwards (seen
+    once in CI under load, after the server went away mid-reply)."""
+    page.goto(web.base_url + "/")
+    page.check("input[name=profile][value=manual]")
+    page.click("#connect")
+    page.wait_for_selector("#status[data-state=connected]")
+    page.evaluate("() => { window.__port = window.omnirt.session.mic.node.port; }")
+    page.click("#disconnect")
+    page.wait_for_selector("#status[data-state=closed]")
+    # what the port would deliver now, if it still had a listener: a loud level
+    delivered = page.evaluate(
+        """() => {
+          const handler = window.__port.onmessage;
+          if (handler) handler({ data: { type: "level", rms: 0.5, peak: 0.9 } });
+          return Boolean(handler);
+        }"""
+    )
+    assert page.get_attribute("#user-speaking", "data-active") == "false"
+    assert page.evaluate("() => document.getElementById('level').value") == 0
+    assert not delivered  # the port's listener went with the microphone

@@ -81,6 +81,16 @@ export class Microphone extends EventTarget {
   }
 
   stop() {
+    // Nothing the worklet posted before it stopped is heard after: a late "level" would show the
+    // user speaking (and the meter up) once the session has let go of the microphone.
+    if (this.node) {
+      this.node.port.onmessage = null;
+      this.node.port.close();
+    }
+    if (this.pendingFlush) {
+      this.pendingFlush();
+      this.pendingFlush = null;
+    }
     if (this.stream) this.stream.getTracks().forEach((track) => track.stop());
     if (this.context) this.context.close();
     this.stream = null;
