@@ -237,7 +237,7 @@ class _Plan:
     graph: Any
     workspace: torch.Tensor
     handle: Any
-    constants: dict[int, torch.Tensor]  # the probabilities' scale and descale (and the output's)
+    constants: dict[int, torch.Tensor]  # the probabilities' scales, the output's, the query lengths
     fp8_out: bool  # the output in e4m3 (scaled by V's scale), widened after
 
 
@@ -331,6 +331,9 @@ def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
         fixed = ((_S_SCALE, P_SCALE), (_S_DESCALE, 1.0 / P_SCALE)) + (() if fp8_out else ((_O_SCALE, 1.0),))
         constants = {uid: torch.full((1,), value, dtype=torch.float32, device=device) for uid, value in fixed}
+        if shape.masked:  # every query row live
+            rows = (shape.batch, 1, 1, 1)
+            constants[_SEQ_Q] = torch.full(rows, shape.queries, dtype=torch.int32, device=device)
         plan = _plans[shape] = _Plan(graph, workspace, handle, constants, fp8_out)
         while len(_plans) > MAX_PLANS:
             _plans.popitem(last=False)
@@ -402,7 +405,6 @@ def fp8_attention(
     if plan.fp8_out:  # each output row is an average of V's rows: at most V's peak, 448 in V's units
         pack[_O_SCALE] = vs.reciprocal()
     if key_lengths is not None:
-        pack[_SEQ_Q] = torch.full((q.shape[0], 1, 1, 1), q.shape[1], dtype=torch.int32, device=q.device)
         pack[_SEQ_KV] = key_lengths.to(device=q.device, dtype=torch.int32).view(-1, 1, 1, 1)
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(q.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=plan.handle)
