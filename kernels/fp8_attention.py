@@ -132,7 +132,8 @@ def quantize_tensor_triton(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Te
             BR=br, BC=bc, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     else:
-        scale.fill_(quantize_constants(kind)["MIN_PEAK"] * quantize_constants(kind)["INV_QMAX"])
+        constants = quantize_constants(kind)  # type: ignore[arg-type]
+        scale.fill_(constants["MIN_PEAK"] * constants["INV_QMAX"])
     return values, scale
 
 

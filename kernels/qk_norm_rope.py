@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from . import settings
 from .reduce_order import aten_reduce_config, mean_factor
 from .settings import Preset, check_preset
-from .w8a8 import STORAGE, quantize_constants, quantize_scaled
+from .w8a8 import STORAGE, check_kind, quantize_constants, quantize_scaled
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -670,6 +670,7 @@ def _launch(
     hk = k.shape[2]
     if out_scales is not None and cache is not None:
         raise ValueError("quantized outputs do not go into a cache")
+    out_kind = check_kind(out_kind)
     out_dtype = q.dtype if out_scales is None else STORAGE[out_kind]
     qo = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if cache is None:
@@ -703,7 +704,7 @@ def _launch(
     dummy = q
     # (tensor of the weight or a stand-in never read: HAS_W tells the kernel)
     per_program = (tokens_per_program or TOKENS) if held else 1
-    quant = quantize_constants(out_kind)  # type: ignore[arg-type]
+    quant = quantize_constants(out_kind)
     head_tiles = triton.cdiv(hq, heads_chunk) if head_loop == "static" and hq == hk and not held else 0
     if per_program not in (1, 2, 4):
         raise ValueError(f"tokens_per_program must be 1, 2 or 4, got {per_program}")
@@ -885,7 +886,8 @@ def qk_norm_rope(
     qo, ko = qk_norm_rope_reference(q, k, q_weight, k_weight, table, **args)
     if out_scales is None:
         return qo, ko
-    return quantize_scaled(qo, out_scales[0], kind), quantize_scaled(ko, out_scales[1], kind)  # type: ignore[arg-type]
+    checked = check_kind(kind)
+    return quantize_scaled(qo, out_scales[0], checked), quantize_scaled(ko, out_scales[1], checked)
 
 
 # --- a decode step's keys and values straight into a slot cache ---------------------------------
