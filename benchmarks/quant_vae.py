@@ -2,7 +2,8 @@
 
 - **Transformer steps**: one step of Z-Image (6.15 B, 1024x1024) and optionally Wan (1.3 B or
   14 B, 480p or 720p, 81 frames) in bf16, int8, fp8 and fp8 with fp8 attention (``--fp8-attention
-  on``: cuDNN's fp8 flash attention, ``kernels/fp8_attention.py``), from the published configs
+  on``: cuDNN's fp8 flash attention, ``kernels/fp8_attention.py``; its output in e4m3 into the
+  fp8 ``to_out`` as the server runs it, and in bf16 for comparison), from the published configs
   with random bf16 weights; the weights' memory and the step output's SNR against bf16 on the same weights and
   inputs (a copy of the bf16 model is quantized, so both stay loaded), with the fused kernels of
   ``stages/diffusion/fused.py`` installed as the server installs them. Milliseconds are the median
@@ -65,28 +66,39 @@ def snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean()))
 
 
-#: The formats each table compares with bf16: (label, W8A8 kind, attention in fp8).
-FORMATS = (("int8", "int8", False), ("fp8", "fp8", False), ("fp8, fp8 attention", "fp8", True))
+#: The formats each table compares with bf16: (label, W8A8 kind, attention: ``off``; ``e4m3
+#: out``, fp8 attention as the server runs it, its output in e4m3 into the fp8 ``to_out``; ``wide
+#: out``, its output in bf16, quantized for ``to_out`` in a pass of its own).
+FORMATS = (
+    ("int8", "int8", "off"),
+    ("fp8", "fp8", "off"),
+    ("fp8, fp8 attention", "fp8", "e4m3 out"),
+    ("fp8, fp8 attention, bf16 output", "fp8", "wide out"),
+)
 
 
 @contextlib.contextmanager
-def attention_in_fp8(on: bool):
-    """``kernels.settings.FP8_ATTENTION`` on or off for the block (``--fp8-attention``)."""
+def attention_in_fp8(attention: str):
+    """``kernels.settings.FP8_ATTENTION`` (``--fp8-attention``) and
+    ``fused.FP8_ATTENTION_E4M3_OUT`` as ``attention`` (:data:`FORMATS`) says, for the block."""
     from omnirt.kernels import settings
+    from omnirt.stages.diffusion import fused
 
-    before = settings.FP8_ATTENTION
-    settings.set_fp8_attention("on" if on else "off")
+    before = settings.FP8_ATTENTION, fused.FP8_ATTENTION_E4M3_OUT
+    settings.set_fp8_attention("off" if attention == "off" else "on")
+    fused.FP8_ATTENTION_E4M3_OUT = attention == "e4m3 out"
     try:
         yield
     finally:
-        settings.set_fp8_attention(before)
+        settings.set_fp8_attention(before[0])
+        fused.FP8_ATTENTION_E4M3_OUT = before[1]
 
 
-def _attention_note(on: bool) -> str:
+def _attention_note(attention: str) -> str:
     """What the fp8 attention did in the rows so far: cuDNN's plans built, shapes it declined."""
     from omnirt.kernels import fp8_attention
 
-    if not on:
+    if attention == "off":
         return ""
     if not fp8_attention._plans:
         return " (not applied: bf16 attention)"
@@ -95,7 +107,7 @@ def _attention_note(on: bool) -> str:
 
 
 def quantized_copies(model: torch.nn.Module):
-    """``(label, model, layers, weight bytes, fp8 attention)`` per :data:`FORMATS`: a quantized copy
+    """``(label, model, layers, weight bytes, attention)`` per :data:`FORMATS`: a quantized copy
     of ``model`` per W8A8 kind, with the fused paths installed (merging the layers that read one
     input, as the server does), each dropped before the next is made (the caller drops its name
     for it at the end of each turn: ``del``)."""
@@ -205,7 +217,7 @@ def dit_profile(top: int = 16) -> None:
         fp8 = copy.deepcopy(model)
         quantize_model(fp8, "fp8")
         fused.install(fp8)
-        runs = (("bf16", model, False), ("fp8", fp8, False), ("fp8, fp8 attention", fp8, True))
+        runs = [("bf16", model, "off")] + [(label, fp8, a) for label, kind, a in FORMATS if kind == "fp8"]
         for kind, m, attention in runs:
             with attention_in_fp8(attention):
                 table.append(_step_timings(m, call, kind))

@@ -10,7 +10,9 @@ in fp32; the online softmax's probabilities ``P`` (in [0, 1] against the running
 scaled by ``scale_s`` = 448 and rounded to e4m3; ``P8 V8`` accumulated in fp32, times
 ``descale_s * descale_v``, over the fp32 row sums; written in bf16 or fp16 (``scale_o`` 1), or,
 where a cuDNN version declines that, in e4m3 at V's scale (``scale_o`` its reciprocal: an output
-row is an average of V's rows, so it stays within V's peak) and widened after.
+row is an average of V's rows, so it stays within V's peak) and widened after; or, for a caller
+that takes it so (``quantized_out``: the fp8 W8A8 ``to_out`` after it), in e4m3 at V's scale,
+handed on as it is (no quantization pass before that product).
 :func:`fp8_attention_reference` models that in fp32 (the same roundings of Q, K, V and P, with
 the final row maximum in place of the running one), for the tests.
 
@@ -42,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .w8a8 import STORAGE, quantize_constants, quantize_rows
+from .w8a8 import STORAGE, QuantizedRows, quantize_constants, quantize_rows
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -179,16 +181,22 @@ def _key_mask(key_lengths: torch.Tensor | None, batch: int, keys: int, device: t
 
 def fp8_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
-    scale: float | None = None, fp8_out: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """What :func:`fp8_attention` computes, in fp32 on any device: ``q`` [B, S_q, H, D], ``k`` and
-    ``v`` [B, S_kv, H_kv, D] quantized per tensor, attention with e4m3 probabilities, returned
-    [B, S_q, H, D] in ``q``'s dtype (``fp8_out``: through e4m3 at V's scale first, as a plan whose
-    output cuDNN writes in e4m3)."""
-    batch, _, heads, dim = q.shape
+    scale: float | None = None, fp8_out: bool = False, *, q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, quantized_out: bool = False,
+) -> torch.Tensor | QuantizedRows:  # fmt: skip
+    """What :func:`fp8_attention` computes, in fp32 on any device, with its arguments: ``q`` [B,
+    S_q, H, D], ``k`` and ``v`` [B, S_kv, H_kv, D] quantized per tensor (``q`` and ``k`` may come
+    in e4m3 with their scales), attention with e4m3 probabilities, returned [B, S_q, H, D] in
+    ``v``'s dtype (``fp8_out``: through e4m3 at V's scale first, as a plan whose output cuDNN
+    writes in e4m3), or with ``quantized_out`` as :func:`fp8_attention` hands it on."""
+    batch, queries, heads, dim = q.shape
     kv_heads = k.shape[2]
     attn_scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    (q8, qs), (k8, ks), (v8, vs) = (quantize_tensor_reference(t) for t in (q, k, v))
+    (q8, qs), (k8, ks) = (
+        (t, s) if t.dtype == torch.float8_e4m3fn else quantize_tensor_reference(t)
+        for t, s in ((q, q_scale), (k, k_scale))
+    )  # fmt: skip
+    v8, vs = quantize_tensor_reference(v)
     qf = (q8.float() * qs).transpose(1, 2)  # [B, H, S, D]
     kf = (k8.float() * ks).transpose(1, 2)
     vf = (v8.float() * vs).transpose(1, 2)
@@ -202,10 +210,15 @@ def fp8_attention_reference(
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))
     total = p.sum(dim=-1, keepdim=True)
     p8 = (p * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE
-    out = (p8 @ vf) / total
-    if fp8_out:
-        out = (out / vs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * vs
-    return out.transpose(1, 2).to(q.dtype)
+    out = ((p8 @ vf) / total).transpose(1, 2)
+    if not (fp8_out or quantized_out):
+        return out.to(v.dtype)
+    out8 = (out / vs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    if not quantized_out:
+        return (out8.float() * vs).to(v.dtype)
+    rows, width = batch * queries, heads * dim
+    return QuantizedRows(out8.reshape(rows, width), vs.expand(rows, 1).contiguous(), "fp8",
+                         (batch, queries, width), v.dtype)  # fmt: skip
 
 
 # --- cuDNN --------------------------------------------------------------------------------------
@@ -231,6 +244,7 @@ class _Shape:
     masked: bool
     device: int
     scale: float
+    quantized_out: bool = False  # the caller takes the output in e4m3 (a plan writing e4m3 only)
 
 
 @dataclass
@@ -309,7 +323,8 @@ def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
         if shape in _declined:
             return None
         errors = []
-        for fp8_out in (False, True):  # the output in the model's dtype, else in e4m3
+        # the output in the model's dtype, else in e4m3; in e4m3 only for a caller that takes it so
+        for fp8_out in (True,) if shape.quantized_out else (False, True):
             try:
                 handle = _handle(cudnn, shape.device)
                 graph = build_graph(cudnn, shape, handle, fp8_out)
@@ -326,7 +341,7 @@ def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
             reasons = "; ".join(errors)
             log.warning("cuDNN fp8 attention declined %s (%s); bf16 attention runs there", shape, reasons)
             return None
-        if fp8_out:
+        if fp8_out and not shape.quantized_out:
             log.info("cuDNN fp8 attention for %s writes e4m3 (%s)", shape, errors[0])
         device = torch.device("cuda", shape.device)
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
@@ -342,11 +357,11 @@ def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
 
 
 def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None,
-           scale: float | None) -> _Shape:  # fmt: skip
+           scale: float | None, quantized_out: bool = False) -> _Shape:  # fmt: skip
     batch, queries, heads, dim = q.shape
     return _Shape(
         batch, heads, k.shape[2], queries, k.shape[1], dim, v.dtype, key_lengths is not None,
-        q.device.index or 0, 1.0 / math.sqrt(dim) if scale is None else float(scale),
+        q.device.index or 0, 1.0 / math.sqrt(dim) if scale is None else float(scale), quantized_out,
     )  # fmt: skip
 
 
@@ -367,13 +382,13 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def applies(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
-    scale: float | None = None,
+    scale: float | None = None, quantized_out: bool = False,
 ) -> bool:  # fmt: skip
     """Whether :func:`fp8_attention` runs this call: :func:`supported`, and cuDNN builds its graph
     (built here the first time a shape comes)."""
     if not supported(q, k, v):
         return False
-    return _plan(_cudnn(), _shape(q, k, v, key_lengths, scale)) is not None
+    return _plan(_cudnn(), _shape(q, k, v, key_lengths, scale, quantized_out)) is not None
 
 
 def _e4m3(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,14 +402,19 @@ def _e4m3(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, to
 def fp8_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
     scale: float | None = None, *, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    quantized_out: bool = False,
+) -> torch.Tensor | QuantizedRows:  # fmt: skip
     """Attention of ``q`` [B, S_q, H, D] over ``k``, ``v`` [B, S_kv, H_kv, D] (bf16 or fp16; ``v``
     may be a view of a packed QKV) with all three in e4m3 and e4m3 probabilities; ``key_lengths``
     [B]: each row's live keys (a prefix). ``q`` and ``k`` may come quantized already (e4m3, with
     ``q_scale`` and ``k_scale``, [1] fp32: ``qk_norm_rope(..., out_scales=)`` writes them so).
-    Returns [B, S_q, H, D] in ``v``'s dtype. Only where :func:`applies`; raises otherwise."""
+    Returns [B, S_q, H, D] in ``v``'s dtype; or with ``quantized_out``, as cuDNN wrote it in e4m3 at
+    V's scale: :class:`~omnirt.kernels.w8a8.QuantizedRows` of the [B, S_q, H * D] output (each
+    token's scale that one), which an fp8 W8A8 product takes as its input without a quantization
+    pass. Only where :func:`applies`; raises otherwise."""
     cudnn = _cudnn()
-    plan = _plan(cudnn, _shape(q, k, v, key_lengths, scale)) if supported(q, k, v) else None
+    shape = _shape(q, k, v, key_lengths, scale, quantized_out)
+    plan = _plan(cudnn, shape) if supported(q, k, v) else None
     if plan is None:
         raise RuntimeError("fp8 attention does not apply to these tensors (see fp8_attention.applies)")
     (q8, qs), (k8, ks), (v8, vs) = _e4m3(q, q_scale), _e4m3(k, k_scale), quantize_tensor(v)
@@ -409,4 +429,9 @@ def fp8_attention(
         pack[_SEQ_KV] = key_lengths.to(device=q.device, dtype=torch.int32).view(-1, 1, 1, 1)
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(q.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=plan.handle)
+    if quantized_out:
+        rows = shape.batch * shape.queries
+        width = shape.heads * shape.dim
+        return QuantizedRows(out.view(rows, width), vs.expand(rows, 1).contiguous(), "fp8",
+                             (shape.batch, shape.queries, width), v.dtype)  # fmt: skip
     return (out.float() * vs).to(v.dtype) if plan.fp8_out else out

@@ -11,7 +11,8 @@
   ``to_qkv``, ``w13``), the norm before the attention and the one before the feed-forward write
   their output quantized (``rms_norm_modulate_quantize``), q, k and v come from one product, and
   the gated unit writes ``w2``'s input quantized (``swiglu_quantize``): no activation is quantized
-  in a pass of its own but the attention's output.
+  in a pass of its own but the attention's output, and with fp8 attention not that either (cuDNN
+  writes it in e4m3 for the fp8 ``to_out``).
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
@@ -63,6 +64,18 @@ def _fp8_block(attn: Any) -> bool:
     return isinstance(projection, W8A8Linear) and projection.kind == "fp8"
 
 
+#: Whether an fp8 block's attention hands its output to an fp8 ``to_out`` as cuDNN writes it, in
+#: e4m3 at V's scale (``fp8_attention(..., quantized_out=True)``: no quantization pass of its own
+#: before that product), or in the model's dtype (``benchmarks/quant_vae.py`` compares the two).
+FP8_ATTENTION_E4M3_OUT = True
+
+
+def _e4m3_out(attn: Any) -> bool:
+    """Whether ``attn``'s fp8 attention writes its output in e4m3 for ``to_out`` (an fp8 W8A8 layer)."""
+    to_out = attn.to_out[0] if isinstance(getattr(attn, "to_out", None), torch.nn.ModuleList) else None
+    return FP8_ATTENTION_E4M3_OUT and isinstance(to_out, W8A8Linear) and to_out.kind == "fp8"
+
+
 def _fp8_lengths(
     attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
     prefix_keys: bool,
@@ -75,7 +88,7 @@ def _fp8_lengths(
     if not _fp8_block(attn) or not (mask is None or keys_2d):
         return False, None
     lengths = None if mask is None else mask.sum(dim=-1, dtype=torch.int32)
-    return fp8_attention.applies(query, key, value, lengths), lengths
+    return fp8_attention.applies(query, key, value, lengths, quantized_out=_e4m3_out(attn)), lengths
 
 
 def _qk_scales(attn: Any, elements: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +109,12 @@ def _attention(
     processor: _FusedProcessor, attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     table: torch.Tensor, mask: torch.Tensor | None, *, per_head: bool, norm: str, rope: str,
     prefix_keys: bool,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor | QuantizedRows:  # fmt: skip
     """Queries and keys (as projected, [B, S, H, D]) normed and rotated by :func:`qk_norm_rope`,
     then attention over ``value``: in fp8 where :func:`_fp8_lengths` says so (the norm writing e4m3
-    at fixed scales, :func:`_qk_scales`), else through diffusers' dispatcher with the processor's
-    backend, as the original processor calls it (a 2D prefix ``mask`` given as [B, 1, 1, S_kv])."""
+    at fixed scales, :func:`_qk_scales`; the output [B, S, H * D] in e4m3 for ``to_out`` where
+    :func:`_e4m3_out`), else through diffusers' dispatcher with the processor's backend, as the
+    original processor calls it (a 2D prefix ``mask`` given as [B, 1, 1, S_kv])."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     args = dict(eps=attn.norm_q.eps, interleaved=True, per_head=per_head, norm=norm, rope=rope)
@@ -111,7 +125,9 @@ def _attention(
         heads = (1, 1) if per_head else (query.shape[-2], key.shape[-2])  # normed over a head, or all
         q_scale, k_scale = _qk_scales(attn, (query.shape[-1] * heads[0], key.shape[-1] * heads[1]))
         query, key = qk_norm_rope(query, key, *weights, table, out_scales=(q_scale, k_scale), **args)
-        return fp8_attention.fp8_attention(query, key, value, lengths, q_scale=q_scale, k_scale=k_scale)
+        return fp8_attention.fp8_attention(
+            query, key, value, lengths, q_scale=q_scale, k_scale=k_scale, quantized_out=_e4m3_out(attn)
+        )
     query, key = qk_norm_rope(query, key, *weights, table, **args)
     if prefix_keys and mask is not None and mask.ndim == 2:
         mask = mask[:, None, None, :]
@@ -145,7 +161,8 @@ class ZImageFusedProcessor(_FusedProcessor):
             self, attn, query, key, value, table_from_complex(freqs_cis), attention_mask, per_head=True,
             norm="composite", rope="complex", prefix_keys=True,
         )  # fmt: skip
-        out = out.flatten(2, 3).to(value.dtype)
+        if not isinstance(out, QuantizedRows):  # (else e4m3 for the fp8 to_out)
+            out = out.flatten(2, 3).to(value.dtype)
         out = attn.to_out[0](out)
         if len(attn.to_out) > 1:  # dropout
             out = attn.to_out[1](out)
@@ -178,7 +195,8 @@ class WanFusedProcessor(_FusedProcessor):
             value.unflatten(2, (heads, -1)), table_from_interleaved(*rotary_emb), attention_mask,
             per_head=False, norm="fused", rope=rope, prefix_keys=False,
         )  # fmt: skip
-        out = out.flatten(2, 3).type_as(value)
+        if not isinstance(out, QuantizedRows):  # (else e4m3 for the fp8 to_out)
+            out = out.flatten(2, 3).type_as(value)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 

@@ -110,3 +110,70 @@ def test_fp8_attention_asks_for_fp8_blocks_and_falls_back_off_cuda(kind, fused_o
             assert torch.equal(torch.stack(zimage(latents, t, caption, return_dict=False)[0]), want)
     finally:
         settings.set_fp8_attention(before)
+
+
+def _snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    noise = (got.float() - want.float()).pow(2).mean()
+    return float(10 * torch.log10(want.float().pow(2).mean() / noise))
+
+
+@pytest.mark.parametrize("chain", ["zimage", "wan"])
+def test_fp8_attention_hands_its_e4m3_output_to_the_fp8_to_out(chain, fused_on, monkeypatch):
+    """The fp8 path's wiring, with cuDNN's attention replaced by its fp32 model (the CPU has no
+    cuDNN): every fp8 block's queries and keys come from the QK chain in e4m3, and its output goes
+    to the fp8 ``to_out`` as cuDNN writes it (:class:`QuantizedRows`, e4m3 at V's scale), or, with
+    ``FP8_ATTENTION_E4M3_OUT`` off, in bf16; both close to the same model with bf16 attention."""
+    from omnirt.kernels import fp8_attention
+    from omnirt.kernels.w8a8 import QuantizedRows
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import quantize_model
+
+    g = torch.Generator().manual_seed(4)
+    if chain == "zimage":
+        model = _zimage(torch.bfloat16)
+        latents = [torch.randn(16, 1, 16, 16, dtype=torch.bfloat16, generator=g) for _ in range(2)]
+        caption = [torch.randn(n, 32, dtype=torch.bfloat16, generator=g) for n in (5, 11)]
+        t = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
+        call = lambda: torch.stack(model(latents, t, caption, return_dict=False)[0])  # noqa: E731
+    else:
+        model = _wan(torch.bfloat16)
+        video = torch.randn(2, 16, 3, 8, 12, dtype=torch.bfloat16, generator=g)
+        text = torch.randn(2, 16, 32, dtype=torch.bfloat16, generator=g)
+        steps = torch.tensor([300.0, 700.0])
+        call = lambda: model(video, steps, text, return_dict=False)[0]  # noqa: E731
+    quantize_model(model, "fp8")
+    install(model)
+    fused_kinds = (ZImageFusedProcessor, WanFusedProcessor)
+    attentions = [m for m in model.modules() if isinstance(getattr(m, "processor", None), fused_kinds)]
+    ran: list[tuple[torch.dtype, torch.dtype, bool]] = []
+    handed: list[type] = []
+
+    def attention(q, k, v, lengths=None, scale=None, **kwargs):
+        ran.append((q.dtype, k.dtype, kwargs["quantized_out"]))
+        return fp8_attention.fp8_attention_reference(q, k, v, lengths, scale, **kwargs)
+
+    monkeypatch.setattr(fp8_attention, "applies", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fp8_attention, "fp8_attention", attention)
+    for attn in attentions:
+        attn.to_out[0].register_forward_pre_hook(lambda module, args: handed.append(type(args[0])))
+    before = settings.FP8_ATTENTION, fused.FP8_ATTENTION_E4M3_OUT
+    try:
+        with torch.no_grad():
+            want = call()
+            settings.set_fp8_attention("on")
+            ran.clear(), handed.clear()
+            got = call()
+            assert ran == [(torch.float8_e4m3fn, torch.float8_e4m3fn, True)] * len(attentions)
+            assert handed == [QuantizedRows] * len(attentions)
+            fused.FP8_ATTENTION_E4M3_OUT = False
+            ran.clear(), handed.clear()
+            wide = call()
+            assert [out for _, _, out in ran] == [False] * len(attentions)
+            assert handed == [torch.Tensor] * len(attentions)
+    finally:
+        settings.set_fp8_attention(before[0])
+        fused.FP8_ATTENTION_E4M3_OUT = before[1]
+    assert torch.isfinite(got).all() and not torch.equal(got, want)
+    assert _snr_db(got, want) > 15 and _snr_db(wide, want) > 15
+    print(f"{chain}: fp8 attention (e4m3 out) vs bf16 attention {_snr_db(got, want):.1f} dB, "
+          f"bf16 out {_snr_db(wide, want):.1f} dB")  # fmt: skip

@@ -79,14 +79,23 @@ def test_qk_kernel_writes_e4m3_over_fixed_scales(chain):
     assert _snr_db(out, bf16) > 20
 
 
+@pytest.mark.parametrize("quantized_out", [False, True])
 @pytest.mark.parametrize("batch, tokens, heads", [(1, 4128, 30), (2, 1000, 6)])
-def test_cudnn_fp8_attention_against_its_model_and_bf16(batch, tokens, heads):
+def test_cudnn_fp8_attention_against_its_model_and_bf16(batch, tokens, heads, quantized_out):
+    """Wide, or (``quantized_out``) e4m3 at V's scale as a W8A8 product takes it."""
+    from omnirt.kernels.w8a8 import QuantizedRows
+
     q, k, v = _qkv(batch, tokens, heads, 128, seed=2)
     lengths = None if batch == 1 else torch.tensor([tokens, 777], dtype=torch.int32, device="cuda")
-    assert fp8_attention.applies(q, k, v, lengths)
-    got = fp8_attention.fp8_attention(q, k, v, lengths)
-    plan = fp8_attention._plans[fp8_attention._shape(q, k, lengths, None)]
+    assert fp8_attention.applies(q, k, v, lengths, quantized_out=quantized_out)
+    got = fp8_attention.fp8_attention(q, k, v, lengths, quantized_out=quantized_out)
+    plan = fp8_attention._plans[fp8_attention._shape(q, k, v, lengths, None, quantized_out)]
     model = fp8_attention.fp8_attention_reference(q, k, v, lengths, fp8_out=plan.fp8_out)
+    if quantized_out:
+        assert isinstance(got, QuantizedRows) and got.values.dtype == torch.float8_e4m3fn
+        assert got.values.shape == (batch * tokens, heads * 128) and got.shape == (batch, tokens, heads * 128)
+        assert got.scale.shape == (batch * tokens, 1) and got.scale.is_contiguous()
+        got = (got.values.float() * got.scale).view(q.shape).to(v.dtype)
     mask = None
     if lengths is not None:
         mask = (torch.arange(tokens, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
@@ -132,7 +141,7 @@ def test_fp8_zimage_attends_in_fp8_when_asked(monkeypatch):
     run = fp8_attention.fp8_attention
 
     def spy(*args, **kwargs):
-        calls.append((args[3] is not None, args[0].dtype))
+        calls.append((args[3] is not None, args[0].dtype, kwargs["quantized_out"]))
         return run(*args, **kwargs)
 
     monkeypatch.setattr(fp8_attention, "fp8_attention", spy)
@@ -146,7 +155,7 @@ def test_fp8_zimage_attends_in_fp8_when_asked(monkeypatch):
     finally:
         settings.set_fp8_attention(before)
     # every attention, its queries and keys written e4m3 by the QK kernel; the captions padded
-    assert len(calls) == 4 and any(masked for masked, _ in calls)
-    assert all(dtype == torch.float8_e4m3fn for _, dtype in calls)
+    assert len(calls) == 4 and any(masked for masked, _, _ in calls)
+    assert all(dtype == torch.float8_e4m3fn and e4m3_out for _, dtype, e4m3_out in calls)  # into to_out
     print(f"fp8 attention Z-Image vs bf16 attention: {_snr_db(got, want):.1f} dB")
     assert _snr_db(got, want) > 20
