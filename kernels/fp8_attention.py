@@ -189,7 +189,7 @@ def fp8_attention_reference(
     in e4m3 with their scales), attention with e4m3 probabilities, returned [B, S_q, H, D] in
     ``v``'s dtype (``fp8_out``: through e4m3 at V's scale first, as a plan whose output cuDNN
     writes in e4m3), or with ``quantized_out`` as :func:`fp8_attention` hands it on."""
-    batch, queries, heads, dim = q.shape
+    batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     attn_scale = 1.0 / math.sqrt(dim) if scale is None else scale
     (q8, qs), (k8, ks) = (
@@ -213,12 +213,17 @@ def fp8_attention_reference(
     out = ((p8 @ vf) / total).transpose(1, 2)
     if not (fp8_out or quantized_out):
         return out.to(v.dtype)
-    out8 = (out / vs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    if not quantized_out:
-        return (out8.float() * vs).to(v.dtype)
+    out8 = (out / vs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).contiguous()
+    return _as_rows(out8, vs, v.dtype) if quantized_out else (out8.float() * vs).to(v.dtype)
+
+
+def _as_rows(out8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> QuantizedRows:
+    """An e4m3 attention output [B, S, H, D] (contiguous) at one ``scale`` [1] as the rows a W8A8
+    product takes: [B * S, H * D] values, each row's scale that one."""
+    batch, queries, heads, dim = out8.shape
     rows, width = batch * queries, heads * dim
-    return QuantizedRows(out8.reshape(rows, width), vs.expand(rows, 1).contiguous(), "fp8",
-                         (batch, queries, width), v.dtype)  # fmt: skip
+    return QuantizedRows(out8.view(rows, width), scale.expand(rows, 1).contiguous(), "fp8",
+                         (batch, queries, width), dtype)  # fmt: skip
 
 
 # --- cuDNN --------------------------------------------------------------------------------------
@@ -413,8 +418,7 @@ def fp8_attention(
     token's scale that one), which an fp8 W8A8 product takes as its input without a quantization
     pass. Only where :func:`applies`; raises otherwise."""
     cudnn = _cudnn()
-    shape = _shape(q, k, v, key_lengths, scale, quantized_out)
-    plan = _plan(cudnn, shape) if supported(q, k, v) else None
+    plan = _plan(cudnn, _shape(q, k, v, key_lengths, scale, quantized_out)) if supported(q, k, v) else None
     if plan is None:
         raise RuntimeError("fp8 attention does not apply to these tensors (see fp8_attention.applies)")
     (q8, qs), (k8, ks), (v8, vs) = _e4m3(q, q_scale), _e4m3(k, k_scale), quantize_tensor(v)
@@ -430,8 +434,5 @@ def fp8_attention(
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(q.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=plan.handle)
     if quantized_out:
-        rows = shape.batch * shape.queries
-        width = shape.heads * shape.dim
-        return QuantizedRows(out.view(rows, width), vs.expand(rows, 1).contiguous(), "fp8",
-                             (shape.batch, shape.queries, width), v.dtype)  # fmt: skip
+        return _as_rows(out, vs, v.dtype)
     return (out.float() * vs).to(v.dtype) if plan.fp8_out else out
