@@ -28,10 +28,16 @@
   ``stacked``; ``-all``: at every 3x3x3 convolution instead of ``FAST_CONV_SHAPES``' only).
 - **Conv speed** (``--conv-speed``): each decoder convolution's time and TFLOP/s as the levels run
   it, against the 2D forms of a 3x3x3 one (see ``conv_speed_rows``).
+- **Fused epilogues** (``--conv-cudnn``): each decoder convolution with its bias and a residual add
+  after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
+  ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast``
+  decodes with and without the fused epilogues (``wan_vae_fast.FUSED_EPILOGUE``) and the head's
+  Triton kernel (``NARROW_HEAD``), each of the four.
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
-        [--conv-input] [--conv-layouts] [--conv-speed] [--norm-orders] [--skip-zimage] [--dit-profile]
+        [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
+        [--norm-orders] [--skip-zimage] [--dit-profile]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's time under each SDPA backend; for bf16
   and fp8 its wall time, the host's time to queue it and its replay from one CUDA graph, and its
@@ -48,6 +54,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -389,8 +396,9 @@ def _profile(vae: torch.nn.Module, z: torch.Tensor, label: str, top: int = 14) -
 
 
 def vae_rows(
-    size: str, dtype: torch.dtype, repeats: int, profile_levels: bool, fast_convs: tuple[str, ...]
-) -> list[str]:
+    size: str, dtype: torch.dtype, repeats: int, profile_levels: bool, fast_convs: tuple[str, ...],
+    ablations: bool = False,
+) -> list[str]:  # fmt: skip
     from diffusers import AutoencoderKLWan
     from omnirt.stages.diffusion import wan_vae_fast
 
@@ -403,16 +411,23 @@ def vae_rows(
     z = torch.randn(1, 16, 21, h, w, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     z = z.to(dtype)
     name = f"Wan VAE decode {size} 81 frames {str(dtype).removeprefix('torch.')}"
-    default = wan_vae_fast.FAST_CONV
+    default, epilogue, narrow = wan_vae_fast.FAST_CONV, wan_vae_fast.FUSED_EPILOGUE, wan_vae_fast.NARROW_HEAD
     rows = []
     with torch.no_grad():
         base = ref = None
         shapes = wan_vae_fast.FAST_CONV_SHAPES
-        runs = [("off", "off", "3d"), ("exact", "exact", "3d")]
+        # (level, label, form, the fused epilogues, the narrow head)
+        runs = [("off", "off", "3d", epilogue, narrow), ("exact", "exact", "3d", epilogue, narrow)]
         for form in fast_convs:
             at = None if form.endswith("-all") else shapes
-            runs.append(("fast", f"fast, {form.removesuffix('-all')} at {_pairs(at)}", form))
-        for level, label, form in runs:
+            label = f"fast, {form.removesuffix('-all')} at {_pairs(at)}"
+            runs.append(("fast", label, form, epilogue, narrow))
+        if ablations:  # the default form with each of the fast level's other changes, on and off
+            for fused, head in ((False, False), (True, False), (False, True), (True, True)):
+                label = f"fast, {default} at {_pairs(shapes)}, {_extras(fused, head)}"
+                runs.append(("fast", label, default, fused, head))
+        for level, label, form, fused, head in runs:
+            wan_vae_fast.FUSED_EPILOGUE, wan_vae_fast.NARROW_HEAD = fused, head
             wan_vae_fast.FAST_CONV = form.removesuffix("-all")
             wan_vae_fast.FAST_CONV_SHAPES = None if form.endswith("-all") else shapes
             wan_vae_fast.install(vae, level)
@@ -431,7 +446,14 @@ def vae_rows(
             del out
         wan_vae_fast.uninstall(vae)
         wan_vae_fast.FAST_CONV, wan_vae_fast.FAST_CONV_SHAPES = default, shapes
+        wan_vae_fast.FUSED_EPILOGUE, wan_vae_fast.NARROW_HEAD = epilogue, narrow
     return rows
+
+
+def _extras(fused: bool, head: bool) -> str:
+    """A label of the fast level's optional changes."""
+    parts = ["fused epilogues" if fused else "bias + residual a pass"]
+    return ", ".join(parts + ["the head in Triton" if head else "the head cuDNN's"])
 
 
 def _pairs(shapes: frozenset[tuple[int, int]] | None) -> str:
@@ -586,6 +608,106 @@ def conv_speed_rows() -> list[str]:
     return [row for conv in DECODER_CONVS for row in _conv_forms(*conv)]
 
 
+def _cudnn_conv(x: torch.Tensor, weight: torch.Tensor, padding: list[int], bias: torch.Tensor,
+                residual: torch.Tensor) -> Any:  # fmt: skip
+    """``kernels/cudnn_conv.py``'s graph of one convolution with ``bias`` and ``residual`` in its
+    epilogue, all plans built and the fastest of the first six kept (the module takes cuDNN's
+    first). Returns a callable running it, or the reason cuDNN declined it."""
+    import cudnn
+    from omnirt.kernels import cudnn_conv
+
+    handle = cudnn.create_handle()
+    shape = cudnn_conv._shape(x, weight, tuple(padding), bias, (residual,))
+    out = torch.empty(cudnn_conv.out_shape(x, weight, tuple(padding)), dtype=x.dtype, device=x.device)
+    out = out.contiguous(memory_format=cudnn_conv._format(x))
+    pack = {cudnn_conv._X: x, cudnn_conv._W: weight, cudnn_conv._B: bias, cudnn_conv._ADDEND: residual,
+            cudnn_conv._Y: out}  # fmt: skip
+    try:
+        graph = cudnn_conv.build_graph(cudnn, shape, handle)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans(cudnn.build_plan_policy.ALL)
+    except Exception as error:  # a probe: report why and go on
+        return f"declined: {str(error).splitlines()[0][:80]}"
+    cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+    timed = []
+    for index in range(min(graph.get_execution_plan_count(), 6)):
+        try:
+            size = graph.get_workspace_size_plan_at_index(index)
+            space = torch.empty(size, dtype=torch.uint8, device="cuda")
+            ms = bench(functools.partial(graph.execute_plan_at_index, pack, space, index, handle=handle))
+        except Exception:  # a plan that was not built
+            continue
+        timed.append((ms, index, space))
+    if not timed:
+        return "declined: no plan ran"
+    _, best, workspace = min(timed, key=lambda item: item[0])
+
+    def run() -> torch.Tensor:
+        graph.execute_plan_at_index(pack, workspace, best, handle=handle)
+        return out
+
+    return run
+
+
+def _conv_cudnn_forms(kind: str, c_in: int, c_out: int, kernel: tuple, shape: tuple) -> list[str]:
+    """The rows of :func:`conv_cudnn_rows` for one decoder convolution."""
+    import torch.nn.functional as F
+
+    t, h, w = shape
+    cl = torch.channels_last_3d if len(kernel) == 3 else torch.channels_last
+    weight = (torch.randn(c_out, c_in, *kernel, device="cuda") * 0.05).to(torch.bfloat16)
+    weight = weight.contiguous(memory_format=cl)
+    if len(kernel) == 3:
+        x = torch.randn(1, c_in, t, h, w, device="cuda").to(torch.bfloat16).contiguous(memory_format=cl)
+        padding, conv = [0, 0, 0], F.conv3d
+    else:
+        x = torch.randn(t, c_in, h, w, device="cuda").to(torch.bfloat16).contiguous(memory_format=cl)
+        padding, conv = [1, 1], F.conv2d
+    bias = torch.randn(c_out, device="cuda").to(torch.bfloat16)
+    plain = conv(x, weight, padding=padding)
+    residual = torch.randn_like(plain)
+
+    def aten() -> torch.Tensor:
+        return conv(x, weight, bias, padding=padding).add_(residual)
+
+    want = aten()
+    flops = 2 * plain.numel() * c_in * weight[0, 0].numel()
+    label = f"{kind} {'x'.join(map(str, kernel))}: {c_in} -> {c_out}, {t}x{h}x{w}"
+    base_conv, base = bench(functools.partial(conv, x, weight, padding=padding)), bench(aten)
+
+    def row(form: str, ms: float, err: float | None) -> str:
+        diff = "-" if err is None else f"{err:.1e}"
+        return f"| {label} | {form} | {ms:.3f} | {flops / ms / 1e9:.0f} | {base / ms:.2f}x | {diff} |"
+
+    rows = [row("conv alone (ATen)", base_conv, None), row("conv + bias + add (ATen)", base, None)]
+    fused = _cudnn_conv(x, weight, padding, bias, residual)
+    if isinstance(fused, str):
+        rows.append(f"| {label} | cuDNN bf16, bias + add fused | {fused} | | | |")
+    else:
+        rows.append(row("cuDNN bf16, bias + add fused", bench(fused), _rel_diff(fused(), want)))
+    return rows
+
+
+def conv_cudnn_rows() -> list[str]:
+    """Each decoder convolution (bf16, channels-last) as the levels run it, then followed by its
+    bias and a residual add in ATen, against a cuDNN frontend graph that fuses that bias and add
+    into the convolution's epilogue (``kernels/cudnn_conv.py``'s graph, here with the fastest of
+    its first plans). Speed-ups against the convolution + bias + add in ATen; last column: the
+    largest difference from that, relative to its largest value."""
+    torch.manual_seed(0)
+    rows = []
+    for conv in DECODER_CONVS:
+        try:
+            rows += _conv_cudnn_forms(*conv)
+        except Exception as error:  # a probe: report and go on
+            rows.append(f"| {conv} | error {type(error).__name__}: {str(error)[:100]} | | | | |")
+        torch.cuda.empty_cache()
+    return rows
+
+
 #: Frames whose channel norms the probe checks: the decoder's at 480p and 720p (channels,
 #: frames, rows, columns) and shapes with tails.
 NORM_SHAPES = (
@@ -641,10 +763,16 @@ def main(argv: list[str] | None = None) -> int:
         "3x3x3 convolution, not only wan_vae_fast.FAST_CONV_SHAPES), comma-separated",
     )
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
+    p.add_argument(
+        "--fast-ablations", action="store_true",
+        help="VAE: also the fast level with and without its fused epilogues "
+        "(wan_vae_fast.FUSED_EPILOGUE) and its narrow head (NARROW_HEAD), each of the four",
+    )  # fmt: skip
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
     p.add_argument("--tiled", action="store_true", help="VAE: the tiled kernels for channels-last frames")
     p.add_argument("--conv-speed", action="store_true", help="decoder convolutions: time, other forms")
+    p.add_argument("--conv-cudnn", action="store_true", help="convolutions with fused epilogues, e4m3")
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     p.add_argument("--dit-profile", action="store_true", help="Z-Image step: GPU time by kind, SDPA backends")
     args = p.parse_args(argv)
@@ -687,6 +815,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n| convolution (bf16, channels-last) | form | ms | TFLOP/s | speed-up | max diff / max |")
         print("|---|---|---|---|---|---|")
         print("\n".join(conv_speed_rows()), flush=True)
+    if args.conv_cudnn:
+        print("\n| convolution (bf16, channels-last) | form | ms | TFLOP/s | speed-up | max diff / max |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(conv_cudnn_rows()), flush=True)
     if args.norm_orders:
         print(
             "\n| dtype | frames | norms | ATen's S | S=1 (fma/mul+add) | S=2 | S=4 | S=8 | S=16 "
@@ -704,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         dtype = torch.bfloat16 if args.vae_dtype == "bf16" else torch.float32
         for size in sizes:
-            vae_rows(size, dtype, args.repeats, args.vae_profile, forms)
+            vae_rows(size, dtype, args.repeats, args.vae_profile, forms, args.fast_ablations)
             torch.cuda.empty_cache()
     return 0
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import conv_input, settings
+from ...kernels import conv_input, cudnn_conv, narrow_conv, settings
 from ...kernels.settings import HAVE_TRITON, check_vae_level
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,18 @@ FAST_CONVS = ("3d", "summed", "stacked")
 FAST_CONV_SHAPES: frozenset[tuple[int, int]] | None = frozenset({(96, 96)})
 _FORM = "_omnirt_fast_conv"
 _WEIGHTS = "_omnirt_fast_weights"
+#: Whether the ``fast`` level adds each convolution's bias and residual in the convolution's
+#: epilogue (``kernels/cudnn_conv.py``: fp32, rounded once; no pass of their own; the summed 2D
+#: form's taps each add the sum so far), where cuDNN takes the graph; else the ``exact`` level's
+#: bias + residual pass. Off until measured on a GPU (``benchmarks/quant_vae.py --fast-ablations``).
+FUSED_EPILOGUE = False
+_EPILOGUE = "_omnirt_epilogue"
+_EPILOGUE_WEIGHT = "_omnirt_epilogue_weight"
+#: Whether the ``fast`` level runs the head's convolution (96 -> 3) as one Triton kernel
+#: (``kernels/narrow_conv.py``: cuDNN idles 13 of 16 output lanes there), its output in the
+#: NCDHW order the decoder returns. Off until measured on a GPU (as :data:`FUSED_EPILOGUE`).
+NARROW_HEAD = False
+_NARROW = "_omnirt_narrow_weight"
 
 
 def _form_weights(conv: nn.Module, form: str) -> list[torch.Tensor]:
@@ -120,30 +132,54 @@ def _form_weights(conv: nn.Module, form: str) -> list[torch.Tensor]:
     return made
 
 
-def _conv_2d_form(conv: nn.Module, x: torch.Tensor, form: str) -> torch.Tensor:
+def _conv_2d_form(
+    conv: nn.Module, x: torch.Tensor, form: str, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, bool]:
     """``conv(x)`` without its bias, for one channels-last padded video ``x`` [1, C, T, H, W], by
-    2D convolutions (``form``); the output [1, C', T - 2, H', W'] channels-last, as cuDNN's."""
+    2D convolutions (``form``); the output [1, C', T - 2, H', W'] channels-last, as cuDNN's. The
+    flag: whether the output has the bias and ``residual`` in it already (``summed`` with the
+    epilogue: each tap's convolution adds the sum so far, the last one the bias and residual)."""
     weights = _form_weights(conv, form)
     taps = conv.weight.shape[2]
     frames = x.size(2) - taps + 1
     video = x[0]  # [C, T, H, W], strides (1, H W C, W C, C)
     if form == "summed":
-        out = None
-        for k, weight in enumerate(weights):
-            part = F.conv2d(video[:, k : k + frames].transpose(0, 1), weight)
-            out = part if out is None else out.add_(part)
+        planes = [video[:, k : k + frames].transpose(0, 1) for k in range(taps)]
+        out = F.conv2d(planes[0], weights[0])
+        if _epilogue_on(conv):
+            residual_2d = None if residual is None else residual[0].transpose(0, 1)
+            for k in range(1, taps):
+                last = k == taps - 1
+                addends = (out,) if not last or residual_2d is None else (out, residual_2d)
+                bias = conv.bias if last else None
+                if not cudnn_conv.applies(planes[k], weights[k], (0, 0), bias=bias, addends=addends):
+                    break
+                out = cudnn_conv.conv_epilogue(planes[k], weights[k], (0, 0), bias=bias, addends=addends)
+            else:
+                return out.transpose(0, 1).unsqueeze(0), True
+            for j in range(k, taps):  # declined from tap k on: the plain sums
+                out = out + F.conv2d(planes[j], weights[j])
+        else:
+            for k in range(1, taps):
+                out.add_(F.conv2d(planes[k], weights[k]))
     else:
         thwc = video.permute(1, 2, 3, 0)
         stacked = torch.cat([thwc[k : k + frames] for k in range(taps)], dim=-1)
         out = F.conv2d(stacked.permute(0, 3, 1, 2), weights[0])
-    return out.transpose(0, 1).unsqueeze(0)  # [F, C', H', W'] channels-last -> [1, C', F, H', W']
+    return out.transpose(0, 1).unsqueeze(0), False  # [F, C', H', W'] channels-last -> [1, C', F, H', W']
 
 
 def _plain_3x3x3(conv: nn.Module) -> bool:
     """A 3x3x3 convolution of stride 1, no dilation, no groups, its padding in its input (as
     diffusers' ``WanCausalConv3d`` pads)."""
-    plain = conv.stride == (1, 1, 1) and conv.dilation == (1, 1, 1) and conv.groups == 1
-    return plain and tuple(conv.kernel_size) == (3, 3, 3) and tuple(conv.padding) == (0, 0, 0)
+    shape = tuple(conv.kernel_size) == (3, 3, 3) and tuple(conv.padding) == (0, 0, 0)
+    return shape and _plain_stride(conv)
+
+
+def _plain_stride(conv: nn.Module) -> bool:
+    """A convolution of stride 1, no dilation, no groups (what the epilogue graphs take)."""
+    ones = (1,) * len(conv.stride)
+    return tuple(conv.stride) == ones and tuple(conv.dilation) == ones and conv.groups == 1
 
 
 def _form_applies(conv: nn.Module, x: torch.Tensor) -> str | None:
@@ -151,6 +187,33 @@ def _form_applies(conv: nn.Module, x: torch.Tensor) -> str | None:
     if form is None or x.dim() != 5 or x.size(0) != 1:
         return None
     return form if x.is_contiguous(memory_format=torch.channels_last_3d) else None
+
+
+def _epilogue_on(conv: nn.Module) -> bool:
+    return getattr(conv, _EPILOGUE, False)
+
+
+def _epilogue_weight(conv: nn.Module) -> torch.Tensor:
+    """``conv``'s weight channels-last (what the cuDNN graph reads), made once per weight version."""
+    weight = conv.weight
+    key = (weight.data_ptr(), weight._version, weight.dtype)
+    held = getattr(conv, _EPILOGUE_WEIGHT, None)
+    if held is None or held[0] != key:
+        fmt = torch.channels_last_3d if weight.dim() == 5 else torch.channels_last
+        held = (key, weight.contiguous(memory_format=fmt))
+        setattr(conv, _EPILOGUE_WEIGHT, held)
+    return held[1]
+
+
+def _epilogue_conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """``conv(x) + residual`` with the bias and the residual in cuDNN's epilogue
+    (:mod:`~omnirt.kernels.cudnn_conv`), or None where it does not apply."""
+    weight = _epilogue_weight(conv)
+    padding = tuple(conv.padding)
+    addends = () if residual is None else (residual,)
+    if not cudnn_conv.applies(x, weight, padding, bias=conv.bias, addends=addends):
+        return None
+    return cudnn_conv.conv_epilogue(x, weight, padding, bias=conv.bias, addends=addends)
 
 
 def _cl(conv: nn.Module) -> bool:
@@ -165,9 +228,13 @@ def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
     same bits, in either layout."""
     form = _form_applies(conv, x)
     if form is not None:
-        out = _conv_2d_form(conv, x, form)
+        out, whole = _conv_2d_form(conv, x, form, residual)
+        if whole:
+            return out
         if conv.bias is None:
             return out if residual is None else out + residual
+    elif _epilogue_on(conv) and (out := _epilogue_conv(conv, x, residual)) is not None:
+        return out
     elif conv.bias is None:
         out = (nn.Conv3d.forward if isinstance(conv, nn.Conv3d) else nn.Conv2d.forward)(conv, x)
         return out if residual is None else out + residual
@@ -199,6 +266,14 @@ def _causal_conv(
         channels_last=_cl(conv),
     )
     feat_idx[0] += 1
+    held = getattr(conv, _NARROW, None)
+    if held is not None and residual is None and narrow_conv.applies(buf, conv.weight):
+        weight = conv.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        if held[0] != key:
+            held = (key, narrow_conv.packed_weight(weight))
+            setattr(conv, _NARROW, held)
+        return narrow_conv.narrow_conv3d(buf, weight, conv.bias, packed=held[1])
     return _conv(conv, buf, residual)
 
 
@@ -415,6 +490,11 @@ def install(vae: nn.Module, level: str | None = None) -> int:
             taken = shapes is None or (conv.in_channels, conv.out_channels) in shapes
             if form != "3d" and kind == "causal" and _plain_3x3x3(conv) and taken:
                 setattr(conv, _FORM, form)
+        if level == "fast" and FUSED_EPILOGUE and _plain_stride(conv):
+            setattr(conv, _EPILOGUE, True)
+    head = decoder.conv_out
+    if level == "fast" and NARROW_HEAD and _plain_3x3x3(head) and head.out_channels <= narrow_conv.MAX_OUT:
+        setattr(head, _NARROW, (None, None))  # the packed weight, made at the first call
     log.info("Wan VAE decoder fast path: %s level in %d modules (convolutions: %s)", level, sites, form)
     return sites
 
@@ -437,7 +517,7 @@ def uninstall(vae: nn.Module) -> None:
             delattr(module, _ATTR)
         if _cl(module):
             _set_channels_last(module, False)
-        for attr in (_FORM, _WEIGHTS):
+        for attr in (_FORM, _WEIGHTS, _EPILOGUE, _EPILOGUE_WEIGHT, _NARROW):
             if hasattr(module, attr):
                 delattr(module, attr)
 

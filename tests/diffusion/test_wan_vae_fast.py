@@ -244,6 +244,91 @@ def test_the_fast_levels_2d_convolutions_match_diffusers(form, shapes, per_frame
     assert wan_vae_fast.installed_level(vae) == "exact"  # refused: what was installed stays
 
 
+def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monkeypatch):
+    """``FUSED_EPILOGUE``: at ``fast``, each convolution's bias and residual go into its epilogue
+    (``kernels/cudnn_conv.py``; here its fp32 reference stands in for cuDNN): the 3D and 2D
+    convolutions with their bias and the second residual convolution with the block's shortcut,
+    and the summed 2D form's taps each with the sum so far. Through a decode of two chunks, close
+    to diffusers'; off, no call."""
+    from omnirt.kernels import cudnn_conv
+
+    vae = _tiny_vae()
+    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
+    monkeypatch.setattr(wan_vae_fast, "NARROW_HEAD", False)  # the head too through the epilogue
+    calls = []
+
+    def fused(x, weight, padding, *, bias=None, addends=()):
+        calls.append((x.dim(), tuple(weight.shape[:2]), bias is not None, len(addends)))
+        assert x.is_contiguous(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
+        return cudnn_conv.conv_epilogue_reference(x, weight, padding, bias=bias, addends=addends)
+
+    monkeypatch.setattr(cudnn_conv, "applies", lambda *a, **k: True)
+    monkeypatch.setattr(cudnn_conv, "conv_epilogue", fused)
+    with torch.no_grad():
+        want = vae.decode(z, return_dict=False)[0]
+        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", False)
+        wan_vae_fast.install(vae, "fast")
+        plain = vae.decode(z, return_dict=False)[0]
+        assert calls == []
+        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", True)
+        wan_vae_fast.install(vae, "fast")
+        got = vae.decode(z, return_dict=False)[0]
+        assert vae.decoder.conv_out.weight.is_contiguous()  # the module's weight untouched
+        wan_vae_fast.uninstall(vae)
+    assert not hasattr(vae.decoder.conv_out, "_omnirt_epilogue_weight")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)
+    # per latent frame: conv_in and the head (bias), each residual block's conv1 (bias) and conv2
+    # (bias + shortcut), each upsampler's 2D convolution (bias), and from the second frame on the
+    # 3D upsamplers' time convolutions (bias); the 8 -> 8 ones as 2D taps after the first, each
+    # adding the sum so far, the last the bias (and conv2's the shortcut too)
+    blocks = [m for m in vae.decoder.modules() if type(m).__name__ == "WanResidualBlock"]
+    summed = [m for m in blocks if (m.conv1.in_channels, m.conv1.out_channels) == (8, 8)]
+    times = [m for m in vae.decoder.modules() if getattr(m, "mode", None) == "upsample3d"]
+    assert (len(blocks), len(summed), len(times)) == (10, 2, 2)
+    head = calls.index((5, (3, 8), True, 0)) + 1  # the first frame's last call
+    first, second = calls[:head], calls[head:]
+    time_convs = [c for c in second if c[1] == (32, 16)]
+    assert len(time_convs) == len(times) and [c for c in second if c not in time_convs] == first
+    taps = [c for c in first if c[0] == 4 and c[1] == (8, 8)]
+    tap = (4, (8, 8))
+    conv1, conv2 = [(*tap, False, 1), (*tap, True, 1)], [(*tap, False, 1), (*tap, True, 2)]
+    assert taps == (conv1 + conv2) * 2
+    rest = [c for c in first if c not in taps]
+    assert all(c[2] for c in rest)  # every convolution of this decoder has a bias
+    assert len([c for c in rest if c[0] == 5 and c[3] == 1]) == len(blocks) - len(summed)  # conv2s
+    assert len([c for c in rest if c[0] == 4]) == 3  # the upsamplers' 2D convolutions
+
+
+def test_the_fast_levels_head_is_one_narrow_convolution(monkeypatch):
+    """``NARROW_HEAD``: at ``fast`` the head's convolution (3 outputs) is ``kernels/narrow_conv.py``'s
+    kernel (its channel block made 8 here, for the tiny decoder's 8 channels), once per latent
+    frame, its output contiguous; the decode close to diffusers'; not at ``exact``."""
+    from omnirt.kernels import narrow_conv
+
+    vae = _tiny_vae()
+    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(narrow_conv, "CHANNEL_BLOCK", 8)
+    monkeypatch.setattr(wan_vae_fast, "NARROW_HEAD", True)
+    calls = []
+    real = narrow_conv.narrow_conv3d
+    spy = lambda *a, **k: calls.append(a[1].shape) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(narrow_conv, "narrow_conv3d", spy)
+    with torch.no_grad():
+        want = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.install(vae, "exact")
+        vae.decode(z, return_dict=False)
+        assert calls == []
+        wan_vae_fast.install(vae, "fast")
+        got = vae.decode(z, return_dict=False)[0]
+        packed = vae.decoder.conv_out._omnirt_narrow_weight[1]
+        wan_vae_fast.uninstall(vae)
+    assert calls == [(3, 8, 3, 3, 3)] * 2 and packed.shape == (27, 8, narrow_conv.OUT_PAD)
+    assert not hasattr(vae.decoder.conv_out, "_omnirt_narrow_weight")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_feature_cache_protocol_is_kept():
     """Chunk by chunk with caller-owned caches (as WanDenoiser's decode in pieces calls it): the
     cache entries have diffusers' shapes and the frames match."""

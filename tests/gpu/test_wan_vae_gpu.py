@@ -94,9 +94,14 @@ def test_channel_norms_of_channels_last_frames_are_diffusers_bitwise(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("latents", [(4, 30, 52), (2, 60, 104)])
-def test_real_config_decodes(dtype, latents):
+def test_real_config_decodes(dtype, latents, monkeypatch):
     from diffusers import AutoencoderKLWan
+    from omnirt.kernels import cudnn_conv
     from omnirt.stages.diffusion import wan_vae_fast
+
+    fused = []
+    real = cudnn_conv.conv_epilogue
+    monkeypatch.setattr(cudnn_conv, "conv_epilogue", lambda *a, **k: fused.append(1) or real(*a, **k))
 
     cfg = json.loads((ROOT / "benchmarks/models/wan2.1-t2v/wan2.1-t2v.components.json").read_text())["vae"]
     with torch.device("cuda"):
@@ -112,10 +117,78 @@ def test_real_config_decodes(dtype, latents):
         want = vae.decode(z.to(dtype), return_dict=False)[0]
         assert wan_vae_fast.install(vae, "exact") > 0
         exact = vae.decode(z.to(dtype), return_dict=False)[0]
-        wan_vae_fast.install(vae, "fast")
-        fast = vae.decode(z.to(dtype), return_dict=False)[0]
+        assert fused == []  # exact: no fused epilogue
+        fasts = {}
+        for extras in ((False, False), (True, True)):  # the fused epilogues and the narrow head
+            monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", extras[0])
+            monkeypatch.setattr(wan_vae_fast, "NARROW_HEAD", extras[1])
+            wan_vae_fast.install(vae, "fast")
+            fasts[extras] = vae.decode(z.to(dtype), return_dict=False)[0]
+            # bf16: the convolutions add their bias and residual in cuDNN's epilogue
+            assert bool(fused) == (dtype == torch.bfloat16 and extras[0])
         wan_vae_fast.uninstall(vae)
     assert want.shape == (1, 3, 4 * latents[0] - 3, 8 * latents[1], 8 * latents[2])
     assert torch.equal(exact, want)
-    mse = (fast.float() - want.float()).pow(2).mean()
-    assert float(10 * torch.log10(4 / mse)) > FAST_PSNR_DB
+    for fast in fasts.values():
+        mse = (fast.float() - want.float()).pow(2).mean()
+        assert float(10 * torch.log10(4 / mse)) > FAST_PSNR_DB
+
+
+#: Decoder convolutions (480p shapes, fewer frames): (input frames, weight, padding, addends).
+EPILOGUE_CASES = (
+    ((1, 96, 6, 482, 834), (96, 96, 3, 3, 3), (0, 0, 0), 1),  # the top level's conv2
+    ((1, 384, 3, 62, 106), (384, 384, 3, 3, 3), (0, 0, 0), 0),
+    ((1, 96, 6, 482, 834), (3, 96, 3, 3, 3), (0, 0, 0), 0),  # the head
+    ((4, 384, 240, 416), (192, 384, 3, 3), (1, 1), 0),  # an upsampler's 2D convolution
+    ((4, 96, 482, 834), (96, 96, 3, 3), (0, 0), 2),  # a summed 2D tap: the sum so far and a shortcut
+)
+
+
+@pytest.mark.parametrize(("frames", "kernel", "padding", "addends"), EPILOGUE_CASES)
+def test_convolutions_with_their_epilogue_match_the_reference(frames, kernel, padding, addends, monkeypatch):
+    """``kernels/cudnn_conv.py``: cuDNN takes the decoder's shapes with channels-last addends (on
+    the H100 it declined others: those are not offered), and the fused bias and adds (fp32,
+    rounded once) are within bf16's rounding of the fp32 reference (only the products' summation
+    order differs)."""
+    from omnirt.kernels import cudnn_conv
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the reference in true fp32
+    g = torch.Generator(device="cuda").manual_seed(7)
+    fmt = torch.channels_last_3d if len(frames) == 5 else torch.channels_last
+    x = torch.randn(frames, device="cuda", generator=g).to(torch.bfloat16).contiguous(memory_format=fmt)
+    weight = (torch.randn(kernel, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
+    weight = weight.contiguous(memory_format=fmt)
+    bias = torch.randn(kernel[0], device="cuda", generator=g).to(torch.bfloat16)
+    shape = cudnn_conv.out_shape(x, weight, padding)
+    extra = [torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(addends)]
+    if extra:  # an addend of another layout (here NC(D)HW) is not offered to cuDNN, which declines it
+        assert not cudnn_conv.applies(x, weight, padding, bias=bias, addends=tuple(extra))
+    extra = [a.contiguous(memory_format=fmt) for a in extra]  # as the decoder's residuals and sums come
+    assert cudnn_conv.applies(x, weight, padding, bias=bias, addends=tuple(extra))
+    got = cudnn_conv.conv_epilogue(x, weight, padding, bias=bias, addends=tuple(extra))
+    want = cudnn_conv.conv_epilogue_reference(x, weight, padding, bias=bias, addends=tuple(extra))
+    assert got.shape == want.shape and got.is_contiguous(memory_format=fmt)
+    err = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)
+    assert float(err.max()) <= 2**-7
+
+
+def test_the_narrow_head_matches_the_reference():
+    """``kernels/narrow_conv.py`` at the decoder's head (96 -> 3, 480p, 6 padded frames, bf16,
+    channels-last): within bf16's rounding of the fp32 convolution, its output NCDHW."""
+    from omnirt.kernels import narrow_conv
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(1, 96, 6, 482, 834, device="cuda", generator=g).to(torch.bfloat16)
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    weight = (torch.randn(3, 96, 3, 3, 3, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
+    bias = torch.randn(3, device="cuda", generator=g).to(torch.bfloat16)
+    assert narrow_conv.applies(x, weight)
+    got = narrow_conv.narrow_conv3d(x, weight, bias)
+    torch.backends.cudnn.allow_tf32, before = False, torch.backends.cudnn.allow_tf32
+    try:
+        want = narrow_conv.narrow_conv3d_reference(x, weight, bias)
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
+    assert got.shape == want.shape == (1, 3, 4, 480, 832) and got.is_contiguous()
+    err = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)
+    assert float(err.max()) <= 2**-7

@@ -1,0 +1,262 @@
+"""Convolutions with their bias and residual adds in cuDNN's epilogue, for the Wan VAE decoder's
+``fast`` level (``stages/diffusion/wan_vae_fast.py``, ``FUSED_EPILOGUE``).
+
+Why: ATen runs a convolution's bias as a pass of its own after cuDNN's kernel, and a residual
+block's ``x + shortcut`` is another; the ``exact`` level does both in one Triton pass
+(``conv_input.add_bias_residual_``), about 7% of its decode on the H200 (``docs/benchmarks.md``).
+A cuDNN frontend graph of the convolution followed by the bias and the adds runs them in the
+convolution kernel's epilogue, on the fp32 accumulator, so that pass goes. Measured on an H100
+(2026-12-06): the ``fast`` decode 1.3-2.0% faster with it (480p and 720p, 81 frames, bf16), its
+PSNR against diffusers 46.1 dB against 55.2 (every convolution's roundings change, not only the
+96-channel ones'), so it is off by default.
+
+Numerics: the product is accumulated in fp32 as cuDNN's plain convolution does; the bias and then
+each addend are added to it in fp32, and the sum is rounded once to the frames' dtype, where the
+``exact`` chain rounds the product, then the sum with the bias, then that with the residual. So it
+is not bitwise (a ``fast``-level change, and a more precise one); :func:`conv_epilogue_reference`
+models it in fp32 for the tests.
+
+:func:`conv_epilogue` runs where :func:`applies` says: CUDA, ``cudnn`` (the ``cudnn`` extra)
+importable, bf16 or fp16 frames, weight and addends, channels-last 2D or 3D convolutions of stride
+1 and no dilation. cuDNN's fused epilogues decline addends of other layouts (an upsampler's
+frames-first output, say), so those are not offered; a graph that cuDNN declines otherwise is
+remembered, and :func:`applies` then says no for its shapes: the caller runs its plain
+convolution. Graphs are built once per shape and kept (:data:`MAX_PLANS`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+#: Built cuDNN graphs kept (least recently used dropped past it).
+MAX_PLANS = 64
+
+_CUDNN_DTYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
+# uids of the graph's tensors (above those the front end gives its virtual tensors)
+_X, _W, _B, _Y = 100, 101, 102, 103
+_ADDEND = 110  # the addends: 110, 111, ...
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...]) -> None:
+    spatial = x.dim() - 2
+    if x.dim() not in (4, 5) or weight.dim() != x.dim():
+        raise ValueError(f"a 2D or 3D convolution: frames {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"a weight of {weight.shape[1]} input channels for frames of {x.shape[1]}")
+    if len(padding) != spatial:
+        raise ValueError(f"padding {padding} for a {spatial}D convolution")
+
+
+def _out_dims(x: tuple[int, ...], weight: tuple[int, ...], padding: tuple[int, ...]) -> tuple[int, ...]:
+    spatial = zip(x[2:], padding, weight[2:], strict=True)
+    return (x[0], weight[0], *(n + 2 * p - k + 1 for n, p, k in spatial))
+
+
+def out_shape(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...]) -> tuple[int, ...]:
+    """The output's shape of a convolution of stride 1 over ``x`` padded by ``padding``."""
+    return _out_dims(tuple(x.shape), tuple(weight.shape), tuple(padding))
+
+
+def conv_epilogue_reference(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], *, bias: torch.Tensor | None = None,
+    addends: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:  # fmt: skip
+    """What :func:`conv_epilogue` computes, in fp32: the convolution, plus ``bias`` [C'], plus each
+    addend (the output's shape), rounded once to ``x``'s dtype."""
+    _check(x, weight, padding)
+    conv = F.conv3d if x.dim() == 5 else F.conv2d
+    y = conv(x.float(), weight.float(), None if bias is None else bias.float(), padding=padding)
+    for addend in addends:
+        y = y + addend.float()
+    return y.to(x.dtype)
+
+
+# --- cuDNN --------------------------------------------------------------------------------------
+
+
+def _cudnn() -> Any | None:
+    try:
+        import cudnn
+    except Exception:  # not installed, or no libcudnn to load
+        return None
+    return cudnn
+
+
+@dataclass(frozen=True)
+class _Shape:
+    x: tuple[int, ...]
+    x_strides: tuple[int, ...]
+    weight: tuple[int, ...]
+    weight_strides: tuple[int, ...]
+    padding: tuple[int, ...]
+    bias: bool
+    addend_strides: tuple[tuple[int, ...], ...]
+    out_strides: tuple[int, ...]
+    dtype: torch.dtype
+    device: int
+
+
+@dataclass
+class _Plan:
+    graph: Any
+    workspace: torch.Tensor
+    handle: Any
+
+
+_plans: OrderedDict[_Shape, _Plan] = OrderedDict()
+_declined: set[_Shape] = set()
+_handles: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+def build_graph(cudnn: Any, shape: _Shape, handle: Any = None) -> Any:
+    """The cuDNN graph of one shape, before validation (which needs libcudnn): the convolution
+    (fp32 accumulation), the bias as a [1, C', 1, ...] tensor, each addend, the output in the
+    frames' dtype and strides."""
+    dt = cudnn.data_type
+    io = getattr(dt, _CUDNN_DTYPES[shape.dtype])
+    context = {"handle": handle} if handle is not None else {}
+    graph = cudnn.pygraph(
+        io_data_type=io, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT, **context
+    )
+    spatial = len(shape.padding)
+    x = graph.tensor(uid=_X, dim=list(shape.x), stride=list(shape.x_strides), data_type=io)
+    w = graph.tensor(uid=_W, dim=list(shape.weight), stride=list(shape.weight_strides), data_type=io)
+    ones = [1] * spatial
+    y = graph.conv_fprop(image=x, weight=w, padding=list(shape.padding), stride=ones, dilation=ones)
+    out = list(_out_dims(shape.x, shape.weight, shape.padding))
+    if shape.bias:
+        c = shape.weight[0]
+        b = graph.tensor(uid=_B, dim=[1, c, *ones], stride=[c, 1, *ones], data_type=io)
+        y = graph.bias(input=y, bias=b)
+    for i, strides in enumerate(shape.addend_strides):
+        r = graph.tensor(uid=_ADDEND + i, dim=out, stride=list(strides), data_type=io)
+        y = graph.add(a=y, b=r)
+    y.set_uid(_Y).set_output(True).set_data_type(io).set_dim(out).set_stride(list(shape.out_strides))
+    return graph
+
+
+def _handle(cudnn: Any, device: int) -> Any:
+    handle = _handles.get(device)
+    if handle is None:
+        with torch.cuda.device(device):
+            handle = _handles[device] = cudnn.create_handle()
+    return handle
+
+
+def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
+    with _lock:
+        plan = _plans.get(shape)
+        if plan is not None:
+            _plans.move_to_end(shape)
+            return plan
+        if shape in _declined:
+            return None
+        try:
+            handle = _handle(cudnn, shape.device)
+            graph = build_graph(cudnn, shape, handle)
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+            graph.build_plans()
+        except Exception as error:  # cuDNN declines it
+            _declined.add(shape)
+            log.warning("cuDNN declined a convolution with its epilogue, %s (%s); the plain one runs",
+                        shape, error)  # fmt: skip
+            return None
+        device = torch.device("cuda", shape.device)
+        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
+        plan = _plans[shape] = _Plan(graph, workspace, handle)
+        while len(_plans) > MAX_PLANS:
+            _plans.popitem(last=False)
+    return plan
+
+
+def _format(x: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+
+
+def _shape(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], bias: torch.Tensor | None,
+    addends: tuple[torch.Tensor, ...],
+) -> _Shape:  # fmt: skip
+    out = torch.empty(out_shape(x, weight, padding), device="meta", memory_format=_format(x))
+    return _Shape(
+        tuple(x.shape), tuple(x.stride()), tuple(weight.shape), tuple(weight.stride()), tuple(padding),
+        bias is not None, tuple(tuple(a.stride()) for a in addends), tuple(out.stride()), x.dtype,
+        x.device.index if x.device.index is not None else torch.cuda.current_device(),
+    )  # fmt: skip
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the frames and weight are of a kind the graphs take (before asking cuDNN)."""
+    fmt = _format(x) if x.dim() in (4, 5) else None
+    return (
+        fmt is not None
+        and x.is_cuda
+        and x.dtype in _CUDNN_DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == x.dim()
+        and x.is_contiguous(memory_format=fmt)
+        and weight.is_contiguous(memory_format=fmt)
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        and _cudnn() is not None
+    )
+
+
+def applies(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], *, bias: torch.Tensor | None = None,
+    addends: tuple[torch.Tensor, ...] = (),
+) -> bool:  # fmt: skip
+    """Whether :func:`conv_epilogue` runs these tensors (building their graph if it is new)."""
+    if not (supported(x, weight) and _addends_fit(x, weight, padding, addends)):
+        return False
+    return _plan(_cudnn(), _shape(x, weight, padding, bias, addends)) is not None
+
+
+def _addends_fit(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], addends: tuple[torch.Tensor, ...]
+) -> bool:
+    """Addends of the output's shape, dtype and (dense) channels-last layout: cuDNN's fused
+    epilogues decline other strides (``NOT_SUPPORTED_LAYOUT``: not ``NSpatialC`` fully packed;
+    measured on the H100, e.g. an upsampler's frames-first view)."""
+    shape = out_shape(x, weight, padding)
+    fmt = _format(x)
+    fit = (a.shape == shape and a.dtype == x.dtype and a.is_contiguous(memory_format=fmt) for a in addends)
+    return all(fit)
+
+
+def conv_epilogue(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], *, bias: torch.Tensor | None = None,
+    addends: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:  # fmt: skip
+    """The convolution of channels-last ``x`` [N, C, (T,) H, W] by ``weight`` [C', C, (kt,) kh, kw]
+    (channels-last too), stride 1, ``padding`` zeros each side per spatial dim, plus ``bias`` [C']
+    and each of ``addends`` (the output's shape, channels-last) in the convolution's epilogue, rounded
+    once; the output channels-last. Only where :func:`applies`; raises otherwise."""
+    _check(x, weight, padding)
+    plan = None
+    if supported(x, weight) and _addends_fit(x, weight, padding, addends):
+        plan = _plan(_cudnn(), _shape(x, weight, padding, bias, addends))
+    if plan is None:
+        raise RuntimeError("the fused convolution does not apply to these tensors (see cudnn_conv.applies)")
+    out = torch.empty(out_shape(x, weight, padding), dtype=x.dtype, device=x.device, memory_format=_format(x))
+    pack: dict[int, torch.Tensor] = {_X: x, _W: weight, _Y: out}
+    if bias is not None:
+        pack[_B] = bias.to(x.dtype).contiguous()
+    for i, addend in enumerate(addends):
+        pack[_ADDEND + i] = addend
+    cudnn = _cudnn()
+    cudnn.set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
+    plan.graph.execute(pack, plan.workspace, handle=plan.handle)
+    return out
