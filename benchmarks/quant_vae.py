@@ -31,8 +31,7 @@
 - **Fused epilogues** (``--conv-cudnn``): each decoder convolution with its bias and a residual add
   after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
   ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast``
-  decodes with and without the fused epilogues (``wan_vae_fast.FUSED_EPILOGUE``) and the head's
-  Triton kernel (``NARROW_HEAD``), each of the four.
+  decodes with and without the fused epilogues (``wan_vae_fast.FUSED_EPILOGUE``).
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
@@ -411,23 +410,23 @@ def vae_rows(
     z = torch.randn(1, 16, 21, h, w, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     z = z.to(dtype)
     name = f"Wan VAE decode {size} 81 frames {str(dtype).removeprefix('torch.')}"
-    default, epilogue, narrow = wan_vae_fast.FAST_CONV, wan_vae_fast.FUSED_EPILOGUE, wan_vae_fast.NARROW_HEAD
+    default, epilogue = wan_vae_fast.FAST_CONV, wan_vae_fast.FUSED_EPILOGUE
     rows = []
     with torch.no_grad():
         base = ref = None
         shapes = wan_vae_fast.FAST_CONV_SHAPES
-        # (level, label, form, the fused epilogues, the narrow head)
-        runs = [("off", "off", "3d", epilogue, narrow), ("exact", "exact", "3d", epilogue, narrow)]
+        # (level, label, form, the fused epilogues)
+        runs = [("off", "off", "3d", epilogue), ("exact", "exact", "3d", epilogue)]
         for form in fast_convs:
             at = None if form.endswith("-all") else shapes
-            label = f"fast, {form.removesuffix('-all')} at {_pairs(at)}"
-            runs.append(("fast", label, form, epilogue, narrow))
-        if ablations:  # the default form with each of the fast level's other changes, on and off
-            for fused, head in ((False, False), (True, False), (False, True), (True, True)):
-                label = f"fast, {default} at {_pairs(shapes)}, {_extras(fused, head)}"
-                runs.append(("fast", label, default, fused, head))
-        for level, label, form, fused, head in runs:
-            wan_vae_fast.FUSED_EPILOGUE, wan_vae_fast.NARROW_HEAD = fused, head
+            runs.append(("fast", f"fast, {form.removesuffix('-all')} at {_pairs(at)}", form, epilogue))
+        if ablations:  # the default form with the fused epilogues off and on
+            for fused in (False, True):
+                label = f"fast, {default} at {_pairs(shapes)}, " + (
+                    "fused epilogues" if fused else "bias + residual a pass")
+                runs.append(("fast", label, default, fused))
+        for level, label, form, fused in runs:
+            wan_vae_fast.FUSED_EPILOGUE = fused
             wan_vae_fast.FAST_CONV = form.removesuffix("-all")
             wan_vae_fast.FAST_CONV_SHAPES = None if form.endswith("-all") else shapes
             wan_vae_fast.install(vae, level)
@@ -446,14 +445,8 @@ def vae_rows(
             del out
         wan_vae_fast.uninstall(vae)
         wan_vae_fast.FAST_CONV, wan_vae_fast.FAST_CONV_SHAPES = default, shapes
-        wan_vae_fast.FUSED_EPILOGUE, wan_vae_fast.NARROW_HEAD = epilogue, narrow
+        wan_vae_fast.FUSED_EPILOGUE = epilogue
     return rows
-
-
-def _extras(fused: bool, head: bool) -> str:
-    """A label of the fast level's optional changes."""
-    parts = ["fused epilogues" if fused else "bias + residual a pass"]
-    return ", ".join(parts + ["the head in Triton" if head else "the head cuDNN's"])
 
 
 def _pairs(shapes: frozenset[tuple[int, int]] | None) -> str:
@@ -765,8 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument(
         "--fast-ablations", action="store_true",
-        help="VAE: also the fast level with and without its fused epilogues "
-        "(wan_vae_fast.FUSED_EPILOGUE) and its narrow head (NARROW_HEAD), each of the four",
+        help="VAE: also the fast level with and without its fused epilogues (wan_vae_fast.FUSED_EPILOGUE)",
     )  # fmt: skip
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")

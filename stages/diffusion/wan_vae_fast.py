@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import conv_input, cudnn_conv, narrow_conv, settings
+from ...kernels import conv_input, cudnn_conv, settings
 from ...kernels.settings import HAVE_TRITON, check_vae_level
 
 log = logging.getLogger(__name__)
@@ -107,11 +107,6 @@ _WEIGHTS = "_omnirt_fast_weights"
 FUSED_EPILOGUE = False
 _EPILOGUE = "_omnirt_epilogue"
 _EPILOGUE_WEIGHT = "_omnirt_epilogue_weight"
-#: Whether the ``fast`` level runs the head's convolution (96 -> 3) as one Triton kernel
-#: (``kernels/narrow_conv.py``: cuDNN idles 13 of 16 output lanes there), its output in the
-#: NCDHW order the decoder returns. Off until measured on a GPU (as :data:`FUSED_EPILOGUE`).
-NARROW_HEAD = False
-_NARROW = "_omnirt_narrow_weight"
 
 
 def _form_weights(conv: nn.Module, form: str) -> list[torch.Tensor]:
@@ -266,14 +261,6 @@ def _causal_conv(
         channels_last=_cl(conv),
     )
     feat_idx[0] += 1
-    held = getattr(conv, _NARROW, None)
-    if held is not None and residual is None and narrow_conv.applies(buf, conv.weight):
-        weight = conv.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype)
-        if held[0] != key:
-            held = (key, narrow_conv.packed_weight(weight))
-            setattr(conv, _NARROW, held)
-        return narrow_conv.narrow_conv3d(buf, weight, conv.bias, packed=held[1])
     return _conv(conv, buf, residual)
 
 
@@ -492,9 +479,6 @@ def install(vae: nn.Module, level: str | None = None) -> int:
                 setattr(conv, _FORM, form)
         if level == "fast" and FUSED_EPILOGUE and _plain_stride(conv):
             setattr(conv, _EPILOGUE, True)
-    head = decoder.conv_out
-    if level == "fast" and NARROW_HEAD and _plain_3x3x3(head) and head.out_channels <= narrow_conv.MAX_OUT:
-        setattr(head, _NARROW, (None, None))  # the packed weight, made at the first call
     log.info("Wan VAE decoder fast path: %s level in %d modules (convolutions: %s)", level, sites, form)
     return sites
 
@@ -517,7 +501,7 @@ def uninstall(vae: nn.Module) -> None:
             delattr(module, _ATTR)
         if _cl(module):
             _set_channels_last(module, False)
-        for attr in (_FORM, _WEIGHTS, _EPILOGUE, _EPILOGUE_WEIGHT, _NARROW):
+        for attr in (_FORM, _WEIGHTS, _EPILOGUE, _EPILOGUE_WEIGHT):
             if hasattr(module, attr):
                 delattr(module, attr)
 

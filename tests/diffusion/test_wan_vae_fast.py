@@ -255,7 +255,6 @@ def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monk
     vae = _tiny_vae()
     z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
-    monkeypatch.setattr(wan_vae_fast, "NARROW_HEAD", False)  # the head too through the epilogue
     calls = []
 
     def fused(x, weight, padding, *, bias=None, addends=()):
@@ -299,34 +298,6 @@ def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monk
     assert all(c[2] for c in rest)  # every convolution of this decoder has a bias
     assert len([c for c in rest if c[0] == 5 and c[3] == 1]) == len(blocks) - len(summed)  # conv2s
     assert len([c for c in rest if c[0] == 4]) == 3  # the upsamplers' 2D convolutions
-
-
-def test_the_fast_levels_head_is_one_narrow_convolution(monkeypatch):
-    """``NARROW_HEAD``: at ``fast`` the head's convolution (3 outputs) is ``kernels/narrow_conv.py``'s
-    kernel (its channel block made 8 here, for the tiny decoder's 8 channels), once per latent
-    frame, its output contiguous; the decode close to diffusers'; not at ``exact``."""
-    from omnirt.kernels import narrow_conv
-
-    vae = _tiny_vae()
-    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
-    monkeypatch.setattr(narrow_conv, "CHANNEL_BLOCK", 8)
-    monkeypatch.setattr(wan_vae_fast, "NARROW_HEAD", True)
-    calls = []
-    real = narrow_conv.narrow_conv3d
-    spy = lambda *a, **k: calls.append(a[1].shape) or real(*a, **k)  # noqa: E731
-    monkeypatch.setattr(narrow_conv, "narrow_conv3d", spy)
-    with torch.no_grad():
-        want = vae.decode(z, return_dict=False)[0]
-        wan_vae_fast.install(vae, "exact")
-        vae.decode(z, return_dict=False)
-        assert calls == []
-        wan_vae_fast.install(vae, "fast")
-        got = vae.decode(z, return_dict=False)[0]
-        packed = vae.decoder.conv_out._omnirt_narrow_weight[1]
-        wan_vae_fast.uninstall(vae)
-    assert calls == [(3, 8, 3, 3, 3)] * 2 and packed.shape == (27, 8, narrow_conv.OUT_PAD)
-    assert not hasattr(vae.decoder.conv_out, "_omnirt_narrow_weight")
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_feature_cache_protocol_is_kept():

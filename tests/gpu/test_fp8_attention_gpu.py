@@ -135,7 +135,8 @@ def test_fp8_zimage_attends_in_fp8_when_asked(monkeypatch):
     fused.install(zimage)
     g = torch.Generator(device="cuda").manual_seed(1)
     latents = [torch.randn(16, 1, 32, 32, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)]
-    caption = [torch.randn(n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for n in (7, 19)]
+    # captions padded to different multiples of 32 (diffusers masks only then: 7 and 19 both pad to 32)
+    caption = [torch.randn(n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for n in (7, 40)]
     t = torch.tensor([0.3, 0.7], device="cuda", dtype=torch.bfloat16)
     calls = []
     run = fp8_attention.fp8_attention

@@ -119,13 +119,12 @@ def test_real_config_decodes(dtype, latents, monkeypatch):
         exact = vae.decode(z.to(dtype), return_dict=False)[0]
         assert fused == []  # exact: no fused epilogue
         fasts = {}
-        for extras in ((False, False), (True, True)):  # the fused epilogues and the narrow head
-            monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", extras[0])
-            monkeypatch.setattr(wan_vae_fast, "NARROW_HEAD", extras[1])
+        for epilogue in (False, True):
+            monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", epilogue)
             wan_vae_fast.install(vae, "fast")
-            fasts[extras] = vae.decode(z.to(dtype), return_dict=False)[0]
+            fasts[epilogue] = vae.decode(z.to(dtype), return_dict=False)[0]
             # bf16: the convolutions add their bias and residual in cuDNN's epilogue
-            assert bool(fused) == (dtype == torch.bfloat16 and extras[0])
+            assert bool(fused) == (dtype == torch.bfloat16 and epilogue)
         wan_vae_fast.uninstall(vae)
     assert want.shape == (1, 3, 4 * latents[0] - 3, 8 * latents[1], 8 * latents[2])
     assert torch.equal(exact, want)
@@ -171,24 +170,3 @@ def test_convolutions_with_their_epilogue_match_the_reference(frames, kernel, pa
     err = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)
     assert float(err.max()) <= 2**-7
 
-
-def test_the_narrow_head_matches_the_reference():
-    """``kernels/narrow_conv.py`` at the decoder's head (96 -> 3, 480p, 6 padded frames, bf16,
-    channels-last): within bf16's rounding of the fp32 convolution, its output NCDHW."""
-    from omnirt.kernels import narrow_conv
-
-    g = torch.Generator(device="cuda").manual_seed(8)
-    x = torch.randn(1, 96, 6, 482, 834, device="cuda", generator=g).to(torch.bfloat16)
-    x = x.contiguous(memory_format=torch.channels_last_3d)
-    weight = (torch.randn(3, 96, 3, 3, 3, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
-    bias = torch.randn(3, device="cuda", generator=g).to(torch.bfloat16)
-    assert narrow_conv.applies(x, weight)
-    got = narrow_conv.narrow_conv3d(x, weight, bias)
-    torch.backends.cudnn.allow_tf32, before = False, torch.backends.cudnn.allow_tf32
-    try:
-        want = narrow_conv.narrow_conv3d_reference(x, weight, bias)
-    finally:
-        torch.backends.cudnn.allow_tf32 = before
-    assert got.shape == want.shape == (1, 3, 4, 480, 832) and got.is_contiguous()
-    err = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)
-    assert float(err.max()) <= 2**-7
