@@ -13,10 +13,12 @@ a Triton kernel may run.
   ``"fast"`` (non-bitwise reorderings, within a stated PSNR: the top level's convolutions as 2D
   ones over their time taps) or
   ``"off"``. ``omnirt serve --vae-fast`` sets it.
-- **FP8 attention** (``kernels/fp8_attention.py``): ``FP8_ATTENTION`` ``"on"`` runs the
-  attention of the fp8 W8A8 DiT blocks as cuDNN's fp8 flash attention (queries, keys, values and
-  probabilities in e4m3: not bitwise), where it applies; ``"off"`` (the default until measured at
-  real size) keeps it in the model's dtype. ``omnirt serve --fp8-attention`` sets it.
+- **FP8 attention** (``kernels/fp8_attention.py``): ``FP8_ATTENTION`` ``"on"`` (the default)
+  runs the attention of the fp8 W8A8 DiT blocks as cuDNN's fp8 flash attention (queries, keys,
+  values and probabilities in e4m3: not bitwise), where it applies (measured on an H100, Z-Image
+  1024x1024: the fp8 step 68.8 ms against 72.2, the final image 44.4 dB PSNR against bf16 where
+  bf16 attention gives 44.6); ``"off"`` keeps it in the model's dtype. ``omnirt serve
+  --fp8-attention`` sets it.
 - **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only under
   ``TRITON_INTERPRET=1`` (:func:`interpreted`, fp32), when a test calls it directly or installs the
   VAE hooks on a CPU model itself, never from a dispatcher.
@@ -50,7 +52,7 @@ VAE_FAST: VaeLevel = "exact"
 
 Fp8Attention = Literal["on", "off"]
 FP8_ATTENTION_SETTINGS: tuple[Fp8Attention, ...] = ("on", "off")
-FP8_ATTENTION: Fp8Attention = "off"
+FP8_ATTENTION: Fp8Attention = "on"
 
 T = TypeVar("T")
 

@@ -65,7 +65,7 @@ class ServerConfig:
     vae_fast: str = "exact"
     #: The fp8 W8A8 DiT blocks' attention in fp8 as well (cuDNN's fp8 flash attention, where it
     #: applies): ``on`` or ``off`` (``--fp8-attention``).
-    fp8_attention: str = "off"
+    fp8_attention: str = "on"
     #: W8A8 linear layers for the diffusion transformers: ``none``, ``int8`` or ``fp8``
     #: (``--quantization``; reported per model in ``/v1/models``).
     quantization: str = "none"

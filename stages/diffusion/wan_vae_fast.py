@@ -22,7 +22,8 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   :data:`FAST_CONV_SHAPES` (the top level's 96 -> 96, where cuDNN's 3D kernel is slowest) as 2D
   convolutions over their time taps, added (:data:`FAST_CONV`): another summation order, so not
   bitwise (``benchmarks/quant_vae.py`` states the PSNR; ``tests/gpu/test_wan_vae_gpu.py``
-  holds 40 dB).
+  holds 40 dB). With :data:`FUSED_EPILOGUE` (off by default), each convolution's bias and
+  residual go into cuDNN's epilogue (``kernels/cudnn_conv.py``).
 - ``off``: diffusers' decoder untouched.
 
 The convolution weights stay as diffusers holds them (ATen copies a weight to the input's layout

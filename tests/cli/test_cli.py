@@ -128,8 +128,8 @@ def test_config_merges_keys_from_flags_and_environment(tmp_path: Path) -> None:
     assert quantized.quantization == "fp8" and defaults.quantization == "none"
     vae = config_from_args(build_parser().parse_args(["serve", "--vae-fast", "fast"]), {})
     assert vae.vae_fast == "fast" and defaults.vae_fast == "exact"
-    fp8 = config_from_args(build_parser().parse_args(["serve", "--fp8-attention", "on"]), {})
-    assert fp8.fp8_attention == "on" and defaults.fp8_attention == "off"
+    wide = config_from_args(build_parser().parse_args(["serve", "--fp8-attention", "off"]), {})
+    assert wide.fp8_attention == "off" and defaults.fp8_attention == "on"
     target = config_from_args(build_parser().parse_args(["serve", "--first-audio-target-ms", "0"]), {})
     assert target.first_audio_target_ms == 0 and defaults.first_audio_target_ms == 250
     sliced = config_from_args(build_parser().parse_args(["serve", "--batch-slice-ms", "8"]), {})

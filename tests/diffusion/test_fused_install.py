@@ -103,6 +103,7 @@ def test_fp8_attention_asks_for_fp8_blocks_and_falls_back_off_cuda(kind, fused_o
     before = settings.FP8_ATTENTION
     try:
         with torch.no_grad():
+            settings.set_fp8_attention("off")
             want = torch.stack(zimage(latents, t, caption, return_dict=False)[0])
             assert not fused._fp8_block(attention)
             settings.set_fp8_attention("on")
@@ -159,6 +160,7 @@ def test_fp8_attention_hands_its_e4m3_output_to_the_fp8_to_out(chain, fused_on, 
     before = settings.FP8_ATTENTION, fused.FP8_ATTENTION_E4M3_OUT
     try:
         with torch.no_grad():
+            settings.set_fp8_attention("off")
             want = call()
             settings.set_fp8_attention("on")
             ran.clear(), handed.clear()
