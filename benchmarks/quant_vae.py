@@ -108,7 +108,8 @@ def _attention_note(attention: str) -> str:
         return ""
     if not fp8_attention._plans:
         return " (not applied: bf16 attention)"
-    declined = f", {len(fp8_attention._declined)} shapes declined" if fp8_attention._declined else ""
+    refused = fp8_attention._plans.declined
+    declined = f", {len(refused)} shapes declined" if refused else ""
     return f" ({len(fp8_attention._plans)} cuDNN plans{declined})"
 
 
@@ -607,9 +608,9 @@ def _cudnn_conv(x: torch.Tensor, weight: torch.Tensor, padding: list[int], bias:
     epilogue, all plans built and the fastest of the first six kept (the module takes cuDNN's
     first). Returns a callable running it, or the reason cuDNN declined it."""
     import cudnn
-    from omnirt.kernels import cudnn_conv
+    from omnirt.kernels import cudnn_conv, cudnn_graphs
 
-    handle = cudnn.create_handle()
+    handle = cudnn_graphs.handle(cudnn, torch.cuda.current_device())
     shape = cudnn_conv._shape(x, weight, tuple(padding), bias, (residual,))
     out = torch.empty(cudnn_conv.out_shape(x, weight, tuple(padding)), dtype=x.dtype, device=x.device)
     out = out.contiguous(memory_format=cudnn_conv._format(x))
@@ -617,11 +618,7 @@ def _cudnn_conv(x: torch.Tensor, weight: torch.Tensor, padding: list[int], bias:
             cudnn_conv._Y: out}  # fmt: skip
     try:
         graph = cudnn_conv.build_graph(cudnn, shape, handle)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
-        graph.build_plans(cudnn.build_plan_policy.ALL)
+        cudnn_graphs.build_plans(cudnn, graph, cudnn.build_plan_policy.ALL)
     except Exception as error:  # a probe: report why and go on
         return f"declined: {str(error).splitlines()[0][:80]}"
     cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)

@@ -26,16 +26,13 @@ convolution. Graphs are built once per shape and kept (:data:`MAX_PLANS`).
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from . import cudnn_graphs
 
 #: Built cuDNN graphs kept (least recently used dropped past it).
 MAX_PLANS = 64
@@ -83,14 +80,6 @@ def conv_epilogue_reference(
 # --- cuDNN --------------------------------------------------------------------------------------
 
 
-def _cudnn() -> Any | None:
-    try:
-        import cudnn
-    except Exception:  # not installed, or no libcudnn to load
-        return None
-    return cudnn
-
-
 @dataclass(frozen=True)
 class _Shape:
     x: tuple[int, ...]
@@ -112,10 +101,7 @@ class _Plan:
     handle: Any
 
 
-_plans: OrderedDict[_Shape, _Plan] = OrderedDict()
-_declined: set[_Shape] = set()
-_handles: dict[int, Any] = {}
-_lock = threading.Lock()
+_plans: cudnn_graphs.PlanCache[_Plan] = cudnn_graphs.PlanCache(MAX_PLANS, "a convolution with its epilogue")
 
 
 def build_graph(cudnn: Any, shape: _Shape, handle: Any = None) -> Any:
@@ -145,41 +131,17 @@ def build_graph(cudnn: Any, shape: _Shape, handle: Any = None) -> Any:
     return graph
 
 
-def _handle(cudnn: Any, device: int) -> Any:
-    handle = _handles.get(device)
-    if handle is None:
-        with torch.cuda.device(device):
-            handle = _handles[device] = cudnn.create_handle()
-    return handle
+def _build(cudnn: Any, shape: _Shape) -> _Plan:
+    handle = cudnn_graphs.handle(cudnn, shape.device)
+    graph = build_graph(cudnn, shape, handle)
+    cudnn_graphs.build_plans(cudnn, graph)
+    device = torch.device("cuda", shape.device)
+    workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
+    return _Plan(graph, workspace, handle)
 
 
 def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
-    with _lock:
-        plan = _plans.get(shape)
-        if plan is not None:
-            _plans.move_to_end(shape)
-            return plan
-        if shape in _declined:
-            return None
-        try:
-            handle = _handle(cudnn, shape.device)
-            graph = build_graph(cudnn, shape, handle)
-            graph.validate()
-            graph.build_operation_graph()
-            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            graph.check_support()
-            graph.build_plans()
-        except Exception as error:  # cuDNN declines it
-            _declined.add(shape)
-            log.warning("cuDNN declined a convolution with its epilogue, %s (%s); the plain one runs",
-                        shape, error)  # fmt: skip
-            return None
-        device = torch.device("cuda", shape.device)
-        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-        plan = _plans[shape] = _Plan(graph, workspace, handle)
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
-    return plan
+    return _plans.get(shape, lambda: _build(cudnn, shape))
 
 
 def _format(x: torch.Tensor) -> torch.memory_format:
@@ -210,7 +172,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.is_contiguous(memory_format=fmt)
         and weight.is_contiguous(memory_format=fmt)
         and torch.cuda.get_device_capability(x.device) >= (8, 0)
-        and _cudnn() is not None
+        and cudnn_graphs.frontend() is not None
     )
 
 
@@ -221,7 +183,7 @@ def applies(
     """Whether :func:`conv_epilogue` runs these tensors (building their graph if it is new)."""
     if not (supported(x, weight) and _addends_fit(x, weight, padding, addends)):
         return False
-    return _plan(_cudnn(), _shape(x, weight, padding, bias, addends)) is not None
+    return _plan(cudnn_graphs.frontend(), _shape(x, weight, padding, bias, addends)) is not None
 
 
 def _addends_fit(
@@ -247,7 +209,7 @@ def conv_epilogue(
     _check(x, weight, padding)
     plan = None
     if supported(x, weight) and _addends_fit(x, weight, padding, addends):
-        plan = _plan(_cudnn(), _shape(x, weight, padding, bias, addends))
+        plan = _plan(cudnn_graphs.frontend(), _shape(x, weight, padding, bias, addends))
     if plan is None:
         raise RuntimeError("the fused convolution does not apply to these tensors (see cudnn_conv.applies)")
     out = torch.empty(out_shape(x, weight, padding), dtype=x.dtype, device=x.device, memory_format=_format(x))
@@ -256,7 +218,7 @@ def conv_epilogue(
         pack[_B] = bias.to(x.dtype).contiguous()
     for i, addend in enumerate(addends):
         pack[_ADDEND + i] = addend
-    cudnn = _cudnn()
+    cudnn = cudnn_graphs.frontend()
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=plan.handle)
     return out

@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import cudnn_graphs
 from .w8a8 import STORAGE, QuantizedRows, quantize_constants, quantize_rows
 
 try:  # Triton ships with CUDA builds of torch only
@@ -229,14 +228,6 @@ def _as_rows(out8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Qua
 # --- cuDNN --------------------------------------------------------------------------------------
 
 
-def _cudnn() -> Any | None:
-    try:
-        import cudnn
-    except Exception:  # not installed, or no libcudnn to load
-        return None
-    return cudnn
-
-
 @dataclass(frozen=True)
 class _Shape:
     batch: int
@@ -261,10 +252,7 @@ class _Plan:
     fp8_out: bool  # the output in e4m3 (scaled by V's scale), widened after
 
 
-_plans: OrderedDict[_Shape, _Plan] = OrderedDict()
-_declined: set[_Shape] = set()
-_handles: dict[int, Any] = {}
-_lock = threading.Lock()
+_plans: cudnn_graphs.PlanCache[_Plan] = cudnn_graphs.PlanCache(MAX_PLANS, "fp8 attention")
 
 
 def _bhsd_strides(tokens: int, heads: int, dim: int) -> tuple[int, int, int, int]:
@@ -311,54 +299,34 @@ def build_graph(cudnn: Any, shape: _Shape, handle: Any = None, fp8_out: bool = F
     return graph
 
 
-def _handle(cudnn: Any, device: int) -> Any:
-    handle = _handles.get(device)
-    if handle is None:
-        with torch.cuda.device(device):
-            handle = _handles[device] = cudnn.create_handle()
-    return handle
+def _build(cudnn: Any, shape: _Shape) -> _Plan:
+    """The plan of ``shape``: the output in the model's dtype, else in e4m3 (in e4m3 only for a
+    caller that takes it so); raises where cuDNN declines both."""
+    errors = []
+    for fp8_out in (True,) if shape.quantized_out else (False, True):
+        try:
+            handle = cudnn_graphs.handle(cudnn, shape.device)
+            graph = build_graph(cudnn, shape, handle, fp8_out)
+            cudnn_graphs.build_plans(cudnn, graph)
+            break
+        except Exception as error:  # cuDNN declines it (or this backend has no fp8 attention)
+            errors.append(f"{'e4m3' if fp8_out else 'wide'} output: {error}")
+    else:
+        raise RuntimeError("; ".join(errors))
+    if fp8_out and not shape.quantized_out:
+        log.info("cuDNN fp8 attention for %s writes e4m3 (%s)", shape, errors[0])
+    device = torch.device("cuda", shape.device)
+    workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
+    fixed = ((_S_SCALE, P_SCALE), (_S_DESCALE, 1.0 / P_SCALE)) + (() if fp8_out else ((_O_SCALE, 1.0),))
+    constants = {uid: torch.full((1,), value, dtype=torch.float32, device=device) for uid, value in fixed}
+    if shape.masked:  # every query row live
+        rows = (shape.batch, 1, 1, 1)
+        constants[_SEQ_Q] = torch.full(rows, shape.queries, dtype=torch.int32, device=device)
+    return _Plan(graph, workspace, handle, constants, fp8_out)
 
 
 def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
-    with _lock:
-        plan = _plans.get(shape)
-        if plan is not None:
-            _plans.move_to_end(shape)
-            return plan
-        if shape in _declined:
-            return None
-        errors = []
-        # the output in the model's dtype, else in e4m3; in e4m3 only for a caller that takes it so
-        for fp8_out in (True,) if shape.quantized_out else (False, True):
-            try:
-                handle = _handle(cudnn, shape.device)
-                graph = build_graph(cudnn, shape, handle, fp8_out)
-                graph.validate()
-                graph.build_operation_graph()
-                graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-                graph.check_support()
-                graph.build_plans()
-                break
-            except Exception as error:  # cuDNN declines it (or this backend has no fp8 attention)
-                errors.append(f"{'e4m3' if fp8_out else 'wide'} output: {error}")
-        else:
-            _declined.add(shape)
-            reasons = "; ".join(errors)
-            log.warning("cuDNN fp8 attention declined %s (%s); bf16 attention runs there", shape, reasons)
-            return None
-        if fp8_out and not shape.quantized_out:
-            log.info("cuDNN fp8 attention for %s writes e4m3 (%s)", shape, errors[0])
-        device = torch.device("cuda", shape.device)
-        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-        fixed = ((_S_SCALE, P_SCALE), (_S_DESCALE, 1.0 / P_SCALE)) + (() if fp8_out else ((_O_SCALE, 1.0),))
-        constants = {uid: torch.full((1,), value, dtype=torch.float32, device=device) for uid, value in fixed}
-        if shape.masked:  # every query row live
-            rows = (shape.batch, 1, 1, 1)
-            constants[_SEQ_Q] = torch.full(rows, shape.queries, dtype=torch.int32, device=device)
-        plan = _plans[shape] = _Plan(graph, workspace, handle, constants, fp8_out)
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
-        return plan
+    return _plans.get(shape, lambda: _build(cudnn, shape))
 
 
 def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None,
@@ -382,7 +350,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     batch, _, heads, dim = q.shape
     if k.shape[0] != batch or k.shape[3] != dim or heads % k.shape[2] or dim % 16 or dim > MAX_HEAD_DIM:
         return False
-    return torch.cuda.get_device_capability(q.device)[0] >= 9 and _cudnn() is not None
+    return torch.cuda.get_device_capability(q.device)[0] >= 9 and cudnn_graphs.frontend() is not None
 
 
 def applies(
@@ -393,7 +361,7 @@ def applies(
     (built here the first time a shape comes)."""
     if not supported(q, k, v):
         return False
-    return _plan(_cudnn(), _shape(q, k, v, key_lengths, scale, quantized_out)) is not None
+    return _plan(cudnn_graphs.frontend(), _shape(q, k, v, key_lengths, scale, quantized_out)) is not None
 
 
 def _e4m3(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,7 +385,7 @@ def fp8_attention(
     V's scale: :class:`~omnirt.kernels.w8a8.QuantizedRows` of the [B, S_q, H * D] output (each
     token's scale that one), which an fp8 W8A8 product takes as its input without a quantization
     pass. Only where :func:`applies`; raises otherwise."""
-    cudnn = _cudnn()
+    cudnn = cudnn_graphs.frontend()
     plan = _plan(cudnn, _shape(q, k, v, key_lengths, scale, quantized_out)) if supported(q, k, v) else None
     if plan is None:
         raise RuntimeError("fp8 attention does not apply to these tensors (see fp8_attention.applies)")

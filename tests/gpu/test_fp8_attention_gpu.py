@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from omnirt.kernels import fp8_attention, settings
+from omnirt.kernels import cudnn_graphs, fp8_attention, settings
 
 
 def _hopper_with_cudnn() -> bool:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return False
-    return fp8_attention._cudnn() is not None
+    return cudnn_graphs.frontend() is not None
 
 
 pytestmark = [

@@ -1,0 +1,95 @@
+"""What the kernels built as cuDNN frontend graphs share (``fp8_attention``, ``cudnn_conv``): the
+front end, loaded if it can be; one cuDNN handle per device; a graph built to its execution plans;
+and a cache of built plans per shape that remembers the shapes cuDNN declined, so a caller asks
+once and then runs its own path for them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_handles: dict[int, Any] = {}
+_handles_lock = threading.Lock()
+
+P = TypeVar("P")
+
+
+def frontend() -> Any | None:
+    """The ``cudnn`` module (``nvidia-cudnn-frontend``, the ``cudnn`` extra), or None where it is
+    not installed or has no libcudnn to load."""
+    try:
+        import cudnn
+    except Exception:  # not installed, or no libcudnn to load
+        return None
+    return cudnn
+
+
+def handle(cudnn: Any, device: int) -> Any:
+    """The cuDNN handle of CUDA device ``device`` (one per device, made at the first call)."""
+    with _handles_lock:
+        made = _handles.get(device)
+        if made is None:
+            with torch.cuda.device(device):
+                made = _handles[device] = cudnn.create_handle()
+    return made
+
+
+def build_plans(cudnn: Any, graph: Any, policy: Any = None) -> None:
+    """Validates ``graph`` and builds its execution plans (heuristics A, then the fallback list):
+    cuDNN's first by default, or as ``policy`` says (``cudnn.build_plan_policy``). Raises where
+    cuDNN declines the graph."""
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    if policy is None:
+        graph.build_plans()
+    else:
+        graph.build_plans(policy)
+
+
+class PlanCache(Generic[P]):
+    """Built plans by shape, the least recently used dropped past ``limit``; a shape whose build
+    raised is remembered as declined (:attr:`declined`) and not tried again."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what
+        self.declined: set[Hashable] = set()
+        self._plans: OrderedDict[Hashable, P] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __getitem__(self, shape: Hashable) -> P:
+        return self._plans[shape]
+
+    def get(self, shape: Hashable, build: Callable[[], P]) -> P | None:
+        """The plan of ``shape``, built by ``build`` the first time; None where cuDNN declined it
+        (``build`` raised: logged once, with the reason)."""
+        with self._lock:
+            plan = self._plans.get(shape)
+            if plan is not None:
+                self._plans.move_to_end(shape)
+                return plan
+            if shape in self.declined:
+                return None
+            try:
+                plan = build()
+            except Exception as error:  # cuDNN declines it
+                self.declined.add(shape)
+                log.warning("cuDNN declined %s %s (%s); the caller's own path runs there",
+                            self.what, shape, error)  # fmt: skip
+                return None
+            self._plans[shape] = plan
+            while len(self._plans) > self.limit:
+                self._plans.popitem(last=False)
+            return plan
