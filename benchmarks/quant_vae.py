@@ -30,8 +30,8 @@
   it, against the 2D forms of a 3x3x3 one (see ``conv_speed_rows``).
 - **Fused epilogues** (``--conv-cudnn``): each decoder convolution with its bias and a residual add
   after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
-  ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast``
-  decodes with and without the fused epilogues (``wan_vae_fast.FUSED_EPILOGUE``).
+  ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast`` decodes with and without the fused
+  epilogues (``wan_vae_fast.FUSED_EPILOGUE``).
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
@@ -761,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")
     p.add_argument("--tiled", action="store_true", help="VAE: the tiled kernels for channels-last frames")
     p.add_argument("--conv-speed", action="store_true", help="decoder convolutions: time, other forms")
-    p.add_argument("--conv-cudnn", action="store_true", help="convolutions with fused epilogues, e4m3")
+    p.add_argument("--conv-cudnn", action="store_true", help="convolutions: bias + add fused by cuDNN")
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     p.add_argument("--dit-profile", action="store_true", help="Z-Image step: GPU time by kind, SDPA backends")
     args = p.parse_args(argv)
