@@ -16,12 +16,13 @@ each addend are added to it in fp32, and the sum is rounded once to the frames' 
 is not bitwise (a ``fast``-level change, and a more precise one); :func:`conv_epilogue_reference`
 models it in fp32 for the tests.
 
-:func:`conv_epilogue` runs where :func:`applies` says: CUDA, ``cudnn`` (the ``cudnn`` extra)
-importable, bf16 or fp16 frames, weight and addends, channels-last 2D or 3D convolutions of stride
-1 and no dilation. cuDNN's fused epilogues decline addends of other layouts (an upsampler's
-frames-first output, say), so those are not offered; a graph that cuDNN declines otherwise is
-remembered, and :func:`applies` then says no for its shapes: the caller runs its plain
-convolution. Graphs are built once per shape and kept (:data:`MAX_PLANS`).
+:func:`conv_epilogue` (or :func:`try_conv_epilogue`, None where it does not apply) runs where
+:func:`applies` says: CUDA, ``cudnn`` (the ``cudnn`` extra) importable, bf16 or fp16 frames, weight
+and addends, channels-last 2D or 3D convolutions of stride 1 and no dilation. cuDNN's fused
+epilogues decline addends of other layouts (an upsampler's frames-first output, say), so those are
+not offered; a graph that cuDNN declines otherwise is remembered, and :func:`applies` then says no
+for its shapes: the caller runs its plain convolution. Graphs are built once per shape and kept
+(:data:`MAX_PLANS`).
 """
 
 from __future__ import annotations
@@ -148,14 +149,27 @@ def _format(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last_3d if x.dim() == 5 else torch.channels_last
 
 
+def _channels_last_strides(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a dense channels-last tensor of ``dims`` [N, C, *spatial]: channels
+    innermost, then the spatial dims from the last, then the batch."""
+    strides = [0] * len(dims)
+    step = strides[1] = 1
+    step *= dims[1]
+    for d in range(len(dims) - 1, 1, -1):
+        strides[d] = step
+        step *= dims[d]
+    strides[0] = step
+    return tuple(strides)
+
+
 def _shape(
     x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], bias: torch.Tensor | None,
     addends: tuple[torch.Tensor, ...],
 ) -> _Shape:  # fmt: skip
-    out = torch.empty(out_shape(x, weight, padding), device="meta", memory_format=_format(x))
     return _Shape(
         tuple(x.shape), tuple(x.stride()), tuple(weight.shape), tuple(weight.stride()), tuple(padding),
-        bias is not None, tuple(tuple(a.stride()) for a in addends), tuple(out.stride()), x.dtype,
+        bias is not None, tuple(tuple(a.stride()) for a in addends),
+        _channels_last_strides(out_shape(x, weight, padding)), x.dtype,
         x.device.index if x.device.index is not None else torch.cuda.current_device(),
     )  # fmt: skip
 
@@ -176,16 +190,6 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def applies(
-    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], *, bias: torch.Tensor | None = None,
-    addends: tuple[torch.Tensor, ...] = (),
-) -> bool:  # fmt: skip
-    """Whether :func:`conv_epilogue` runs these tensors (building their graph if it is new)."""
-    if not (supported(x, weight) and _addends_fit(x, weight, padding, addends)):
-        return False
-    return _plan(cudnn_graphs.frontend(), _shape(x, weight, padding, bias, addends)) is not None
-
-
 def _addends_fit(
     x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], addends: tuple[torch.Tensor, ...]
 ) -> bool:
@@ -198,20 +202,35 @@ def _addends_fit(
     return all(fit)
 
 
-def conv_epilogue(
+def _find_plan(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], bias: torch.Tensor | None,
+    addends: tuple[torch.Tensor, ...],
+) -> _Plan | None:  # fmt: skip
+    """The plan for these tensors (built if new), or None where the graphs do not take them or
+    cuDNN declined their shape."""
+    _check(x, weight, padding)
+    if not (supported(x, weight) and _addends_fit(x, weight, padding, addends)):
+        return None
+    return _plan(cudnn_graphs.frontend(), _shape(x, weight, padding, bias, addends))
+
+
+def applies(
     x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], *, bias: torch.Tensor | None = None,
     addends: tuple[torch.Tensor, ...] = (),
-) -> torch.Tensor:  # fmt: skip
-    """The convolution of channels-last ``x`` [N, C, (T,) H, W] by ``weight`` [C', C, (kt,) kh, kw]
-    (channels-last too), stride 1, ``padding`` zeros each side per spatial dim, plus ``bias`` [C']
-    and each of ``addends`` (the output's shape, channels-last) in the convolution's epilogue, rounded
-    once; the output channels-last. Only where :func:`applies`; raises otherwise."""
-    _check(x, weight, padding)
-    plan = None
-    if supported(x, weight) and _addends_fit(x, weight, padding, addends):
-        plan = _plan(cudnn_graphs.frontend(), _shape(x, weight, padding, bias, addends))
+) -> bool:  # fmt: skip
+    """Whether :func:`conv_epilogue` runs these tensors (building their graph if it is new)."""
+    return _find_plan(x, weight, padding, bias, addends) is not None
+
+
+def try_conv_epilogue(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], *, bias: torch.Tensor | None = None,
+    addends: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor | None:  # fmt: skip
+    """:func:`conv_epilogue`'s result, or None where it does not apply (the caller then runs its
+    plain convolution): one check, one plan lookup."""
+    plan = _find_plan(x, weight, padding, bias, addends)
     if plan is None:
-        raise RuntimeError("the fused convolution does not apply to these tensors (see cudnn_conv.applies)")
+        return None
     out = torch.empty(out_shape(x, weight, padding), dtype=x.dtype, device=x.device, memory_format=_format(x))
     pack: dict[int, torch.Tensor] = {_X: x, _W: weight, _Y: out}
     if bias is not None:
@@ -221,4 +240,18 @@ def conv_epilogue(
     cudnn = cudnn_graphs.frontend()
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=plan.handle)
+    return out
+
+
+def conv_epilogue(
+    x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], *, bias: torch.Tensor | None = None,
+    addends: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:  # fmt: skip
+    """The convolution of channels-last ``x`` [N, C, (T,) H, W] by ``weight`` [C', C, (kt,) kh, kw]
+    (channels-last too), stride 1, ``padding`` zeros each side per spatial dim, plus ``bias`` [C']
+    and each of ``addends`` (the output's shape, channels-last) in the convolution's epilogue, rounded
+    once; the output channels-last. Only where :func:`applies`; raises otherwise."""
+    out = try_conv_epilogue(x, weight, padding, bias=bias, addends=addends)
+    if out is None:
+        raise RuntimeError("the fused convolution does not apply to these tensors (see cudnn_conv.applies)")
     return out

@@ -144,18 +144,9 @@ def _conv_2d_form(
         planes = [video[:, k : k + frames].transpose(0, 1) for k in range(taps)]
         out = F.conv2d(planes[0], weights[0])
         if _epilogue_on(conv):
-            residual_2d = None if residual is None else residual[0].transpose(0, 1)
-            for k in range(1, taps):
-                last = k == taps - 1
-                addends = (out,) if not last or residual_2d is None else (out, residual_2d)
-                bias = conv.bias if last else None
-                if not cudnn_conv.applies(planes[k], weights[k], (0, 0), bias=bias, addends=addends):
-                    break
-                out = cudnn_conv.conv_epilogue(planes[k], weights[k], (0, 0), bias=bias, addends=addends)
-            else:
+            out, done = _summed_epilogue(conv, planes, weights, out, residual)
+            if done:
                 return out.transpose(0, 1).unsqueeze(0), True
-            for j in range(k, taps):  # declined from tap k on: the plain sums
-                out = out + F.conv2d(planes[j], weights[j])
         else:
             for k in range(1, taps):
                 out.add_(F.conv2d(planes[k], weights[k]))
@@ -164,6 +155,29 @@ def _conv_2d_form(
         stacked = torch.cat([thwc[k : k + frames] for k in range(taps)], dim=-1)
         out = F.conv2d(stacked.permute(0, 3, 1, 2), weights[0])
     return out.transpose(0, 1).unsqueeze(0), False  # [F, C', H', W'] channels-last -> [1, C', F, H', W']
+
+
+def _summed_epilogue(
+    conv: nn.Module, planes: list[torch.Tensor], weights: list[torch.Tensor], out: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    """The summed 2D form's taps after the first, each convolution adding the sum so far ``out`` in
+    cuDNN's epilogue, the last one also the bias and ``residual``; the flag: whether they all ran
+    so (from the first tap cuDNN declines, the plain sums, without the bias)."""
+    taps = len(planes)
+    residual_2d = None if residual is None else residual[0].transpose(0, 1)
+    for k in range(1, taps):
+        last = k == taps - 1
+        addends = (out,) if not last or residual_2d is None else (out, residual_2d)
+        fused = cudnn_conv.try_conv_epilogue(
+            planes[k], weights[k], (0, 0), bias=conv.bias if last else None, addends=addends
+        )
+        if fused is None:
+            for j in range(k, taps):
+                out = out + F.conv2d(planes[j], weights[j])
+            return out, False
+        out = fused
+    return out, True
 
 
 def _plain_3x3x3(conv: nn.Module) -> bool:
@@ -210,9 +224,7 @@ def _epilogue_conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | No
     weight = _epilogue_weight(conv)
     padding = tuple(conv.padding)
     addends = () if residual is None else (residual,)
-    if not cudnn_conv.applies(x, weight, padding, bias=conv.bias, addends=addends):
-        return None
-    return cudnn_conv.conv_epilogue(x, weight, padding, bias=conv.bias, addends=addends)
+    return cudnn_conv.try_conv_epilogue(x, weight, padding, bias=conv.bias, addends=addends)
 
 
 def _cl(conv: nn.Module) -> bool:

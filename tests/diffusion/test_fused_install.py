@@ -26,7 +26,7 @@ def _zimage(dtype):
     model = ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=256, n_layers=2, n_refiner_layers=1,
         n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=32, axes_dims=[32, 48, 48],
-        axes_lens=[64, 32, 32],
+        axes_lens=[128, 32, 32],  # positions past 64: a caption of 40 tokens pads to 64
     )  # fmt: skip
     return model.to(dtype).eval()
 
@@ -97,7 +97,8 @@ def test_fp8_attention_asks_for_fp8_blocks_and_falls_back_off_cuda(kind, fused_o
     quantize_model(zimage, kind)
     install(zimage)
     latents = [torch.randn(16, 1, 16, 16, dtype=torch.bfloat16, generator=g) for _ in range(2)]
-    caption = [torch.randn(n, 32, dtype=torch.bfloat16, generator=g) for n in (5, 11)]  # padded: a mask
+    # 5 and 40 tokens pad to 32 and 64: rows of two lengths, so diffusers passes a mask
+    caption = [torch.randn(n, 32, dtype=torch.bfloat16, generator=g) for n in (5, 40)]
     t = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
     attention = zimage.layers[0].attention
     before = settings.FP8_ATTENTION
@@ -133,7 +134,7 @@ def test_fp8_attention_hands_its_e4m3_output_to_the_fp8_to_out(chain, fused_on, 
     if chain == "zimage":
         model = _zimage(torch.bfloat16)
         latents = [torch.randn(16, 1, 16, 16, dtype=torch.bfloat16, generator=g) for _ in range(2)]
-        caption = [torch.randn(n, 32, dtype=torch.bfloat16, generator=g) for n in (5, 11)]
+        caption = [torch.randn(n, 32, dtype=torch.bfloat16, generator=g) for n in (5, 40)]  # a mask
         t = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
         call = lambda: torch.stack(model(latents, t, caption, return_dict=False)[0])  # noqa: E731
     else:
@@ -148,9 +149,11 @@ def test_fp8_attention_hands_its_e4m3_output_to_the_fp8_to_out(chain, fused_on, 
     attentions = [m for m in model.modules() if isinstance(getattr(m, "processor", None), fused_kinds)]
     ran: list[tuple[torch.dtype, torch.dtype, bool]] = []
     handed: list[type] = []
+    masked: list[bool] = []
 
     def attention(q, k, v, lengths=None, scale=None, **kwargs):
         ran.append((q.dtype, k.dtype, kwargs["quantized_out"]))
+        masked.append(lengths is not None)
         return fp8_attention.fp8_attention_reference(q, k, v, lengths, scale, **kwargs)
 
     monkeypatch.setattr(fp8_attention, "applies", lambda *args, **kwargs: True)
@@ -175,6 +178,7 @@ def test_fp8_attention_hands_its_e4m3_output_to_the_fp8_to_out(chain, fused_on, 
     finally:
         settings.set_fp8_attention(before[0])
         fused.FP8_ATTENTION_E4M3_OUT = before[1]
+    assert any(masked) == (chain == "zimage")  # Z-Image's captions of two lengths: keys masked
     assert torch.isfinite(got).all() and not torch.equal(got, want)
     assert _snr_db(got, want) > 15 and _snr_db(wide, want) > 15
     print(f"{chain}: fp8 attention (e4m3 out) vs bf16 attention {_snr_db(got, want):.1f} dB, "

@@ -262,8 +262,7 @@ def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monk
         assert x.is_contiguous(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
         return cudnn_conv.conv_epilogue_reference(x, weight, padding, bias=bias, addends=addends)
 
-    monkeypatch.setattr(cudnn_conv, "applies", lambda *a, **k: True)
-    monkeypatch.setattr(cudnn_conv, "conv_epilogue", fused)
+    monkeypatch.setattr(cudnn_conv, "try_conv_epilogue", fused)
     with torch.no_grad():
         want = vae.decode(z, return_dict=False)[0]
         monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", False)
@@ -298,6 +297,42 @@ def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monk
     assert all(c[2] for c in rest)  # every convolution of this decoder has a bias
     assert len([c for c in rest if c[0] == 5 and c[3] == 1]) == len(blocks) - len(summed)  # conv2s
     assert len([c for c in rest if c[0] == 4]) == 3  # the upsamplers' 2D convolutions
+
+
+@pytest.mark.parametrize("declined", ["last tap", "every 2D tap", "every 3D convolution"])
+def test_convolutions_that_cudnn_declines_run_plain(monkeypatch, declined):
+    """``FUSED_EPILOGUE`` where cuDNN declines some graphs (``try_conv_epilogue`` gives None): those
+    convolutions run plain, their bias and residual added after (a summed form declined at its last
+    tap keeps the fused partial sum and adds the last tap plainly), and the decode is the same as
+    with every graph taken."""
+    from omnirt.kernels import cudnn_conv
+
+    vae = _tiny_vae()
+    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
+    outcomes = []
+
+    def fused(x, weight, padding, *, bias=None, addends=()):
+        tap = x.dim() == 4 and tuple(weight.shape[:2]) == (8, 8)
+        no = {
+            "last tap": tap and bias is not None,
+            "every 2D tap": tap,
+            "every 3D convolution": x.dim() == 5,
+        }[declined]
+        outcomes.append(not no)
+        if no:
+            return None
+        return cudnn_conv.conv_epilogue_reference(x, weight, padding, bias=bias, addends=addends)
+
+    monkeypatch.setattr(cudnn_conv, "try_conv_epilogue", fused)
+    with torch.no_grad():
+        want = vae.decode(z, return_dict=False)[0]
+        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", True)
+        wan_vae_fast.install(vae, "fast")
+        got = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.uninstall(vae)
+    assert True in outcomes and False in outcomes  # both paths ran
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_feature_cache_protocol_is_kept():

@@ -66,6 +66,14 @@ def test_only_channels_last_addends_are_offered():
     assert not cudnn_conv._addends_fit(x, w, (1, 1, 1), (dense,))  # not the output's shape
 
 
+@pytest.mark.parametrize("dims", [(1, 96, 4, 8, 10), (2, 3, 1, 7, 5), (3, 16, 9, 11), (1, 1, 1, 1)])
+def test_the_output_strides_are_torchs_channels_last(dims):
+    """The graph's output strides, computed without a tensor, are torch's channels-last ones."""
+    fmt = torch.channels_last_3d if len(dims) == 5 else torch.channels_last
+    want = torch.empty(dims, device="meta", memory_format=fmt).stride()
+    assert cudnn_conv._channels_last_strides(dims) == want
+
+
 def test_the_cudnn_graph_is_built():
     """The convolution, its bias and each addend as pointwise nodes after it, the output in the
     frames' dtype and channels-last strides."""
