@@ -31,7 +31,8 @@
 - **Fused epilogues** (``--conv-cudnn``): each decoder convolution with its bias and a residual add
   after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
   ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast`` decodes with and without the fused
-  epilogues (``wan_vae_fast.FUSED_EPILOGUE``).
+  epilogues (``wan_vae_fast.FUSED_EPILOGUE``), and one with them where every 3x3x3 convolution is
+  a 3D one (cuDNN's fused graph, its plan timed, in place of the summed 2D form).
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
@@ -421,11 +422,11 @@ def vae_rows(
         for form in fast_convs:
             at = None if form.endswith("-all") else shapes
             runs.append(("fast", f"fast, {form.removesuffix('-all')} at {_pairs(at)}", form, epilogue))
-        if ablations:  # the default form with the fused epilogues off and on
-            for fused in (False, True):
-                label = f"fast, {default} at {_pairs(shapes)}, " + (
+        if ablations:  # the default form with the fused epilogues off and on; 3D ones fused
+            for form, fused in ((default, False), (default, True), ("3d", True)):
+                label = f"fast, {form} at {_pairs(shapes)}, " + (
                     "fused epilogues" if fused else "bias + residual a pass")
-                runs.append(("fast", label, default, fused))
+                runs.append(("fast", label, form, fused))
         for level, label, form, fused in runs:
             wan_vae_fast.FUSED_EPILOGUE = fused
             wan_vae_fast.FAST_CONV = form.removesuffix("-all")
@@ -602,20 +603,19 @@ def conv_speed_rows() -> list[str]:
     return [row for conv in DECODER_CONVS for row in _conv_forms(*conv)]
 
 
-def _cudnn_conv(x: torch.Tensor, weight: torch.Tensor, padding: list[int], bias: torch.Tensor,
-                residual: torch.Tensor) -> Any:  # fmt: skip
-    """``kernels/cudnn_conv.py``'s graph of one convolution with ``bias`` and ``residual`` in its
-    epilogue, all plans built and the fastest of the first six kept (the module takes cuDNN's
-    first). Returns a callable running it, or the reason cuDNN declined it."""
+def _cudnn_conv(x: torch.Tensor, weight: torch.Tensor, padding: list[int], bias: torch.Tensor | None,
+                residual: torch.Tensor | None) -> Any:  # fmt: skip
+    """``kernels/cudnn_conv.py``'s graph of one convolution with ``bias`` and ``residual`` (where
+    given) in its epilogue, all plans built and the fastest of the first six kept (as the module
+    does with ``AUTOTUNE_PLANS``). Returns a callable running it, or the reason cuDNN declined it."""
     import cudnn
     from omnirt.kernels import cudnn_conv, cudnn_graphs
 
     handle = cudnn_graphs.handle(cudnn, torch.cuda.current_device())
-    shape = cudnn_conv._shape(x, weight, tuple(padding), bias, (residual,))
-    out = torch.empty(cudnn_conv.out_shape(x, weight, tuple(padding)), dtype=x.dtype, device=x.device)
-    out = out.contiguous(memory_format=cudnn_conv._format(x))
-    pack = {cudnn_conv._X: x, cudnn_conv._W: weight, cudnn_conv._B: bias, cudnn_conv._ADDEND: residual,
-            cudnn_conv._Y: out}  # fmt: skip
+    addends = () if residual is None else (residual,)
+    shape = cudnn_conv._shape(x, weight, tuple(padding), bias, addends)
+    out = cudnn_conv._empty_out(x, weight, tuple(padding))
+    pack = cudnn_conv._pack(x, weight, bias, addends, out)
     try:
         graph = cudnn_conv.build_graph(cudnn, shape, handle)
         cudnn_graphs.build_plans(cudnn, graph, cudnn.build_plan_policy.ALL)
@@ -673,11 +673,13 @@ def _conv_cudnn_forms(kind: str, c_in: int, c_out: int, kernel: tuple, shape: tu
         return f"| {label} | {form} | {ms:.3f} | {flops / ms / 1e9:.0f} | {base / ms:.2f}x | {diff} |"
 
     rows = [row("conv alone (ATen)", base_conv, None), row("conv + bias + add (ATen)", base, None)]
-    fused = _cudnn_conv(x, weight, padding, bias, residual)
-    if isinstance(fused, str):
-        rows.append(f"| {label} | cuDNN bf16, bias + add fused | {fused} | | | |")
-    else:
-        rows.append(row("cuDNN bf16, bias + add fused", bench(fused), _rel_diff(fused(), want)))
+    for form, b, r, ref in (("cuDNN graph, conv alone", None, None, plain),
+                            ("cuDNN bf16, bias + add fused", bias, residual, want)):  # fmt: skip
+        fused = _cudnn_conv(x, weight, padding, b, r)
+        if isinstance(fused, str):
+            rows.append(f"| {label} | {form} | {fused} | | | |")
+        else:
+            rows.append(row(form, bench(fused), _rel_diff(fused(), ref)))
     return rows
 
 

@@ -27,6 +27,7 @@ for its shapes: the caller runs its plain convolution. Graphs are built once per
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,11 @@ from . import cudnn_graphs
 
 #: Built cuDNN graphs kept (least recently used dropped past it).
 MAX_PLANS = 64
+#: How many of cuDNN's plans for a new shape are timed on its first call's tensors, the fastest
+#: kept (0: cuDNN's first, untimed; so also while a CUDA graph is being captured). cuDNN's first
+#: plan is not its fastest at every decoder shape (``benchmarks/quant_vae.py --conv-cudnn`` times
+#: the first six).
+AUTOTUNE_PLANS = 6
 
 _CUDNN_DTYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
 # uids of the graph's tensors (above those the front end gives its virtual tensors)
@@ -100,6 +106,13 @@ class _Plan:
     graph: Any
     workspace: torch.Tensor
     handle: Any
+    index: int | None = None  # the plan chosen by timing, or None: cuDNN's first
+
+    def execute(self, pack: dict[int, torch.Tensor]) -> None:
+        if self.index is None:
+            self.graph.execute(pack, self.workspace, handle=self.handle)
+        else:
+            self.graph.execute_plan_at_index(pack, self.workspace, self.index, handle=self.handle)
 
 
 _plans: cudnn_graphs.PlanCache[_Plan] = cudnn_graphs.PlanCache(MAX_PLANS, "a convolution with its epilogue")
@@ -132,17 +145,36 @@ def build_graph(cudnn: Any, shape: _Shape, handle: Any = None) -> Any:
     return graph
 
 
-def _build(cudnn: Any, shape: _Shape) -> _Plan:
+def _build(cudnn: Any, shape: _Shape, pack: Callable[[], dict[int, torch.Tensor]]) -> _Plan:
+    """The graph of ``shape`` built to plans; with :data:`AUTOTUNE_PLANS` (and no CUDA graph being
+    captured), the fastest of the first ones on ``pack()``'s tensors, else cuDNN's first."""
     handle = cudnn_graphs.handle(cudnn, shape.device)
     graph = build_graph(cudnn, shape, handle)
-    cudnn_graphs.build_plans(cudnn, graph)
     device = torch.device("cuda", shape.device)
+    if AUTOTUNE_PLANS > 0 and not torch.cuda.is_current_stream_capturing():
+        cudnn_graphs.build_plans(cudnn, graph, cudnn.build_plan_policy.ALL)
+        index, workspace = cudnn_graphs.fastest_plan(cudnn, graph, pack(), handle, device, AUTOTUNE_PLANS)
+        return _Plan(graph, workspace, handle, index)
+    cudnn_graphs.build_plans(cudnn, graph)
     workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
     return _Plan(graph, workspace, handle)
 
 
-def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
-    return _plans.get(shape, lambda: _build(cudnn, shape))
+def _pack(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, addends: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+) -> dict[int, torch.Tensor]:  # fmt: skip
+    pack: dict[int, torch.Tensor] = {_X: x, _W: weight, _Y: out}
+    if bias is not None:
+        pack[_B] = bias.to(x.dtype).contiguous()
+    for i, addend in enumerate(addends):
+        pack[_ADDEND + i] = addend
+    return pack
+
+
+def _empty_out(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor:
+    shape = out_shape(x, weight, padding)
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_format(x))
 
 
 def _format(x: torch.Tensor) -> torch.memory_format:
@@ -211,7 +243,9 @@ def _find_plan(
     _check(x, weight, padding)
     if not (supported(x, weight) and _addends_fit(x, weight, padding, addends)):
         return None
-    return _plan(cudnn_graphs.frontend(), _shape(x, weight, padding, bias, addends))
+    cudnn, shape = cudnn_graphs.frontend(), _shape(x, weight, padding, bias, addends)
+    scratch = lambda: _pack(x, weight, bias, addends, _empty_out(x, weight, padding))  # noqa: E731
+    return _plans.get(shape, lambda: _build(cudnn, shape, scratch))
 
 
 def applies(
@@ -231,15 +265,10 @@ def try_conv_epilogue(
     plan = _find_plan(x, weight, padding, bias, addends)
     if plan is None:
         return None
-    out = torch.empty(out_shape(x, weight, padding), dtype=x.dtype, device=x.device, memory_format=_format(x))
-    pack: dict[int, torch.Tensor] = {_X: x, _W: weight, _Y: out}
-    if bias is not None:
-        pack[_B] = bias.to(x.dtype).contiguous()
-    for i, addend in enumerate(addends):
-        pack[_ADDEND + i] = addend
+    out = _empty_out(x, weight, padding)
     cudnn = cudnn_graphs.frontend()
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
-    plan.graph.execute(pack, plan.workspace, handle=plan.handle)
+    plan.execute(_pack(x, weight, bias, addends, out))
     return out
 
 

@@ -1,7 +1,8 @@
 """What the kernels built as cuDNN frontend graphs share (``fp8_attention``, ``cudnn_conv``): the
 front end, loaded if it can be; one cuDNN handle per device; a graph built to its execution plans;
-and a cache of built plans per shape that remembers the shapes cuDNN declined, so a caller asks
-once and then runs its own path for them."""
+the fastest of a graph's first plans, timed on a call's tensors; and a cache of built plans per
+shape that remembers the shapes cuDNN declined, so a caller asks once and then runs its own path
+for them."""
 
 from __future__ import annotations
 
@@ -53,6 +54,49 @@ def build_plans(cudnn: Any, graph: Any, policy: Any = None) -> None:
         graph.build_plans()
     else:
         graph.build_plans(policy)
+
+
+def fastest_plan(
+    cudnn: Any, graph: Any, pack: dict[int, torch.Tensor], handle: Any, device: torch.device, limit: int,
+    *, repeats: int = 3,
+) -> tuple[int, torch.Tensor]:  # fmt: skip
+    """Of ``graph``'s built plans, the first ``limit`` timed on ``pack`` (:func:`time_plan`): the
+    index of the fastest and a workspace for it. Plans that fail to run are passed over; raises
+    where none runs. Not while a CUDA graph is being captured (timing synchronizes)."""
+    best: tuple[float, int, torch.Tensor] | None = None
+    for index in range(min(graph.get_execution_plan_count(), limit)):
+        try:
+            size = graph.get_workspace_size_plan_at_index(index)
+            workspace = torch.empty(size, dtype=torch.uint8, device=device)
+            ms = time_plan(cudnn, graph, pack, workspace, index, handle, repeats)
+        except Exception as error:  # a plan that was not built or does not run here
+            log.debug("cuDNN plan %d passed over: %s", index, error)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, index, workspace)
+    if best is None:
+        raise RuntimeError("no execution plan of the graph ran")
+    return best[1], best[2]
+
+
+def time_plan(
+    cudnn: Any, graph: Any, pack: dict[int, torch.Tensor], workspace: torch.Tensor, index: int, handle: Any,
+    repeats: int,
+) -> float:  # fmt: skip
+    """Milliseconds of plan ``index`` on ``pack``: a warm run, then the best of ``repeats`` (CUDA
+    events on the current stream of the workspace's device)."""
+    stream = torch.cuda.current_stream(workspace.device)
+    cudnn.set_stream(handle, stream.cuda_stream)
+    graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)
 
 
 class PlanCache(Generic[P]):

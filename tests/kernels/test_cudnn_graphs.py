@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+import pytest
+import torch
 from omnirt.kernels import cudnn_graphs
 
 
@@ -50,3 +52,33 @@ def test_the_front_end_loads_or_is_none(monkeypatch):
     assert cudnn is None or hasattr(cudnn, "pygraph")
     monkeypatch.setitem(sys.modules, "cudnn", None)  # an import of it raises ImportError
     assert cudnn_graphs.frontend() is None
+
+
+def test_the_fastest_plan_is_kept_and_failing_plans_are_passed_over(monkeypatch):
+    """``fastest_plan`` times the first ``limit`` plans and keeps the fastest with a workspace of
+    its size; a plan that raises is passed over; none running raises."""
+
+    class Graph:
+        sizes = [16, 0, 32, 8, 64]
+
+        def get_execution_plan_count(self) -> int:
+            return len(self.sizes)
+
+        def get_workspace_size_plan_at_index(self, index: int) -> int:
+            return self.sizes[index]
+
+    times = {0: 3.0, 1: None, 2: 1.5, 3: 2.0, 4: 0.5}  # plan 1 fails; 4 is past the limit
+
+    def time_plan(cudnn, graph, pack, workspace, index, handle, repeats):
+        assert workspace.numel() == Graph.sizes[index]
+        if times[index] is None:
+            raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED")
+        return times[index]
+
+    monkeypatch.setattr(cudnn_graphs, "time_plan", time_plan)
+    index, workspace = cudnn_graphs.fastest_plan(None, Graph(), {}, None, torch.device("cpu"), 4)
+    assert index == 2 and workspace.numel() == 32
+    assert cudnn_graphs.fastest_plan(None, Graph(), {}, None, torch.device("cpu"), 5)[0] == 4
+    times.update({0: None, 2: None, 3: None})
+    with pytest.raises(RuntimeError, match="no execution plan"):
+        cudnn_graphs.fastest_plan(None, Graph(), {}, None, torch.device("cpu"), 4)
