@@ -31,8 +31,9 @@
 - **Fused epilogues** (``--conv-cudnn``): each decoder convolution with its bias and a residual add
   after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
   ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast`` decodes with and without the fused
-  epilogues (``wan_vae_fast.FUSED_EPILOGUE``), and one with them where every 3x3x3 convolution is
-  a 3D one (cuDNN's fused graph, its plan timed, in place of the summed 2D form).
+  epilogues (``wan_vae_fast.FUSED_EPILOGUE``), one with them where every 3x3x3 convolution is a
+  3D one (cuDNN's fused graph, its plan timed, in place of the summed 2D form), and one with the
+  ``graph`` form (the 96 -> 96 convolutions as cuDNN graphs without the epilogue).
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
@@ -422,8 +423,8 @@ def vae_rows(
         for form in fast_convs:
             at = None if form.endswith("-all") else shapes
             runs.append(("fast", f"fast, {form.removesuffix('-all')} at {_pairs(at)}", form, epilogue))
-        if ablations:  # the default form with the fused epilogues off and on; 3D ones fused
-            for form, fused in ((default, False), (default, True), ("3d", True)):
+        if ablations:  # the default form with the fused epilogues off and on; 3D ones fused; cuDNN graphs
+            for form, fused in ((default, False), (default, True), ("3d", True), ("graph", False)):
                 label = f"fast, {form} at {_pairs(shapes)}, " + (
                     "fused epilogues" if fused else "bias + residual a pass")
                 runs.append(("fast", label, form, fused))
@@ -751,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fast-convs",
         default="summed",
-        help="VAE: the fast level once per convolution form (3d, summed, stacked; with -all: at every "
+        help="VAE: the fast level once per convolution form (3d, summed, stacked, graph; with -all: at every "
         "3x3x3 convolution, not only wan_vae_fast.FAST_CONV_SHAPES), comma-separated",
     )
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")

@@ -93,9 +93,13 @@ CHANNELS_LAST: dict[str, frozenset[str]] = {
 #: 96 -> 96 convolution at 297 TFLOP/s (2.68 ms a chunk of 4 frames), the summed 2D ones at 412
 #: (1.93 ms, 1.39x; stacked 1.47 ms + 0.57 ms of copy), while at 192 and 384 channels 3D is the
 #: faster (648 and 391 TFLOP/s; summed 0.86x and 0.58x). The whole decode at ``fast`` so set:
-#: 2.24x diffusers at 480p, 2.26x at 720p, PSNR 55.2 dB.
+#: 2.24x diffusers at 480p, 2.26x at 720p, PSNR 55.2 dB. ``"graph"``: the 3D convolution as a
+#: cuDNN frontend graph with the fastest of its first plans (``kernels/cudnn_conv.py``), its bias
+#: and residual added after as ``exact`` adds them; on an H100 that graph, with the bias and add
+#: in its epilogue, ran the 96 -> 96 one in 1.94 ms where ATen's 3D convolution alone took 3.18
+#: (``--conv-cudnn``, 2026-12-06). Where cuDNN declines the graph, ATen's convolution runs.
 FAST_CONV = "summed"
-FAST_CONVS = ("3d", "summed", "stacked")
+FAST_CONVS = ("3d", "summed", "stacked", "graph")
 #: The (input, output) channels whose convolutions take :data:`FAST_CONV` (None: every 3x3x3
 #: causal convolution of the decoder).
 FAST_CONV_SHAPES: frozenset[tuple[int, int]] | None = frozenset({(96, 96)})
@@ -197,9 +201,9 @@ def _plain_stride(conv: nn.Module) -> bool:
 
 def _form_applies(conv: nn.Module, x: torch.Tensor) -> str | None:
     form = getattr(conv, _FORM, None)
-    if form is None or x.dim() != 5 or x.size(0) != 1:
+    if form is None or x.dim() != 5 or not x.is_contiguous(memory_format=torch.channels_last_3d):
         return None
-    return form if x.is_contiguous(memory_format=torch.channels_last_3d) else None
+    return form if form == "graph" or x.size(0) == 1 else None  # the 2D forms: one video
 
 
 def _epilogue_on(conv: nn.Module) -> bool:
@@ -238,7 +242,7 @@ def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
     bias (and the residual) are added by one kernel, as ATen adds them after cuDNN's convolution:
     same bits, in either layout."""
     form = _form_applies(conv, x)
-    if form is not None:
+    if form in ("summed", "stacked"):
         out, whole = _conv_2d_form(conv, x, form, residual)
         if whole:
             return out
@@ -250,7 +254,11 @@ def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
         out = (nn.Conv3d.forward if isinstance(conv, nn.Conv3d) else nn.Conv2d.forward)(conv, x)
         return out if residual is None else out + residual
     else:
-        out = conv._conv_forward(x, conv.weight, None)
+        out = None
+        if form == "graph":
+            out = cudnn_conv.try_conv_epilogue(x, _epilogue_weight(conv), tuple(conv.padding))
+        if out is None:
+            out = conv._conv_forward(x, conv.weight, None)
     frames = out if out.dim() == 5 else out.unsqueeze(2)  # [N, C, H, W] as N one-frame videos
     conv_input.add_bias_residual_(frames, conv.bias, residual)
     return out

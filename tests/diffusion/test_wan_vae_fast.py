@@ -335,6 +335,40 @@ def test_convolutions_that_cudnn_declines_run_plain(monkeypatch, declined):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_graph_form_runs_cudnn_graphs_then_adds_bias_and_residual(monkeypatch):
+    """``FAST_CONV = "graph"``: the 3x3x3 convolutions of ``FAST_CONV_SHAPES`` go to cuDNN's graph
+    without an epilogue (here its fp32 reference stands in), their bias and residual added after;
+    where the graph is declined, ATen's convolution runs. Close to diffusers either way; other
+    convolutions never ask."""
+    from omnirt.kernels import cudnn_conv
+
+    vae = _tiny_vae()
+    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "graph")
+    calls, declined = [], []
+
+    def graph(x, weight, padding, *, bias=None, addends=()):
+        calls.append((x.dim(), tuple(weight.shape), bias is None, addends == ()))
+        if declined:
+            return None
+        return cudnn_conv.conv_epilogue_reference(x, weight, padding, bias=bias, addends=addends)
+
+    monkeypatch.setattr(cudnn_conv, "try_conv_epilogue", graph)
+    with torch.no_grad():
+        want = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.install(vae, "fast")
+        got = vae.decode(z, return_dict=False)[0]
+        asked = len(calls)
+        declined.append(True)
+        plain = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.uninstall(vae)
+    assert asked > 0 and set(calls) == {(5, (8, 8, 3, 3, 3), True, True)}
+    assert len(calls) == 2 * asked  # the declined decode asked as often
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_feature_cache_protocol_is_kept():
     """Chunk by chunk with caller-owned caches (as WanDenoiser's decode in pieces calls it): the
     cache entries have diffusers' shapes and the frames match."""
