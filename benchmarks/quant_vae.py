@@ -31,9 +31,9 @@
 - **Fused epilogues** (``--conv-cudnn``): each decoder convolution with its bias and a residual add
   after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
   ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast`` decodes with and without the fused
-  epilogues (``wan_vae_fast.FUSED_EPILOGUE``), one with them where every 3x3x3 convolution is a
-  3D one (cuDNN's fused graph, its plan timed, in place of the summed 2D form), and one with the
-  ``graph`` form (the 96 -> 96 convolutions as cuDNN graphs without the epilogue).
+  epilogues (``wan_vae_fast.FUSED_EPILOGUE``), in the default form of ``FAST_CONV_SHAPES``'
+  convolutions and in the summed one. ``exact`` runs twice: its convolutions all in ATen, and
+  those of ``wan_vae_fast.GRAPH_CONV_SHAPES`` as cuDNN graphs (ATen's bits; the default).
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
@@ -414,21 +414,28 @@ def vae_rows(
     z = z.to(dtype)
     name = f"Wan VAE decode {size} 81 frames {str(dtype).removeprefix('torch.')}"
     default, epilogue = wan_vae_fast.FAST_CONV, wan_vae_fast.FUSED_EPILOGUE
+    graphs = wan_vae_fast.GRAPH_CONV_SHAPES
     rows = []
     with torch.no_grad():
         base = ref = None
         shapes = wan_vae_fast.FAST_CONV_SHAPES
-        # (level, label, form, the fused epilogues)
-        runs = [("off", "off", "3d", epilogue), ("exact", "exact", "3d", epilogue)]
+        # (level, label, form, the fused epilogues, the convolutions run as cuDNN graphs)
+        runs = [
+            ("off", "off", "3d", epilogue, graphs),
+            ("exact", "exact, ATen's convolutions", "3d", epilogue, frozenset()),
+            ("exact", f"exact, cuDNN graphs at {_pairs(graphs)}", "3d", epilogue, graphs),
+        ]
         for form in fast_convs:
             at = None if form.endswith("-all") else shapes
-            runs.append(("fast", f"fast, {form.removesuffix('-all')} at {_pairs(at)}", form, epilogue))
-        if ablations:  # the default form with the fused epilogues off and on; 3D ones fused; cuDNN graphs
-            for form, fused in ((default, False), (default, True), ("3d", True), ("graph", False)):
+            label = f"fast, {form.removesuffix('-all')} at {_pairs(at)}"
+            runs.append(("fast", label, form, epilogue, graphs))
+        if ablations:  # the default form and the summed one, each with the fused epilogues off and on
+            for form, fused in ((default, False), (default, True), ("summed", False), ("summed", True)):
                 label = f"fast, {form} at {_pairs(shapes)}, " + (
                     "fused epilogues" if fused else "bias + residual a pass")
-                runs.append(("fast", label, form, fused))
-        for level, label, form, fused in runs:
+                runs.append(("fast", label, form, fused, graphs))
+        for level, label, form, fused, graph_shapes in runs:
+            wan_vae_fast.GRAPH_CONV_SHAPES = graph_shapes
             wan_vae_fast.FUSED_EPILOGUE = fused
             wan_vae_fast.FAST_CONV = form.removesuffix("-all")
             wan_vae_fast.FAST_CONV_SHAPES = None if form.endswith("-all") else shapes
@@ -448,7 +455,7 @@ def vae_rows(
             del out
         wan_vae_fast.uninstall(vae)
         wan_vae_fast.FAST_CONV, wan_vae_fast.FAST_CONV_SHAPES = default, shapes
-        wan_vae_fast.FUSED_EPILOGUE = epilogue
+        wan_vae_fast.FUSED_EPILOGUE, wan_vae_fast.GRAPH_CONV_SHAPES = epilogue, graphs
     return rows
 
 

@@ -27,6 +27,7 @@ for its shapes: the caller runs its plain convolution. Graphs are built once per
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,7 @@ class _Shape:
     out_strides: tuple[int, ...]
     dtype: torch.dtype
     device: int
+    aten_bits: bool = False  # only plans that give ATen's bits, and only where faster than ATen
 
 
 @dataclass
@@ -115,7 +117,7 @@ class _Plan:
             self.graph.execute_plan_at_index(pack, self.workspace, self.index, handle=self.handle)
 
 
-_plans: cudnn_graphs.PlanCache[_Plan] = cudnn_graphs.PlanCache(MAX_PLANS, "a convolution with its epilogue")
+_plans: cudnn_graphs.PlanCache[_Plan] = cudnn_graphs.PlanCache(MAX_PLANS, "a convolution graph")
 
 
 def build_graph(cudnn: Any, shape: _Shape, handle: Any = None) -> Any:
@@ -147,17 +149,45 @@ def build_graph(cudnn: Any, shape: _Shape, handle: Any = None) -> Any:
 
 def _build(cudnn: Any, shape: _Shape, pack: Callable[[], dict[int, torch.Tensor]]) -> _Plan:
     """The graph of ``shape`` built to plans; with :data:`AUTOTUNE_PLANS` (and no CUDA graph being
-    captured), the fastest of the first ones on ``pack()``'s tensors, else cuDNN's first."""
+    captured), the fastest of the first ones on ``pack()``'s tensors, else cuDNN's first. A shape
+    of ``aten_bits``: only plans whose output equals ATen's convolution bitwise on those tensors,
+    and the fastest of them only if it beats ATen's time (else this raises: the shape is declined)."""
     handle = cudnn_graphs.handle(cudnn, shape.device)
     graph = build_graph(cudnn, shape, handle)
     device = torch.device("cuda", shape.device)
     if AUTOTUNE_PLANS > 0 and not torch.cuda.is_current_stream_capturing():
-        cudnn_graphs.build_plans(cudnn, graph, cudnn.build_plan_policy.ALL)
-        index, workspace = cudnn_graphs.fastest_plan(cudnn, graph, pack(), handle, device, AUTOTUNE_PLANS)
+        cudnn_graphs.build_plans(cudnn, graph, first=AUTOTUNE_PLANS)
+        tensors = pack()
+        accept = aten = None
+        if shape.aten_bits:
+            x, weight, out = tensors[_X], tensors[_W], tensors[_Y]
+            conv = F.conv3d if x.dim() == 5 else F.conv2d
+            run_aten = lambda: conv(x, weight, padding=shape.padding)  # noqa: E731
+            want = run_aten()
+            aten = min(_time_ms(run_aten) for _ in range(3))
+            accept = lambda: torch.equal(out, want)  # noqa: E731
+        index, workspace, ms = cudnn_graphs.fastest_plan(
+            cudnn, graph, tensors, handle, device, AUTOTUNE_PLANS, accept=accept
+        )
+        if aten is not None and ms >= aten:
+            raise RuntimeError(f"ATen's convolution is as fast ({aten:.3f} ms against {ms:.3f})")
         return _Plan(graph, workspace, handle, index)
+    if shape.aten_bits:
+        raise RuntimeError("ATen's bits are checked on timed plans only (AUTOTUNE_PLANS > 0)")
     cudnn_graphs.build_plans(cudnn, graph)
     workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
     return _Plan(graph, workspace, handle)
+
+
+def _time_ms(run: Callable[[], Any]) -> float:
+    """Milliseconds of one ``run()`` on the current stream (CUDA events), after it has run once."""
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def _pack(
@@ -269,6 +299,33 @@ def try_conv_epilogue(
     cudnn = cudnn_graphs.frontend()
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
     plan.execute(_pack(x, weight, bias, addends, out))
+    return out
+
+
+def conv_graph(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor | None:
+    """ATen's convolution of ``x`` by ``weight`` (no bias; channels-last, as
+    :func:`conv_epilogue` takes them) as a cuDNN graph, bitwise: where, on a shape's first call, one
+    of cuDNN's first :data:`AUTOTUNE_PLANS` plans gives ATen's bits on its tensors and runs faster
+    than ATen's convolution, that plan (the fastest such); None elsewhere, and for a new shape
+    while a CUDA graph is being captured (the caller runs ATen's convolution)."""
+    _check(x, weight, padding)
+    if AUTOTUNE_PLANS <= 0 or not supported(x, weight):
+        return None
+    shape = dataclasses.replace(_shape(x, weight, padding, None, ()), aten_bits=True)
+    if torch.cuda.is_current_stream_capturing():
+        try:
+            plan = _plans[shape]
+        except KeyError:  # not timed yet: not now
+            return None
+    else:
+        cudnn = cudnn_graphs.frontend()
+        scratch = lambda: _pack(x, weight, None, (), _empty_out(x, weight, padding))  # noqa: E731
+        plan = _plans.get(shape, lambda: _build(cudnn, shape, scratch))
+    if plan is None:
+        return None
+    out = _empty_out(x, weight, padding)
+    cudnn_graphs.frontend().set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
+    plan.execute(_pack(x, weight, None, (), out))
     return out
 
 

@@ -42,15 +42,22 @@ def handle(cudnn: Any, device: int) -> Any:
     return made
 
 
-def build_plans(cudnn: Any, graph: Any, policy: Any = None) -> None:
+def build_plans(cudnn: Any, graph: Any, policy: Any = None, *, first: int = 0) -> None:
     """Validates ``graph`` and builds its execution plans (heuristics A, then the fallback list):
-    cuDNN's first by default, or as ``policy`` says (``cudnn.build_plan_policy``). Raises where
-    cuDNN declines the graph."""
+    cuDNN's first by default, or as ``policy`` says (``cudnn.build_plan_policy``), or with
+    ``first``, each of the first ``first`` plans that builds (a plan that does not is left unbuilt:
+    :func:`fastest_plan` passes over it). Raises where cuDNN declines the graph."""
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
-    if policy is None:
+    if first > 0:
+        for index in range(min(graph.get_execution_plan_count(), first)):
+            try:
+                graph.build_plan_at_index(index)
+            except Exception as error:  # this plan only
+                log.debug("cuDNN plan %d not built: %s", index, error)
+    elif policy is None:
         graph.build_plans()
     else:
         graph.build_plans(policy)
@@ -58,11 +65,12 @@ def build_plans(cudnn: Any, graph: Any, policy: Any = None) -> None:
 
 def fastest_plan(
     cudnn: Any, graph: Any, pack: dict[int, torch.Tensor], handle: Any, device: torch.device, limit: int,
-    *, repeats: int = 3,
-) -> tuple[int, torch.Tensor]:  # fmt: skip
+    *, repeats: int = 3, accept: Callable[[], bool] | None = None,
+) -> tuple[int, torch.Tensor, float]:  # fmt: skip
     """Of ``graph``'s built plans, the first ``limit`` timed on ``pack`` (:func:`time_plan`): the
-    index of the fastest and a workspace for it. Plans that fail to run are passed over; raises
-    where none runs. Not while a CUDA graph is being captured (timing synchronizes)."""
+    index of the fastest, a workspace for it and its milliseconds. Plans that fail to run are passed
+    over, and so are those after whose run ``accept()`` (reading ``pack``'s output) says no; raises
+    where none is left. Not while a CUDA graph is being captured (timing synchronizes)."""
     best: tuple[float, int, torch.Tensor] | None = None
     for index in range(min(graph.get_execution_plan_count(), limit)):
         try:
@@ -72,11 +80,14 @@ def fastest_plan(
         except Exception as error:  # a plan that was not built or does not run here
             log.debug("cuDNN plan %d passed over: %s", index, error)
             continue
+        if accept is not None and not accept():
+            log.debug("cuDNN plan %d passed over: its output was not accepted", index)
+            continue
         if best is None or ms < best[0]:
             best = (ms, index, workspace)
     if best is None:
-        raise RuntimeError("no execution plan of the graph ran")
-    return best[1], best[2]
+        raise RuntimeError("no execution plan of the graph ran" + (" and was accepted" if accept else ""))
+    return best[1], best[2], best[0]
 
 
 def time_plan(

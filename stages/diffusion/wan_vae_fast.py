@@ -15,13 +15,15 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   inputs at every decoder shape (measured on the H200, ``quant_vae.py --conv-layouts``), so this
   drops the layout transposes it puts around NCDHW tensors; the channel norms of channels-last
   frames are summed in ATen's order for NCDHW frames (``kernels/reduce_order.py``), which is the
-  order diffusers' norms have. The attention runs diffusers' own code on NCDHW frames. The decode
-  is bitwise equal to diffusers' (H200, 81 frames, bf16: 2.01x diffusers' speed at 480p, 2.00x at
-  720p; ``docs/benchmarks.md``).
-- ``fast``: ``exact``'s kernels and layouts, and the 3x3x3 convolutions of
-  :data:`FAST_CONV_SHAPES` (the top level's 96 -> 96, where cuDNN's 3D kernel is slowest) as 2D
-  convolutions over their time taps, added (:data:`FAST_CONV`): another summation order, so not
-  bitwise (``benchmarks/quant_vae.py`` states the PSNR; ``tests/gpu/test_wan_vae_gpu.py``
+  order diffusers' norms have. The attention runs diffusers' own code on NCDHW frames. The
+  convolutions of :data:`GRAPH_CONV_SHAPES` (the top level's 96 -> 96, where ATen's choice of
+  cuDNN kernel is slowest) run as cuDNN graphs whose plan gives ATen's bits
+  (``kernels/cudnn_conv.conv_graph``). The decode is bitwise equal to diffusers' (81 frames, bf16:
+  2.47x diffusers' speed at 480p and 2.45x at 720p on an H100; before the graphs 2.01x and 2.00x
+  on the H200; ``docs/benchmarks.md``).
+- ``fast``: ``exact``, and the 3x3x3 convolutions of :data:`FAST_CONV_SHAPES` in the form
+  :data:`FAST_CONV` names (by default ``"3d"``: as ``exact``; the 2D forms sum in another order,
+  so not bitwise: ``benchmarks/quant_vae.py`` states the PSNR, ``tests/gpu/test_wan_vae_gpu.py``
   holds 40 dB). With :data:`FUSED_EPILOGUE` (off by default), each convolution's bias and
   residual go into cuDNN's epilogue (``kernels/cudnn_conv.py``).
 - ``off``: diffusers' decoder untouched.
@@ -93,13 +95,20 @@ CHANNELS_LAST: dict[str, frozenset[str]] = {
 #: 96 -> 96 convolution at 297 TFLOP/s (2.68 ms a chunk of 4 frames), the summed 2D ones at 412
 #: (1.93 ms, 1.39x; stacked 1.47 ms + 0.57 ms of copy), while at 192 and 384 channels 3D is the
 #: faster (648 and 391 TFLOP/s; summed 0.86x and 0.58x). The whole decode at ``fast`` so set:
-#: 2.24x diffusers at 480p, 2.26x at 720p, PSNR 55.2 dB. ``"graph"``: the 3D convolution as a
-#: cuDNN frontend graph with the fastest of its first plans (``kernels/cudnn_conv.py``), its bias
-#: and residual added after as ``exact`` adds them; on an H100 that graph, with the bias and add
-#: in its epilogue, ran the 96 -> 96 one in 1.94 ms where ATen's 3D convolution alone took 3.18
-#: (``--conv-cudnn``, 2026-12-06). Where cuDNN declines the graph, ATen's convolution runs.
-FAST_CONV = "summed"
+#: 2.24x diffusers at 480p, 2.26x at 720p, PSNR 55.2 dB. ``"graph"``: as ``exact`` runs the
+#: convolutions of :data:`GRAPH_CONV_SHAPES` (bitwise), here at :data:`FAST_CONV_SHAPES`. The
+#: summed form is slower than the graph at 96 -> 96 and not bitwise (H100, 2026-12-06: 851 against
+#: 828 ms at 480p), so ``fast`` now runs as ``exact`` does (``"3d"``).
+FAST_CONV = "3d"
 FAST_CONVS = ("3d", "summed", "stacked", "graph")
+#: The (input, output) channels of the causal 3x3x3 convolutions that both levels run as cuDNN
+#: graphs (``kernels/cudnn_conv.conv_graph``: the fastest of cuDNN's first plans that gives ATen's
+#: bits on the shape's first call, where it beats ATen's time; else ATen's), their bias and
+#: residual added after as ATen adds them, so the decode stays bitwise. On an H100 (2026-12-06,
+#: ``quant_vae.py --conv-cudnn``): at 96 -> 96 the graph's plan 2.09 ms against ATen's 3.22, the
+#: same bits; at the other shapes within 10% either way, so only 96 -> 96 (each new shape costs a
+#: few plans' build and timing at its first call).
+GRAPH_CONV_SHAPES: frozenset[tuple[int, int]] = frozenset({(96, 96)})
 #: The (input, output) channels whose convolutions take :data:`FAST_CONV` (None: every 3x3x3
 #: causal convolution of the decoder).
 FAST_CONV_SHAPES: frozenset[tuple[int, int]] | None = frozenset({(96, 96)})
@@ -256,7 +265,7 @@ def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
     else:
         out = None
         if form == "graph":
-            out = cudnn_conv.try_conv_epilogue(x, _epilogue_weight(conv), tuple(conv.padding))
+            out = cudnn_conv.conv_graph(x, _epilogue_weight(conv), tuple(conv.padding))
         if out is None:
             out = conv._conv_forward(x, conv.weight, None)
     frames = out if out.dim() == 5 else out.unsqueeze(2)  # [N, C, H, W] as N one-frame videos
@@ -498,9 +507,13 @@ def install(vae: nn.Module, level: str | None = None) -> int:
     for conv, kind in _conv_kinds(decoder).items():
         if kind in CHANNELS_LAST[level]:
             _set_channels_last(conv, True)
-            taken = shapes is None or (conv.in_channels, conv.out_channels) in shapes
-            if form != "3d" and kind == "causal" and _plain_3x3x3(conv) and taken:
-                setattr(conv, _FORM, form)
+            pair = (conv.in_channels, conv.out_channels)
+            taken = shapes is None or pair in shapes
+            if kind == "causal" and _plain_3x3x3(conv):
+                if form != "3d" and taken:
+                    setattr(conv, _FORM, form)
+                elif pair in GRAPH_CONV_SHAPES:
+                    setattr(conv, _FORM, "graph")
         if level == "fast" and FUSED_EPILOGUE and _plain_stride(conv):
             setattr(conv, _EPILOGUE, True)
     log.info("Wan VAE decoder fast path: %s level in %d modules (convolutions: %s)", level, sites, form)

@@ -255,6 +255,7 @@ def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monk
     vae = _tiny_vae()
     z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "summed")
     calls = []
 
     def fused(x, weight, padding, *, bias=None, addends=()):
@@ -310,6 +311,7 @@ def test_convolutions_that_cudnn_declines_run_plain(monkeypatch, declined):
     vae = _tiny_vae()
     z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "summed")
     outcomes = []
 
     def fused(x, weight, padding, *, bias=None, addends=()):
@@ -335,38 +337,43 @@ def test_convolutions_that_cudnn_declines_run_plain(monkeypatch, declined):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_the_graph_form_runs_cudnn_graphs_then_adds_bias_and_residual(monkeypatch):
-    """``FAST_CONV = "graph"``: the 3x3x3 convolutions of ``FAST_CONV_SHAPES`` go to cuDNN's graph
-    without an epilogue (here its fp32 reference stands in), their bias and residual added after;
-    where the graph is declined, ATen's convolution runs. Close to diffusers either way; other
+@pytest.mark.parametrize("level", ["exact", "fast"])
+def test_graph_shapes_run_cudnn_graphs_then_add_bias_and_residual(monkeypatch, level):
+    """``GRAPH_CONV_SHAPES`` (both levels; at ``fast`` also ``FAST_CONV = "graph"``): those causal
+    3x3x3 convolutions ask ``cudnn_conv.conv_graph`` for the convolution alone (here ATen's own
+    convolution stands in: the graph gives ATen's bits or is not used), their bias and residual
+    added after; where it says None, ATen's convolution runs. The same decode either way; other
     convolutions never ask."""
+    import torch.nn.functional as F
     from omnirt.kernels import cudnn_conv
 
     vae = _tiny_vae()
     z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(5))
-    monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
-    monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "graph")
+    monkeypatch.setattr(wan_vae_fast, "GRAPH_CONV_SHAPES", frozenset({(8, 8)}))
+    if level == "fast":
+        monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(16, 16)}))
+        monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "graph")
     calls, declined = [], []
 
-    def graph(x, weight, padding, *, bias=None, addends=()):
-        calls.append((x.dim(), tuple(weight.shape), bias is None, addends == ()))
-        if declined:
-            return None
-        return cudnn_conv.conv_epilogue_reference(x, weight, padding, bias=bias, addends=addends)
+    def graph(x, weight, padding):
+        calls.append((x.dim(), tuple(weight.shape)))
+        assert x.is_contiguous(memory_format=torch.channels_last_3d)
+        return None if declined else F.conv3d(x, weight, padding=padding)
 
-    monkeypatch.setattr(cudnn_conv, "try_conv_epilogue", graph)
+    monkeypatch.setattr(cudnn_conv, "conv_graph", graph)
     with torch.no_grad():
         want = vae.decode(z, return_dict=False)[0]
-        wan_vae_fast.install(vae, "fast")
+        wan_vae_fast.install(vae, level)
         got = vae.decode(z, return_dict=False)[0]
         asked = len(calls)
         declined.append(True)
         plain = vae.decode(z, return_dict=False)[0]
         wan_vae_fast.uninstall(vae)
-    assert asked > 0 and set(calls) == {(5, (8, 8, 3, 3, 3), True, True)}
+    shapes = {(5, (8, 8, 3, 3, 3))} | ({(5, (16, 16, 3, 3, 3))} if level == "fast" else set())
+    assert asked > 0 and set(calls) == shapes
     assert len(calls) == 2 * asked  # the declined decode asked as often
+    assert torch.equal(got, plain)  # the graph's output (here ATen's) and ATen's: the same decode
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_feature_cache_protocol_is_kept():

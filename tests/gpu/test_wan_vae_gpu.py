@@ -178,3 +178,24 @@ def test_convolutions_with_their_epilogue_match_the_reference(frames, kernel, pa
     err = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)
     assert float(err.max()) <= 2**-7
 
+
+GRAPH_CASES = [((1, 96, 6, 482, 834), (96, 96, 3, 3, 3)), ((1, 192, 6, 242, 418), (192, 192, 3, 3, 3))]
+
+
+@pytest.mark.parametrize(("frames", "kernel"), GRAPH_CASES)
+def test_the_graph_convolution_gives_atens_bits_or_none(frames, kernel):
+    """``cudnn_conv.conv_graph``: where it answers, ATen's bits (its plan was checked against them on
+    the first call; here a second call on new inputs checks again); None where ATen's is as fast."""
+    import torch.nn.functional as F
+    from omnirt.kernels import cudnn_conv
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    fmt = torch.channels_last_3d
+    for _ in range(2):
+        x = torch.randn(frames, device="cuda", generator=g).to(torch.bfloat16).contiguous(memory_format=fmt)
+        weight = (torch.randn(kernel, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
+        weight = weight.contiguous(memory_format=fmt)
+        got = cudnn_conv.conv_graph(x, weight, (0, 0, 0))
+        if got is not None:
+            assert got.is_contiguous(memory_format=fmt)
+            assert torch.equal(got, F.conv3d(x, weight))

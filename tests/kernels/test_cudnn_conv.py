@@ -42,6 +42,9 @@ def test_off_cuda_it_does_not_apply_and_refuses():
     w = _frames(4, 4, 3, 3, 3).contiguous(memory_format=torch.channels_last_3d)
     assert not cudnn_conv.supported(x, w)
     assert not cudnn_conv.applies(x, w, (0, 0, 0))
+    assert cudnn_conv.conv_graph(x, w, (0, 0, 0)) is None  # the caller runs ATen's
+    with pytest.raises(ValueError, match="padding"):
+        cudnn_conv.conv_graph(x, w, (0, 0))
     with pytest.raises(RuntimeError, match="does not apply"):
         cudnn_conv.conv_epilogue(x, w, (0, 0, 0))
     with pytest.raises(ValueError, match="padding"):

@@ -76,9 +76,17 @@ def test_the_fastest_plan_is_kept_and_failing_plans_are_passed_over(monkeypatch)
         return times[index]
 
     monkeypatch.setattr(cudnn_graphs, "time_plan", time_plan)
-    index, workspace = cudnn_graphs.fastest_plan(None, Graph(), {}, None, torch.device("cpu"), 4)
-    assert index == 2 and workspace.numel() == 32
-    assert cudnn_graphs.fastest_plan(None, Graph(), {}, None, torch.device("cpu"), 5)[0] == 4
+    cpu = torch.device("cpu")
+    index, workspace, ms = cudnn_graphs.fastest_plan(None, Graph(), {}, None, cpu, 4)
+    assert (index, workspace.numel(), ms) == (2, 32, 1.5)
+    assert cudnn_graphs.fastest_plan(None, Graph(), {}, None, cpu, 5)[0] == 4
+    # ``accept`` (here: refusing the fastest plan's output) passes plans over
+    ran = []
+    accepted = lambda: ran.append(1) or len(ran) != 2  # noqa: E731  (the second plan that ran: plan 2)
+    assert cudnn_graphs.fastest_plan(None, Graph(), {}, None, cpu, 4, accept=accepted)[:1] == (3,)
     times.update({0: None, 2: None, 3: None})
     with pytest.raises(RuntimeError, match="no execution plan"):
-        cudnn_graphs.fastest_plan(None, Graph(), {}, None, torch.device("cpu"), 4)
+        cudnn_graphs.fastest_plan(None, Graph(), {}, None, cpu, 4)
+    times.update({3: 2.0})
+    with pytest.raises(RuntimeError, match="accepted"):
+        cudnn_graphs.fastest_plan(None, Graph(), {}, None, cpu, 4, accept=lambda: False)
