@@ -293,13 +293,7 @@ def try_conv_epilogue(
     """:func:`conv_epilogue`'s result, or None where it does not apply (the caller then runs its
     plain convolution): one check, one plan lookup."""
     plan = _find_plan(x, weight, padding, bias, addends)
-    if plan is None:
-        return None
-    out = _empty_out(x, weight, padding)
-    cudnn = cudnn_graphs.frontend()
-    cudnn.set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
-    plan.execute(_pack(x, weight, bias, addends, out))
-    return out
+    return None if plan is None else _run(plan, x, weight, padding, bias, addends)
 
 
 def conv_graph(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor | None:
@@ -321,11 +315,17 @@ def conv_graph(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...]) 
         cudnn = cudnn_graphs.frontend()
         scratch = lambda: _pack(x, weight, None, (), _empty_out(x, weight, padding))  # noqa: E731
         plan = _plans.get(shape, lambda: _build(cudnn, shape, scratch))
-    if plan is None:
-        return None
+    return None if plan is None else _run(plan, x, weight, padding, None, ())
+
+
+def _run(
+    plan: _Plan, x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], bias: torch.Tensor | None,
+    addends: tuple[torch.Tensor, ...],
+) -> torch.Tensor:  # fmt: skip
+    """``plan`` on these tensors, on the current stream, into a new channels-last output."""
     out = _empty_out(x, weight, padding)
     cudnn_graphs.frontend().set_stream(plan.handle, torch.cuda.current_stream(x.device).cuda_stream)
-    plan.execute(_pack(x, weight, None, (), out))
+    plan.execute(_pack(x, weight, bias, addends, out))
     return out
 
 
