@@ -614,37 +614,23 @@ def conv_speed_rows() -> list[str]:
 def _cudnn_conv(x: torch.Tensor, weight: torch.Tensor, padding: list[int], bias: torch.Tensor | None,
                 residual: torch.Tensor | None) -> Any:  # fmt: skip
     """``kernels/cudnn_conv.py``'s graph of one convolution with ``bias`` and ``residual`` (where
-    given) in its epilogue, all plans built and the fastest of the first six kept (as the module
-    does with ``AUTOTUNE_PLANS``). Returns a callable running it, or the reason cuDNN declined it."""
+    given) in its epilogue, its plan chosen as the module chooses it (the fastest of the first
+    ``AUTOTUNE_PLANS``, timed on these tensors). Returns a callable running it, or the reason cuDNN
+    declined it."""
     import cudnn
-    from omnirt.kernels import cudnn_conv, cudnn_graphs
+    from omnirt.kernels import cudnn_conv
 
-    handle = cudnn_graphs.handle(cudnn, torch.cuda.current_device())
     addends = () if residual is None else (residual,)
     shape = cudnn_conv._shape(x, weight, tuple(padding), bias, addends)
     out = cudnn_conv._empty_out(x, weight, tuple(padding))
     pack = cudnn_conv._pack(x, weight, bias, addends, out)
     try:
-        graph = cudnn_conv.build_graph(cudnn, shape, handle)
-        cudnn_graphs.build_plans(cudnn, graph, cudnn.build_plan_policy.ALL)
+        plan = cudnn_conv._build(cudnn, shape, lambda: pack)
     except Exception as error:  # a probe: report why and go on
         return f"declined: {str(error).splitlines()[0][:80]}"
-    cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
-    timed = []
-    for index in range(min(graph.get_execution_plan_count(), 6)):
-        try:
-            size = graph.get_workspace_size_plan_at_index(index)
-            space = torch.empty(size, dtype=torch.uint8, device="cuda")
-            ms = bench(functools.partial(graph.execute_plan_at_index, pack, space, index, handle=handle))
-        except Exception:  # a plan that was not built
-            continue
-        timed.append((ms, index, space))
-    if not timed:
-        return "declined: no plan ran"
-    _, best, workspace = min(timed, key=lambda item: item[0])
 
     def run() -> torch.Tensor:
-        graph.execute_plan_at_index(pack, workspace, best, handle=handle)
+        plan.execute(pack)
         return out
 
     return run

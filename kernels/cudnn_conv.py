@@ -27,7 +27,6 @@ for its shapes: the caller runs its plain convolution. Graphs are built once per
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +163,7 @@ def _build(cudnn: Any, shape: _Shape, pack: Callable[[], dict[int, torch.Tensor]
             conv = F.conv3d if x.dim() == 5 else F.conv2d
             run_aten = lambda: conv(x, weight, padding=shape.padding)  # noqa: E731
             want = run_aten()
-            aten = min(_time_ms(run_aten) for _ in range(3))
+            aten = cudnn_graphs.time_ms(run_aten, 3)
             accept = lambda: torch.equal(out, want)  # noqa: E731
         index, workspace, ms = cudnn_graphs.fastest_plan(
             cudnn, graph, tensors, handle, device, AUTOTUNE_PLANS, accept=accept
@@ -177,17 +176,6 @@ def _build(cudnn: Any, shape: _Shape, pack: Callable[[], dict[int, torch.Tensor]
     cudnn_graphs.build_plans(cudnn, graph)
     workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
     return _Plan(graph, workspace, handle)
-
-
-def _time_ms(run: Callable[[], Any]) -> float:
-    """Milliseconds of one ``run()`` on the current stream (CUDA events), after it has run once."""
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def _pack(
@@ -226,13 +214,13 @@ def _channels_last_strides(dims: tuple[int, ...]) -> tuple[int, ...]:
 
 def _shape(
     x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...], bias: torch.Tensor | None,
-    addends: tuple[torch.Tensor, ...],
+    addends: tuple[torch.Tensor, ...], aten_bits: bool = False,
 ) -> _Shape:  # fmt: skip
     return _Shape(
         tuple(x.shape), tuple(x.stride()), tuple(weight.shape), tuple(weight.stride()), tuple(padding),
         bias is not None, tuple(tuple(a.stride()) for a in addends),
         _channels_last_strides(out_shape(x, weight, padding)), x.dtype,
-        x.device.index if x.device.index is not None else torch.cuda.current_device(),
+        x.device.index if x.device.index is not None else torch.cuda.current_device(), aten_bits,
     )  # fmt: skip
 
 
@@ -305,7 +293,7 @@ def conv_graph(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, ...]) 
     _check(x, weight, padding)
     if AUTOTUNE_PLANS <= 0 or not supported(x, weight):
         return None
-    shape = dataclasses.replace(_shape(x, weight, padding, None, ()), aten_bits=True)
+    shape = _shape(x, weight, padding, None, (), aten_bits=True)
     if torch.cuda.is_current_stream_capturing():
         try:
             plan = _plans[shape]

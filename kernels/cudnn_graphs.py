@@ -94,16 +94,24 @@ def time_plan(
     cudnn: Any, graph: Any, pack: dict[int, torch.Tensor], workspace: torch.Tensor, index: int, handle: Any,
     repeats: int,
 ) -> float:  # fmt: skip
-    """Milliseconds of plan ``index`` on ``pack``: a warm run, then the best of ``repeats`` (CUDA
-    events on the current stream of the workspace's device)."""
+    """Milliseconds of plan ``index`` on ``pack`` (:func:`time_ms`, on the current stream of the
+    workspace's device)."""
     stream = torch.cuda.current_stream(workspace.device)
     cudnn.set_stream(handle, stream.cuda_stream)
-    graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+    run = lambda: graph.execute_plan_at_index(pack, workspace, index, handle=handle)  # noqa: E731
+    return time_ms(run, repeats, stream)
+
+
+def time_ms(run: Callable[[], Any], repeats: int, stream: torch.cuda.Stream | None = None) -> float:
+    """Milliseconds of ``run()``: a warm run, then the best of ``repeats``, each between CUDA events
+    on ``stream`` (the current one by default)."""
+    stream = stream or torch.cuda.current_stream()
+    run()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+        run()
         end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end))

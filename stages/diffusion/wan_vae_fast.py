@@ -219,7 +219,7 @@ def _epilogue_on(conv: nn.Module) -> bool:
     return getattr(conv, _EPILOGUE, False)
 
 
-def _epilogue_weight(conv: nn.Module) -> torch.Tensor:
+def _graph_weight(conv: nn.Module) -> torch.Tensor:
     """``conv``'s weight channels-last (what the cuDNN graph reads), made once per weight version."""
     weight = conv.weight
     key = (weight.data_ptr(), weight._version, weight.dtype)
@@ -234,7 +234,7 @@ def _epilogue_weight(conv: nn.Module) -> torch.Tensor:
 def _epilogue_conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
     """``conv(x) + residual`` with the bias and the residual in cuDNN's epilogue
     (:mod:`~omnirt.kernels.cudnn_conv`), or None where it does not apply."""
-    weight = _epilogue_weight(conv)
+    weight = _graph_weight(conv)
     padding = tuple(conv.padding)
     addends = () if residual is None else (residual,)
     return cudnn_conv.try_conv_epilogue(x, weight, padding, bias=conv.bias, addends=addends)
@@ -265,7 +265,7 @@ def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
     else:
         out = None
         if form == "graph":
-            out = cudnn_conv.conv_graph(x, _epilogue_weight(conv), tuple(conv.padding))
+            out = cudnn_conv.conv_graph(x, _graph_weight(conv), tuple(conv.padding))
         if out is None:
             out = conv._conv_forward(x, conv.weight, None)
     frames = out if out.dim() == 5 else out.unsqueeze(2)  # [N, C, H, W] as N one-frame videos
