@@ -30,10 +30,11 @@
   it, against the 2D forms of a 3x3x3 one (see ``conv_speed_rows``).
 - **Fused epilogues** (``--conv-cudnn``): each decoder convolution with its bias and a residual add
   after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
-  ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast`` decodes with and without the fused
-  epilogues (``wan_vae_fast.FUSED_EPILOGUE``), in the default form of ``FAST_CONV_SHAPES``'
-  convolutions and in the summed one. ``exact`` runs twice: its convolutions all in ATen, and
-  those of ``wan_vae_fast.GRAPH_CONV_SHAPES`` as cuDNN graphs (ATen's bits; the default).
+  ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast`` decodes without and with the fused
+  epilogues at ``FAST_CONV_SHAPES``' convolutions (``wan_vae_fast.FUSED_EPILOGUE``: ``off``,
+  ``shapes``; ``all`` costs each shape's plans at its first call), in their default form.
+  ``exact`` runs twice: its convolutions all in ATen, and those of
+  ``wan_vae_fast.GRAPH_CONV_SHAPES`` as cuDNN graphs (ATen's bits; the default).
 
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
@@ -429,11 +430,11 @@ def vae_rows(
             at = None if form.endswith("-all") else shapes
             label = f"fast, {form.removesuffix('-all')} at {_pairs(at)}"
             runs.append(("fast", label, form, epilogue, graphs))
-        if ablations:  # the default form and the summed one, each with the fused epilogues off and on
-            for form, fused in ((default, False), (default, True), ("summed", False), ("summed", True)):
-                label = f"fast, {form} at {_pairs(shapes)}, " + (
-                    "fused epilogues" if fused else "bias + residual a pass")
-                runs.append(("fast", label, form, fused, graphs))
+        if ablations:  # the default form without and with the fused epilogues at its shapes
+            for fused in ("off", "shapes"):
+                where = "none" if fused == "off" else f"at {_pairs(shapes)}"
+                label = f"fast, {default} at {_pairs(shapes)}, fused epilogues {where}"
+                runs.append(("fast", label, default, fused, graphs))
         for level, label, form, fused, graph_shapes in runs:
             wan_vae_fast.GRAPH_CONV_SHAPES = graph_shapes
             wan_vae_fast.FUSED_EPILOGUE = fused
@@ -581,6 +582,12 @@ def _conv_forms(kind: str, c_in: int, c_out: int, kernel: tuple, shape: tuple) -
     copy_ms = bench(stack)
     err = _rel_diff(one().permute(1, 0, 2, 3).unsqueeze(0), ref)
     rows.append(row(f"2D over stacked frames (+ stack {copy_ms:.3f} ms)", bench(one), err, copy_ms))
+    graph = _cudnn_conv(stacked, w2, [0, 0], None, None)  # the same, cuDNN's fastest of its first plans
+    if isinstance(graph, str):
+        rows.append(f"| {label} | 2D over stacked frames, cuDNN graph | {graph} | | | |")
+    else:
+        err = _rel_diff(graph().permute(1, 0, 2, 3).unsqueeze(0), ref)
+        rows.append(row("2D over stacked frames, cuDNN graph (+ stack)", bench(graph), err, copy_ms))
     planes = [thwc[k : k + frames].permute(0, 3, 1, 2) for k in range(kt)]
     parts = [weight[:, :, k].contiguous(memory_format=cl2) for k in range(kt)]
 
@@ -751,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-profile", action="store_true", help="the top CUDA kernels of each VAE level")
     p.add_argument(
         "--fast-ablations", action="store_true",
-        help="VAE: also the fast level with and without its fused epilogues (wan_vae_fast.FUSED_EPILOGUE)",
+        help="VAE: also the fast level without and with fused epilogues at its shapes (FUSED_EPILOGUE)",
     )  # fmt: skip
     p.add_argument("--conv-input", action="store_true", help="the conv-input kernel alone, against eager")
     p.add_argument("--conv-layouts", action="store_true", help="NCDHW and NDHWC convolutions: same bits?")

@@ -24,8 +24,8 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
 - ``fast``: ``exact``, and the 3x3x3 convolutions of :data:`FAST_CONV_SHAPES` in the form
   :data:`FAST_CONV` names (by default ``"3d"``: as ``exact``; the 2D forms sum in another order,
   so not bitwise: ``benchmarks/quant_vae.py`` states the PSNR, ``tests/gpu/test_wan_vae_gpu.py``
-  holds 40 dB). With :data:`FUSED_EPILOGUE` (off by default), each convolution's bias and
-  residual go into cuDNN's epilogue (``kernels/cudnn_conv.py``).
+  holds 40 dB). :data:`FUSED_EPILOGUE` names the convolutions whose bias and residual go into
+  cuDNN's epilogue (``kernels/cudnn_conv.py``; off by default).
 - ``off``: diffusers' decoder untouched.
 
 The convolution weights stay as diffusers holds them (ATen copies a weight to the input's layout
@@ -114,12 +114,17 @@ GRAPH_CONV_SHAPES: frozenset[tuple[int, int]] = frozenset({(96, 96)})
 FAST_CONV_SHAPES: frozenset[tuple[int, int]] | None = frozenset({(96, 96)})
 _FORM = "_omnirt_fast_conv"
 _WEIGHTS = "_omnirt_fast_weights"
-#: Whether the ``fast`` level adds each convolution's bias and residual in the convolution's
+#: Which convolutions the ``fast`` level runs with their bias and residual in the convolution's
 #: epilogue (``kernels/cudnn_conv.py``: fp32, rounded once; no pass of their own; the summed 2D
-#: form's taps each add the sum so far), where cuDNN takes the graph; else the ``exact`` level's
-#: bias + residual pass. Off by default: on an H100 (2026-12-06) it took 1.3-2.0% off the decode
-#: and its PSNR against diffusers from 55.2 to 46.1 dB (``benchmarks/quant_vae.py --fast-ablations``).
-FUSED_EPILOGUE = False
+#: form's taps each add the sum so far), where cuDNN takes the graph; the others add them in the
+#: ``exact`` level's bias + residual pass. ``"off"``; ``"shapes"``: the causal 3x3x3 ones of
+#: :data:`FAST_CONV_SHAPES` (where the graph's fastest plan with the epilogue beat ATen's
+#: convolution alone: 1.94 against 3.18 ms at the 480p 96 -> 96 on an H100); ``"all"``: every
+#: convolution of stride 1 (on an H100, 2026-12-06, with cuDNN's first plans: 1.3-2.0% off the
+#: decode, its PSNR against diffusers from 55.2 to 46.1 dB; at several shapes the fused graph is
+#: slower than the convolution alone, ``benchmarks/quant_vae.py --conv-cudnn``).
+FUSED_EPILOGUE = "off"
+FUSED_EPILOGUES = ("off", "shapes", "all")
 _EPILOGUE = "_omnirt_epilogue"
 _EPILOGUE_WEIGHT = "_omnirt_epilogue_weight"
 
@@ -482,6 +487,7 @@ def install(vae: nn.Module, level: str | None = None) -> int:
     decoder). Installing again changes the level."""
     level = check_vae_level(settings.VAE_FAST if level is None else level)
     form = check_fast_conv(FAST_CONV) if level == "fast" else "3d"
+    epilogue = check_fused_epilogue(FUSED_EPILOGUE) if level == "fast" else "off"
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanDecoder3d, WanResample, WanResidualBlock
 
     decoder = getattr(vae, "decoder", None)
@@ -505,18 +511,20 @@ def install(vae: nn.Module, level: str | None = None) -> int:
             sites += 1
     shapes = FAST_CONV_SHAPES
     for conv, kind in _conv_kinds(decoder).items():
+        pair = (conv.in_channels, conv.out_channels)
+        taken = kind == "causal" and _plain_3x3x3(conv) and (shapes is None or pair in shapes)
         if kind in CHANNELS_LAST[level]:
             _set_channels_last(conv, True)
-            pair = (conv.in_channels, conv.out_channels)
-            taken = shapes is None or pair in shapes
-            if kind == "causal" and _plain_3x3x3(conv):
-                if form != "3d" and taken:
-                    setattr(conv, _FORM, form)
-                elif pair in GRAPH_CONV_SHAPES:
-                    setattr(conv, _FORM, "graph")
-        if level == "fast" and FUSED_EPILOGUE and _plain_stride(conv):
+            if form != "3d" and taken:
+                setattr(conv, _FORM, form)
+            elif kind == "causal" and _plain_3x3x3(conv) and pair in GRAPH_CONV_SHAPES:
+                setattr(conv, _FORM, "graph")
+        if level == "fast" and _plain_stride(conv) and (epilogue == "all" or epilogue == "shapes" and taken):
             setattr(conv, _EPILOGUE, True)
-    log.info("Wan VAE decoder fast path: %s level in %d modules (convolutions: %s)", level, sites, form)
+    log.info(
+        "Wan VAE decoder fast path: %s level in %d modules (convolutions: %s; fused epilogues: %s)",
+        level, sites, form, epilogue,
+    )  # fmt: skip
     return sites
 
 
@@ -525,6 +533,13 @@ def check_fast_conv(form: str) -> str:
     if form not in FAST_CONVS:
         raise ValueError(f"the fast level's convolutions are one of {', '.join(FAST_CONVS)}, not {form!r}")
     return form
+
+
+def check_fused_epilogue(which: str) -> str:
+    """``which`` if it is one of :data:`FUSED_EPILOGUES`, else ``ValueError``."""
+    if which not in FUSED_EPILOGUES:
+        raise ValueError(f"the fused epilogues are one of {', '.join(FUSED_EPILOGUES)}, not {which!r}")
+    return which
 
 
 def uninstall(vae: nn.Module) -> None:

@@ -266,11 +266,11 @@ def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monk
     monkeypatch.setattr(cudnn_conv, "try_conv_epilogue", fused)
     with torch.no_grad():
         want = vae.decode(z, return_dict=False)[0]
-        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", False)
+        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", "off")
         wan_vae_fast.install(vae, "fast")
         plain = vae.decode(z, return_dict=False)[0]
         assert calls == []
-        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", True)
+        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", "all")
         wan_vae_fast.install(vae, "fast")
         got = vae.decode(z, return_dict=False)[0]
         assert vae.decoder.conv_out.weight.is_contiguous()  # the module's weight untouched
@@ -329,12 +329,54 @@ def test_convolutions_that_cudnn_declines_run_plain(monkeypatch, declined):
     monkeypatch.setattr(cudnn_conv, "try_conv_epilogue", fused)
     with torch.no_grad():
         want = vae.decode(z, return_dict=False)[0]
-        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", True)
+        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", "all")
         wan_vae_fast.install(vae, "fast")
         got = vae.decode(z, return_dict=False)[0]
         wan_vae_fast.uninstall(vae)
     assert True in outcomes and False in outcomes  # both paths ran
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_epilogues_at_the_fast_shapes_only(monkeypatch):
+    """``FUSED_EPILOGUE = "shapes"``: only the causal 3x3x3 convolutions of ``FAST_CONV_SHAPES``
+    (here 8 -> 8, in the 3D form, the graph shape too) take the epilogue, each residual block's
+    conv1 with its bias and conv2 with the bias and the shortcut; every other convolution adds
+    them in the pass. ``exact`` never asks; an unknown value is refused and leaves what was
+    installed."""
+    from omnirt.kernels import cudnn_conv
+
+    vae = _tiny_vae()
+    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
+    monkeypatch.setattr(wan_vae_fast, "GRAPH_CONV_SHAPES", frozenset({(8, 8)}))
+    monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", "shapes")
+    monkeypatch.setattr(cudnn_conv, "conv_graph", lambda x, weight, padding: None)  # ATen's conv
+    calls = []
+
+    def fused(x, weight, padding, *, bias=None, addends=()):
+        calls.append((x.dim(), tuple(weight.shape), bias is not None, len(addends)))
+        return cudnn_conv.conv_epilogue_reference(x, weight, padding, bias=bias, addends=addends)
+
+    monkeypatch.setattr(cudnn_conv, "try_conv_epilogue", fused)
+    with torch.no_grad():
+        want = vae.decode(z, return_dict=False)[0]
+        wan_vae_fast.install(vae, "exact")
+        exact = vae.decode(z, return_dict=False)[0]
+        assert calls == []
+        wan_vae_fast.install(vae, "fast")
+        got = vae.decode(z, return_dict=False)[0]
+        monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", "some")
+        with pytest.raises(ValueError, match="off, shapes, all"):
+            wan_vae_fast.install(vae, "fast")
+        assert wan_vae_fast.installed_level(vae) == "fast"
+        wan_vae_fast.uninstall(vae)
+    torch.testing.assert_close(exact, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    blocks = [m for m in vae.decoder.modules() if type(m).__name__ == "WanResidualBlock"]
+    top = [m for m in blocks if (m.conv1.in_channels, m.conv1.out_channels) == (8, 8)]
+    conv = (5, (8, 8, 3, 3, 3))
+    per_frame = [(*conv, True, 0), (*conv, True, 1)] * len(top)  # conv1: bias; conv2: bias + shortcut
+    assert len(top) == 2 and calls == per_frame * z.shape[2]
 
 
 @pytest.mark.parametrize("level", ["exact", "fast"])
