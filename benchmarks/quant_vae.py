@@ -10,7 +10,9 @@
   of ``triton.testing.do_bench``.
 - **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
   shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
-  from the same noise: the PSNR of the decoded pixels against bf16's.
+  from the same noise: the PSNR of the decoded pixels against bf16's. With ``--wan``, also Wan's
+  video: ``--final-steps`` UniPC steps (flow shift 3, no guidance, random text features), then
+  its VAE at ``exact``, 81 frames.
 - **Conv inputs** (``--conv-input``): the kernel of ``kernels/conv_input.py`` alone at the Wan
   decoder's top level, against the eager chain, with the bandwidth of the bytes it moves.
 - **Conv layouts** (``--conv-layouts``): whether cuDNN's convolutions at the decoder's shapes (each
@@ -36,7 +38,7 @@
   ``exact`` runs twice: its convolutions all in ATen, and those of
   ``wan_vae_fast.GRAPH_CONV_SHAPES`` as cuDNN graphs (ATen's bits; the default).
 
-    python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final]
+    python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final [--final-steps N]]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
         [--norm-orders] [--skip-zimage] [--dit-profile]
@@ -290,24 +292,81 @@ def _step_timings(m: torch.nn.Module, call, kind: str) -> str:
     return f"| Z-Image 1024x1024 | {kind} | {wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph} |"
 
 
-def wan_rows(variant: str, size: str) -> list[str]:
+WAN_COMPONENTS = ROOT / "benchmarks/models/wan2.1-t2v/wan2.1-t2v.components.json"
+
+
+def _wan_transformer(variant: str) -> torch.nn.Module:
+    """The published Wan 2.1 T2V transformer config of ``variant`` with random bf16 weights (its
+    fp32 parameters kept fp32, as the loader keeps them), on the GPU."""
     from diffusers import WanTransformer3DModel
     from omnirt.stages.diffusion.wan_loader import _cast_keeping_fp32
 
-    cfg = json.loads((ROOT / "benchmarks/models/wan2.1-t2v/wan2.1-t2v.components.json").read_text())
+    cfg = json.loads(WAN_COMPONENTS.read_text())
     cfg = {k: v for k, v in cfg[f"transformer_{variant}"].items() if not k.startswith("_")}
-    g = torch.Generator(device="cuda").manual_seed(0)
     with torch.device("cuda"):
         torch.manual_seed(0)
         model = WanTransformer3DModel.from_config(cfg)
         _cast_keeping_fp32(model, torch.bfloat16)
-        model = model.eval()
+    return model.eval()
+
+
+def wan_rows(variant: str, size: str) -> list[str]:
+    model = _wan_transformer(variant)
+    g = torch.Generator(device="cuda").manual_seed(0)
     h, w = SIZES[size]
     video = torch.randn(1, 16, 21, h, w, device="cuda", dtype=torch.bfloat16, generator=g)
     text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     step = torch.tensor([500.0], device="cuda")
     name = f"Wan {variant} {size} 81 frames"
     return rows_for(name, model, lambda m: m(video, step, text, return_dict=False)[0])
+
+
+def wan_final_rows(variant: str, size: str, steps: int = 10) -> list[str]:
+    """Wan's sampling loop (UniPC with the flow shift of Wan 2.1's scheduler, no guidance, random
+    text features) then its VAE (``exact``), 81 frames, per weight format, from the same noise:
+    the PSNR of the decoded frames against bf16's."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from omnirt.stages.diffusion import fused, wan_vae_fast
+
+    model = _wan_transformer(variant)
+    vae_cfg = json.loads(WAN_COMPONENTS.read_text())["vae"]
+    vae_cfg = {k: v for k, v in vae_cfg.items() if not k.startswith("_")}
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan.from_config(vae_cfg).to(torch.bfloat16).eval()
+    wan_vae_fast.install(vae, "exact")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h, w = SIZES[size]
+    noise = torch.randn(1, 16, 21, h, w, device="cuda", generator=g)
+    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    mean = torch.tensor(vae.config.latents_mean, device="cuda").view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device="cuda").view(1, -1, 1, 1, 1)
+
+    def sample(m: torch.nn.Module) -> torch.Tensor:
+        scheduler = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+        )
+        scheduler.set_timesteps(steps, device="cuda")
+        latents = noise.clone()
+        for t in scheduler.timesteps:
+            out = m(latents.to(torch.bfloat16), t.expand(1), text, return_dict=False)[0]
+            latents = scheduler.step(out.float(), t, latents, return_dict=False)[0]
+        z = (latents * std + mean).to(torch.bfloat16)
+        return vae.decode(z, return_dict=False)[0].clamp(-1, 1)
+
+    rows = []
+    fused.install(model)  # as the server runs it, in every row
+    with torch.no_grad():
+        ref = sample(model)
+        for label, quantized, _, _, attention in quantized_copies(model):
+            with attention_in_fp8(attention):
+                psnr = psnr_db(sample(quantized), ref)
+            note = _attention_note(attention)
+            name = f"Wan {variant} {size} 81 frames, {steps} steps + VAE"
+            rows.append(f"| {name} | {label}{note} | {psnr:.1f} |")
+            print(rows[-1], flush=True)
+            del quantized
+    return rows
 
 
 def psnr_db(got: torch.Tensor, want: torch.Tensor, peak: float = 2.0) -> float:
@@ -745,7 +804,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wan", choices=("1.3b", "14b"), default=None, help="also a Wan transformer step")
     p.add_argument("--wan-size", choices=tuple(SIZES), default="480p")
     p.add_argument("--skip-zimage", action="store_true", help="no Z-Image transformer step")
-    p.add_argument("--final", action="store_true", help="also Z-Image's final images per weight format")
+    p.add_argument(
+        "--final", action="store_true",
+        help="also the final outputs per weight format: Z-Image's images, and with --wan its videos",
+    )  # fmt: skip
+    p.add_argument("--final-steps", type=int, default=10, help="--final with --wan: sampling steps")
     p.add_argument("--vae", default="", help="Wan VAE decodes at these sizes (comma-separated: 480p,720p)")
     p.add_argument("--vae-dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--repeats", type=int, default=3, help="timed decodes per VAE level (the median)")
@@ -798,8 +861,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if args.final:
         print("\n| final output | weights | PSNR vs bf16 (dB) |\n|---|---|---|")
-        print("\n".join(zimage_final_rows()), flush=True)
-        torch.cuda.empty_cache()
+        if not args.skip_zimage:
+            print("\n".join(zimage_final_rows()), flush=True)
+            torch.cuda.empty_cache()
+        if args.wan:
+            wan_final_rows(args.wan, args.wan_size, args.final_steps)  # (prints its rows)
+            torch.cuda.empty_cache()
     if args.conv_layouts:
         print("\n| dtype | convolution | NDHWC bitwise NCDHW |\n|---|---|---|")
         print("\n".join(conv_layout_rows()), flush=True)
