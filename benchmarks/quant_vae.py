@@ -34,7 +34,8 @@
   after it in ATen, against a cuDNN graph that adds them in the convolution's epilogue (see
   ``conv_cudnn_rows``). ``--fast-ablations`` adds ``fast`` decodes without and with the fused
   epilogues at ``FAST_CONV_SHAPES``' convolutions (``wan_vae_fast.FUSED_EPILOGUE``: ``off``,
-  ``shapes``; ``all`` costs each shape's plans at its first call), in their default form.
+  ``shapes``; ``all`` costs each shape's plans at its first call), in their default form and the
+  stacked one.
   ``exact`` runs twice: its convolutions all in ATen, and those of
   ``wan_vae_fast.GRAPH_CONV_SHAPES`` as cuDNN graphs (ATen's bits; the default).
 
@@ -489,11 +490,12 @@ def vae_rows(
             at = None if form.endswith("-all") else shapes
             label = f"fast, {form.removesuffix('-all')} at {_pairs(at)}"
             runs.append(("fast", label, form, epilogue, graphs))
-        if ablations:  # the default form without and with the fused epilogues at its shapes
-            for fused in ("off", "shapes"):
-                where = "none" if fused == "off" else f"at {_pairs(shapes)}"
-                label = f"fast, {default} at {_pairs(shapes)}, fused epilogues {where}"
-                runs.append(("fast", label, default, fused, graphs))
+        if ablations:  # the default form and the stacked one, without and with the fused epilogues
+            for form in dict.fromkeys((default, "stacked")):
+                for fused in ("off", "shapes"):
+                    where = "none" if fused == "off" else f"at {_pairs(shapes)}"
+                    label = f"fast, {form} at {_pairs(shapes)}, fused epilogues {where}"
+                    runs.append(("fast", label, form, fused, graphs))
         for level, label, form, fused, graph_shapes in runs:
             wan_vae_fast.GRAPH_CONV_SHAPES = graph_shapes
             wan_vae_fast.FUSED_EPILOGUE = fused
@@ -814,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed decodes per VAE level (the median)")
     p.add_argument(
         "--fast-convs",
-        default="summed",
+        default="stacked",
         help="VAE: the fast level once per convolution form (3d, summed, stacked, graph; with -all: at every "
         "3x3x3 convolution, not only wan_vae_fast.FAST_CONV_SHAPES), comma-separated",
     )

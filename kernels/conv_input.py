@@ -168,15 +168,18 @@ if triton is not None:
     @triton.jit
     def _conv_input_cl_kernel(
         X, CACHE, NORM, RCP, GAMMA, SILU, OUT, NEXT,
-        H, W, L, TP, HP, WP, PT, PH, PW, KEEP,
+        H, W, L, TP, HP, WP, PT, PH, PW, KEEP, FRAMES,
         sxb, sxt, sxh, scb, sct, sch, snb, snt, snh, snw, sob, sot, soh, skb, skt, skh,
         scale, eps,
         C: tl.constexpr, HAS_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, BF16: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, STACK: tl.constexpr,
     ):  # fmt: skip
         """:func:`_conv_input_kernel` for dense channels-last tensors: one output row (b, tp, hp)
         is ``WP * C`` contiguous elements (column-major over channels), of which this program
-        writes ``BLOCK``; the input row and the cache rows are contiguous the same way."""
+        writes ``BLOCK``; the input row and the cache rows are contiguous the same way. ``STACK``
+        > 1 (one video): the padded frame ``tp`` is written as the channels ``k * C ...`` of the
+        ``FRAMES`` output frames ``tp - k`` (``k < STACK``) that read it, rows of
+        ``WP * STACK * C`` (``sot``, ``soh``: the stacked frames' and rows' strides)."""
         pid = tl.program_id(0)
         hp = (pid % HP).to(tl.int64)
         rest = pid // HP
@@ -191,14 +194,12 @@ if triton is not None:
         inside = (w >= 0) & (w < W) & (hv >= 0) & (hv < H)
         live = wp < WP
         at = j - PW * C  # the element's offset in an unpadded row
-        dst = OUT + b * sob + tp * sot + hp * soh + j
         dtype = OUT.dtype.element_ty
         if tp < PT:  # a cached frame, or zeros before the cached ones
             tv = tp + w * 0
             from_cache = inside & (tv >= PT - L) & (tv < PT)
             v = tl.load(CACHE + b * scb + (tp - (PT - L)) * sct + h * sch + at, mask=from_cache, other=0.0)
             v = v.to(dtype)
-            tl.store(dst, v, mask=live)
         else:  # a new frame
             t = tp - PT
             v = tl.load(X + b * sxb + t * sxt + h * sxh + at, mask=inside, other=0.0)
@@ -209,7 +210,13 @@ if triton is not None:
                 v = v.to(tl.float32)
                 v = _norm_silu(v, NORM + pix, r, g, SILU, inside, inside, scale, eps, dtype, LIBDEVICE, BF16)
             v = v.to(dtype)
-            tl.store(dst, v, mask=live)
+        if STACK == 1:
+            tl.store(OUT + b * sob + tp * sot + hp * soh + j, v, mask=live)
+        else:
+            row = OUT + hp * soh + wp * (STACK * C) + c
+            for k in tl.static_range(STACK):
+                if (tp - k >= 0) & (tp - k < FRAMES):
+                    tl.store(row + (tp - k) * sot + k * C, v, mask=live)
         if tp >= TP - KEEP:
             tl.store(NEXT + b * skb + (tp - (TP - KEEP)) * skt + h * skh + at, v, mask=inside)
 
@@ -383,13 +390,19 @@ def causal_conv_input(
     spatial_pad: int,
     norm: tuple[torch.Tensor, float] | None = None,
     channels_last: bool = False,
+    stack: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(padded input, next cache)`` of a causal 3D convolution over ``x`` [B, C, T, H, W]:
     ``time_pad`` frames before (the cached ones, ``cache`` [B, C, L, H, W], last; zeros first),
     ``spatial_pad`` zeros around each frame. With ``norm = (gamma, scale)`` the new frames go
     through ``WanRMS_norm`` (no bias) and SiLU first. The next cache is the last
     ``min(2, L + T)`` frames of ``[cache, frames]`` (eager's rule). Bitwise equal to
-    :func:`causal_conv_input_reference` on CUDA; the output contiguous, or channels-last."""
+    :func:`causal_conv_input_reference` on CUDA; the output contiguous, or channels-last.
+
+    ``stack`` > 1 (one video, channels-last, where :func:`stacked_input_applies`): the padded
+    input as the 2D frames a convolution of ``stack`` time taps reads, output frame ``f`` being
+    padded frames ``f .. f + stack - 1`` side by side along the channels: [F, stack * C, H', W']
+    channels-last, ``F = time_pad + T - stack + 1`` (:func:`stacked_reference`)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     b, c, t, h, w = x.shape
@@ -397,8 +410,13 @@ def causal_conv_input(
     if cache is not None and (cache.shape[:2] != (b, c) or cache.shape[3:] != (h, w) or length > time_pad):
         raise ValueError(f"cache {tuple(cache.shape)} does not fit frames {tuple(x.shape)}")
     tp, hp, wp = time_pad + t, h + 2 * spatial_pad, w + 2 * spatial_pad
+    frames = tp - stack + 1
+    if stack > 1 and not (channels_last and frames > 0 and stacked_input_applies(x, cache)):
+        raise ValueError(f"no stacked input of {stack} taps for frames {tuple(x.shape)} with this cache")
     fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
-    out = torch.empty((b, c, tp, hp, wp), dtype=x.dtype, device=x.device, memory_format=fmt)
+    dims = (frames, stack * c, hp, wp) if stack > 1 else (b, c, tp, hp, wp)
+    out_fmt = torch.channels_last if stack > 1 else fmt
+    out = torch.empty(dims, dtype=x.dtype, device=x.device, memory_format=out_fmt)
     norms = gamma = None
     scale = 1.0
     if norm is not None:
@@ -412,18 +430,18 @@ def causal_conv_input(
     bf16 = norm is not None and x.dtype == torch.bfloat16 and not interpreted()
     silu = silu_table(x.device) if bf16 else x
     rcp = 1.0 / norms.clamp_min(NORM_EPS) if bf16 else x  # IEEE: RN(1 / max(n, eps))
-    if FLAT_CHANNELS_LAST and channels_last and _dense_cl(x) and _dense_cl(src_cache):
+    if stack > 1 or FLAT_CHANNELS_LAST and channels_last and _dense_cl(x) and _dense_cl(src_cache):
         grid = (b * tp * hp, triton.cdiv(wp * c, FLAT_BLOCK))
+        out_strides = (0, out.stride(0), out.stride(2)) if stack > 1 else (out.stride(0), *out.stride()[2:4])
         _conv_input_cl_kernel[grid](
             x, src_cache, norms if norms is not None else x, rcp, gamma if gamma is not None else x, silu,
             out, next_cache,
-            h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad, keep,
+            h, w, length, tp, hp, wp, time_pad, spatial_pad, spatial_pad, keep, frames,
             x.stride(0), x.stride(2), x.stride(3), *(src_cache.stride(i) for i in (0, 2, 3)),
-            n_strides[0], *n_strides[2:], *(out.stride(i) for i in (0, 2, 3)),
-            *(next_cache.stride(i) for i in (0, 2, 3)),
+            n_strides[0], *n_strides[2:], *out_strides, *(next_cache.stride(i) for i in (0, 2, 3)),
             float(torch.tensor(scale, dtype=torch.float32)), NORM_EPS,
             C=c, HAS_NORM=norm is not None, LIBDEVICE=not interpreted(), BF16=bf16, BLOCK=FLAT_BLOCK,
-            num_warps=4, enable_fp_fusion=False,
+            STACK=stack, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
         return out, next_cache
     bc, bw = _tile(c, wp, channels_last)
@@ -452,6 +470,21 @@ FLAT_BLOCK = 2048
 
 def _dense_cl(t: torch.Tensor) -> bool:
     return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and t.shape[1] > 1
+
+
+def stacked_input_applies(x: torch.Tensor, cache: torch.Tensor | None) -> bool:
+    """Whether :func:`causal_conv_input` can write ``x``'s input stacked (``stack`` > 1): one
+    video, its frames (and cache) dense channels-last."""
+    return x.shape[0] == 1 and _dense_cl(x) and (cache is None or cache.shape[2] == 0 or _dense_cl(cache))
+
+
+def stacked_reference(padded: torch.Tensor, stack: int) -> torch.Tensor:
+    """A padded input [1, C, T', H', W'] as :func:`causal_conv_input` stacks it: [T' - stack + 1,
+    stack * C, H', W'], output frame ``f`` the frames ``f .. f + stack - 1`` along the channels."""
+    frames = padded.shape[2] - stack + 1
+    thwc = padded[0].permute(1, 2, 3, 0)
+    stacked = torch.cat([thwc[k : k + frames] for k in range(stack)], dim=-1)
+    return stacked.permute(0, 3, 1, 2)
 
 
 def silu_table(device: torch.device) -> torch.Tensor:

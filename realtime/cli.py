@@ -343,8 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("exact", "fast", "off"),
         default=ServerConfig.vae_fast,
         help="the Wan VAE decoder's fused Triton kernels on CUDA: exact (the default, bitwise equal "
-        "to diffusers), fast (the top level's 96-channel convolutions as 2D ones over their time taps: "
-        "not bitwise, 46 dB or more against diffusers; docs/kernels.md), off",
+        "to diffusers), fast (the top level's 96-channel convolutions as 2D ones over their stacked "
+        "time taps, bias and residual in cuDNN's epilogue: not bitwise, 55 dB against diffusers; "
+        "docs/kernels.md), off",
     )
     serve.add_argument(
         "--fp8-attention",

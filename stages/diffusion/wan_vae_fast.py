@@ -21,11 +21,13 @@ Three levels (``kernels.settings.VAE_FAST``, ``omnirt serve --vae-fast``):
   (``kernels/cudnn_conv.conv_graph``). The decode is bitwise equal to diffusers' (81 frames, bf16:
   2.47x diffusers' speed at 480p and 2.45x at 720p on an H100; before the graphs 2.01x and 2.00x
   on the H200; ``docs/benchmarks.md``).
-- ``fast``: ``exact``, and the 3x3x3 convolutions of :data:`FAST_CONV_SHAPES` in the form
-  :data:`FAST_CONV` names (by default ``"3d"``: as ``exact``; the 2D forms sum in another order,
-  so not bitwise: ``benchmarks/quant_vae.py`` states the PSNR, ``tests/gpu/test_wan_vae_gpu.py``
-  holds 40 dB). :data:`FUSED_EPILOGUE` names the convolutions whose bias and residual go into
-  cuDNN's epilogue (``kernels/cudnn_conv.py``; off by default).
+- ``fast``: ``exact``, and the 3x3x3 convolutions of :data:`FAST_CONV_SHAPES` (the top level's
+  96 -> 96) in the form :data:`FAST_CONV` names (by default ``"stacked"``: one 2D convolution
+  over the three time taps' frames, which the conv-input kernel writes side by side), their bias
+  and residual added in cuDNN's epilogue (:data:`FUSED_EPILOGUE`, ``kernels/cudnn_conv.py``).
+  Another summation order, so not bitwise: PSNR 55.6 dB against diffusers (81 frames, bf16;
+  ``tests/gpu/test_wan_vae_gpu.py`` holds 40 dB), 2.66x diffusers' speed at 480p and 2.62x at
+  720p on an H100 (``docs/benchmarks.md``).
 - ``off``: diffusers' decoder untouched.
 
 The convolution weights stay as diffusers holds them (ATen copies a weight to the input's layout
@@ -86,20 +88,24 @@ CHANNELS_LAST: dict[str, frozenset[str]] = {
 
 
 #: How the ``fast`` level runs the decoder's 3x3x3 causal convolutions of :data:`FAST_CONV_SHAPES`
-#: for one video: ``"summed"``: one 2D convolution per time tap over a view of the padded frames
-#: (no copy), the three outputs added (each rounded to the frames' dtype: not bitwise);
-#: ``"stacked"``: one 2D convolution over each output frame's three input frames stacked along the
-#: channels (a copy of the input, three times its size; another summation order); ``"3d"``:
-#: cuDNN's 3D convolution, as ``exact``. Measured on the H200 (``benchmarks/quant_vae.py
-#: --conv-speed``, bf16, channels-last, 480p, 2026-12-05): cuDNN's 3D kernel runs the top level's
-#: 96 -> 96 convolution at 297 TFLOP/s (2.68 ms a chunk of 4 frames), the summed 2D ones at 412
-#: (1.93 ms, 1.39x; stacked 1.47 ms + 0.57 ms of copy), while at 192 and 384 channels 3D is the
-#: faster (648 and 391 TFLOP/s; summed 0.86x and 0.58x). The whole decode at ``fast`` so set:
-#: 2.24x diffusers at 480p, 2.26x at 720p, PSNR 55.2 dB. ``"graph"``: as ``exact`` runs the
-#: convolutions of :data:`GRAPH_CONV_SHAPES` (bitwise), here at :data:`FAST_CONV_SHAPES`. The
-#: summed form is slower than the graph at 96 -> 96 and not bitwise (H100, 2026-12-06: 851 against
-#: 828 ms at 480p), so ``fast`` now runs as ``exact`` does (``"3d"``).
-FAST_CONV = "3d"
+#: for one video: ``"stacked"`` (the default): one 2D convolution over each output frame's three
+#: input frames stacked along the channels, the stacked frames written by the conv-input kernel in
+#: place of the padded ones (``conv_input.causal_conv_input(..., stack=3)``: twice the bytes
+#: written, no copy after; where the frames are not dense channels-last, stacked by a copy);
+#: another summation order, so not bitwise. ``"summed"``: one 2D convolution per time tap over a
+#: view of the padded frames (no copy), the three outputs added (each rounded to the frames'
+#: dtype). ``"3d"``: cuDNN's 3D convolution, as ``exact``. ``"graph"``: as ``exact`` runs the
+#: convolutions of :data:`GRAPH_CONV_SHAPES` (bitwise), here at :data:`FAST_CONV_SHAPES`.
+#: Measured on an H100 (``benchmarks/quant_vae.py``, bf16, channels-last, 2026-12-06): at the top
+#: level's 96 -> 96 (480p, a chunk of 4 frames) ATen's 3D convolution takes 3.21 ms (247 TFLOP/s),
+#: the bitwise cuDNN graph 2.09, the summed 2D ones 2.11, the stacked one 1.48 with ATen's kernel
+#: and 1.40 as a cuDNN graph (569 TFLOP/s; the copy that stacked the frames took 0.73 more); at 192
+#: and 384 channels the 3D kernel is as fast or faster. Whole decodes of 81 frames, with the
+#: fused epilogues at 96 -> 96 (:data:`FUSED_EPILOGUE`): stacked 2.66x diffusers at 480p and 2.62x
+#: at 720p, 3D 2.61x and 2.56x, PSNR 55.6 dB either way; stacked without them 2.58x and 2.59x
+#: (PSNR 59.6 dB), ``exact`` 2.49x and 2.46x. The stacked frames cost about 0.5 GiB at 480p and
+#: 1 GiB at 720p of peak memory (4.6 and 10.2 GiB against 4.1 and 9.2).
+FAST_CONV = "stacked"
 FAST_CONVS = ("3d", "summed", "stacked", "graph")
 #: The (input, output) channels of the causal 3x3x3 convolutions that both levels run as cuDNN
 #: graphs (``kernels/cudnn_conv.conv_graph``: the fastest of cuDNN's first plans that gives ATen's
@@ -116,14 +122,14 @@ _FORM = "_omnirt_fast_conv"
 _WEIGHTS = "_omnirt_fast_weights"
 #: Which convolutions the ``fast`` level runs with their bias and residual in the convolution's
 #: epilogue (``kernels/cudnn_conv.py``: fp32, rounded once; no pass of their own; the summed 2D
-#: form's taps each add the sum so far), where cuDNN takes the graph; the others add them in the
-#: ``exact`` level's bias + residual pass. ``"off"``; ``"shapes"``: the causal 3x3x3 ones of
-#: :data:`FAST_CONV_SHAPES` (where the graph's fastest plan with the epilogue beat ATen's
-#: convolution alone: 1.94 against 3.18 ms at the 480p 96 -> 96 on an H100); ``"all"``: every
-#: convolution of stride 1 (on an H100, 2026-12-06, with cuDNN's first plans: 1.3-2.0% off the
-#: decode, its PSNR against diffusers from 55.2 to 46.1 dB; at several shapes the fused graph is
-#: slower than the convolution alone, ``benchmarks/quant_vae.py --conv-cudnn``).
-FUSED_EPILOGUE = "off"
+#: form's taps each add the sum so far), where cuDNN takes the graph (bf16 and fp16 frames); the
+#: others add them in the ``exact`` level's bias + residual pass. ``"shapes"`` (the default): the
+#: causal 3x3x3 ones of :data:`FAST_CONV_SHAPES`, in :data:`FAST_CONV`'s form (on an H100,
+#: 2026-12-06: the stacked decode 2.58x -> 2.66x diffusers at 480p, the 3D one 2.50x -> 2.61x);
+#: ``"all"``: every convolution of stride 1 (on an H100, with cuDNN's first plans: 1.3-2.0% off
+#: the decode, its PSNR against diffusers from 55.2 to 46.1 dB; at several shapes the fused graph
+#: is slower than the convolution alone, ``benchmarks/quant_vae.py --conv-cudnn``); ``"off"``.
+FUSED_EPILOGUE = "shapes"
 FUSED_EPILOGUES = ("off", "shapes", "all")
 _EPILOGUE = "_omnirt_epilogue"
 _EPILOGUE_WEIGHT = "_omnirt_epilogue_weight"
@@ -157,8 +163,8 @@ def _conv_2d_form(
     weights = _form_weights(conv, form)
     taps = conv.weight.shape[2]
     frames = x.size(2) - taps + 1
-    video = x[0]  # [C, T, H, W], strides (1, H W C, W C, C)
     if form == "summed":
+        video = x[0]  # [C, T, H, W], strides (1, H W C, W C, C)
         planes = [video[:, k : k + frames].transpose(0, 1) for k in range(taps)]
         out = F.conv2d(planes[0], weights[0])
         if _epilogue_on(conv):
@@ -169,10 +175,24 @@ def _conv_2d_form(
             for k in range(1, taps):
                 out.add_(F.conv2d(planes[k], weights[k]))
     else:
-        thwc = video.permute(1, 2, 3, 0)
-        stacked = torch.cat([thwc[k : k + frames] for k in range(taps)], dim=-1)
-        out = F.conv2d(stacked.permute(0, 3, 1, 2), weights[0])
+        return _stacked_conv(conv, conv_input.stacked_reference(x, taps), residual)
     return out.transpose(0, 1).unsqueeze(0), False  # [F, C', H', W'] channels-last -> [1, C', F, H', W']
+
+
+def _stacked_conv(
+    conv: nn.Module, stacked: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
+    """``conv(x)`` over ``x``'s time taps stacked along the channels (``stacked`` [F, taps * C,
+    H, W] channels-last, as ``conv_input`` writes it) as one 2D convolution, the output [1, C', F,
+    H', W'] channels-last; with the epilogue on, the bias and ``residual`` added in it (the flag
+    says whether they were)."""
+    weight = _form_weights(conv, "stacked")[0]
+    if _epilogue_on(conv):
+        addends = () if residual is None else (residual[0].transpose(0, 1),)
+        out = cudnn_conv.try_conv_epilogue(stacked, weight, (0, 0), bias=conv.bias, addends=addends)
+        if out is not None:
+            return out.transpose(0, 1).unsqueeze(0), True
+    return F.conv2d(stacked, weight).transpose(0, 1).unsqueeze(0), False
 
 
 def _summed_epilogue(
@@ -250,14 +270,17 @@ def _cl(conv: nn.Module) -> bool:
     return getattr(conv, _CL, False)
 
 
-def _conv(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def _conv(
+    conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None, *, stacked: bool = False
+) -> torch.Tensor:
     """``conv(x)`` (``nn.Conv2d`` / ``nn.Conv3d``; the causal padding is in ``x``, in the layout
-    ``conv`` runs in), plus ``residual`` if given. The convolution runs without its bias and the
-    bias (and the residual) are added by one kernel, as ATen adds them after cuDNN's convolution:
-    same bits, in either layout."""
-    form = _form_applies(conv, x)
+    ``conv`` runs in; ``stacked``: ``x`` is its time taps stacked, :func:`_stacked_conv`), plus
+    ``residual`` if given. The convolution runs without its bias and the bias (and the residual)
+    are added by one kernel, as ATen adds them after cuDNN's convolution: same bits, in either
+    layout."""
+    form = "stacked" if stacked else _form_applies(conv, x)
     if form in ("summed", "stacked"):
-        out, whole = _conv_2d_form(conv, x, form, residual)
+        out, whole = _stacked_conv(conv, x, residual) if stacked else _conv_2d_form(conv, x, form, residual)
         if whole:
             return out
         if conv.bias is None:
@@ -290,6 +313,8 @@ def _causal_conv(
     as diffusers' modules do it around the call; plus ``residual`` if given."""
     idx = feat_idx[0]
     pads = conv._padding  # (w, w, h, h, 2 * t, 0)
+    # the stacked 2D form: its input written stacked by the kernel, not copied after
+    stack = _form_applies(conv, x) == "stacked" and conv_input.stacked_input_applies(x, feat_cache[idx])
     buf, feat_cache[idx] = conv_input.causal_conv_input(
         x,
         feat_cache[idx],
@@ -297,9 +322,10 @@ def _causal_conv(
         spatial_pad=pads[0],
         norm=None if norm is None else (norm.gamma, norm.scale),
         channels_last=_cl(conv),
+        stack=conv.weight.shape[2] if stack else 1,
     )
     feat_idx[0] += 1
-    return _conv(conv, buf, residual)
+    return _conv(conv, buf, residual, stacked=stack)
 
 
 def _shortcut(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from omnirt.kernels.conv_input import (
     causal_conv_input_reference,
     channel_norms,
     channel_norms_cl,
+    stacked_reference,
     upsample_frames,
     upsample_frames_reference,
 )
@@ -76,6 +77,30 @@ def test_flat_channels_last_kernel_matches_the_tiled_one(cached, monkeypatch):
         if norm is None:
             want, want_cache = causal_conv_input_reference(x, cache, time_pad=2, spatial_pad=1)
             assert torch.equal(flat, want) and torch.equal(flat_cache, want_cache)
+
+
+@pytest.mark.parametrize("cached", [0, 1, 2])
+@pytest.mark.parametrize("frames", [1, 4])
+def test_the_stacked_input_is_the_padded_one_side_by_side(frames, cached):
+    """``stack=3``: the padded input written as the 2D frames a 3-tap convolution reads (output
+    frame ``f`` = padded frames ``f .. f + 2`` along the channels), the same bits as the padded
+    input stacked after, with the same next cache; refused for two videos or NCDHW frames."""
+    g = torch.Generator().manual_seed(30 + 3 * frames + cached)
+    cl = torch.channels_last_3d
+    x = torch.randn(1, 6, frames, 5, 7, generator=g).contiguous(memory_format=cl)
+    cache = torch.randn(1, 6, cached, 5, 7, generator=g).contiguous(memory_format=cl) if cached else None
+    gamma = torch.rand(6, 1, 1, 1, generator=g) + 0.5
+    for norm in (None, (gamma, 6**0.5)):
+        kw = {"time_pad": 2, "spatial_pad": 1, "norm": norm, "channels_last": True}
+        padded, want_cache = causal_conv_input(x, cache, **kw)
+        stacked, got_cache = causal_conv_input(x, cache, stack=3, **kw)
+        assert stacked.shape == (frames, 18, 7, 9)
+        assert stacked.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(stacked, stacked_reference(padded, 3)) and torch.equal(got_cache, want_cache)
+    with pytest.raises(ValueError, match="no stacked input"):
+        causal_conv_input(torch.cat([x, x]), None, time_pad=2, spatial_pad=1, channels_last=True, stack=3)
+    with pytest.raises(ValueError, match="no stacked input"):
+        causal_conv_input(x.contiguous(), None, time_pad=2, spatial_pad=1, channels_last=True, stack=3)
 
 
 def test_causal_conv_input_reads_strided_frames_and_refuses_a_misfit_cache():
@@ -219,17 +244,29 @@ def test_the_fast_levels_2d_convolutions_match_diffusers(form, shapes, per_frame
     z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV", form)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", shapes)
-    made = []
-    real = wan_vae_fast._conv_2d_form
+    made, stacks = [], []
+    real, real_stacked = wan_vae_fast._conv_2d_form, wan_vae_fast._stacked_conv
     monkeypatch.setattr(wan_vae_fast, "_conv_2d_form", lambda *a: made.append(a[2]) or real(*a))
+    monkeypatch.setattr(wan_vae_fast, "_stacked_conv", lambda *a: stacks.append(a[0]) or real_stacked(*a))
     with torch.no_grad():
         want = vae.decode(z, return_dict=False)[0]
         wan_vae_fast.install(vae, "exact")
         exact = vae.decode(z, return_dict=False)[0]
-        assert made == []  # exact keeps cuDNN's 3D convolutions
+        assert made == stacks == []  # exact keeps cuDNN's 3D convolutions
         wan_vae_fast.install(vae, "fast")
         got = vae.decode(z, return_dict=False)[0]
-        assert made == [form] * 2 * per_frame  # for each of the 2 latent frames
+    if form == "summed":
+        assert made == [form] * 2 * per_frame and stacks == []  # for each of the 2 latent frames
+    else:  # stacked by the conv-input kernel where the frames are dense channels-last, else after
+        assert len(stacks) == 2 * per_frame and set(made) == {form} and 0 < len(made) < len(stacks)
+        from omnirt.kernels import conv_input
+
+        monkeypatch.setattr(conv_input, "stacked_input_applies", lambda x, cache: False)
+        before = len(made)
+        with torch.no_grad():  # every input stacked after the kernel: the same bits
+            assert torch.equal(vae.decode(z, return_dict=False)[0], got)
+        assert len(made) - before == 2 * per_frame
+    with torch.no_grad():
         taps = vae.decoder.up_blocks[0].resnets[0].conv1  # 16 -> 16
         assert hasattr(taps, "_omnirt_fast_weights") == (shapes is None)
         wan_vae_fast.uninstall(vae)
@@ -337,16 +374,18 @@ def test_convolutions_that_cudnn_declines_run_plain(monkeypatch, declined):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_fused_epilogues_at_the_fast_shapes_only(monkeypatch):
+@pytest.mark.parametrize("form", ["3d", "stacked"])
+def test_fused_epilogues_at_the_fast_shapes_only(monkeypatch, form):
     """``FUSED_EPILOGUE = "shapes"``: only the causal 3x3x3 convolutions of ``FAST_CONV_SHAPES``
-    (here 8 -> 8, in the 3D form, the graph shape too) take the epilogue, each residual block's
-    conv1 with its bias and conv2 with the bias and the shortcut; every other convolution adds
-    them in the pass. ``exact`` never asks; an unknown value is refused and leaves what was
-    installed."""
+    (here 8 -> 8, the graph shape too; in the 3D form, or 2D over the taps stacked by the
+    conv-input kernel) take the epilogue, each residual block's conv1 with its bias and conv2 with
+    the bias and the shortcut; every other convolution adds them in the pass. ``exact`` never
+    asks; an unknown value is refused and leaves what was installed."""
     from omnirt.kernels import cudnn_conv
 
     vae = _tiny_vae()
     z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(wan_vae_fast, "FAST_CONV", form)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
     monkeypatch.setattr(wan_vae_fast, "GRAPH_CONV_SHAPES", frozenset({(8, 8)}))
     monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", "shapes")
@@ -374,7 +413,7 @@ def test_fused_epilogues_at_the_fast_shapes_only(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     blocks = [m for m in vae.decoder.modules() if type(m).__name__ == "WanResidualBlock"]
     top = [m for m in blocks if (m.conv1.in_channels, m.conv1.out_channels) == (8, 8)]
-    conv = (5, (8, 8, 3, 3, 3))
+    conv = (5, (8, 8, 3, 3, 3)) if form == "3d" else (4, (8, 24, 3, 3))
     per_frame = [(*conv, True, 0), (*conv, True, 1)] * len(top)  # conv1: bias; conv2: bias + shortcut
     assert len(top) == 2 and calls == per_frame * z.shape[2]
 

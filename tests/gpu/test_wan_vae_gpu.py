@@ -1,9 +1,10 @@
 """The Wan VAE decoder's fast path on CUDA (marker ``gpu``): the conv-input kernels bitwise equal
 to the eager chains in bf16 and fp32 (contiguous, frames-first and channels-last frames, against
-eager on the same frames in NCDHW memory; a convolution's bias and a residual added as ATen adds
-them), the channel norms of channels-last frames bitwise ATen's of NCDHW frames at the decoder's
-shapes, and whole decodes of the published Wan 2.1 VAE config (random weights): ``exact``
-bitwise equal to diffusers', ``fast`` within its stated PSNR (docs/kernels.md)."""
+eager on the same frames in NCDHW memory; stacked for the 2D form; a convolution's bias and a
+residual added as ATen adds them), the channel norms of channels-last frames bitwise ATen's of
+NCDHW frames at the decoder's shapes, and whole decodes of the published Wan 2.1 VAE config
+(random weights): ``exact`` bitwise equal to diffusers', ``fast`` within its stated PSNR
+(docs/kernels.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from omnirt.kernels.conv_input import (
     causal_conv_input,
     causal_conv_input_reference,
     channel_norms,
+    stacked_reference,
     upsample_frames,
     upsample_frames_reference,
 )
@@ -54,6 +56,12 @@ def test_conv_inputs_are_bitwise_eager(dtype, layout):
                 )
                 assert torch.equal(got, want), (shape, cached, norm is not None)
                 assert torch.equal(got_cache, want_cache)
+                if layout == "channels_last" and shape[0] == 1:  # the stacked 2D form's input
+                    cl = None if cache is None else cache.contiguous(memory_format=torch.channels_last_3d)
+                    kw = {"time_pad": 2, "spatial_pad": 1, "norm": norm, "channels_last": True}
+                    stacked, stacked_cache = causal_conv_input(x, cl, stack=3, **kw)
+                    assert torch.equal(stacked, stacked_reference(want, 3)), (shape, cached)
+                    assert torch.equal(stacked_cache, want_cache)
         if layout == "frames_first":  # a convolution's output, its bias as ATen adds it, then a shortcut
             conv = torch.nn.Conv3d(shape[1], shape[1], 3, device="cuda", dtype=dtype)
             padded = torch.nn.functional.pad(x, (1, 1, 1, 1, 2, 0))
@@ -125,11 +133,13 @@ def test_real_config_decodes(dtype, latents, monkeypatch):
         exact = vae.decode(z.to(dtype), return_dict=False)[0]
         assert not any(fused)  # exact: no fused epilogue
         fasts = {}
-        for epilogue in ("off", "shapes", "all"):
+        for form, epilogue in (("3d", "off"), ("3d", "shapes"), ("3d", "all"), ("stacked", "off"),
+                               ("stacked", "shapes")):  # fmt: skip
             fused.clear()
+            monkeypatch.setattr(wan_vae_fast, "FAST_CONV", form)
             monkeypatch.setattr(wan_vae_fast, "FUSED_EPILOGUE", epilogue)
             wan_vae_fast.install(vae, "fast")
-            fasts[epilogue] = vae.decode(z.to(dtype), return_dict=False)[0]
+            fasts[form, epilogue] = vae.decode(z.to(dtype), return_dict=False)[0]
             # bf16: the convolutions add their bias and residual in cuDNN's epilogue
             assert any(fused) == (dtype == torch.bfloat16 and epilogue != "off")
         wan_vae_fast.uninstall(vae)
