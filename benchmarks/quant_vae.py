@@ -44,9 +44,10 @@
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
         [--norm-orders] [--skip-zimage] [--dit-profile]
 
-- **DiT profile** (``--dit-profile``): one Z-Image step's time under each SDPA backend; for bf16
-  and fp8 its wall time, the host's time to queue it and its replay from one CUDA graph, and its
-  CUDA kernel time by kind (GEMMs, attention, Triton kernels, ATen's elementwise) and top kernels.
+- **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
+  place of the Wan rows of the steps table) time under each SDPA backend; for bf16 and fp8 its
+  wall time, the host's time to queue it and its replay from one CUDA graph, and its CUDA kernel
+  time by kind (GEMMs, attention, Triton kernels, ATen's elementwise) and top kernels.
 """
 
 from __future__ import annotations
@@ -200,40 +201,41 @@ def _category(name: str) -> str:
     return "Triton (omnirt's kernels)" if name.startswith("_") else "other"
 
 
-def dit_profile(top: int = 16) -> None:
-    """Where one Z-Image step's time goes: per SDPA backend (bf16); per weight format its wall
-    time, how long the host takes to queue it, its replay from one CUDA graph, and its kernels'
-    time by kind and the top kernels."""
+def dit_profile(wan: tuple[str, str] | None = None, top: int = 16) -> None:
+    """Where one Z-Image step's time goes (or, with ``wan`` = (variant, size), one Wan step's):
+    per SDPA backend (bf16); per weight format its wall time, how long the host takes to queue
+    it, its replay from one CUDA graph, and its kernels' time by kind and the top kernels."""
     from omnirt.stages.diffusion import fused
     from omnirt.stages.diffusion.quant import quantize_model
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model, call = _zimage()
+    model, call = _zimage() if wan is None else _wan(*wan)
+    name = "Z-Image 1024x1024" if wan is None else f"Wan {wan[0]} {wan[1]} 81 frames"
     fused.install(model)
     backends = {
         "default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
     }  # fmt: skip
-    print("\n| Z-Image step | SDPA backend | ms |\n|---|---|---|")
+    print(f"\n| {name} step | SDPA backend | ms |\n|---|---|---|")
     table = [
-        "| Z-Image step | weights | wall ms | host enqueue ms | CUDA graph replay ms |",
+        f"| {name} step | weights | wall ms | host enqueue ms | CUDA graph replay ms |",
         "|---|---|---|---|---|",
     ]
     with torch.no_grad():
-        for name, backend in backends.items():
+        for label, backend in backends.items():
             try:
                 with contextlib.nullcontext() if backend is None else sdpa_kernel([backend]):
                     ms = bench(lambda: call(model))
-                print(f"| bf16 | {name} | {ms:.1f} |", flush=True)
+                print(f"| bf16 | {label} | {ms:.1f} |", flush=True)
             except RuntimeError as e:
-                print(f"| bf16 | {name} | refused: {str(e).splitlines()[0][:80]} |", flush=True)
+                print(f"| bf16 | {label} | refused: {str(e).splitlines()[0][:80]} |", flush=True)
         fp8 = copy.deepcopy(model)
         quantize_model(fp8, "fp8")
         fused.install(fp8)
         runs = [("bf16", model, "off")] + [(label, fp8, a) for label, kind, a in FORMATS if kind == "fp8"]
         for kind, m, attention in runs:
             with attention_in_fp8(attention):
-                table.append(_step_timings(m, call, kind))
+                table.append(f"| {name} | {kind} | {_step_timings(m, call)} |")
                 _host_profile(functools.partial(call, m), kind)
                 totals = kernel_times(lambda m=m: call(m))
             by_kind: dict[str, float] = {}
@@ -271,8 +273,8 @@ def _host_profile(fn, kind: str, steps: int = 3, top: int = 22) -> None:
     print("\n".join(lines[:top + 8]), flush=True)
 
 
-def _step_timings(m: torch.nn.Module, call, kind: str) -> str:
-    """A table row: the step's wall time, host enqueue time (median of 5) and graph replay."""
+def _step_timings(m: torch.nn.Module, call) -> str:
+    """A table row's cells: the step's wall time, host enqueue time (median of 5) and graph replay."""
     import triton.testing
 
     call(m)
@@ -290,7 +292,7 @@ def _step_timings(m: torch.nn.Module, call, kind: str) -> str:
     except Exception as e:  # a host sync in the forward: not capturable as it is
         graph = f"capture failed: {str(e).splitlines()[0][:60]}"
         torch.cuda.synchronize()
-    return f"| Z-Image 1024x1024 | {kind} | {wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph} |"
+    return f"{wall:.1f} | {sorted(enqueue)[2]:.1f} | {graph}"
 
 
 WAN_COMPONENTS = ROOT / "benchmarks/models/wan2.1-t2v/wan2.1-t2v.components.json"
@@ -311,15 +313,20 @@ def _wan_transformer(variant: str) -> torch.nn.Module:
     return model.eval()
 
 
-def wan_rows(variant: str, size: str) -> list[str]:
+def _wan(variant: str, size: str) -> tuple[torch.nn.Module, object]:
+    """The Wan transformer of ``variant`` (:func:`_wan_transformer`) and a call of one step at
+    ``size``, 81 frames, 512 random text features."""
     model = _wan_transformer(variant)
     g = torch.Generator(device="cuda").manual_seed(0)
     h, w = SIZES[size]
     video = torch.randn(1, 16, 21, h, w, device="cuda", dtype=torch.bfloat16, generator=g)
     text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     step = torch.tensor([500.0], device="cuda")
-    name = f"Wan {variant} {size} 81 frames"
-    return rows_for(name, model, lambda m: m(video, step, text, return_dict=False)[0])
+    return model, lambda m: m(video, step, text, return_dict=False)[0]
+
+
+def wan_rows(variant: str, size: str) -> list[str]:
+    return rows_for(f"Wan {variant} {size} 81 frames", *_wan(variant, size))
 
 
 def wan_final_rows(variant: str, size: str, steps: int = 10) -> list[str]:
@@ -855,11 +862,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_zimage:
         print("\n".join(zimage_rows()), flush=True)
         torch.cuda.empty_cache()
-    if args.wan:
+    if args.wan and not args.dit_profile:
         print("\n".join(wan_rows(args.wan, args.wan_size)), flush=True)
         torch.cuda.empty_cache()
     if args.dit_profile:
-        dit_profile()
+        dit_profile((args.wan, args.wan_size) if args.wan else None)
         torch.cuda.empty_cache()
     if args.final:
         print("\n| final output | weights | PSNR vs bf16 (dB) |\n|---|---|---|")
