@@ -17,7 +17,7 @@
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
   :func:`wan_block_forward`, diffusers' block with ``norm1``/``norm3`` and their modulation as one
-  ``adaln_modulate`` each.
+  ``adaln_modulate`` each and its two gated residual adds as one ``gated_residual`` each.
 
 The kernels' dispatchers decide per call: on the CPU, or where ``kernels.settings.FUSED`` does not
 ask for a chain, the eager chain runs, which computes exactly what the original modules compute.
@@ -34,6 +34,7 @@ import torch
 
 from ...kernels import fp8_attention, settings
 from ...kernels.adaln import adaln_modulate
+from ...kernels.gated_residual import gated_residual
 from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
 from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_quantize
 from ...kernels.settings import Preset
@@ -209,7 +210,8 @@ def wan_block_forward(
     rotary_emb: torch.Tensor,
 ) -> torch.Tensor:
     """diffusers' ``WanTransformerBlock.forward`` (0.42) with ``norm1``/``norm3`` and their
-    modulation as one :func:`~omnirt.kernels.adaln.adaln_modulate` each (bound to a block by
+    modulation as one :func:`~omnirt.kernels.adaln.adaln_modulate` each and the two gated residual
+    adds as one :func:`~omnirt.kernels.gated_residual.gated_residual` each (bound to a block by
     :func:`install`)."""
     if temb.ndim == 4:  # per-token modulation (Wan 2.2 TI2V): [B, S, 6, C]
         shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
@@ -228,7 +230,7 @@ def wan_block_forward(
 
     norm_hidden_states = adaln_modulate(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
     attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
-    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+    hidden_states = gated_residual(hidden_states, attn_output, gate_msa)
 
     norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
     attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
@@ -236,7 +238,7 @@ def wan_block_forward(
 
     norm_hidden_states = adaln_modulate(hidden_states, c_scale_msa, c_shift_msa, eps=self.norm3.eps)
     ff_output = self.ffn(norm_hidden_states)
-    return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+    return gated_residual(hidden_states, ff_output, c_gate_msa)
 
 
 def zimage_block_forward(
