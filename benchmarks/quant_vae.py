@@ -362,16 +362,20 @@ def wan_final_rows(variant: str, size: str, steps: int = 10) -> list[str]:
         z = (latents * std + mean).to(torch.bfloat16)
         return vae.decode(z, return_dict=False)[0].clamp(-1, 1)
 
-    rows = []
     fused.install(model)  # as the server runs it, in every row
+    return final_rows(f"Wan {variant} {size} 81 frames, {steps} steps + VAE", model, sample)
+
+
+def final_rows(name: str, model: torch.nn.Module, sample) -> list[str]:
+    """One row per W8A8 format (:data:`FORMATS`): the PSNR of ``sample(quantized copy)``'s pixels
+    against ``sample(model)``'s (each row printed as it comes)."""
+    rows = []
     with torch.no_grad():
         ref = sample(model)
         for label, quantized, _, _, attention in quantized_copies(model):
             with attention_in_fp8(attention):
                 psnr = psnr_db(sample(quantized), ref)
-            note = _attention_note(attention)
-            name = f"Wan {variant} {size} 81 frames, {steps} steps + VAE"
-            rows.append(f"| {name} | {label}{note} | {psnr:.1f} |")
+            rows.append(f"| {name} | {label}{_attention_note(attention)} | {psnr:.1f} |")
             print(rows[-1], flush=True)
             del quantized
     return rows
@@ -415,16 +419,7 @@ def zimage_final_rows(steps: int = 8) -> list[str]:
         z = latents.to(torch.bfloat16) / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(z, return_dict=False)[0].clamp(-1, 1)
 
-    rows = []
-    with torch.no_grad():
-        ref = sample(model)
-        for label, quantized, _, _, attention in quantized_copies(model):
-            with attention_in_fp8(attention):
-                psnr = psnr_db(sample(quantized), ref)
-            note = _attention_note(attention)
-            rows.append(f"| Z-Image 1024x1024, {steps} steps + VAE | {label}{note} | {psnr:.1f} |")
-            del quantized
-    return rows
+    return final_rows(f"Z-Image 1024x1024, {steps} steps + VAE", model, sample)
 
 
 def _time_decode(vae: torch.nn.Module, z: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
@@ -871,10 +866,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.final:
         print("\n| final output | weights | PSNR vs bf16 (dB) |\n|---|---|---|")
         if not args.skip_zimage:
-            print("\n".join(zimage_final_rows()), flush=True)
+            zimage_final_rows()  # (each row printed as it comes)
             torch.cuda.empty_cache()
         if args.wan:
-            wan_final_rows(args.wan, args.wan_size, args.final_steps)  # (prints its rows)
+            wan_final_rows(args.wan, args.wan_size, args.final_steps)
             torch.cuda.empty_cache()
     if args.conv_layouts:
         print("\n| dtype | convolution | NDHWC bitwise NCDHW |\n|---|---|---|")
