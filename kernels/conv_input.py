@@ -5,7 +5,9 @@
   through ``WanRMS_norm`` and SiLU) and the zero padding, written once into the tensor the
   convolution reads, with the cache for the next chunk. Eager materialises the frames in fp32, the
   quotient, three products, the SiLU, the concatenation with the cache and the padding: some
-  twenty passes over the frames at bf16's width, against about three here.
+  twenty passes over the frames at bf16's width, against about three here. With ``stack=3`` the
+  padded frames are written as the 2D frames of the ``fast`` level's stacked form (each output
+  frame's three input frames side by side along the channels).
 - :func:`add_bias_residual_`: a convolution's bias (which ATen adds after cuDNN's convolution, in a
   slow broadcast kernel) and a residual block's ``x + shortcut`` (slow and strided when the
   shortcut is an upsampler's frames-first view) as one in-place pass.

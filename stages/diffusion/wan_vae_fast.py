@@ -314,7 +314,8 @@ def _causal_conv(
     idx = feat_idx[0]
     pads = conv._padding  # (w, w, h, h, 2 * t, 0)
     # the stacked 2D form: its input written stacked by the kernel, not copied after
-    stack = _form_applies(conv, x) == "stacked" and conv_input.stacked_input_applies(x, feat_cache[idx])
+    stack = _cl(conv) and _form_applies(conv, x) == "stacked"
+    stack = stack and conv_input.stacked_input_applies(x, feat_cache[idx])
     buf, feat_cache[idx] = conv_input.causal_conv_input(
         x,
         feat_cache[idx],
