@@ -127,23 +127,31 @@ def quantized_copies(model: torch.nn.Module):
     for it at the end of each turn: ``del``). The copy shares the linear layers' weights and biases
     with ``model`` until they are quantized (read, not changed), so the bf16 weights are never held
     twice: Wan 14B's 26.7 GiB and its quantized copy fit an 80 GB card."""
-    from omnirt.stages.diffusion import fused
-    from omnirt.stages.diffusion.quant import quantize_model
-
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    shared = {id(t): t for m in linears for t in (m.weight, m.bias) if t is not None}
     current, quantized, done = None, None, None
     for label, kind, attention in FORMATS:
         if kind != current:
             del quantized
             torch.cuda.empty_cache()
-            quantized = copy.deepcopy(model, dict(shared))
-            done = quantize_model(quantized, kind)
-            fused.install(quantized)
+            quantized, done = quantized_copy(model, kind)
             current = kind
         yield label, quantized, done.layers, done.bytes_after, attention
     del quantized
     torch.cuda.empty_cache()
+
+
+def quantized_copy(model: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, Any]:
+    """A copy of ``model`` with its linear layers quantized to ``kind`` and the fused paths
+    installed, and ``quantize_model``'s report. The copy shares the linear layers' weights and
+    biases with ``model`` until they are quantized (read, not changed)."""
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import quantize_model
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    shared = {id(t): t for m in linears for t in (m.weight, m.bias) if t is not None}
+    quantized = copy.deepcopy(model, shared)
+    done = quantize_model(quantized, kind)
+    fused.install(quantized)
+    return quantized, done
 
 
 def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
@@ -210,7 +218,6 @@ def dit_profile(wan: tuple[str, str] | None = None, top: int = 16) -> None:
     per SDPA backend (bf16); per weight format its wall time, how long the host takes to queue
     it, its replay from one CUDA graph, and its kernels' time by kind and the top kernels."""
     from omnirt.stages.diffusion import fused
-    from omnirt.stages.diffusion.quant import quantize_model
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model, call = _zimage() if wan is None else _wan(*wan)
@@ -233,9 +240,7 @@ def dit_profile(wan: tuple[str, str] | None = None, top: int = 16) -> None:
                 print(f"| bf16 | {label} | {ms:.1f} |", flush=True)
             except RuntimeError as e:
                 print(f"| bf16 | {label} | refused: {str(e).splitlines()[0][:80]} |", flush=True)
-        fp8 = copy.deepcopy(model)
-        quantize_model(fp8, "fp8")
-        fused.install(fp8)
+        fp8, _ = quantized_copy(model, "fp8")
         runs = [("bf16", model, "off")] + [(label, fp8, a) for label, kind, a in FORMATS if kind == "fp8"]
         for kind, m, attention in runs:
             with attention_in_fp8(attention):
