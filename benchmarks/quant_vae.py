@@ -7,7 +7,9 @@
   with random bf16 weights; the weights' memory and the step output's SNR against bf16 on the same weights and
   inputs (a copy of the bf16 model is quantized, so both stay loaded), with the fused kernels of
   ``stages/diffusion/fused.py`` installed as the server installs them. Milliseconds are the median
-  of ``triton.testing.do_bench``.
+  of ``triton.testing.do_bench``. ``--gemms library,triton`` gives each quantized row once per W8A8 GEMM
+  (``kernels/w8a8.py``'s ``GEMM``: the library's products, or ``kernels/w8a8_gemm.py``'s Triton
+  GEMM with the scales and bias in its epilogue).
 - **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
   shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
   from the same noise: the PSNR of the decoded pixels against bf16's. With ``--wan``, also Wan's
@@ -42,7 +44,7 @@
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final [--final-steps N]]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
-        [--norm-orders] [--skip-zimage] [--dit-profile]
+        [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
   place of the Wan rows of the steps table) time under each SDPA backend; for bf16 and fp8 its
@@ -107,6 +109,28 @@ def attention_in_fp8(attention: str):
         fused.FP8_ATTENTION_E4M3_OUT = before[1]
 
 
+#: The W8A8 GEMMs each quantized row runs with (``--gemms``; ``kernels.w8a8.GEMMS``), one row each.
+GEMMS: tuple[str, ...] = ("library",)
+
+
+@contextlib.contextmanager
+def gemm_in(gemm: str):
+    """``kernels.w8a8.GEMM`` as ``gemm`` for every kind, for the block."""
+    from omnirt.kernels import w8a8
+
+    before = dict(w8a8.GEMM)
+    for kind in w8a8.KINDS:
+        w8a8.set_gemm(kind, gemm)
+    try:
+        yield
+    finally:
+        w8a8.GEMM.update(before)
+
+
+def _gemm_note(gemm: str) -> str:
+    return ", Triton GEMM" if gemm == "triton" else ""
+
+
 def _attention_note(attention: str) -> str:
     """What the fp8 attention did in the rows so far: cuDNN's plans built, shapes it declined."""
     from omnirt.kernels import fp8_attention
@@ -165,14 +189,16 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         rows = [f"| {name} | bf16 | {base:.1f} | 1.00x | {weights / 2**30:.2f} | - |"]
         for label, quantized, layers, size, attention in quantized_copies(model):
-            with attention_in_fp8(attention):
-                out = call(quantized)
-                ms = bench(lambda q=quantized: call(q))
-            rows.append(
-                f"| {name} | {label} ({layers} layers){_attention_note(attention)} | {ms:.1f} "
-                f"| {base / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
-            )
-            del quantized, out
+            for gemm in GEMMS:
+                with attention_in_fp8(attention), gemm_in(gemm):
+                    out = call(quantized)
+                    ms = bench(lambda q=quantized: call(q))
+                rows.append(
+                    f"| {name} | {label} ({layers} layers){_attention_note(attention)}{_gemm_note(gemm)} "
+                    f"| {ms:.1f} | {base / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
+                )
+                del out
+            del quantized
     return rows
 
 
@@ -843,7 +869,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conv-cudnn", action="store_true", help="convolutions: bias + add fused by cuDNN")
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     p.add_argument("--dit-profile", action="store_true", help="Z-Image step: GPU time by kind, SDPA backends")
+    p.add_argument(
+        "--gemms", default="library",
+        help="transformer steps: a row per W8A8 GEMM (library, triton: kernels/w8a8_gemm.py), "
+        "comma-separated; the DiT profile and final outputs run the first",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    from omnirt.kernels import w8a8
+
+    global GEMMS
+    GEMMS = tuple(args.gemms.split(","))
+    if any(g not in w8a8.GEMMS for g in GEMMS):
+        p.error(f"--gemms are {', '.join(w8a8.GEMMS)}")
+    for kind in w8a8.KINDS:
+        w8a8.set_gemm(kind, GEMMS[0])
     sizes = [s for s in args.vae.split(",") if s]
     if any(s not in SIZES for s in sizes):
         p.error(f"--vae sizes are {', '.join(SIZES)}")

@@ -6,12 +6,14 @@
 - ``fp8``: e4m3 both sides, ``torch._scaled_mm`` with row-wise scales (Hopper's FP8 tensor cores;
   the CPU has a reference implementation), the scales and bias applied inside.
 
-On CUDA two Triton kernels do the memory-bound work around the product, each one pass where eager
-takes five or six: :func:`quantize_rows_triton` (a row's peak, its scale and its 8-bit values) and,
-for int8, :func:`int8_epilogue_triton` (int32 accumulators times both scales, plus the bias, to the
-output dtype). Both are bitwise equal to the eager chains they replace (:func:`quantize_rows` and
-the epilogue of :func:`w8a8_linear_reference`): the same operations in the same order, without
-contraction into fused multiply-adds.
+On CUDA the product is the library's (:data:`GEMM` ``library``) or ``kernels/w8a8_gemm.py``'s
+Triton GEMM with the scales and bias in its epilogue (``triton``: for int8 the same bits, no
+int32 product in memory). Two Triton kernels do the memory-bound work around the library's
+product, each one pass where eager takes five or six: :func:`quantize_rows_triton` (a row's peak,
+its scale and its 8-bit values) and, for int8, :func:`int8_epilogue_triton` (int32 accumulators
+times both scales, plus the bias, to the output dtype). Both are bitwise equal to the eager
+chains they replace (:func:`quantize_rows` and the epilogue of :func:`w8a8_linear_reference`): the
+same operations in the same order, without contraction into fused multiply-adds.
 
 :func:`w8a8_linear_reference` is the dequantized product (the quantized operands times their
 scales, multiplied in fp32): what the fast paths must equal up to fp32 rounding. Weights are
@@ -28,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import w8a8_gemm
 from .settings import kernel_device
 
 try:  # Triton ships with CUDA builds of torch only
@@ -48,6 +51,20 @@ _MIN_PEAK = 1e-12
 #: 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude below 2**22 to an integer,
 #: ties to even (``torch.round``), in two correctly rounded additions.
 _ROUNDER = 12582912.0
+
+
+Gemm = Literal["library", "triton"]
+GEMMS: tuple[Gemm, ...] = ("library", "triton")
+#: Which GEMM runs each kind's products on CUDA: ``library`` (``torch._int_mm``, then the epilogue
+#: kernel; ``torch._scaled_mm``) or ``triton`` (:func:`~omnirt.kernels.w8a8_gemm.w8a8_gemm`).
+GEMM: dict[Kind, Gemm] = {"int8": "library", "fp8": "library"}
+
+
+def set_gemm(kind: str, gemm: str) -> None:
+    """Sets :data:`GEMM` of ``kind``."""
+    if gemm not in GEMMS:
+        raise ValueError(f"the W8A8 GEMM must be one of {', '.join(GEMMS)}, not {gemm!r}")
+    GEMM[check_kind(kind)] = gemm  # type: ignore[assignment]
 
 
 def check_kind(kind: str) -> Kind:
@@ -239,7 +256,10 @@ def w8a8_linear(
         raise ValueError(f"{x.kind} activations of {cols} columns for a {kind} layer of {inputs} inputs")
     xq, x_scale = x.values, x.scale
     count = xq.shape[0]
-    if kind == "int8":
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    if GEMM[kind] == "triton" and xq.is_cuda and w8a8_gemm.applies(xq, x_scale, qweight, weight_scale):
+        out = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, out_dtype)
+    elif kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:
             xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - count, xq.shape[1])])
         acc = torch._int_mm(xq, qweight.t())[:count]
@@ -248,7 +268,6 @@ def w8a8_linear(
         else:
             out = _int8_epilogue(acc, x_scale, weight_scale, bias, x.dtype)
     else:
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         out = torch._scaled_mm(
             xq,
             qweight.t(),

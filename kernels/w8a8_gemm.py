@@ -1,0 +1,226 @@
+"""The W8A8 product as one Triton GEMM: 8-bit activations [M, K] (one fp32 scale a row) times 8-bit
+weights [N, K] (one fp32 scale an output channel), the scales and the bias applied in the
+epilogue, the output written once in the activations' dtype.
+
+Why: ``kernels/w8a8.py``'s int8 path is ``torch._int_mm`` (an int32 [M, N] written to memory) and
+then an epilogue kernel that reads it back, which at a Z-Image step's shapes moves about 40 GB
+a step; here the int32 accumulators never leave the registers. For fp8 it is an alternative to
+``torch._scaled_mm``'s row-wise kernel, chosen where it measures faster
+(``benchmarks/quant_vae.py --gemm-speed``).
+
+Numerics. int8: the products and sums are exact in int32 whatever the order, and the epilogue is
+:func:`~omnirt.kernels.w8a8.int8_epilogue_triton`'s (``acc * x_scale``, then ``* weight_scale``,
+then ``+ bias``, in fp32, no fused multiply-adds, one rounding), so the output is bitwise equal to
+the two-kernel path. fp8: the tensor cores' sums in fp32 in their own order, then the same
+epilogue: equal to ``torch._scaled_mm`` up to fp32 rounding of the sums.
+
+Two forms: a program a tile, reading the operands by pointers (software-pipelined over
+``stages``), or (``Config.tma``) a persistent kernel, one program a multiprocessor walking the
+tiles, reading them by tensor descriptors (Hopper's TMA; zeros past the edges). Tiles:
+:data:`CONFIGS` names the candidates; :func:`config_for` picks the one :data:`TUNED` holds for a
+shape (filled from the probe's measurements), else :data:`DEFAULT`. No autotuning at call time:
+a first call under CUDA-graph capture must not time anything.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .w8a8 import Kind
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """A launch's tiling: ``bm`` x ``bn`` output tiles, ``bk`` deep steps, tiles grouped ``group_m``
+    rows of tiles at a time (for L2 reuse), with ``warps`` and ``stages`` of software pipelining."""
+
+    bm: int
+    bn: int
+    bk: int
+    group_m: int = 8
+    warps: int = 8
+    stages: int = 3
+    #: The operands read by tensor-memory-accelerator descriptors (Hopper's TMA) in a persistent
+    #: kernel, one program a multiprocessor walking the tiles; else by pointers, a program a tile.
+    tma: bool = False
+
+    def name(self) -> str:
+        form = " tma" if self.tma else ""
+        return f"{self.bm}x{self.bn}x{self.bk} w{self.warps} s{self.stages} g{self.group_m}{form}"
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config(128, 256, 128, warps=8, stages=3),
+    Config(128, 256, 64, warps=8, stages=4),
+    Config(256, 128, 128, warps=8, stages=3),
+    Config(128, 128, 128, warps=8, stages=4),
+    Config(128, 128, 128, warps=4, stages=4),
+    Config(64, 256, 128, warps=4, stages=4),
+    Config(128, 64, 128, warps=4, stages=4),
+    Config(64, 128, 128, warps=4, stages=4),
+    Config(128, 256, 128, warps=8, stages=3, tma=True),
+    Config(128, 256, 64, warps=8, stages=4, tma=True),
+    Config(128, 128, 128, warps=8, stages=4, tma=True),
+    Config(128, 128, 128, warps=4, stages=4, tma=True),
+)
+DEFAULT = CONFIGS[0]
+SMALL_M = Config(64, 128, 128, warps=4, stages=4)
+#: Measured best tiles by (kind, N, K), for M in the thousands (a DiT step's tokens).
+TUNED: dict[tuple[str, int, int], Config] = {}
+
+
+def config_for(kind: Kind, m: int, n: int, k: int) -> Config:
+    """The tiles for an ``m`` x ``n`` x ``k`` product: the tuned ones for large ``m``, smaller
+    tiles for few rows (a batch of timesteps, a short caption)."""
+    if m <= 64:
+        return SMALL_M
+    return TUNED.get((kind, n, k), DEFAULT)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """The (row, column) of output tile ``tile``, ``GROUP_M`` rows of tiles at a time."""
+        tiles_m = tl.cdiv(M, BM)
+        in_group = GROUP_M * tl.cdiv(N, BN)
+        first_m = (tile // in_group) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        return first_m + (tile % in_group) % group_rows, (tile % in_group) // group_rows
+
+    @triton.jit
+    def _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS: tl.constexpr):
+        """``acc * x_scale``, then ``* weight_scale``, then ``+ bias`` in fp32, stored once."""
+        out = acc.to(tl.float32) * tl.load(XS + rows, mask=rows < M, other=0.0)[:, None]
+        out = out * tl.load(WS + cols, mask=cols < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            out = out + tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        live = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(C + rows[:, None] * stride_cm + cols[None, :], out.to(C.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _w8a8_gemm_kernel(A, B, XS, WS, BIAS, C, M, N, K, stride_am, stride_bn, stride_cm,
+                          HAS_BIAS: tl.constexpr, INT8: tl.constexpr, BM: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        # rows and columns past the edge read row 0 / column 0 again (their results are not stored)
+        a_ptrs = A + tl.where(rows < M, rows, 0)[:, None] * stride_am + ks[None, :]
+        b_ptrs = B + tl.where(cols < N, cols, 0)[None, :] * stride_bn + ks[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            left = K - k * BK
+            a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0)
+            b = tl.load(b_ptrs, mask=ks[:, None] < left, other=0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += BK
+        _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS)
+
+    @triton.jit
+    def _w8a8_gemm_tma_kernel(a_desc, b_desc, XS, WS, BIAS, C, M, N, K, stride_cm, PROGRAMS,
+                              HAS_BIAS: tl.constexpr, INT8: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+        for tile in range(tl.program_id(0), tiles, PROGRAMS):
+            pid_m, pid_n = _tile(tile, M, N, BM, BN, GROUP_M)
+            acc = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
+            for k in range(0, tl.cdiv(K, BK)):  # the descriptors read zeros past the edges
+                a = a_desc.load([pid_m * BM, k * BK])
+                b = b_desc.load([pid_n * BN, k * BK])
+                acc = tl.dot(a, b.T, acc)
+            rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+            cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+            _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS)
+
+
+def applies(
+    xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor
+) -> bool:
+    """Whether :func:`w8a8_gemm` takes these operands: Triton, one device, [M, K] and [N, K] of
+    one 8-bit dtype with unit column strides, K a multiple of 16 (the tensor cores' step), and one
+    dense fp32 scale a row and an output channel."""
+    if triton is None or xq.dim() != 2 or qweight.dim() != 2 or xq.dtype != qweight.dtype:
+        return False
+    (m, k), n = xq.shape, qweight.shape[0]
+    return (
+        xq.dtype in (torch.int8, torch.float8_e4m3fn) and len({xq.device, qweight.device}) == 1
+        and qweight.shape[1] == k and k % 16 == 0 and xq.stride(1) == 1 and qweight.stride(1) == 1
+        and _dense_scale(x_scale, m) and _dense_scale(weight_scale, n)
+    )  # fmt: skip
+
+
+def _dense_scale(scale: torch.Tensor, count: int) -> bool:
+    return scale.numel() == count and scale.dtype == torch.float32 and (count < 2 or scale.stride(0) == 1)
+
+
+def _tma_fits(t: torch.Tensor) -> bool:
+    """Whether a descriptor can read ``t`` (1-byte elements): its base and row stride 16-byte aligned."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs walk the tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def w8a8_gemm(
+    xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, dtype: torch.dtype, config: Config | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``(xq @ qweight.T) * x_scale * weight_scale.T + bias`` as ``dtype`` [M, N], in one kernel:
+    ``xq`` [M, K] and ``qweight`` [N, K] both int8 or both e4m3, ``x_scale`` [M, 1] and
+    ``weight_scale`` [N, 1] fp32. int8 is bitwise ``torch._int_mm`` followed by
+    :func:`~omnirt.kernels.w8a8.int8_epilogue_triton`."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if not applies(xq, x_scale, qweight, weight_scale):
+        raise ValueError(
+            "w8a8_gemm wants [M, K] and [N, K] operands of one 8-bit dtype with unit column strides, K a"
+            f" multiple of 16 and one dense fp32 scale a row and an output channel, not {tuple(xq.shape)}"
+            f" {xq.dtype}, {tuple(qweight.shape)} {qweight.dtype}, scales {tuple(x_scale.shape)}"
+            f" {x_scale.dtype} and {tuple(weight_scale.shape)} {weight_scale.dtype}"
+        )
+    m, k = xq.shape
+    n = qweight.shape[0]
+    kind: Kind = "int8" if xq.dtype == torch.int8 else "fp8"
+    out = torch.empty(m, n, dtype=dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or config_for(kind, m, n, k)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    common = dict(
+        HAS_BIAS=bias is not None, INT8=kind == "int8", BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False,
+    )  # fmt: skip
+    bias_arg = bias if bias is not None else weight_scale
+    if cfg.tma and _tma_fits(xq) and _tma_fits(qweight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        programs = min(tiles, _multiprocessors(xq.device))
+        a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
+        b_desc = TensorDescriptor.from_tensor(qweight, [cfg.bn, cfg.bk])
+        _w8a8_gemm_tma_kernel[(programs,)](
+            a_desc, b_desc, x_scale, weight_scale, bias_arg, out, m, n, k, out.stride(0), programs, **common,
+        )  # fmt: skip
+    else:
+        _w8a8_gemm_kernel[(tiles,)](
+            xq, qweight, x_scale, weight_scale, bias_arg, out, m, n, k, xq.stride(0), qweight.stride(0),
+            out.stride(0), **common,
+        )  # fmt: skip
+    return out

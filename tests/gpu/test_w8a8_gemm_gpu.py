@@ -1,0 +1,54 @@
+"""The W8A8 GEMM of ``kernels/w8a8_gemm.py`` on the GPU (marker ``gpu``): int8 bitwise the
+``torch._int_mm`` path of ``kernels/w8a8.py`` in bf16 at every tile configuration, fp8 within
+bf16 rounding of ``torch._scaled_mm``'s row-wise product, and captured in a CUDA graph whose
+replays follow new inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.kernels import w8a8_gemm
+from omnirt.kernels.w8a8 import QuantizedRows, quantize_rows, quantize_rows_triton, w8a8_linear
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _operands(kind, m, n, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    qweight, weight_scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * k**-0.5, kind)
+    bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    xq, x_scale = quantize_rows_triton(x, kind)
+    return x, xq, x_scale, qweight, weight_scale, bias
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize(("m", "n", "k"), [(4128, 3840, 3840), (333, 1000, 272), (17, 256, 512), (1, 64, 64)])
+def test_the_gemm_against_the_library_products(kind, m, n, k):
+    x, xq, x_scale, qweight, weight_scale, bias = _operands(kind, m, n, k)
+    rows = QuantizedRows(xq, x_scale, kind, (m, k), x.dtype)
+    for b in (bias, None):
+        want = w8a8_linear(rows, qweight, weight_scale, b, kind)
+        for config in (None,) + w8a8_gemm.CONFIGS:
+            got = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, b, x.dtype, config=config)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            if kind == "int8":
+                assert torch.equal(got, want), config
+            else:  # fp32 sums in another order, then one bf16 rounding each
+                peak = want.float().abs().max()
+                assert (got.float() - want.float()).abs().max() <= 2e-2 * peak, config
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_gemm_replays_from_a_cuda_graph_with_new_inputs(kind):
+    x, xq, x_scale, qweight, weight_scale, bias = _operands(kind, 300, 512, 256)
+    w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, x.dtype)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, x.dtype)
+    _, xq2, x_scale2, *_ = _operands(kind, 300, 512, 256, seed=1)
+    xq.copy_(xq2)
+    x_scale.copy_(x_scale2)
+    graph.replay()
+    want = w8a8_gemm.w8a8_gemm(xq2, x_scale2, qweight, weight_scale, bias, x.dtype)
+    assert torch.equal(out, want)

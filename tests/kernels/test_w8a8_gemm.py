@@ -1,0 +1,76 @@
+"""The W8A8 GEMM of ``kernels/w8a8_gemm.py`` on the CPU under ``TRITON_INTERPRET=1`` (int8: the
+interpreter has no fp8 products): bitwise the int32 product followed by the eager epilogue, at
+ragged shapes and depths that do not fill a tile; what it refuses, and the tiles it picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnirt.kernels import w8a8_gemm
+from omnirt.kernels.w8a8 import _int8_epilogue, quantize_rows
+
+from .conftest import interpreted
+
+SMALL = (
+    w8a8_gemm.Config(16, 32, 16, warps=1, stages=1),
+    w8a8_gemm.Config(32, 64, 32, warps=1, stages=1),
+    w8a8_gemm.Config(32, 64, 32, warps=1, stages=1, group_m=2, tma=True),
+)
+
+
+@interpreted
+@pytest.mark.parametrize("config", SMALL, ids=lambda c: c.name())
+@pytest.mark.parametrize(("m", "n", "k"), [(37, 72, 48), (130, 200, 160), (5, 16, 32), (64, 64, 64)])
+def test_int8_gemm_is_bitwise_the_int_product_and_its_epilogue(config, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    xq, x_scale = quantize_rows(torch.randn(m, k, generator=g), "int8")
+    qweight, weight_scale = quantize_rows(torch.randn(n, k, generator=g) * 0.1, "int8")
+    acc = xq.int() @ qweight.int().t()  # exact: what torch._int_mm gives on CUDA
+    for bias in (torch.randn(n, generator=g), None):
+        got = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, torch.float32, config=config)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert torch.equal(got, _int8_epilogue(acc, x_scale, weight_scale, bias, torch.float32))
+
+
+@interpreted
+def test_rows_of_a_wider_tensor_and_empty_products():
+    g = torch.Generator().manual_seed(1)
+    wide, x_scale = quantize_rows(torch.randn(20, 96, generator=g), "int8")
+    xq = wide[:, :64]  # a row stride of 96
+    qweight, weight_scale = quantize_rows(torch.randn(24, 64, generator=g), "int8")
+    got = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, None, torch.float32, config=SMALL[0])
+    want = _int8_epilogue(xq.int() @ qweight.int().t(), x_scale, weight_scale, None, torch.float32)
+    assert torch.equal(got, want)
+    empty = w8a8_gemm.w8a8_gemm(xq[:0], x_scale[:0], qweight, weight_scale, None, torch.float32)
+    assert empty.shape == (0, 24)
+
+
+def test_operands_it_does_not_take_are_refused():
+    xq = torch.zeros(8, 32, dtype=torch.int8)
+    qweight = torch.zeros(16, 32, dtype=torch.int8)
+    x_scale, scale = torch.ones(8, 1), torch.ones(16, 1)
+    assert w8a8_gemm.applies(xq, x_scale, qweight, scale)
+    cases = {
+        "mixed dtypes": (xq, x_scale, qweight.view(torch.float8_e4m3fn), scale),
+        "bf16 operands": (xq.bfloat16(), x_scale, qweight.bfloat16(), scale),
+        "widths that differ": (xq, x_scale, torch.zeros(16, 48, dtype=torch.int8), scale),
+        "K not a multiple of 16": (xq[:, :24], x_scale, qweight[:, :24], scale),
+        "a transposed weight": (xq, x_scale, torch.zeros(32, 16, dtype=torch.int8).t(), scale),
+        "a scale too few": (xq, torch.ones(4, 1), qweight, scale),
+        "a strided scale": (xq, torch.ones(8, 2)[:, :1], qweight, scale),
+        "a bf16 scale": (xq, x_scale, qweight, scale.bfloat16()),
+    }
+    for name, (a, a_scale, b, b_scale) in cases.items():
+        assert not w8a8_gemm.applies(a, a_scale, b, b_scale), name
+        if w8a8_gemm.triton is not None:
+            with pytest.raises(ValueError, match="w8a8_gemm wants"):
+                w8a8_gemm.w8a8_gemm(a, a_scale, b, b_scale, None, torch.float32)
+
+
+def test_tiles_are_the_tuned_ones_for_many_rows_and_small_for_few():
+    assert w8a8_gemm.config_for("int8", 4128, 3840, 3840) == w8a8_gemm.TUNED.get(
+        ("int8", 3840, 3840), w8a8_gemm.DEFAULT
+    )
+    assert w8a8_gemm.config_for("fp8", 32, 3840, 3840).bm <= 64
+    for config in w8a8_gemm.CONFIGS:
+        assert config.bk % 16 == 0 and config.bm % 16 == 0 and config.bn % 16 == 0, config.name()
