@@ -99,9 +99,20 @@ def gated_residual_triton(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) 
     return _launch(x, y, gate)
 
 
+@torch.library.custom_op("omnirt::gated_residual", mutates_args=())
+def _gated_residual_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return _launch(x, y, gate)
+
+
+@_gated_residual_op.register_fake
+def _gated_residual_fake(x, y, gate):
+    return x.new_empty(x.shape)
+
+
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``(x.float() + y.float() * gate).type_as(x)``: the kernel where it applies, else the eager
-    chain; the same bits."""
+    """``(x.float() + y.float() * gate).type_as(x)``: the kernel where it applies (through the custom
+    op ``omnirt::gated_residual`` while ``torch.compile`` traces), else the eager chain; the same
+    bits."""
     if settings.kernel_device(x, y, gate) and _check(x, y, gate) is None and settings.wanted(True):
-        return _launch(x, y, gate)
+        return settings.dispatch(torch.ops.omnirt.gated_residual, _launch, x, y, gate)
     return gated_residual_reference(x, y, gate)

@@ -164,19 +164,51 @@ def kernel_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
     return settings.kernel_device(a, b) and _check(a, b) is None and settings.wanted(True)
 
 
-def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``silu(a) * b``: the kernel where it applies, else the eager chain; the same bits."""
-    if not kernel_applies(a, b):
-        return swiglu_reference(a, b)
+def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _launch(a, b, None)[0].view(a.shape)
 
 
+def _swiglu_quantize(a: torch.Tensor, b: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    values, scale = _launch(a, b, kind)  # type: ignore[arg-type]
+    assert scale is not None
+    return values, scale
+
+
+@torch.library.custom_op("omnirt::swiglu", mutates_args=())
+def _swiglu_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _swiglu(a, b)
+
+
+@_swiglu_op.register_fake
+def _swiglu_fake(a, b):
+    return a.new_empty(a.shape)
+
+
+@torch.library.custom_op("omnirt::swiglu_quantize", mutates_args=())
+def _swiglu_quantize_op(a: torch.Tensor, b: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _swiglu_quantize(a, b, kind)
+
+
+@_swiglu_quantize_op.register_fake
+def _swiglu_quantize_fake(a, b, kind):
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    return (a.new_empty(rows, a.shape[-1], dtype=STORAGE[kind]),  # type: ignore[index]
+            a.new_empty(rows, 1, dtype=torch.float32))  # fmt: skip
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b``: the kernel where it applies (through the custom op ``omnirt::swiglu`` while
+    ``torch.compile`` traces), else the eager chain; the same bits."""
+    if not kernel_applies(a, b):
+        return swiglu_reference(a, b)
+    return settings.dispatch(torch.ops.omnirt.swiglu, _swiglu, a, b)
+
+
 def swiglu_quantize(a: torch.Tensor, b: torch.Tensor, kind: Kind) -> QuantizedRows:
-    """``silu(a) * b`` quantized per token for a W8A8 product: one kernel where it applies, else
-    the eager chain and :func:`~.w8a8.quantize`."""
+    """``silu(a) * b`` quantized per token for a W8A8 product: one kernel where it applies
+    (``omnirt::swiglu_quantize`` while ``torch.compile`` traces), else the eager chain and
+    :func:`~.w8a8.quantize`."""
     if not kernel_applies(a, b):
         return quantize(swiglu_reference(a, b), kind)
-    values, scale = _launch(a, b, kind)  # (checked by kernel_applies)
-    assert scale is not None
+    values, scale = settings.dispatch(torch.ops.omnirt.swiglu_quantize, _swiglu_quantize, a, b, kind)
     return QuantizedRows(values, scale, kind, tuple(a.shape), a.dtype)
-

@@ -119,13 +119,13 @@ if triton is not None:
         ks = tl.arange(0, BK)
         # rows and columns past the edge read row 0 / column 0 again (their results are not stored)
         a_ptrs = A + tl.where(rows < M, rows, 0)[:, None] * stride_am + ks[None, :]
-        b_ptrs = B + tl.where(cols < N, cols, 0)[None, :] * stride_bn + ks[:, None]
+        b_ptrs = B + tl.where(cols < N, cols, 0)[:, None] * stride_bn + ks[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
             left = K - k * BK
-            a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0)
-            b = tl.load(b_ptrs, mask=ks[:, None] < left, other=0)
-            acc = tl.dot(a, b, acc)
+            a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0)
+            b = tl.load(b_ptrs, mask=ks[None, :] < left, other=0.0)
+            acc = tl.dot(a, b.T, acc)
             a_ptrs += BK
             b_ptrs += BK
         _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS)

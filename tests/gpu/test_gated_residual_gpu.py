@@ -30,3 +30,16 @@ def test_the_kernel_is_the_eager_chain(shape, dtype, monkeypatch):
         assert torch.equal(got, want), (shape, dtype, tokens, int((got != want).sum()))
         assert torch.equal(got, gated_residual_reference(x, y, gate))
     assert launched
+
+
+def test_compile_traces_through_the_op():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(2, 300, 1536, device="cuda", generator=g) * 4).bfloat16()
+    y = torch.randn(2, 300, 1536, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(2, 1, 1536, device="cuda", generator=g)
+
+    def block(x, y, gate):  # (doubling is exact: any fusion inductor makes keeps the bits)
+        return gated_residual(x, y, gate) * 2
+
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x, y, gate), block(x, y, gate))

@@ -64,3 +64,16 @@ def test_the_quantizing_norm_is_bitwise_the_eager_chain():
                     differ.append(f"{batch}x{tokens}x{width} {dtype} {kind} mul={mul is not None}: {bad}")
     print(f"\n[gpu] rms_norm_modulate_quantize: {checked - len(differ)} of {checked} bitwise")
     assert not differ, "\n".join(differ)
+
+
+def test_compile_traces_through_both_ops():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a, b = (torch.randn(300, 2 * 1024, device="cuda", generator=g) * 4).bfloat16().chunk(2, dim=-1)
+
+    def unit(a, b):  # (doubling is exact: any fusion inductor makes keeps the bits)
+        rows = swiglu_quantize(a, b, "fp8")
+        return swiglu(a, b) * 2, rows.values, rows.scale * 2
+
+    compiled = torch.compile(unit, fullgraph=True, dynamic=False)
+    for got, want in zip(compiled(a, b), unit(a, b), strict=True):
+        assert _same(got, want)

@@ -61,3 +61,14 @@ def test_the_dispatcher_runs_the_eager_chain_off_cuda():
     x, y, gate = _inputs(2, 6, 96, per_token=True)
     xb, yb = x.bfloat16(), y.bfloat16()
     assert torch.equal(gated_residual(xb, yb, gate), (xb.float() + yb * gate).type_as(xb))
+
+
+@interpreted
+def test_custom_op_schema_fake_and_kernel():
+    """``omnirt::gated_residual`` (what ``torch.compile`` traces): its schema and fake agree with the
+    kernel, which it runs."""
+    x, y, gate = _inputs(2, 3, 64, per_token=False)
+    torch.library.opcheck(
+        torch.ops.omnirt.gated_residual.default, (x, y, gate), test_utils=("test_schema", "test_faketensor")
+    )
+    assert torch.equal(torch.ops.omnirt.gated_residual(x, y, gate), gated_residual_reference(x, y, gate))

@@ -77,3 +77,18 @@ def test_the_dispatchers_run_the_eager_chain_off_cuda():
     assert torch.equal(got.values.view(torch.int8), want_values.view(torch.int8))
     assert torch.equal(got.scale, want_scale)
     assert got.shape == (6, 96) and got.dtype == torch.bfloat16 and got.kind == "fp8"
+
+
+@interpreted
+def test_custom_ops_schema_fake_and_kernel():
+    """``omnirt::swiglu`` and ``omnirt::swiglu_quantize`` (what ``torch.compile`` traces): schemas
+    and fakes agree with the kernels, which they run."""
+    a, b = _gate_up(5, 64).chunk(2, dim=-1)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.omnirt.swiglu.default, (a, b), test_utils=checks)
+    torch.library.opcheck(torch.ops.omnirt.swiglu_quantize.default, (a, b, "int8"), test_utils=checks)
+    assert torch.equal(torch.ops.omnirt.swiglu(a, b), swiglu_triton(a, b))
+    values, scale = torch.ops.omnirt.swiglu_quantize(a, b, "int8")
+    want_values, want_scale = swiglu_quantize_triton(a, b, "int8")
+    assert values.shape == (5, 64) and scale.shape == (5, 1)
+    assert torch.equal(values, want_values) and torch.equal(scale, want_scale)
