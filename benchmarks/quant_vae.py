@@ -44,7 +44,7 @@
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final [--final-steps N]]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
-        [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton]
+        [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton] [--attention-plans N]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
   place of the Wan rows of the steps table) time under each SDPA backend; for bf16 and fp8 its
@@ -874,8 +874,15 @@ def main(argv: list[str] | None = None) -> int:
         help="transformer steps: a row per W8A8 GEMM (library, triton: kernels/w8a8_gemm.py), "
         "comma-separated; the DiT profile and final outputs run the first",
     )  # fmt: skip
+    p.add_argument(
+        "--attention-plans", type=int, default=None,
+        help="fp8 attention: time cuDNN's first N plans at a shape's first call (AUTOTUNE_PLANS)",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    from omnirt.kernels import w8a8
+    from omnirt.kernels import fp8_attention, w8a8
+
+    if args.attention_plans is not None:
+        fp8_attention.AUTOTUNE_PLANS = args.attention_plans
 
     global GEMMS
     GEMMS = tuple(args.gemms.split(","))

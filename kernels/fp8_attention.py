@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 P_SCALE = 448.0
 #: Built cuDNN graphs kept (least recently used dropped past it).
 MAX_PLANS = 32
+#: Above 0: at a shape's first call outside CUDA-graph capture, cuDNN's first this many plans are
+#: built and timed on the call's tensors and the fastest runs from then on; 0: cuDNN's first plan
+#: (its heuristics' choice). ``benchmarks/attention_plans.py`` times every plan at the DiTs' shapes.
+AUTOTUNE_PLANS = 0
 #: Head dims cuDNN's fp8 attention takes on Hopper: multiples of 16 up to this.
 MAX_HEAD_DIM = 256
 
@@ -250,6 +254,14 @@ class _Plan:
     handle: Any
     constants: dict[int, torch.Tensor]  # the probabilities' scales, the output's, the query lengths
     fp8_out: bool  # the output in e4m3 (scaled by V's scale), widened after
+    index: int | None = None  # the plan timed fastest (AUTOTUNE_PLANS), else cuDNN's first
+    tuned: bool = False  # the plans were timed (or AUTOTUNE_PLANS was 0 at the first call)
+
+    def execute(self, pack: dict[int, torch.Tensor]) -> None:
+        if self.index is None:
+            self.graph.execute(pack, self.workspace, handle=self.handle)
+        else:
+            self.graph.execute_plan_at_index(pack, self.workspace, self.index, handle=self.handle)
 
 
 _plans: cudnn_graphs.PlanCache[_Plan] = cudnn_graphs.PlanCache(MAX_PLANS, "fp8 attention")
@@ -329,6 +341,24 @@ def _plan(cudnn: Any, shape: _Shape) -> _Plan | None:
     return _plans.get(shape, lambda: _build(cudnn, shape))
 
 
+def _tune(cudnn: Any, plan: _Plan, pack: dict[int, torch.Tensor], device: torch.device) -> None:
+    """Builds cuDNN's first :data:`AUTOTUNE_PLANS` plans of ``plan``'s graph and keeps the fastest on
+    ``pack``'s tensors (cuDNN's first stays where none of the others runs)."""
+    plan.tuned = True
+    if AUTOTUNE_PLANS <= 0:
+        return
+    try:
+        cudnn_graphs.build_plans(cudnn, plan.graph, first=AUTOTUNE_PLANS)
+        index, workspace, ms = cudnn_graphs.fastest_plan(
+            cudnn, plan.graph, pack, plan.handle, device, AUTOTUNE_PLANS
+        )
+    except Exception as error:  # keep cuDNN's first plan
+        log.info("fp8 attention plans not timed (%s): cuDNN's first runs", error)
+        return
+    plan.index, plan.workspace = index, workspace
+    log.info("fp8 attention: plan %d of cuDNN's first %d is the fastest (%.3f ms)", index, AUTOTUNE_PLANS, ms)
+
+
 def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None,
            scale: float | None, quantized_out: bool = False) -> _Shape:  # fmt: skip
     batch, queries, heads, dim = q.shape
@@ -399,8 +429,10 @@ def fp8_attention(
         pack[_O_SCALE] = vs.reciprocal()
     if key_lengths is not None:
         pack[_SEQ_KV] = key_lengths.to(device=q.device, dtype=torch.int32).view(-1, 1, 1, 1)
+    if not plan.tuned and not torch.cuda.is_current_stream_capturing():
+        _tune(cudnn, plan, pack, q.device)
     cudnn.set_stream(plan.handle, torch.cuda.current_stream(q.device).cuda_stream)
-    plan.graph.execute(pack, plan.workspace, handle=plan.handle)
+    plan.execute(pack)
     if quantized_out:
         return _as_rows(out, vs, v.dtype)
     return (out.float() * vs).to(v.dtype) if plan.fp8_out else out

@@ -108,6 +108,20 @@ def test_cudnn_fp8_attention_against_its_model_and_bf16(batch, tokens, heads, qu
     assert _snr_db(got, bf16) > 20
 
 
+def test_timed_plans_keep_to_cudnns_first(monkeypatch):
+    """``AUTOTUNE_PLANS``: at a shape's first call the fastest of cuDNN's first plans runs (its
+    index kept), its output close to the first plan's; then the call is a plain execution."""
+    q, k, v = _qkv(1, 2048, 8, 128, seed=8)
+    first = fp8_attention.fp8_attention(q, k, v)
+    monkeypatch.setattr(fp8_attention, "AUTOTUNE_PLANS", 6)
+    monkeypatch.setattr(fp8_attention, "_plans", cudnn_graphs.PlanCache(4, "fp8 attention"))
+    timed = fp8_attention.fp8_attention(q, k, v)
+    plan = fp8_attention._plans[fp8_attention._shape(q, k, v, None, None)]
+    assert plan.tuned and (plan.index is None or 0 <= plan.index < 6)
+    assert _snr_db(timed, first) > 30
+    assert torch.equal(fp8_attention.fp8_attention(q, k, v), timed)
+
+
 def test_fp8_attention_in_a_cuda_graph_tracks_new_inputs():
     q, k, v = _qkv(1, 1024, 4, 128, seed=3)
     static = [t.clone() for t in (q, k, v)]
