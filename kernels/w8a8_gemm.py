@@ -55,6 +55,10 @@ class Config:
     #: kernel, one program a multiprocessor walking the tiles; else by pointers, a program a tile.
     tma: bool = False
 
+    def __post_init__(self) -> None:
+        if self.bk % 32 or self.bm % 16 or self.bn % 16:  # Hopper's 8-bit products take K in 32s
+            raise ValueError(f"tiles want bk a multiple of 32 and bm, bn of 16, not {self.name()}")
+
     def name(self) -> str:
         form = " tma" if self.tma else ""
         return f"{self.bm}x{self.bn}x{self.bk} w{self.warps} s{self.stages} g{self.group_m}{form}"

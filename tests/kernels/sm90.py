@@ -42,6 +42,9 @@ _COVERED: dict[tuple[str, str], set[tuple[str, object]]] = {}
 def _type(value: object) -> str | None:
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
+    if type(value).__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor's, for TMA loads
+        block = ", ".join(str(int(b)) for b in value.block_shape)  # type: ignore[attr-defined]
+        return f"tensordesc<{_DTYPES[value.base.dtype]}[{block}]>"  # type: ignore[attr-defined]
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

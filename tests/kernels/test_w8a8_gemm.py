@@ -12,7 +12,7 @@ from omnirt.kernels.w8a8 import _int8_epilogue, quantize_rows
 from .conftest import interpreted
 
 SMALL = (
-    w8a8_gemm.Config(16, 32, 16, warps=1, stages=1),
+    w8a8_gemm.Config(16, 32, 32, warps=1, stages=1),
     w8a8_gemm.Config(32, 64, 32, warps=1, stages=1),
     w8a8_gemm.Config(32, 64, 32, warps=1, stages=1, group_m=2, tma=True),
 )
@@ -73,4 +73,6 @@ def test_tiles_are_the_tuned_ones_for_many_rows_and_small_for_few():
     )
     assert w8a8_gemm.config_for("fp8", 32, 3840, 3840).bm <= 64
     for config in w8a8_gemm.CONFIGS:
-        assert config.bk % 16 == 0 and config.bm % 16 == 0 and config.bn % 16 == 0, config.name()
+        assert config.bk % 32 == 0 and config.bm % 16 == 0 and config.bn % 16 == 0, config.name()
+    with pytest.raises(ValueError, match="a multiple of 32"):
+        w8a8_gemm.Config(64, 64, 16)
