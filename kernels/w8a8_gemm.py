@@ -5,8 +5,8 @@ epilogue, the output written once in the activations' dtype.
 Why: ``kernels/w8a8.py``'s int8 path is ``torch._int_mm`` (an int32 [M, N] written to memory) and
 then an epilogue kernel that reads it back, which at a Z-Image step's shapes moves about 40 GB
 a step; here the int32 accumulators never leave the registers. For fp8 it is an alternative to
-``torch._scaled_mm``'s row-wise kernel, chosen where it measures faster
-(``benchmarks/quant_vae.py --gemm-speed``).
+``torch._scaled_mm``'s row-wise kernel, to be chosen where it measures faster
+(``benchmarks/w8a8_gemm.py``; ``kernels/w8a8.py``'s ``GEMM`` selects it, ``library`` by default).
 
 Numerics. int8: the products and sums are exact in int32 whatever the order, and the epilogue is
 :func:`~omnirt.kernels.w8a8.int8_epilogue_triton`'s (``acc * x_scale``, then ``* weight_scale``,
@@ -18,7 +18,7 @@ Two forms: a program a tile, reading the operands by pointers (software-pipeline
 ``stages``), or (``Config.tma``) a persistent kernel, one program a multiprocessor walking the
 tiles, reading them by tensor descriptors (Hopper's TMA; zeros past the edges). Tiles:
 :data:`CONFIGS` names the candidates; :func:`config_for` picks the one :data:`TUNED` holds for a
-shape (filled from the probe's measurements), else :data:`DEFAULT`. No autotuning at call time:
+shape (from the probe's measurements; none yet), else :data:`DEFAULT`. No autotuning at call time:
 a first call under CUDA-graph capture must not time anything.
 """
 
