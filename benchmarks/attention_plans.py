@@ -44,19 +44,18 @@ def rows_for(name: str, plans: int) -> list[str]:
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
         out = [row("bf16 SDPA (cuDNN)", cudnn_graphs.time_ms(sdpa, repeats=20))]
     cudnn = cudnn_graphs.frontend()
-    shape = fp8_attention._shape(q, k, v, None, None)
-    handle = cudnn_graphs.handle(cudnn, 0)
-    graph = fp8_attention.build_graph(cudnn, shape, handle)
+    plan = fp8_attention._build(cudnn, fp8_attention._shape(q, k, v, None, None))  # as the kernel builds it
+    graph, handle = plan.graph, plan.handle
     cudnn_graphs.build_plans(cudnn, graph, first=plans)
     (q8, qs), (k8, ks), (v8, vs) = (fp8_attention.quantize_tensor(t) for t in (q, k, v))
-    result = torch.empty_like(q)
-    one = lambda value: torch.full((1,), value, dtype=torch.float32, device="cuda")  # noqa: E731
+    result = torch.empty(q.shape, dtype=torch.float8_e4m3fn if plan.fp8_out else q.dtype, device="cuda")
     pack = {
         fp8_attention._Q: q8, fp8_attention._K: k8, fp8_attention._V: v8, fp8_attention._O: result,
         fp8_attention._Q_DESCALE: qs, fp8_attention._K_DESCALE: ks, fp8_attention._V_DESCALE: vs,
-        fp8_attention._O_AMAX: one(0.0), fp8_attention._S_SCALE: one(fp8_attention.P_SCALE),
-        fp8_attention._S_DESCALE: one(1.0 / fp8_attention.P_SCALE), fp8_attention._O_SCALE: one(1.0),
+        fp8_attention._O_AMAX: torch.empty(1, dtype=torch.float32, device="cuda"), **plan.constants,
     }  # fmt: skip
+    if plan.fp8_out:  # e4m3 at V's scale, as fp8_attention runs such a plan
+        pack[fp8_attention._O_SCALE] = vs.reciprocal()
     first = None
     for index in range(min(graph.get_execution_plan_count(), plans)):
         try:
