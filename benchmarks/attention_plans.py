@@ -46,7 +46,7 @@ def rows_for(name: str, plans: int) -> list[str]:
     cudnn = cudnn_graphs.frontend()
     plan = fp8_attention._build(cudnn, fp8_attention._shape(q, k, v, None, None))  # as the kernel builds it
     graph, handle = plan.graph, plan.handle
-    cudnn_graphs.build_plans(cudnn, graph, first=plans)
+    cudnn_graphs.build_first_plans(graph, plans)
     (q8, qs), (k8, ks), (v8, vs) = (fp8_attention.quantize_tensor(t) for t in (q, k, v))
     result = torch.empty(q.shape, dtype=torch.float8_e4m3fn if plan.fp8_out else q.dtype, device="cuda")
     pack = {

@@ -52,15 +52,23 @@ def build_plans(cudnn: Any, graph: Any, policy: Any = None, *, first: int = 0) -
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     if first > 0:
-        for index in range(min(graph.get_execution_plan_count(), first)):
-            try:
-                graph.build_plan_at_index(index)
-            except Exception as error:  # this plan only
-                log.debug("cuDNN plan %d not built: %s", index, error)
+        build_first_plans(graph, first)
     elif policy is None:
         graph.build_plans()
     else:
         graph.build_plans(policy)
+
+
+def build_first_plans(graph: Any, first: int) -> None:
+    """Builds each of the first ``first`` execution plans of ``graph``, whose plans
+    :func:`build_plans` has made (cuDNN makes a graph's plan list once: a graph built with
+    cuDNN's first plan gets its others built here, for :func:`fastest_plan`); a plan that does not
+    build, or is built already, is left as it is."""
+    for index in range(min(graph.get_execution_plan_count(), first)):
+        try:
+            graph.build_plan_at_index(index)
+        except Exception as error:  # this plan only
+            log.debug("cuDNN plan %d not built: %s", index, error)
 
 
 def fastest_plan(

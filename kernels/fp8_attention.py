@@ -348,7 +348,7 @@ def _tune(cudnn: Any, plan: _Plan, pack: dict[int, torch.Tensor], device: torch.
     if AUTOTUNE_PLANS <= 0:
         return
     try:
-        cudnn_graphs.build_plans(cudnn, plan.graph, first=AUTOTUNE_PLANS)
+        cudnn_graphs.build_first_plans(plan.graph, AUTOTUNE_PLANS)
         index, workspace, ms = cudnn_graphs.fastest_plan(
             cudnn, plan.graph, pack, plan.handle, device, AUTOTUNE_PLANS
         )

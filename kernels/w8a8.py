@@ -238,6 +238,23 @@ def int8_epilogue_triton(
     return out
 
 
+def _scaled_mm_takes(qweight: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` on CUDA takes an [N, K] e4m3 weight: both widths multiples of 16."""
+    return qweight.shape[0] % 16 == 0 and qweight.shape[1] % 16 == 0
+
+
+def _dequantized_product(
+    xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The W8A8 product in fp32 from the 8-bit values (exact in fp32), scaled, plus the bias, rounded
+    once to ``dtype``: for the shapes no 8-bit GEMM takes."""
+    out = (xq.float() @ qweight.float().t()) * x_scale * weight_scale.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(dtype)
+
+
 def w8a8_linear(
     x: torch.Tensor | QuantizedRows,
     qweight: torch.Tensor,
@@ -257,7 +274,9 @@ def w8a8_linear(
     xq, x_scale = x.values, x.scale
     count = xq.shape[0]
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    if GEMM[kind] == "triton" and xq.is_cuda and w8a8_gemm.applies(xq, x_scale, qweight, weight_scale):
+    triton_gemm = xq.is_cuda and w8a8_gemm.applies(xq, x_scale, qweight, weight_scale)
+    library_fp8 = not xq.is_cuda or _scaled_mm_takes(qweight)
+    if triton_gemm and (GEMM[kind] == "triton" or (kind == "fp8" and not library_fp8)):
         out = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, out_dtype)
     elif kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:
@@ -267,6 +286,8 @@ def w8a8_linear(
             out = int8_epilogue_triton(acc, x_scale, weight_scale, bias, x.dtype)
         else:
             out = _int8_epilogue(acc, x_scale, weight_scale, bias, x.dtype)
+    elif not library_fp8:  # widths neither cuBLAS's fp8 product nor the Triton GEMM takes
+        out = _dequantized_product(xq, x_scale, qweight, weight_scale, bias, out_dtype)
     else:
         out = torch._scaled_mm(
             xq,

@@ -129,7 +129,7 @@ if triton is not None:
             left = K - k * BK
             a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0)
             b = tl.load(b_ptrs, mask=ks[None, :] < left, other=0.0)
-            acc = tl.dot(a, b.T, acc)
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32 if INT8 else tl.float32)
             a_ptrs += BK
             b_ptrs += BK
         _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS)
@@ -145,7 +145,7 @@ if triton is not None:
             for k in range(0, tl.cdiv(K, BK)):  # the descriptors read zeros past the edges
                 a = a_desc.load([pid_m * BM, k * BK])
                 b = b_desc.load([pid_n * BN, k * BK])
-                acc = tl.dot(a, b.T, acc)
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32 if INT8 else tl.float32)
             rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
             cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
             _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS)
