@@ -110,7 +110,7 @@ def attention_in_fp8(attention: str):
 
 
 #: The W8A8 GEMMs each quantized row runs with (``--gemms``; ``kernels.w8a8.GEMMS``), one row each.
-GEMMS: tuple[str, ...] = ("library",)
+GEMMS: tuple[str, ...] = ("auto",)
 
 
 @contextlib.contextmanager
@@ -128,7 +128,7 @@ def gemm_in(gemm: str):
 
 
 def _gemm_note(gemm: str) -> str:
-    return ", Triton GEMM" if gemm == "triton" else ""
+    return {"triton": ", Triton GEMM", "library": ", library GEMM"}.get(gemm, "")
 
 
 def _attention_note(attention: str) -> str:
@@ -870,9 +870,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--norm-orders", action="store_true", help="channel-norm orders vs ATen's")
     p.add_argument("--dit-profile", action="store_true", help="Z-Image step: GPU time by kind, SDPA backends")
     p.add_argument(
-        "--gemms", default="library",
-        help="transformer steps: a row per W8A8 GEMM (library, triton: kernels/w8a8_gemm.py), "
-        "comma-separated; the DiT profile and final outputs run the first",
+        "--gemms", default="auto",
+        help="transformer steps: a row per W8A8 GEMM (auto: as the server runs them; library; triton: "
+        "kernels/w8a8_gemm.py), comma-separated; the DiT profile and final outputs run the first",
     )  # fmt: skip
     p.add_argument(
         "--attention-plans", type=int, default=None,

@@ -53,11 +53,14 @@ _MIN_PEAK = 1e-12
 _ROUNDER = 12582912.0
 
 
-Gemm = Literal["library", "triton"]
-GEMMS: tuple[Gemm, ...] = ("library", "triton")
+Gemm = Literal["auto", "library", "triton"]
+GEMMS: tuple[Gemm, ...] = ("auto", "library", "triton")
 #: Which GEMM runs each kind's products on CUDA: ``library`` (``torch._int_mm``, then the epilogue
-#: kernel; ``torch._scaled_mm``) or ``triton`` (:func:`~omnirt.kernels.w8a8_gemm.w8a8_gemm`).
-GEMM: dict[Kind, Gemm] = {"int8": "library", "fp8": "library"}
+#: kernel; ``torch._scaled_mm``), ``triton`` (:func:`~omnirt.kernels.w8a8_gemm.w8a8_gemm`) or
+#: ``auto``: Triton's on Hopper, where it was measured faster at the DiTs' shapes (int8 1.2-1.6x
+#: ``_int_mm`` and its epilogue with the same bits, fp8 1.0-1.4x ``_scaled_mm``'s row-wise product:
+#: docs/benchmarks.md), the library's elsewhere.
+GEMM: dict[Kind, Gemm] = {"int8": "auto", "fp8": "auto"}
 
 
 def set_gemm(kind: str, gemm: str) -> None:
@@ -276,7 +279,9 @@ def w8a8_linear(
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     triton_gemm = xq.is_cuda and w8a8_gemm.applies(xq, x_scale, qweight, weight_scale)
     library_fp8 = not xq.is_cuda or _scaled_mm_takes(qweight)
-    if triton_gemm and (GEMM[kind] == "triton" or (kind == "fp8" and not library_fp8)):
+    auto = GEMM[kind] == "auto" and triton_gemm and w8a8_gemm.tma_capable(xq.device)
+    wanted = GEMM[kind] == "triton" or auto
+    if triton_gemm and (wanted or (kind == "fp8" and not library_fp8)):
         out = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, out_dtype)
     elif kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:

@@ -18,8 +18,8 @@ Two forms: a program a tile, reading the operands by pointers (software-pipeline
 ``stages``), or (``Config.tma``) a persistent kernel, one program a multiprocessor walking the
 tiles, reading them by tensor descriptors (Hopper's TMA; zeros past the edges). Tiles:
 :data:`CONFIGS` names the candidates; :func:`config_for` picks the one :data:`TUNED` holds for a
-shape (from the probe's measurements; none yet), else :data:`DEFAULT`. No autotuning at call time:
-a first call under CUDA-graph capture must not time anything.
+shape (from the probe's measurements; none yet), else :data:`DEFAULT` (the persistent TMA form).
+No autotuning at call time: a first call under CUDA-graph capture must not time anything.
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ CONFIGS: tuple[Config, ...] = (
     Config(128, 128, 128, warps=8, stages=4, tma=True),
     Config(128, 128, 128, warps=4, stages=4, tma=True),
 )
-DEFAULT = CONFIGS[0]
+#: The fastest tiles at nearly every product shape of Z-Image and Wan on an H100, both kinds
+#: (``benchmarks/w8a8_gemm.py``, docs/benchmarks.md); by pointers where TMA is not there.
+DEFAULT = CONFIGS[8]
 SMALL_M = Config(64, 128, 128, warps=4, stages=4)
 #: Measured best tiles by (kind, N, K), for M in the thousands (a DiT step's tokens).
 TUNED: dict[tuple[str, int, int], Config] = {}
@@ -177,6 +179,12 @@ def _tma_fits(t: torch.Tensor) -> bool:
 
 
 @functools.cache
+def tma_capable(device: torch.device) -> bool:
+    """Whether ``device`` reads by tensor descriptors: Hopper (sm_90) on; the interpreter too."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs walk the tiles
@@ -213,7 +221,7 @@ def w8a8_gemm(
         num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False,
     )  # fmt: skip
     bias_arg = bias if bias is not None else weight_scale
-    if cfg.tma and _tma_fits(xq) and _tma_fits(qweight):
+    if cfg.tma and _tma_fits(xq) and _tma_fits(qweight) and tma_capable(xq.device):  # else by pointers
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         programs = min(tiles, _multiprocessors(xq.device))
