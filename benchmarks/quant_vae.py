@@ -179,6 +179,8 @@ def quantized_copy(model: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, 
 
 
 def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
+    """The step's table rows, bf16 then each quantized copy (and W8A8 GEMM), each printed as it is
+    measured."""
     from omnirt.stages.diffusion import fused
 
     fused.install(model)  # as the server runs it on CUDA (issue 13's kernels), in every row
@@ -188,6 +190,7 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         base = bench(lambda: call(model))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         rows = [f"| {name} | bf16 | {base:.1f} | 1.00x | {weights / 2**30:.2f} | - |"]
+        print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
             for gemm in GEMMS:
                 with attention_in_fp8(attention), gemm_in(gemm):
@@ -197,6 +200,7 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                     f"| {name} | {label} ({layers} layers){_attention_note(attention)}{_gemm_note(gemm)} "
                     f"| {ms:.1f} | {base / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
                 )
+                print(rows[-1], flush=True)
                 del out
             del quantized
     return rows
@@ -910,10 +914,10 @@ def main(argv: list[str] | None = None) -> int:
         print("| transformer step | weights | ms | speed-up | weight GiB | output SNR vs bf16 (dB) |")
         print("|---|---|---|---|---|---|")
     if not args.skip_zimage:
-        print("\n".join(zimage_rows()), flush=True)
+        zimage_rows()  # (each row printed as it comes)
         torch.cuda.empty_cache()
     if args.wan and not args.dit_profile:
-        print("\n".join(wan_rows(args.wan, args.wan_size)), flush=True)
+        wan_rows(args.wan, args.wan_size)  # (each row printed as it comes)
         torch.cuda.empty_cache()
     if args.dit_profile:
         dit_profile((args.wan, args.wan_size) if args.wan else None)
