@@ -4,15 +4,16 @@ and 14B at 480p, 81 frames): time and TFLOP/s of each way to compute ``x @ W.T``
 Rows per shape (``M`` tokens, ``N`` outputs, ``K`` inputs; the activations already quantized,
 as a fused norm or gated unit hands them over):
 - ``bf16``: ``torch.nn.functional.linear`` on bf16 operands (cuBLAS), the baseline;
-- ``fp8 _scaled_mm row-wise``: what ``kernels/w8a8.py`` runs for fp8 (a scale a token and a scale an
-  output channel);
+- ``fp8 _scaled_mm row-wise``: the library's fp8 product (``w8a8.GEMM`` ``library``: a scale a
+  token and a scale an output channel);
 - ``fp8 _scaled_mm tensor-wise``: one scale each side (cuBLAS's fp8 GEMM): what the tensor cores
   give without row-wise scales, for reference;
-- ``int8 _int_mm + epilogue``: what ``kernels/w8a8.py`` runs for int8 (an int32 product, then a
-  kernel applying the scales and the bias), and ``_int_mm`` alone;
+- ``int8 _int_mm + epilogue``: the library's int8 product (an int32 product, then a kernel applying
+  the scales and the bias), and ``_int_mm`` alone;
 - ``Triton``: ``kernels/w8a8_gemm.py``, the scales and bias in the GEMM's epilogue, at each tile
   configuration of ``w8a8_gemm.CONFIGS`` (the fastest shown, with its name) and at the module's
-  choice for the shape (``config_for``).
+  choice for the shape (``config_for``);
+- ``as the layers run it``: ``w8a8.w8a8_linear`` with its default GEMM (``auto``: Triton's on Hopper).
 
 The Triton rows are checked against the library's: int8 bitwise, fp8 by the largest difference
 relative to the output's peak.
@@ -89,16 +90,21 @@ def kind_rows(row, label: str, x, w, bias, kind: str, all_configs: bool) -> list
     xq, xs = w8a8.quantize_rows_triton(x, kind)
     wq, ws = w8a8.quantize_rows(w, kind)
     q = w8a8.QuantizedRows(xq, xs, kind, (m, k), x.dtype)
-    want = w8a8.w8a8_linear(q, wq, ws, bias, kind)
+    before = w8a8.GEMM[kind]
+    w8a8.set_gemm(kind, "library")  # the library's products: the reference and their rows
+    try:
+        want = w8a8.w8a8_linear(q, wq, ws, bias, kind)
+        library = bench(lambda: w8a8.w8a8_linear(q, wq, ws, bias, kind))
+    finally:
+        w8a8.set_gemm(kind, before)
     out = []
-    as_run = bench(lambda: w8a8.w8a8_linear(q, wq, ws, bias, kind))
     if kind == "fp8":
         one = torch.ones((), device="cuda")
-        out.append(row("fp8 _scaled_mm row-wise (as run)", as_run))
+        out.append(row("fp8 _scaled_mm row-wise (library)", library))
         ms = bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=x.dtype))
         out.append(row("fp8 _scaled_mm tensor-wise, no bias", ms))
     else:
-        out.append(row("int8 _int_mm + epilogue (as run)", as_run))
+        out.append(row("int8 _int_mm + epilogue (library)", library))
         out.append(row("int8 _int_mm alone", bench(lambda: torch._int_mm(xq, wq.t()))))
     peak = want.float().abs().max().item()
 
@@ -125,6 +131,8 @@ def kind_rows(row, label: str, x, w, bias, kind: str, all_configs: bool) -> list
         out.append(row(f"**{kind} Triton, fastest: {cfg.name()}**", ms, check))
     chosen = w8a8_gemm.config_for(kind, m, n, k)
     out.append(row(f"{kind} Triton as chosen ({chosen.name()})", bench(gemm)))
+    as_run = bench(lambda: w8a8.w8a8_linear(q, wq, ws, bias, kind))
+    out.append(row(f"{kind} as the layers run it (GEMM {w8a8.GEMM[kind]})", as_run))
     return out
 
 

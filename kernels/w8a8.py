@@ -58,7 +58,7 @@ GEMMS: tuple[Gemm, ...] = ("auto", "library", "triton")
 #: Which GEMM runs each kind's products on CUDA: ``library`` (``torch._int_mm``, then the epilogue
 #: kernel; ``torch._scaled_mm``), ``triton`` (:func:`~omnirt.kernels.w8a8_gemm.w8a8_gemm`) or
 #: ``auto``: Triton's on Hopper, where it was measured faster at the DiTs' shapes (int8 1.2-1.6x
-#: ``_int_mm`` and its epilogue with the same bits, fp8 1.0-1.4x ``_scaled_mm``'s row-wise product:
+#: ``_int_mm`` and its epilogue with the same bits, fp8 0.94-1.38x ``_scaled_mm``'s row-wise product:
 #: docs/benchmarks.md), the library's elsewhere.
 GEMM: dict[Kind, Gemm] = {"int8": "auto", "fp8": "auto"}
 

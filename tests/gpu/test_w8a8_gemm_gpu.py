@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnirt.kernels import w8a8_gemm
+from omnirt.kernels import w8a8, w8a8_gemm
 from omnirt.kernels.w8a8 import (
     QuantizedRows,
     _dequantized_product,
@@ -30,13 +30,14 @@ def _operands(kind, m, n, k, seed=0):
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize(("m", "n", "k"), [(4128, 3840, 3840), (333, 1000, 272), (17, 256, 512), (1, 64, 64)])
-def test_the_gemm_against_the_library_products(kind, m, n, k):
+def test_the_gemm_against_the_library_products(kind, m, n, k, monkeypatch):
     x, xq, x_scale, qweight, weight_scale, bias = _operands(kind, m, n, k)
+    monkeypatch.setitem(w8a8.GEMM, kind, "library")  # the layers' default is this GEMM on Hopper
     rows = QuantizedRows(xq, x_scale, kind, (m, k), x.dtype)
     for b in (bias, None):
         if kind == "fp8" and n % 16:  # cuBLAS's fp8 product takes no such width: the sums in fp32
             want = _dequantized_product(xq, x_scale, qweight, weight_scale, b, x.dtype)
-            routed = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, b, x.dtype)  # the layer's route
+            routed = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, b, x.dtype)  # any GEMM setting
             assert torch.equal(w8a8_linear(rows, qweight, weight_scale, b, kind), routed)
         else:
             want = w8a8_linear(rows, qweight, weight_scale, b, kind)
@@ -48,6 +49,20 @@ def test_the_gemm_against_the_library_products(kind, m, n, k):
             else:  # fp32 sums in another order, then one bf16 rounding each
                 peak = want.float().abs().max()
                 assert (got.float() - want.float()).abs().max() <= 2e-2 * peak, config
+
+
+def test_fp8_widths_no_gemm_takes_run_in_fp32():
+    """An fp8 layer with K not a multiple of 16 (neither ``_scaled_mm`` nor the GEMM takes it): the
+    product in fp32 from the 8-bit values, close to bf16's on the dequantized operands."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(40, 200, device="cuda", generator=g).to(torch.bfloat16)
+    qweight, weight_scale = quantize_rows(torch.randn(1000, 200, device="cuda", generator=g) * 0.07, "fp8")
+    bias = torch.randn(1000, device="cuda", generator=g).to(torch.bfloat16)
+    xq, x_scale = quantize_rows(x, "fp8")
+    rows = QuantizedRows(xq, x_scale, "fp8", (40, 200), x.dtype)
+    got = w8a8_linear(rows, qweight, weight_scale, bias, "fp8")
+    want = (xq.float() * x_scale) @ (qweight.float() * weight_scale).t() + bias.float()
+    assert got.dtype == torch.bfloat16 and (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnirt.kernels.w8a8 import QMAX, quantize_rows, w8a8_linear, w8a8_linear_reference
+from omnirt.kernels.w8a8 import (
+    QMAX,
+    QuantizedRows,
+    _dequantized_product,
+    quantize_rows,
+    w8a8_linear,
+    w8a8_linear_reference,
+)
 
 from .conftest import interpreted
 
@@ -40,6 +47,20 @@ def test_products_equal_the_dequantized_reference(kind, dtype):
         exact = (x.float() @ weight.t() + (0 if bias is None else bias)).to(dtype)
         error = (got.float() - exact.float()).norm() / exact.float().norm()
         assert error < (0.02 if kind == "int8" else 0.08)  # close to the unquantized product
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_fp32_product_for_widths_no_gemm_takes(kind):
+    """``_dequantized_product`` (what CUDA runs for fp8 widths that neither ``_scaled_mm`` nor the
+    Triton GEMM takes): the library's product from the same 8-bit values, here on the CPU."""
+    g = torch.Generator().manual_seed(3)
+    qweight, scale = quantize_rows(torch.randn(40, 24, generator=g) * 0.1, kind)
+    xq, x_scale = quantize_rows(torch.randn(5, 24, generator=g), kind)
+    rows = QuantizedRows(xq, x_scale, kind, (5, 24), torch.float32)
+    for bias in (torch.randn(40, generator=g), None):
+        want = w8a8_linear(rows, qweight, scale, bias, kind)
+        got = _dequantized_product(xq, x_scale, qweight, scale, bias, torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @interpreted
