@@ -267,8 +267,10 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W ~ qweight * weight_scale`` (``qweight`` [out, in] 8-bit,
     ``weight_scale`` [out, 1] fp32) and ``x`` [..., in] quantized per token (or given quantized:
-    :class:`QuantizedRows` of ``kind``); returns ``x``'s dtype. On CUDA the quantization and the
-    int8 epilogue run as Triton kernels (same bits as eager)."""
+    :class:`QuantizedRows` of ``kind``); returns ``x``'s dtype. On CUDA the quantization runs as a
+    Triton kernel (same bits as eager) and the product as :data:`GEMM` says (``auto``: the Triton
+    GEMM on Hopper); fp8 widths ``torch._scaled_mm`` refuses go to the Triton GEMM, or where K is
+    not a multiple of 16 either, to the product in fp32."""
     if not isinstance(x, QuantizedRows):
         x = quantize(x, kind)
     elif x.kind != kind or x.values.shape[-1] != qweight.shape[1]:
