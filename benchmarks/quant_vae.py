@@ -113,20 +113,6 @@ def attention_in_fp8(attention: str):
 GEMMS: tuple[str, ...] = ("auto",)
 
 
-@contextlib.contextmanager
-def gemm_in(gemm: str):
-    """``kernels.w8a8.GEMM`` as ``gemm`` for every kind, for the block."""
-    from omnirt.kernels import w8a8
-
-    before = dict(w8a8.GEMM)
-    for kind in w8a8.KINDS:
-        w8a8.set_gemm(kind, gemm)
-    try:
-        yield
-    finally:
-        w8a8.GEMM.update(before)
-
-
 def _gemm_note(gemm: str) -> str:
     return {"triton": ", Triton GEMM", "library": ", library GEMM"}.get(gemm, "")
 
@@ -181,6 +167,7 @@ def quantized_copy(model: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, 
 def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
     """The step's table rows, bf16 then each quantized copy (and W8A8 GEMM), each printed as it is
     measured."""
+    from omnirt.kernels import w8a8
     from omnirt.stages.diffusion import fused
 
     fused.install(model)  # as the server runs it on CUDA (issue 13's kernels), in every row
@@ -193,7 +180,7 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
             for gemm in GEMMS:
-                with attention_in_fp8(attention), gemm_in(gemm):
+                with attention_in_fp8(attention), w8a8.gemm_as(gemm):
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
                 rows.append(

@@ -90,13 +90,9 @@ def kind_rows(row, label: str, x, w, bias, kind: str, all_configs: bool) -> list
     xq, xs = w8a8.quantize_rows_triton(x, kind)
     wq, ws = w8a8.quantize_rows(w, kind)
     q = w8a8.QuantizedRows(xq, xs, kind, (m, k), x.dtype)
-    before = w8a8.GEMM[kind]
-    w8a8.set_gemm(kind, "library")  # the library's products: the reference and their rows
-    try:
+    with w8a8.gemm_as("library", (kind,)):  # the library's products: the reference and their rows
         want = w8a8.w8a8_linear(q, wq, ws, bias, kind)
         library = bench(lambda: w8a8.w8a8_linear(q, wq, ws, bias, kind))
-    finally:
-        w8a8.set_gemm(kind, before)
     out = []
     if kind == "fp8":
         one = torch.ones((), device="cuda")

@@ -25,6 +25,8 @@ them as they are).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,6 +70,18 @@ def set_gemm(kind: str, gemm: str) -> None:
     if gemm not in GEMMS:
         raise ValueError(f"the W8A8 GEMM must be one of {', '.join(GEMMS)}, not {gemm!r}")
     GEMM[check_kind(kind)] = gemm  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def gemm_as(gemm: str, kinds: tuple[str, ...] = KINDS) -> Iterator[None]:
+    """:data:`GEMM` of each of ``kinds`` set to ``gemm`` for the block, then as it was."""
+    before = dict(GEMM)
+    try:
+        for kind in kinds:
+            set_gemm(kind, gemm)
+        yield
+    finally:
+        GEMM.update(before)
 
 
 def check_kind(kind: str) -> Kind:
@@ -252,10 +266,7 @@ def _dequantized_product(
 ) -> torch.Tensor:  # fmt: skip
     """The W8A8 product in fp32 from the 8-bit values (exact in fp32), scaled, plus the bias, rounded
     once to ``dtype``: for the shapes no 8-bit GEMM takes."""
-    out = (xq.float() @ qweight.float().t()) * x_scale * weight_scale.t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(dtype)
+    return _int8_epilogue(xq.float() @ qweight.float().t(), x_scale, weight_scale, bias, dtype)  # (any kind)
 
 
 def w8a8_linear(
@@ -279,11 +290,12 @@ def w8a8_linear(
     xq, x_scale = x.values, x.scale
     count = xq.shape[0]
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    triton_gemm = xq.is_cuda and w8a8_gemm.applies(xq, x_scale, qweight, weight_scale)
+    gemm = GEMM[kind]
     library_fp8 = not xq.is_cuda or _scaled_mm_takes(qweight)
-    auto = GEMM[kind] == "auto" and triton_gemm and w8a8_gemm.tma_capable(xq.device)
-    wanted = GEMM[kind] == "triton" or auto
-    if triton_gemm and (wanted or (kind == "fp8" and not library_fp8)):
+    wanted = gemm == "triton" or (gemm == "auto" and xq.is_cuda and w8a8_gemm.tma_capable(xq.device))
+    if (wanted or (kind == "fp8" and not library_fp8)) and xq.is_cuda and w8a8_gemm.applies(
+        xq, x_scale, qweight, weight_scale
+    ):
         out = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, out_dtype)
     elif kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:

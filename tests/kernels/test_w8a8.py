@@ -112,3 +112,15 @@ def test_products_of_activations_quantized_once(kind):
         w8a8_linear(quantize(x, other), qweight, scale, None, kind)
     with pytest.raises(ValueError, match="of 16 columns"):
         w8a8_linear(quantize(x[..., :16], kind), qweight, scale, None, kind)
+
+
+def test_gemm_as_sets_the_gemm_for_a_block_and_restores_it():
+    from omnirt.kernels import w8a8
+
+    before = dict(w8a8.GEMM)
+    with w8a8.gemm_as("library", ("fp8",)):
+        assert w8a8.GEMM == {**before, "fp8": "library"}
+    assert w8a8.GEMM == before
+    with pytest.raises(ValueError, match="one of auto, library, triton"), w8a8.gemm_as("cublas"):
+        pass
+    assert w8a8.GEMM == before
