@@ -9,7 +9,9 @@
   ``stages/diffusion/fused.py`` installed as the server installs them. Milliseconds are the median
   of ``triton.testing.do_bench``. ``--gemms library,triton`` gives each quantized row once per W8A8 GEMM
   (``kernels/w8a8.py``'s ``GEMM``: the library's products, or ``kernels/w8a8_gemm.py``'s Triton
-  GEMM with the scales and bias in its epilogue).
+  GEMM with the scales and bias in its epilogue); ``--gated-epilogue on,off`` once with Z-Image's
+  gated unit in the ``w13`` GEMM's epilogue and once apart (``kernels/swiglu.py``'s
+  ``GATED_EPILOGUE``).
 - **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
   shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
   from the same noise: the PSNR of the decoded pixels against bf16's. With ``--wan``, also Wan's
@@ -44,7 +46,8 @@
     python benchmarks/quant_vae.py [--wan 1.3b|14b] [--wan-size 480p|720p] [--final [--final-steps N]]
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
-        [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton] [--attention-plans N]
+        [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton] [--gated-epilogue on,off]
+        [--attention-plans N]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
   place of the Wan rows of the steps table) time under each SDPA backend; for bf16 and fp8 its
@@ -58,6 +61,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import itertools
 import json
 import sys
 import time
@@ -111,6 +115,23 @@ def attention_in_fp8(attention: str):
 
 #: The W8A8 GEMMs each quantized row runs with (``--gemms``; ``kernels.w8a8.GEMMS``), one row each.
 GEMMS: tuple[str, ...] = ("auto",)
+
+
+#: ``kernels.swiglu.GATED_EPILOGUE`` in each quantized row (``--gated-epilogue``), one row each.
+GATED_EPILOGUE: tuple[bool, ...] = (True,)
+
+
+@contextlib.contextmanager
+def gated_epilogue(on: bool):
+    """``kernels.swiglu.GATED_EPILOGUE`` (Z-Image's gated unit in the ``w13`` GEMM's epilogue) for
+    the block."""
+    from omnirt.kernels import swiglu
+
+    before, swiglu.GATED_EPILOGUE = swiglu.GATED_EPILOGUE, on
+    try:
+        yield
+    finally:
+        swiglu.GATED_EPILOGUE = before
 
 
 def _gemm_note(gemm: str) -> str:
@@ -179,12 +200,13 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         rows = [f"| {name} | bf16 | {base:.1f} | 1.00x | {weights / 2**30:.2f} | - |"]
         print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
-            for gemm in GEMMS:
-                with attention_in_fp8(attention), w8a8.gemm_as(gemm):
+            for gemm, gated in itertools.product(GEMMS, GATED_EPILOGUE):
+                with attention_in_fp8(attention), w8a8.gemm_as(gemm), gated_epilogue(gated):
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
+                notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
                 rows.append(
-                    f"| {name} | {label} ({layers} layers){_attention_note(attention)}{_gemm_note(gemm)} "
+                    f"| {name} | {label} ({layers} layers){notes} "
                     f"| {ms:.1f} | {base / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
                 )
                 print(rows[-1], flush=True)
@@ -866,6 +888,10 @@ def main(argv: list[str] | None = None) -> int:
         "kernels/w8a8_gemm.py), comma-separated; the DiT profile and final outputs run the first",
     )  # fmt: skip
     p.add_argument(
+        "--gated-epilogue", default="on",
+        help="transformer steps: a row per setting (on,off) of Z-Image's gated unit in w13's GEMM epilogue",
+    )  # fmt: skip
+    p.add_argument(
         "--attention-plans", type=int, default=None,
         help="fp8 attention: time cuDNN's first N plans at a shape's first call (AUTOTUNE_PLANS)",
     )  # fmt: skip
@@ -875,8 +901,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_plans is not None:
         fp8_attention.AUTOTUNE_PLANS = args.attention_plans
 
-    global GEMMS
+    global GEMMS, GATED_EPILOGUE
     GEMMS = tuple(args.gemms.split(","))
+    settings = args.gated_epilogue.split(",")
+    if any(v not in ("on", "off") for v in settings):
+        p.error("--gated-epilogue takes on, off or both")
+    GATED_EPILOGUE = tuple(v == "on" for v in settings)
     if any(g not in w8a8.GEMMS for g in GEMMS):
         p.error(f"--gemms are {', '.join(w8a8.GEMMS)}")
     for kind in w8a8.KINDS:

@@ -15,6 +15,12 @@ as a fused norm or gated unit hands them over):
   choice for the shape (``config_for``);
 - ``as the layers run it``: ``w8a8.w8a8_linear`` with its default GEMM (``auto``: Triton's on Hopper).
 
+Z-Image's merged ``w13`` also gets the gated unit's rows (``w13 + gated unit``: ``w2``'s input
+made from ``x``, as ``stages/diffusion/fused.py`` runs it): bf16 (the product, then the gated
+kernel), and per kind the Triton product, then the gated kernel writing ``w2``'s input quantized
+(``swiglu.GATED_EPILOGUE`` off), against the gated unit in the GEMM's epilogue, then a pass
+quantizing it (on, the default), checked bitwise against the first; and that GEMM alone.
+
 The Triton rows are checked against the library's: int8 bitwise, fp8 by the largest difference
 relative to the output's peak.
 
@@ -62,6 +68,51 @@ def rows_for(model: str, all_configs: bool) -> list[str]:
     out = []
     for layer, m, n, k in shapes(model):
         out += shape_rows(f"{model} {layer} {m}x{n}x{k}", m, n, k, all_configs)
+        if layer == "w13":
+            out += gated_rows(f"{model} w13 + gated unit {m}x{n}x{k}", m, n, k)
+    return out
+
+
+def gated_rows(label: str, m: int, n: int, k: int) -> list[str]:
+    """``w2``'s input from ``x`` through the merged gate and up product ``[M, n]`` and the gated
+    unit: bf16, then per kind with the gated unit apart and in the GEMM's epilogue."""
+    from omnirt.kernels import swiglu, w8a8, w8a8_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    h = n // 2
+
+    def bf16() -> torch.Tensor:
+        gate_up = torch.nn.functional.linear(x, w, bias)
+        return swiglu.swiglu(gate_up[:, :h], gate_up[:, h:])
+
+    base = bench(bf16)
+    row = functools.partial(_row, label, 2.0 * m * n * k, base)
+    out = [row("bf16: product, then the gated kernel", base)]
+    for kind in ("fp8", "int8"):
+        xq, xs = w8a8.quantize_rows_triton(x, kind)
+        wq, ws = w8a8.quantize_rows(w, kind)
+        q = w8a8.QuantizedRows(xq, xs, kind, (m, k), x.dtype)
+
+        def run(q=q, wq=wq, ws=ws, kind=kind):
+            return swiglu.swiglu_w8a8(q, wq, ws, bias, kind, kind)
+
+        with w8a8.gemm_as("triton", (kind,)):
+            swiglu.GATED_EPILOGUE = False
+            apart, apart_ms = run(), bench(run)
+            swiglu.GATED_EPILOGUE = True
+            fused, fused_ms = run(), bench(run)
+        same = torch.equal(fused.scale, apart.scale) and torch.equal(
+            fused.values.view(torch.uint8), apart.values.view(torch.uint8)
+        )
+        out.append(row(f"{kind}: Triton product, then the gated kernel quantizing", apart_ms))
+        check = "bitwise" if same else "differs"
+        out.append(row(f"**{kind}: gated unit in the GEMM's epilogue, then quantized**", fused_ms, check))
+        alone = bench(lambda xq=xq, xs=xs, wq=wq, ws=ws: w8a8_gemm.w8a8_gemm(
+            xq, xs, wq, ws, bias, x.dtype, gated=True))  # fmt: skip
+        out.append(row(f"{kind}: the gated GEMM alone", alone))
     return out
 
 

@@ -28,7 +28,7 @@ is ``v * RN(1 / n)`` (one reciprocal a pixel, taken by ATen: ``1.0 / n.clamp_min
 wherever that rounds to the same bf16 as ``v / n`` (it is less than 2 ulps off: every element
 of a block is checked against the bf16 rounding midpoints, and a block with one nearby takes
 IEEE division), and the SiLU of a bf16 value is ATen's own, looked up in a table of all 65536
-(:func:`silu_table`). Copies are copies. So the convolution sees the same bits as in diffusers.
+(:func:`~.silu.silu_table`). Copies are copies. So the convolution sees the same bits as in diffusers.
 Under ``TRITON_INTERPRET=1`` (the CPU tests, fp32) the exponential is NumPy's, so the SiLU there
 is close, not bitwise.
 
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from . import reduce_order, settings
 from .settings import interpreted
+from .silu import silu_table
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -462,8 +463,6 @@ def causal_conv_input(
     return out, next_cache
 
 
-_SILU_TABLES: dict[torch.device, torch.Tensor] = {}
-
 #: Dense channels-last tensors go through the flat kernels (rows of ``W * C`` contiguous
 #: elements, ``FLAT_BLOCK`` a program); ``False``: the tiled ones (a probe's switch).
 FLAT_CHANNELS_LAST = True
@@ -487,17 +486,6 @@ def stacked_reference(padded: torch.Tensor, stack: int) -> torch.Tensor:
     thwc = padded[0].permute(1, 2, 3, 0)
     stacked = torch.cat([thwc[k : k + frames] for k in range(stack)], dim=-1)
     return stacked.permute(0, 3, 1, 2)
-
-
-def silu_table(device: torch.device) -> torch.Tensor:
-    """``F.silu`` of every bf16 value, computed by ATen on ``device`` (so bitwise its SiLU),
-    indexed by the value's 16 bits."""
-    table = _SILU_TABLES.get(device)
-    if table is None:
-        bits = torch.arange(65536, dtype=torch.int32, device=device)
-        signed = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
-        table = _SILU_TABLES[device] = F.silu(signed.view(torch.bfloat16))
-    return table
 
 
 def add_bias_residual_(

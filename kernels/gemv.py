@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .conv_input import silu_table
 from .settings import interpreted, kernel_device
+from .silu import silu_table
 
 try:  # Triton ships with CUDA builds of torch only
     import triton

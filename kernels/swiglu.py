@@ -11,7 +11,7 @@ row's scale, never the bf16 product.
 **Bits.** The eager chain: ``silu`` in fp32 (``x / (1 + expf(-x))``, IEEE division), rounded to the
 input dtype; the product of two rounded values in fp32 (exact for bf16), rounded; then, quantizing,
 :func:`~.w8a8.quantize_rows`. In bf16 the SiLU of each of the 65536 values is ATen's own, looked up
-(:func:`~.conv_input.silu_table`); in fp16 and fp32 it is computed with libdevice's ``expf`` (the
+(:func:`~.silu.silu_table`); in fp16 and fp32 it is computed with libdevice's ``expf`` (the
 CUDA math library ATen's kernel calls). So the kernel is bitwise the eager chain on CUDA (the GPU
 tests check it); on the CPU under ``TRITON_INTERPRET=1`` (fp32, numpy's ``exp``) within an ulp.
 
@@ -25,15 +25,26 @@ import torch
 import torch.nn.functional as F
 
 from . import settings
-from .conv_input import silu_table
 from .settings import interpreted
-from .w8a8 import STORAGE, Kind, QuantizedRows, quantize, quantize_constants
+from .silu import silu_table
+from .w8a8 import (
+    STORAGE,
+    Kind,
+    QuantizedRows,
+    as_quantized,
+    product_dtype,
+    quantize,
+    quantize_constants,
+    triton_gemm_runs,
+    w8a8_linear,
+)
+from .w8a8_gemm import w8a8_gemm
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
+    from .silu import gated_values
     from .w8a8 import quantize_values
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
@@ -51,18 +62,7 @@ if triton is not None:
         """``silu(a) * b`` at ``offs`` of a row, rounded where eager rounds it, as fp32."""
         a = tl.load(A + offs, mask=live, other=0.0)
         b = tl.load(B + offs, mask=live, other=0.0).to(tl.float32)
-        dt = a.dtype
-        if TABLE:  # bf16: ATen's SiLU of the value, looked up by its bits
-            bits = a.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            s = tl.load(SILU + bits, mask=live, other=0.0).to(tl.float32)
-        else:
-            af = a.to(tl.float32)
-            if LIBDEVICE:
-                e = libdevice.exp(-af)
-            else:
-                e = tl.exp(-af)
-            s = tl.math.div_rn(af, 1.0 + e).to(dt).to(tl.float32)
-        return (s * b).to(dt).to(tl.float32)
+        return gated_values(a, b, SILU, live, TABLE, LIBDEVICE)
 
     @triton.jit
     def _swiglu_kernel(A, B, OUT, S, SILU, cols, stride_a, stride_b, stride_o, INV_QMAX,
@@ -212,3 +212,28 @@ def swiglu_quantize(a: torch.Tensor, b: torch.Tensor, kind: Kind) -> QuantizedRo
         return quantize(swiglu_reference(a, b), kind)
     values, scale = settings.dispatch(torch.ops.omnirt.swiglu_quantize, _swiglu_quantize, a, b, kind)
     return QuantizedRows(values, scale, kind, tuple(a.shape), a.dtype)
+
+
+#: The gated unit of a merged W8A8 ``[gate | up]`` product computed in that product's epilogue
+#: wherever the Triton GEMM runs it (:func:`swiglu_w8a8`): one kernel where there were two, and
+#: the [M, 2H] product never in memory. False: the product, then the gated kernel (the same bits).
+GATED_EPILOGUE = True
+
+
+def swiglu_w8a8(
+    x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, kind: Kind, out_kind: Kind,
+) -> QuantizedRows:  # fmt: skip
+    """``silu(gate) * up`` of the W8A8 product ``[gate | up] = x @ W.T + bias`` (``qweight`` a merged
+    layer's rows, gate then up: Z-Image's ``w13``), quantized per token as ``out_kind`` for the
+    product that reads it. Where the Triton GEMM runs the product
+    (:func:`~.w8a8.triton_gemm_runs`) and :data:`GATED_EPILOGUE` holds, the gated unit is that
+    GEMM's epilogue (:func:`~.w8a8_gemm.w8a8_gemm` ``gated``) and a second pass quantizes it; else
+    :func:`~.w8a8.w8a8_linear`, then :func:`swiglu_quantize`. The same bits either way."""
+    x = as_quantized(x, kind, qweight.shape[1])
+    if GATED_EPILOGUE and qweight.shape[0] % 2 == 0 and triton_gemm_runs(x, qweight, weight_scale):
+        gated = w8a8_gemm(x.values, x.scale, qweight, weight_scale, bias, product_dtype(x), gated=True)
+        return quantize(gated.view(*x.shape[:-1], gated.shape[-1]), out_kind)
+    gate_up = w8a8_linear(x, qweight, weight_scale, bias, kind)
+    width = gate_up.shape[-1] // 2
+    return swiglu_quantize(gate_up[..., :width], gate_up[..., width:], out_kind)

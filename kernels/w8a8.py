@@ -269,6 +269,36 @@ def _dequantized_product(
     return _int8_epilogue(xq.float() @ qweight.float().t(), x_scale, weight_scale, bias, dtype)  # (any kind)
 
 
+def as_quantized(x: torch.Tensor | QuantizedRows, kind: Kind, inputs: int) -> QuantizedRows:
+    """``x`` [..., inputs] quantized per token as ``kind`` (:func:`quantize`), or as given if it is
+    already (ValueError if of another kind or width)."""
+    if not isinstance(x, QuantizedRows):
+        return quantize(x, kind)
+    if x.kind != kind or x.values.shape[-1] != inputs:
+        cols = x.values.shape[-1]
+        raise ValueError(f"{x.kind} activations of {cols} columns for a {kind} layer of {inputs} inputs")
+    return x
+
+
+def product_dtype(x: QuantizedRows) -> torch.dtype:
+    """The dtype a W8A8 product of ``x`` is written in: ``x``'s, a float one, else fp32."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+
+def triton_gemm_runs(
+    x: QuantizedRows, qweight: torch.Tensor, weight_scale: torch.Tensor, also: bool = False
+) -> bool:
+    """Whether :func:`w8a8_linear` runs ``x``'s product with ``qweight`` as the Triton GEMM: CUDA
+    operands it takes, and :data:`GEMM` ``triton``, or ``auto`` on a card with TMA (Hopper), or
+    ``also`` (a product no library GEMM takes)."""
+    xq = x.values
+    if not xq.is_cuda:
+        return False
+    gemm = GEMM[x.kind]
+    wanted = gemm == "triton" or (gemm == "auto" and w8a8_gemm.tma_capable(xq.device)) or also
+    return wanted and w8a8_gemm.applies(xq, x.scale, qweight, weight_scale)
+
+
 def w8a8_linear(
     x: torch.Tensor | QuantizedRows,
     qweight: torch.Tensor,
@@ -282,20 +312,12 @@ def w8a8_linear(
     Triton kernel (same bits as eager) and the product as :data:`GEMM` says (``auto``: the Triton
     GEMM on Hopper); fp8 widths ``torch._scaled_mm`` refuses go to the Triton GEMM, or where K is
     not a multiple of 16 either, to the product in fp32."""
-    if not isinstance(x, QuantizedRows):
-        x = quantize(x, kind)
-    elif x.kind != kind or x.values.shape[-1] != qweight.shape[1]:
-        cols, inputs = x.values.shape[-1], qweight.shape[1]
-        raise ValueError(f"{x.kind} activations of {cols} columns for a {kind} layer of {inputs} inputs")
+    x = as_quantized(x, kind, qweight.shape[1])
     xq, x_scale = x.values, x.scale
     count = xq.shape[0]
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    gemm = GEMM[kind]
+    out_dtype = product_dtype(x)
     library_fp8 = not xq.is_cuda or _scaled_mm_takes(qweight)
-    wanted = gemm == "triton" or (gemm == "auto" and xq.is_cuda and w8a8_gemm.tma_capable(xq.device))
-    if (wanted or (kind == "fp8" and not library_fp8)) and xq.is_cuda and w8a8_gemm.applies(
-        xq, x_scale, qweight, weight_scale
-    ):
+    if triton_gemm_runs(x, qweight, weight_scale, also=kind == "fp8" and not library_fp8):
         out = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, out_dtype)
     elif kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:

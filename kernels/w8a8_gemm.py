@@ -24,6 +24,7 @@ No autotuning at call time: a first call under CUDA-graph capture must not time 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,9 +34,14 @@ import torch
 if TYPE_CHECKING:
     from .w8a8 import Kind
 
+from .settings import interpreted
+from .silu import silu_table
+
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
+
+    from .silu import gated_values
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -86,12 +92,12 @@ SMALL_M = Config(64, 128, 128, warps=4, stages=4)
 TUNED: dict[tuple[str, int, int], Config] = {}
 
 
-def config_for(kind: Kind, m: int, n: int, k: int) -> Config:
+def config_for(kind: Kind, m: int, n: int, k: int, gated: bool = False) -> Config:
     """The tiles for an ``m`` x ``n`` x ``k`` product: the tuned ones for large ``m``, smaller
-    tiles for few rows (a batch of timesteps, a short caption)."""
-    if m <= 64:
-        return SMALL_M
-    return TUNED.get((kind, n, k), DEFAULT)
+    tiles for few rows (a batch of timesteps, a short caption). ``gated`` (``n`` the weight's rows,
+    gate and up): the same tiles' worth of weight rows, half of them each half's."""
+    cfg = SMALL_M if m <= 64 else TUNED.get((kind, n, k), DEFAULT)
+    return dataclasses.replace(cfg, bn=cfg.bn // 2) if gated else cfg
 
 
 if triton is not None:
@@ -106,18 +112,34 @@ if triton is not None:
         return first_m + (tile % in_group) % group_rows, (tile % in_group) // group_rows
 
     @triton.jit
-    def _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS: tl.constexpr):
-        """``acc * x_scale``, then ``* weight_scale``, then ``+ bias`` in fp32, stored once."""
+    def _scaled(acc, rows, cols, XS, WS, BIAS, M, N, HAS_BIAS: tl.constexpr):
+        """``acc * x_scale``, then ``* weight_scale``, then ``+ bias``, in fp32."""
         out = acc.to(tl.float32) * tl.load(XS + rows, mask=rows < M, other=0.0)[:, None]
         out = out * tl.load(WS + cols, mask=cols < N, other=0.0)[None, :]
         if HAS_BIAS:
             out = out + tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        live = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(C + rows[:, None] * stride_cm + cols[None, :], out.to(C.dtype.element_ty), mask=live)
+        return out
 
     @triton.jit
-    def _w8a8_gemm_kernel(A, B, XS, WS, BIAS, C, M, N, K, stride_am, stride_bn, stride_cm,
-                          HAS_BIAS: tl.constexpr, INT8: tl.constexpr, BM: tl.constexpr,
+    def _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, C, M, N, stride_cm, HAS_BIAS: tl.constexpr,
+                  GATED: tl.constexpr, TABLE: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
+        """The tile scaled (:func:`_scaled`) and stored once in ``C``'s dtype; ``GATED``: ``acc`` the
+        gate half's columns ``cols`` and ``acc_up`` the up half's (``cols + N``), each scaled and
+        rounded to ``C``'s dtype as the product alone would store it, ``silu(gate) * up`` stored."""
+        live = (rows[:, None] < M) & (cols[None, :] < N)
+        dtype = C.dtype.element_ty
+        if GATED:
+            gate = _scaled(acc, rows, cols, XS, WS, BIAS, M, N, HAS_BIAS).to(dtype)
+            up = _scaled(acc_up, rows, cols + N, XS, WS, BIAS, M, 2 * N, HAS_BIAS).to(dtype).to(tl.float32)
+            out = gated_values(gate, up, SILU, live, TABLE, LIBDEVICE)
+        else:
+            out = _scaled(acc, rows, cols, XS, WS, BIAS, M, N, HAS_BIAS)
+        tl.store(C + rows[:, None] * stride_cm + cols[None, :], out.to(dtype), mask=live)
+
+    @triton.jit
+    def _w8a8_gemm_kernel(A, B, XS, WS, BIAS, SILU, C, M, N, K, stride_am, stride_bn, stride_cm,
+                          HAS_BIAS: tl.constexpr, INT8: tl.constexpr, GATED: tl.constexpr,
+                          TABLE: tl.constexpr, LIBDEVICE: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
         pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
@@ -126,31 +148,45 @@ if triton is not None:
         # rows and columns past the edge read row 0 / column 0 again (their results are not stored)
         a_ptrs = A + tl.where(rows < M, rows, 0)[:, None] * stride_am + ks[None, :]
         b_ptrs = B + tl.where(cols < N, cols, 0)[:, None] * stride_bn + ks[None, :]
+        up_ptrs = b_ptrs + N * stride_bn  # GATED: the up half's rows of the weight
         acc = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
             left = K - k * BK
             a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0)
             b = tl.load(b_ptrs, mask=ks[None, :] < left, other=0.0)
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32 if INT8 else tl.float32)
+            if GATED:
+                b_up = tl.load(up_ptrs, mask=ks[None, :] < left, other=0.0)
+                acc_up = tl.dot(a, b_up.T, acc_up, out_dtype=tl.int32 if INT8 else tl.float32)
+                up_ptrs += BK
             a_ptrs += BK
             b_ptrs += BK
-        _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS)
+        _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, C, M, N, stride_cm, HAS_BIAS, GATED, TABLE,
+                  LIBDEVICE)  # fmt: skip
 
     @triton.jit
-    def _w8a8_gemm_tma_kernel(a_desc, b_desc, XS, WS, BIAS, C, M, N, K, stride_cm, PROGRAMS,
-                              HAS_BIAS: tl.constexpr, INT8: tl.constexpr, BM: tl.constexpr,
+    def _w8a8_gemm_tma_kernel(a_desc, b_desc, XS, WS, BIAS, SILU, C, M, N, K, stride_cm, PROGRAMS,
+                              HAS_BIAS: tl.constexpr, INT8: tl.constexpr, GATED: tl.constexpr,
+                              TABLE: tl.constexpr, LIBDEVICE: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
         tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
         for tile in range(tl.program_id(0), tiles, PROGRAMS):
             pid_m, pid_n = _tile(tile, M, N, BM, BN, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
+            acc_up = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
             for k in range(0, tl.cdiv(K, BK)):  # the descriptors read zeros past the edges
                 a = a_desc.load([pid_m * BM, k * BK])
                 b = b_desc.load([pid_n * BN, k * BK])
                 acc = tl.dot(a, b.T, acc, out_dtype=tl.int32 if INT8 else tl.float32)
+                if GATED:  # the up half's rows (past the gate half's edge: the up half's first rows,
+                    # whose results are not stored)
+                    b_up = b_desc.load([N + pid_n * BN, k * BK])
+                    acc_up = tl.dot(a, b_up.T, acc_up, out_dtype=tl.int32 if INT8 else tl.float32)
             rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
             cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-            _epilogue(acc, rows, cols, XS, WS, BIAS, C, M, N, stride_cm, HAS_BIAS)
+            _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, C, M, N, stride_cm, HAS_BIAS, GATED, TABLE,
+                      LIBDEVICE)  # fmt: skip
 
 
 def applies(
@@ -193,12 +229,18 @@ def _multiprocessors(device: torch.device) -> int:
 
 def w8a8_gemm(
     xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, dtype: torch.dtype, config: Config | None = None,
+    bias: torch.Tensor | None, dtype: torch.dtype, config: Config | None = None, gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``(xq @ qweight.T) * x_scale * weight_scale.T + bias`` as ``dtype`` [M, N], in one kernel:
     ``xq`` [M, K] and ``qweight`` [N, K] both int8 or both e4m3, ``x_scale`` [M, 1] and
     ``weight_scale`` [N, 1] fp32. int8 is bitwise ``torch._int_mm`` followed by
-    :func:`~omnirt.kernels.w8a8.int8_epilogue_triton`."""
+    :func:`~omnirt.kernels.w8a8.int8_epilogue_triton`.
+
+    ``gated``: ``qweight`` a merged gate and up layer (rows ``[gate | up]``, N even); returns the
+    gated unit ``silu(gate) * up`` [M, N / 2] of the product, computed in the epilogue from the
+    product's values rounded to ``dtype`` (:func:`~omnirt.kernels.silu.gated_values`): the bits of
+    this product followed by :func:`~omnirt.kernels.swiglu.swiglu` of its halves, without the
+    [M, N] product in memory. A ``config``'s ``bn`` is then each half's columns a tile."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     if not applies(xq, x_scale, qweight, weight_scale):
@@ -208,19 +250,24 @@ def w8a8_gemm(
             f" {xq.dtype}, {tuple(qweight.shape)} {qweight.dtype}, scales {tuple(x_scale.shape)}"
             f" {x_scale.dtype} and {tuple(weight_scale.shape)} {weight_scale.dtype}"
         )
+    if gated and qweight.shape[0] % 2:
+        raise ValueError(f"a gated product wants gate and up rows, an even count, not {qweight.shape[0]}")
     m, k = xq.shape
-    n = qweight.shape[0]
+    n = qweight.shape[0] // 2 if gated else qweight.shape[0]  # the output's columns
     kind: Kind = "int8" if xq.dtype == torch.int8 else "fp8"
     out = torch.empty(m, n, dtype=dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or config_for(kind, m, n, k)
+    cfg = config or config_for(kind, m, qweight.shape[0], k, gated)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    table = gated and dtype == torch.bfloat16
     common = dict(
-        HAS_BIAS=bias is not None, INT8=kind == "int8", BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False,
+        HAS_BIAS=bias is not None, INT8=kind == "int8", GATED=gated, TABLE=table, LIBDEVICE=not interpreted(),
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
+        enable_fp_fusion=False,
     )  # fmt: skip
     bias_arg = bias if bias is not None else weight_scale
+    silu = silu_table(xq.device) if table else weight_scale  # a stand-in never read without TABLE
     if cfg.tma and _tma_fits(xq) and _tma_fits(qweight) and tma_capable(xq.device):  # else by pointers
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -228,11 +275,12 @@ def w8a8_gemm(
         a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
         b_desc = TensorDescriptor.from_tensor(qweight, [cfg.bn, cfg.bk])
         _w8a8_gemm_tma_kernel[(programs,)](
-            a_desc, b_desc, x_scale, weight_scale, bias_arg, out, m, n, k, out.stride(0), programs, **common,
+            a_desc, b_desc, x_scale, weight_scale, bias_arg, silu, out, m, n, k, out.stride(0), programs,
+            **common,
         )  # fmt: skip
     else:
         _w8a8_gemm_kernel[(tiles,)](
-            xq, qweight, x_scale, weight_scale, bias_arg, out, m, n, k, xq.stride(0), qweight.stride(0),
-            out.stride(0), **common,
+            xq, qweight, x_scale, weight_scale, bias_arg, silu, out, m, n, k, xq.stride(0),
+            qweight.stride(0), out.stride(0), **common,
         )  # fmt: skip
     return out

@@ -10,9 +10,10 @@
   weights, whose layers that read one input :func:`install` merges (``quant.merge_projections``:
   ``to_qkv``, ``w13``), the norm before the attention and the one before the feed-forward write
   their output quantized (``rms_norm_modulate_quantize``), q, k and v come from one product, and
-  the gated unit writes ``w2``'s input quantized (``swiglu_quantize``): no activation is quantized
-  in a pass of its own but the attention's output, and with fp8 attention not that either (cuDNN
-  writes it in e4m3 for the fp8 ``to_out``).
+  the gated unit writes ``w2``'s input quantized (``swiglu_w8a8``: where the Triton GEMM runs
+  ``w13``, the gated unit is its epilogue and a pass quantizes it; else ``swiglu_quantize`` after
+  the product). No other activation is quantized in a pass of its own but the attention's output,
+  and with fp8 attention not that either (cuDNN writes it in e4m3 for the fp8 ``to_out``).
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
@@ -38,7 +39,7 @@ from ...kernels.gated_residual import gated_residual
 from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
 from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_quantize
 from ...kernels.settings import Preset
-from ...kernels.swiglu import swiglu, swiglu_quantize
+from ...kernels.swiglu import swiglu, swiglu_w8a8
 from ...kernels.w8a8 import QuantizedRows
 from .quant import W8A8Linear, merge_projections
 
@@ -310,12 +311,11 @@ def _quantized_inputs(block: Any) -> str | None:
 def zimage_feed_forward(self: Any, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     """diffusers' Z-Image ``FeedForward.forward`` (0.42), ``w2(silu(w1(x)) * w3(x))``, with the gated
     middle as one :func:`~omnirt.kernels.swiglu.swiglu`; with merged W8A8 ``w13`` one product for
-    ``w1`` and ``w3`` and the middle written quantized for ``w2``."""
+    ``w1`` and ``w3`` and the middle written quantized for ``w2``
+    (:func:`~omnirt.kernels.swiglu.swiglu_w8a8`)."""
     w13 = getattr(self, "w13", None)
     if isinstance(w13, W8A8Linear) and isinstance(self.w2, W8A8Linear):
-        gate_up = w13(x)
-        width = gate_up.shape[-1] // 2
-        return self.w2(swiglu_quantize(gate_up[..., :width], gate_up[..., width:], self.w2.kind))
+        return self.w2(swiglu_w8a8(x, w13.qweight, w13.weight_scale, w13.bias, w13.kind, self.w2.kind))
     return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 

@@ -78,3 +78,30 @@ def test_the_gemm_replays_from_a_cuda_graph_with_new_inputs(kind):
     graph.replay()
     want = w8a8_gemm.w8a8_gemm(xq2, x_scale2, qweight, weight_scale, bias, x.dtype)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize(("m", "h", "k"), [(4128, 10240, 3840), (333, 640, 272), (17, 256, 512)])
+def test_the_gated_epilogue_is_bitwise_the_product_then_the_gated_kernel(kind, m, h, k, monkeypatch):
+    """``swiglu_w8a8`` with the gated unit in the GEMM's epilogue against the GEMM's product, then
+    ``swiglu_quantize`` (``GATED_EPILOGUE`` off): the same 8-bit values and scales for ``w2``; and
+    the gated output itself bitwise the product followed by the gated kernel, at every tile."""
+    from omnirt.kernels import swiglu
+
+    x, xq, x_scale, qweight, weight_scale, bias = _operands(kind, m, 2 * h, k)
+    rows = QuantizedRows(xq, x_scale, kind, (m, k), x.dtype)
+    monkeypatch.setitem(w8a8.GEMM, kind, "triton")
+    for b in (bias, None):
+        product = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, b, x.dtype)
+        want = swiglu.swiglu_triton(product[:, :h], product[:, h:])
+        for config in (None, w8a8_gemm.Config(128, 128, 128, warps=8, stages=3)):
+            got = w8a8_gemm.w8a8_gemm(
+                xq, x_scale, qweight, weight_scale, b, x.dtype, config=config, gated=True
+            )
+            assert got.shape == (m, h) and torch.equal(got, want), config
+        fused = swiglu.swiglu_w8a8(rows, qweight, weight_scale, b, kind, "fp8")
+        monkeypatch.setattr(swiglu, "GATED_EPILOGUE", False)
+        split = swiglu.swiglu_w8a8(rows, qweight, weight_scale, b, kind, "fp8")
+        monkeypatch.setattr(swiglu, "GATED_EPILOGUE", True)
+        assert torch.equal(fused.scale, split.scale)
+        assert torch.equal(fused.values.view(torch.uint8), split.values.view(torch.uint8))

@@ -92,3 +92,22 @@ def test_custom_ops_schema_fake_and_kernel():
     want_values, want_scale = swiglu_quantize_triton(a, b, "int8")
     assert values.shape == (5, 64) and scale.shape == (5, 1)
     assert torch.equal(values, want_values) and torch.equal(scale, want_scale)
+
+
+def test_the_gated_w8a8_product_off_cuda_is_the_product_then_the_gated_unit():
+    """``swiglu_w8a8`` where no Triton GEMM runs (the CPU): the merged product, then
+    ``swiglu_quantize`` of its halves; activations of another kind or width are refused."""
+    from omnirt.kernels.swiglu import swiglu_w8a8
+    from omnirt.kernels.w8a8 import quantize, w8a8_linear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 64, generator=g).bfloat16()
+    qweight, weight_scale = quantize_rows(torch.randn(96, 64, generator=g) * 0.1, "int8")
+    bias = torch.randn(96, generator=g).bfloat16()
+    got = swiglu_w8a8(x, qweight, weight_scale, bias, "int8", "fp8")
+    product = w8a8_linear(x, qweight, weight_scale, bias, "int8")
+    want = swiglu_quantize(product[..., :48], product[..., 48:], "fp8")
+    assert got.shape == (2, 5, 48) and got.kind == "fp8" and torch.equal(got.scale, want.scale)
+    assert torch.equal(got.values.view(torch.int8), want.values.view(torch.int8))
+    with pytest.raises(ValueError, match="fp8 activations of 64 columns for a int8 layer"):
+        swiglu_w8a8(quantize(x, "fp8"), qweight, weight_scale, bias, "int8", "fp8")

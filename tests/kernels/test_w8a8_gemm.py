@@ -76,3 +76,34 @@ def test_tiles_are_the_tuned_ones_for_many_rows_and_small_for_few():
         assert config.bk % 32 == 0 and config.bm % 16 == 0 and config.bn % 16 == 0, config.name()
     with pytest.raises(ValueError, match="a multiple of 32"):
         w8a8_gemm.Config(64, 64, 16)
+
+
+@interpreted
+@pytest.mark.parametrize("config", [None, *SMALL], ids=lambda c: c.name() if c else "chosen")
+@pytest.mark.parametrize(("m", "h", "k"), [(37, 40, 48), (130, 96, 160), (3, 16, 32)])
+def test_the_gated_epilogue_is_the_product_then_the_gated_unit(config, m, h, k):
+    """``gated``: ``silu(gate) * up`` of the merged product, the bits of the product followed by the
+    gated kernel (the same interpreter's ``exp``), within an ulp of eager's ``F.silu(a) * b``."""
+    from omnirt.kernels.swiglu import swiglu_reference, swiglu_triton
+
+    g = torch.Generator().manual_seed(m + h + k)
+    xq, x_scale = quantize_rows(torch.randn(m, k, generator=g), "int8")
+    qweight, weight_scale = quantize_rows(torch.randn(2 * h, k, generator=g) * 0.1, "int8")
+    for bias in (torch.randn(2 * h, generator=g), None):
+        product = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, torch.float32)
+        gated = w8a8_gemm.w8a8_gemm(
+            xq, x_scale, qweight, weight_scale, bias, torch.float32, config=config, gated=True
+        )
+        assert gated.shape == (m, h) and gated.dtype == torch.float32
+        assert torch.equal(gated, swiglu_triton(product[:, :h], product[:, h:]))
+        eager = swiglu_reference(product[:, :h], product[:, h:])
+        torch.testing.assert_close(gated, eager, rtol=3e-7, atol=1e-7)
+
+
+@interpreted
+def test_a_gated_product_wants_gate_and_up_rows():
+    xq, x_scale = quantize_rows(torch.randn(4, 32), "int8")
+    qweight, weight_scale = quantize_rows(torch.randn(30, 32), "int8")
+    with pytest.raises(ValueError, match="gate and up rows, an even count, not 15"):
+        w8a8_gemm.w8a8_gemm(xq, x_scale, qweight[:15], weight_scale[:15], None, torch.float32, gated=True)
+    assert w8a8_gemm.config_for("int8", 4128, 20480, 3840, gated=True).bn == w8a8_gemm.DEFAULT.bn // 2
