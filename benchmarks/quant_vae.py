@@ -47,7 +47,7 @@
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
         [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton] [--gated-epilogue on,off]
-        [--attention-plans N]
+        [--gemm-tiles 8,14] [--formats "fp8, fp8 attention"] [--attention-plans N]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
   place of the Wan rows of the steps table) time under each SDPA backend; for bf16 and fp8 its
@@ -115,6 +115,33 @@ def attention_in_fp8(attention: str):
 
 #: The W8A8 GEMMs each quantized row runs with (``--gemms``; ``kernels.w8a8.GEMMS``), one row each.
 GEMMS: tuple[str, ...] = ("auto",)
+
+
+#: The quantized rows measured (``--formats``: labels of :data:`FORMATS`; empty: all).
+FORMAT_LABELS: tuple[str, ...] = ()
+
+
+def _default_tiles():
+    from omnirt.kernels import w8a8_gemm
+
+    return w8a8_gemm.DEFAULT
+
+
+#: The Triton GEMM's default tiles in each quantized row (``--gemm-tiles``: indices of
+#: ``w8a8_gemm.CONFIGS``), one row each; set at start-up to the module's default.
+TILES: tuple[Any, ...] = ()
+
+
+@contextlib.contextmanager
+def gemm_tiles(config):
+    """``kernels.w8a8_gemm.DEFAULT`` (the Triton GEMM's tiles for many rows) for the block."""
+    from omnirt.kernels import w8a8_gemm
+
+    before, w8a8_gemm.DEFAULT = w8a8_gemm.DEFAULT, config
+    try:
+        yield
+    finally:
+        w8a8_gemm.DEFAULT = before
 
 
 #: ``kernels.swiglu.GATED_EPILOGUE`` in each quantized row (``--gated-epilogue``), one row each.
@@ -200,11 +227,18 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         rows = [f"| {name} | bf16 | {base:.1f} | 1.00x | {weights / 2**30:.2f} | - |"]
         print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
-            for gemm, gated in itertools.product(GEMMS, GATED_EPILOGUE):
-                with attention_in_fp8(attention), w8a8.gemm_as(gemm), gated_epilogue(gated):
+            if FORMAT_LABELS and label not in FORMAT_LABELS:
+                continue
+            for gemm, gated, tiles in itertools.product(GEMMS, GATED_EPILOGUE, TILES):
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(attention_in_fp8(attention))
+                    stack.enter_context(w8a8.gemm_as(gemm))
+                    stack.enter_context(gated_epilogue(gated))
+                    stack.enter_context(gemm_tiles(tiles))
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
                 notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
+                notes += f", tiles {tiles.name()}" if len(TILES) > 1 or tiles != _default_tiles() else ""
                 rows.append(
                     f"| {name} | {label} ({layers} layers){notes} "
                     f"| {ms:.1f} | {base / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
@@ -892,6 +926,14 @@ def main(argv: list[str] | None = None) -> int:
         help="transformer steps: a row per setting (on,off) of Z-Image's gated unit in w13's GEMM epilogue",
     )  # fmt: skip
     p.add_argument(
+        "--gemm-tiles", default="",
+        help="transformer steps: a row per Triton GEMM tile configuration (indices of w8a8_gemm.CONFIGS)",
+    )  # fmt: skip
+    p.add_argument(
+        "--formats", default="",
+        help="transformer steps: only these quantized rows (labels of FORMATS, ';'-separated)",
+    )  # fmt: skip
+    p.add_argument(
         "--attention-plans", type=int, default=None,
         help="fp8 attention: time cuDNN's first N plans at a shape's first call (AUTOTUNE_PLANS)",
     )  # fmt: skip
@@ -901,7 +943,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_plans is not None:
         fp8_attention.AUTOTUNE_PLANS = args.attention_plans
 
-    global GEMMS, GATED_EPILOGUE
+    global GEMMS, GATED_EPILOGUE, TILES, FORMAT_LABELS
+    from omnirt.kernels import w8a8_gemm
+
+    try:
+        TILES = tuple(w8a8_gemm.CONFIGS[int(i)] for i in args.gemm_tiles.split(",") if i)
+        TILES = TILES or (w8a8_gemm.DEFAULT,)
+    except (ValueError, IndexError):
+        p.error(f"--gemm-tiles are indices of w8a8_gemm.CONFIGS (0 to {len(w8a8_gemm.CONFIGS) - 1})")
+    FORMAT_LABELS = tuple(f for f in args.formats.split(";") if f)
+    if any(f not in [label for label, _, _ in FORMATS] for f in FORMAT_LABELS):
+        p.error(f"--formats are {'; '.join(label for label, _, _ in FORMATS)}")
     GEMMS = tuple(args.gemms.split(","))
     settings = args.gated_epilogue.split(",")
     if any(v not in ("on", "off") for v in settings):

@@ -19,7 +19,8 @@ Z-Image's merged ``w13`` also gets the gated unit's rows (``w13 + gated unit``: 
 made from ``x``, as ``stages/diffusion/fused.py`` runs it): bf16 (the product, then the gated
 kernel), and per kind the Triton product, then the gated kernel writing ``w2``'s input quantized
 (``swiglu.GATED_EPILOGUE`` off), against the gated unit in the GEMM's epilogue, then a pass
-quantizing it (on, the default), checked bitwise against the first; and that GEMM alone.
+quantizing it (on, the default), checked bitwise against the first; and that GEMM alone at each
+TMA tile configuration 256 columns wide (128 of each half).
 
 The Triton rows are checked against the library's: int8 bitwise, fp8 by the largest difference
 relative to the output's peak.
@@ -30,6 +31,7 @@ relative to the output's peak.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -110,9 +112,11 @@ def gated_rows(label: str, m: int, n: int, k: int) -> list[str]:
         out.append(row(f"{kind}: Triton product, then the gated kernel quantizing", apart_ms))
         check = "bitwise" if same else "differs"
         out.append(row(f"**{kind}: gated unit in the GEMM's epilogue, then quantized**", fused_ms, check))
-        alone = bench(lambda xq=xq, xs=xs, wq=wq, ws=ws: w8a8_gemm.w8a8_gemm(
-            xq, xs, wq, ws, bias, x.dtype, gated=True))  # fmt: skip
-        out.append(row(f"{kind}: the gated GEMM alone", alone))
+        for cfg in [c for c in w8a8_gemm.CONFIGS if c.tma and c.bn == 256]:  # each half's 128 columns
+            cfg = dataclasses.replace(cfg, bn=cfg.bn // 2)
+            alone = bench(lambda xq=xq, xs=xs, wq=wq, ws=ws, cfg=cfg: w8a8_gemm.w8a8_gemm(
+                xq, xs, wq, ws, bias, x.dtype, config=cfg, gated=True))  # fmt: skip
+            out.append(row(f"{kind}: the gated GEMM alone, {cfg.name()}", alone))
     return out
 
 

@@ -60,13 +60,19 @@ class Config:
     #: The operands read by tensor-memory-accelerator descriptors (Hopper's TMA) in a persistent
     #: kernel, one program a multiprocessor walking the tiles; else by pointers, a program a tile.
     tma: bool = False
+    #: TMA form: the tile loop flattened with the K loop (``tl.range(flatten=True)``), so that the
+    #: software pipeline runs on into the next tile's first loads during this tile's epilogue.
+    flatten: bool = False
+    #: TMA form: the output tile written through a descriptor (a TMA store), not by pointers.
+    store_tma: bool = False
 
     def __post_init__(self) -> None:
         if self.bk % 32 or self.bm % 16 or self.bn % 16:  # Hopper's 8-bit products take K in 32s
             raise ValueError(f"tiles want bk a multiple of 32 and bm, bn of 16, not {self.name()}")
 
     def name(self) -> str:
-        form = " tma" if self.tma else ""
+        form = "".join(f" {name}" for name, on in (("tma", self.tma), ("flat", self.flatten),
+                                                   ("tstore", self.store_tma)) if on)  # fmt: skip
         return f"{self.bm}x{self.bn}x{self.bk} w{self.warps} s{self.stages} g{self.group_m}{form}"
 
 
@@ -83,6 +89,9 @@ CONFIGS: tuple[Config, ...] = (
     Config(128, 256, 64, warps=8, stages=4, tma=True),
     Config(128, 128, 128, warps=8, stages=4, tma=True),
     Config(128, 128, 128, warps=4, stages=4, tma=True),
+    Config(128, 256, 128, warps=8, stages=3, tma=True, flatten=True),
+    Config(128, 256, 128, warps=8, stages=3, tma=True, store_tma=True),
+    Config(128, 256, 128, warps=8, stages=3, tma=True, flatten=True, store_tma=True),
 )
 #: The fastest tiles at nearly every product shape of Z-Image and Wan on an H100, both kinds
 #: (``benchmarks/w8a8_gemm.py``, docs/benchmarks.md); by pointers where TMA is not there.
@@ -121,20 +130,25 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, C, M, N, stride_cm, HAS_BIAS: tl.constexpr,
-                  GATED: tl.constexpr, TABLE: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
-        """The tile scaled (:func:`_scaled`) and stored once in ``C``'s dtype; ``GATED``: ``acc`` the
-        gate half's columns ``cols`` and ``acc_up`` the up half's (``cols + N``), each scaled and
-        rounded to ``C``'s dtype as the product alone would store it, ``silu(gate) * up`` stored."""
-        live = (rows[:, None] < M) & (cols[None, :] < N)
-        dtype = C.dtype.element_ty
+    def _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, M, N, dtype: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, TABLE: tl.constexpr,
+                  LIBDEVICE: tl.constexpr):  # fmt: skip
+        """The tile scaled (:func:`_scaled`) in ``dtype``; ``GATED``: ``acc`` the gate half's columns
+        ``cols`` and ``acc_up`` the up half's (``cols + N``), each scaled and rounded to ``dtype`` as
+        the product alone would store it, and ``silu(gate) * up`` of them."""
         if GATED:
             gate = _scaled(acc, rows, cols, XS, WS, BIAS, M, N, HAS_BIAS).to(dtype)
             up = _scaled(acc_up, rows, cols + N, XS, WS, BIAS, M, 2 * N, HAS_BIAS).to(dtype).to(tl.float32)
+            live = (rows[:, None] < M) & (cols[None, :] < N)
             out = gated_values(gate, up, SILU, live, TABLE, LIBDEVICE)
         else:
             out = _scaled(acc, rows, cols, XS, WS, BIAS, M, N, HAS_BIAS)
-        tl.store(C + rows[:, None] * stride_cm + cols[None, :], out.to(dtype), mask=live)
+        return out.to(dtype)
+
+    @triton.jit
+    def _store(C, out, rows, cols, M, N, stride_cm):
+        live = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(C + rows[:, None] * stride_cm + cols[None, :], out, mask=live)
 
     @triton.jit
     def _w8a8_gemm_kernel(A, B, XS, WS, BIAS, SILU, C, M, N, K, stride_am, stride_bn, stride_cm,
@@ -162,16 +176,18 @@ if triton is not None:
                 up_ptrs += BK
             a_ptrs += BK
             b_ptrs += BK
-        _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, C, M, N, stride_cm, HAS_BIAS, GATED, TABLE,
-                  LIBDEVICE)  # fmt: skip
+        out = _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, M, N, C.dtype.element_ty, HAS_BIAS,
+                        GATED, TABLE, LIBDEVICE)  # fmt: skip
+        _store(C, out, rows, cols, M, N, stride_cm)
 
     @triton.jit
-    def _w8a8_gemm_tma_kernel(a_desc, b_desc, XS, WS, BIAS, SILU, C, M, N, K, stride_cm, PROGRAMS,
+    def _w8a8_gemm_tma_kernel(a_desc, b_desc, c_desc, XS, WS, BIAS, SILU, C, M, N, K, stride_cm, PROGRAMS,
                               HAS_BIAS: tl.constexpr, INT8: tl.constexpr, GATED: tl.constexpr,
-                              TABLE: tl.constexpr, LIBDEVICE: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+                              TABLE: tl.constexpr, LIBDEVICE: tl.constexpr, FLATTEN: tl.constexpr,
+                              STORE_TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              GROUP_M: tl.constexpr):  # fmt: skip
         tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-        for tile in range(tl.program_id(0), tiles, PROGRAMS):
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
             pid_m, pid_n = _tile(tile, M, N, BM, BN, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
             acc_up = tl.zeros((BM, BN), dtype=tl.int32 if INT8 else tl.float32)
@@ -185,8 +201,12 @@ if triton is not None:
                     acc_up = tl.dot(a, b_up.T, acc_up, out_dtype=tl.int32 if INT8 else tl.float32)
             rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
             cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-            _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, C, M, N, stride_cm, HAS_BIAS, GATED, TABLE,
-                      LIBDEVICE)  # fmt: skip
+            out = _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, M, N, C.dtype.element_ty, HAS_BIAS,
+                            GATED, TABLE, LIBDEVICE)  # fmt: skip
+            if STORE_TMA:  # the descriptor writes nothing past the edges
+                c_desc.store([pid_m * BM, pid_n * BN], out)
+            else:
+                _store(C, out, rows, cols, M, N, stride_cm)
 
 
 def applies(
@@ -210,8 +230,8 @@ def _dense_scale(scale: torch.Tensor, count: int) -> bool:
 
 
 def _tma_fits(t: torch.Tensor) -> bool:
-    """Whether a descriptor can read ``t`` (1-byte elements): its base and row stride 16-byte aligned."""
-    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+    """Whether a descriptor can read or write ``t`` [rows, cols]: its base and row stride 16-byte aligned."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 @functools.cache
@@ -274,9 +294,11 @@ def w8a8_gemm(
         programs = min(tiles, _multiprocessors(xq.device))
         a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
         b_desc = TensorDescriptor.from_tensor(qweight, [cfg.bn, cfg.bk])
+        store_tma = cfg.store_tma and _tma_fits(out)
+        c_desc = TensorDescriptor.from_tensor(out, [cfg.bm, cfg.bn]) if store_tma else None
         _w8a8_gemm_tma_kernel[(programs,)](
-            a_desc, b_desc, x_scale, weight_scale, bias_arg, silu, out, m, n, k, out.stride(0), programs,
-            **common,
+            a_desc, b_desc, c_desc, x_scale, weight_scale, bias_arg, silu, out, m, n, k, out.stride(0),
+            programs, FLATTEN=cfg.flatten, STORE_TMA=store_tma, **common,
         )  # fmt: skip
     else:
         _w8a8_gemm_kernel[(tiles,)](

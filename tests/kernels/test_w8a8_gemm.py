@@ -107,3 +107,27 @@ def test_a_gated_product_wants_gate_and_up_rows():
     with pytest.raises(ValueError, match="gate and up rows, an even count, not 15"):
         w8a8_gemm.w8a8_gemm(xq, x_scale, qweight[:15], weight_scale[:15], None, torch.float32, gated=True)
     assert w8a8_gemm.config_for("int8", 4128, 20480, 3840, gated=True).bn == w8a8_gemm.DEFAULT.bn // 2
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "config",
+    [
+        w8a8_gemm.Config(32, 64, 32, warps=1, stages=1, group_m=2, tma=True, flatten=True),
+        w8a8_gemm.Config(32, 64, 32, warps=1, stages=1, group_m=2, tma=True, store_tma=True),
+        w8a8_gemm.Config(32, 32, 32, warps=1, stages=1, tma=True, flatten=True, store_tma=True),
+    ],
+    ids=lambda c: c.name(),
+)
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_tma_variants_are_the_same_product(config, gated):
+    """The flattened tile loop and the descriptor's stores: the bits of the pointer form, ragged
+    edges (rows and columns past the last whole tile) included."""
+    g = torch.Generator().manual_seed(5)
+    m, n, k = 70, 112, 96
+    xq, x_scale = quantize_rows(torch.randn(m, k, generator=g), "int8")
+    qweight, weight_scale = quantize_rows(torch.randn(n, k, generator=g) * 0.1, "int8")
+    bias = torch.randn(n, generator=g)
+    operands = (xq, x_scale, qweight, weight_scale, bias, torch.float32)
+    want = w8a8_gemm.w8a8_gemm(*operands, config=SMALL[0], gated=gated)
+    assert torch.equal(w8a8_gemm.w8a8_gemm(*operands, config=config, gated=gated), want)
