@@ -1,6 +1,6 @@
 """ATen's SiLU, bit for bit, inside Triton kernels: the gated unit's (``kernels/swiglu.py``), the
-few-row product's (``kernels/gemv.py``), the W8A8 GEMM's gated epilogue (``kernels/w8a8_gemm.py``)
-and the VAE's conv input (``kernels/conv_input.py``).
+few-row product's (``kernels/gemv.py``) and the W8A8 GEMM's gated epilogue (``kernels/w8a8_gemm.py``)
+through :func:`gated_values`; the VAE's conv input (``kernels/conv_input.py``) reads the table.
 
 In bf16 ATen computes ``x / (1 + exp(-x))`` in fp32 with CUDA's ``expf`` and rounds it; rather than
 reproduce ``expf`` to the last bit, a kernel looks the SiLU of each of the 65536 bf16 values up in

@@ -20,6 +20,12 @@ tiles, reading them by tensor descriptors (Hopper's TMA; zeros past the edges). 
 :data:`CONFIGS` names the candidates; :func:`config_for` picks the one :data:`TUNED` holds for a
 shape (from the probe's measurements; none yet), else :data:`DEFAULT` (the persistent TMA form).
 No autotuning at call time: a first call under CUDA-graph capture must not time anything.
+
+``gated``: a merged gate and up weight (rows ``[gate | up]``, Z-Image's ``w13``) whose product's
+gated unit ``silu(gate) * up`` is the epilogue: each tile reads ``bn`` rows of each half against one
+tile of activations and writes ``bn`` columns of the gated output, the bits of the product followed
+by ``kernels/swiglu.py``'s gated kernel (``kernels/silu.py``'s ``gated_values``), with the [M, N]
+product never in memory.
 """
 
 from __future__ import annotations
