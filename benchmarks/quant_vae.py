@@ -179,7 +179,8 @@ def _attention_note(attention: str) -> str:
 
 
 def quantized_copies(model: torch.nn.Module):
-    """``(label, model, layers, weight bytes, attention)`` per :data:`FORMATS`: a quantized copy
+    """``(label, model, layers, weight bytes, attention)`` per :data:`FORMATS` (those of
+    :data:`FORMAT_LABELS` where it names some; no copy for a kind none of them asks): a quantized copy
     of ``model`` per W8A8 kind, with the fused paths installed (merging the layers that read one
     input, as the server does), each dropped before the next is made (the caller drops its name
     for it at the end of each turn: ``del``). The copy shares the linear layers' weights and biases
@@ -187,6 +188,8 @@ def quantized_copies(model: torch.nn.Module):
     twice: Wan 14B's 26.7 GiB and its quantized copy fit an 80 GB card."""
     current, quantized, done = None, None, None
     for label, kind, attention in FORMATS:
+        if FORMAT_LABELS and label not in FORMAT_LABELS:
+            continue
         if kind != current:
             del quantized
             torch.cuda.empty_cache()
@@ -227,8 +230,6 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         rows = [f"| {name} | bf16 | {base:.1f} | 1.00x | {weights / 2**30:.2f} | - |"]
         print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
-            if FORMAT_LABELS and label not in FORMAT_LABELS:
-                continue
             for gemm, gated, tiles in itertools.product(GEMMS, GATED_EPILOGUE, TILES):
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(attention_in_fp8(attention))
@@ -931,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument(
         "--formats", default="",
-        help="transformer steps: only these quantized rows (labels of FORMATS, ';'-separated)",
+        help="steps and final outputs: only these quantized rows (labels of FORMATS, ';'-separated)",
     )  # fmt: skip
     p.add_argument(
         "--attention-plans", type=int, default=None,
