@@ -29,7 +29,7 @@ Three tables (markdown), each measured in this run:
    ``cumsum``, the inverse's scatter), each from a CUDA graph.
 
     python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps] [--speech-rms]
-        [--moe-group]
+        [--moe-group] [--skip-numerics] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -246,25 +246,23 @@ def _speed_row(name, eager, comp, exact, fast, moved, bw) -> str:
     )
 
 
-def speed(quick: bool) -> list[str]:
+def speed(quick: bool) -> Iterator[str]:
+    """The main table's lines, each as it is measured (a run cut short keeps the rows before)."""
     from omnirt.kernels.adaln import adaln_modulate_reference
     from omnirt.kernels.qk_norm_rope import qk_norm_rope_reference
 
     bw = copy_bandwidth()
-    rows = [
-        f"Device copy bandwidth (read + write, 2 GiB): {bw / 1e12:.2f} TB/s",
-        "",
-        *SPEED_HEADER,
-    ]
+    yield f"Device copy bandwidth (read + write, 2 GiB): {bw / 1e12:.2f} TB/s"
+    yield ""
+    yield from SPEED_HEADER
     compiled_qk = torch.compile(qk_norm_rope_reference, dynamic=False)
     compiled_ln = torch.compile(adaln_modulate_reference, dynamic=False)
     for shape in QK_SHAPES[:3] + QK_SHAPES[5:7] if quick else QK_SHAPES:
-        rows.append(_qk_row(*shape, bw, compiled_qk))
+        yield _qk_row(*shape, bw, compiled_qk)
         torch.cuda.empty_cache()
     for shape in ADALN_SHAPES[:2] + ADALN_SHAPES[4:5] if quick else ADALN_SHAPES:
-        rows.append(_adaln_row(*shape, bw, compiled_ln))
+        yield _adaln_row(*shape, bw, compiled_ln)
         torch.cuda.empty_cache()
-    return rows
 
 
 #: Z-Image 1024x1024's modulated RMSNorms: (name, batch, tokens, width, residual)
@@ -502,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dit-step", action="store_true", help="also one Z-Image and one Wan transformer step")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-numerics", action="store_true", help="no numerics table (the speed table sooner)")
     p.add_argument("--variant-speed", action="store_true", help="time each variant of the exact kernels")
     p.add_argument("--rms", action="store_true", help="the modulated RMSNorm at Z-Image's shapes")
     p.add_argument("--rms-warps", action="store_true", help="and the exact kernel at 1, 2, 4, 8 warps")
@@ -525,14 +524,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe_group:
         print("## The MoE layers' grouping by expert\n")
         print("\n".join(moe_group_speed()), flush=True)
-    print("\n## Numerics (elements differing from eager, bf16)\n")
-    print("\n".join(numerics(args.variants, args.quick)), flush=True)
+    if not args.skip_numerics:
+        print("\n## Numerics (elements differing from eager, bf16)\n")
+        print("\n".join(numerics(args.variants, args.quick)), flush=True)
     if args.variant_speed:
         print("\n## Exact kernel variants\n")
         print("\n".join(variant_speed()), flush=True)
     if not args.skip_speed:
         print("\n## Speed\n")
-        print("\n".join(speed(args.quick)), flush=True)
+        for line in speed(args.quick):
+            print(line, flush=True)
     if args.dit_step:
         print("\n## One transformer step\n")
         print("\n".join(dit_step()), flush=True)
