@@ -102,9 +102,11 @@ def gated_rows(label: str, m: int, n: int, k: int) -> list[str]:
             return swiglu.swiglu_w8a8(q, wq, ws, bias, kind, kind)
 
         with w8a8.gemm_as("triton", (kind,)):
-            swiglu.GATED_EPILOGUE = False
-            apart, apart_ms = run(), bench(run)
-            swiglu.GATED_EPILOGUE = True
+            try:
+                swiglu.GATED_EPILOGUE = False
+                apart, apart_ms = run(), bench(run)
+            finally:
+                swiglu.GATED_EPILOGUE = True
             fused, fused_ms = run(), bench(run)
         same = torch.equal(fused.scale, apart.scale) and torch.equal(
             fused.values.view(torch.uint8), apart.values.view(torch.uint8)
