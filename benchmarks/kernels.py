@@ -275,16 +275,32 @@ RMS_SHAPES = [
 
 def rms_speed(sweep: bool) -> list[str]:
     """``rms_norm_modulate`` (``kernels/rms_norm.py``) against diffusers' eager chain and its
-    compile; with ``sweep``, the exact kernel at each number of warps."""
-    from omnirt.kernels import rms_norm
-    from omnirt.kernels.rms_norm import rms_norm_modulate_reference, rms_norm_modulate_triton
+    compile; then each exact form (and the quantizing one, as the W8A8 products' input; and the
+    per-token quantization of the gated unit's output) with its row read again for each pass and
+    held in registers (``settings.HOLD_ROWS``); with ``sweep``,
+    the exact kernel at each number of warps."""
+    from omnirt.kernels import rms_norm, settings, w8a8
+    from omnirt.kernels.rms_norm import (
+        rms_norm_modulate_quantize_triton,
+        rms_norm_modulate_reference,
+        rms_norm_modulate_triton,
+    )
 
     bw = copy_bandwidth()
     compiled = torch.compile(rms_norm_modulate_reference, dynamic=False)
     rows = list(SPEED_HEADER)
+    held = [
+        "",
+        "| shape | row read again ms | row held ms | held speed-up | held GB/s (share of a same-size copy) |",
+        "|---|---|---|---|---|",
+    ]  # fmt: skip
     sweeps = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, b, t, c, residual in RMS_SHAPES:
+    gated = torch.randn(4128, 10240, device="cuda", generator=g).bfloat16()  # w2's input, before quantized
+    extra = [(f"Z-Image gated output (4128 x 10240) quantized {kind}",
+              functools.partial(w8a8.quantize_rows_triton, gated, kind), gated.numel() * 3 + 4128 * 4)
+             for kind in w8a8.KINDS]  # fmt: skip
+    for index, (name, b, t, c, residual) in enumerate(RMS_SHAPES):
         x = torch.randn(b, t, c, device="cuda", generator=g).bfloat16()
         w = torch.randn(c, device="cuda", generator=g).bfloat16()
         mul = torch.randn(b, 1, c, device="cuda", generator=g).bfloat16()
@@ -296,6 +312,22 @@ def rms_speed(sweep: bool) -> list[str]:
         fast = bench(functools.partial(rms_norm_modulate_triton, *args, preset="fast"))
         moved = x.numel() * 2 * (3 if residual else 2)
         rows.append(_speed_row(f"rms-norm-modulate {name}", eager, comp, exact, fast, moved, bw))
+        forms = [(name, functools.partial(rms_norm_modulate_triton, *args), moved)]
+        if not residual:  # the norm in front of a W8A8 product: its rows written quantized
+            for kind in w8a8.KINDS:
+                call = functools.partial(rms_norm_modulate_quantize_triton, x, w, 1e-5, mul, kind)
+                forms.append((f"{name}, written {kind}", call, x.numel() * 3 + x.numel() // c * 4))
+        for label, call, nbytes in forms + (extra if index == len(RMS_SHAPES) - 1 else []):
+            times = []
+            for hold in (False, True):
+                settings.HOLD_ROWS = hold
+                try:
+                    times.append(bench(call))
+                finally:
+                    settings.HOLD_ROWS = False
+            rate = nbytes / (times[1] / 1e3)
+            held.append(f"| {label} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x "
+                        f"| {rate / 1e9:.0f} ({rate / same_size_copy(nbytes):.0%}) |")  # fmt: skip
         if sweep:
             for warps in (1, 2, 4, 8):
                 rms_norm.WARPS = warps
@@ -304,6 +336,7 @@ def rms_speed(sweep: bool) -> list[str]:
                 finally:
                     rms_norm.WARPS = None
                 sweeps.append(f"| {name} | exact, {warps} warps | {ms:.3f} |")
+    rows += held
     if sweeps:
         rows += ["", "| shape | kernel | ms |", "|---|---|---|", *sweeps]
     return rows
@@ -317,14 +350,15 @@ SPEECH_ROWS = (1, 8, 32, 128)
 def speech_rms_speed() -> list[str]:
     """``add_rms_norm`` at the speech models' shapes: eager, the exact kernel summing through shared
     memory (``rms_norm.ROWS_TREE`` off) at 1, 2, 4, 8 warps (the count ``warps_for`` picks marked),
-    and with the rows tree (one warp; the same sums), each from a CUDA graph (``bench``)."""
-    from omnirt.kernels import rms_norm
+    and with the rows tree (one warp; the same sums), its row read again for each pass and held in
+    registers (``settings.HOLD_ROWS``), each from a CUDA graph (``bench``)."""
+    from omnirt.kernels import rms_norm, settings
     from omnirt.kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton
 
     rows = [
         "| shape | eager ms | exact, shared-memory tree, ms at 1 / 2 / 4 / 8 warps | warps it ran at | "
-        "exact, rows tree (1 warp) ms | same bits |",
-        "|---|---|---|---|---|---|",
+        "exact, rows tree (1 warp) ms | rows tree, row held, ms | same bits |",
+        "|---|---|---|---|---|---|---|",
     ]
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, width in SPEECH_RMS:
@@ -345,11 +379,19 @@ def speech_rms_speed() -> list[str]:
                 rms_norm.WARPS = None
                 rms_norm.ROWS_TREE = True
             tree = bench(call)
-            same = all(torch.equal(a, b) for a, b in zip(old, call(), strict=True))
+            outputs = [call()]
+            settings.HOLD_ROWS = True
+            try:
+                held = bench(call)
+                outputs.append(call())
+            finally:
+                settings.HOLD_ROWS = False
+            same = all(torch.equal(a, b) for out in outputs for a, b in zip(old, out, strict=True))
             config = rms_norm.aten_mean_config(width, count) or rms_norm._fast_config(width)
             picked = rms_norm.warps_for(config[1] * config[2])
             cells = " / ".join(f"{t:.4f}" for t in times)
-            rows.append(f"| {name} x {count} rows | {eager:.4f} | {cells} | {picked} | {tree:.4f} | {same} |")
+            cells += f" | {picked} | {tree:.4f} | {held:.4f} | {same}"
+            rows.append(f"| {name} x {count} rows | {eager:.4f} | {cells} |")
     return rows
 
 

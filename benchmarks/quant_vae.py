@@ -11,7 +11,9 @@
   (``kernels/w8a8.py``'s ``GEMM``: the library's products, or ``kernels/w8a8_gemm.py``'s Triton
   GEMM with the scales and bias in its epilogue); ``--gated-epilogue on,off`` once with Z-Image's
   gated unit in the ``w13`` GEMM's epilogue and once apart (``kernels/swiglu.py``'s
-  ``GATED_EPILOGUE``).
+  ``GATED_EPILOGUE``); ``--hold-rows on,off`` every row, bf16's too, once with the rows of the
+  norms and of the per-token quantization held in registers and once read again for each pass
+  (``kernels/settings.py``'s ``HOLD_ROWS``).
 - **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
   shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
   from the same noise: the PSNR of the decoded pixels against bf16's. With ``--wan``, also Wan's
@@ -47,7 +49,7 @@
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
         [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton] [--gated-epilogue on,off]
-        [--gemm-tiles 8,14] [--formats "fp8, fp8 attention"] [--attention-plans N]
+        [--hold-rows on,off] [--gemm-tiles 8,14] [--formats "fp8, fp8 attention"] [--attention-plans N]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
   place of the Wan rows of the steps table) time under each SDPA backend; for bf16 and fp8 its
@@ -146,6 +148,23 @@ def gemm_tiles(config):
 
 #: ``kernels.swiglu.GATED_EPILOGUE`` in each quantized row (``--gated-epilogue``), one row each.
 GATED_EPILOGUE: tuple[bool, ...] = (True,)
+#: ``kernels.settings.HOLD_ROWS`` in each row, bf16's included (``--hold-rows``), one row each;
+#: None: the module's own setting.
+HOLD_ROWS: tuple[bool | None, ...] = (None,)
+
+
+@contextlib.contextmanager
+def hold_rows(on: bool | None):
+    """``kernels.settings.HOLD_ROWS`` (the rows of the norms and of the per-token quantization read
+    once and held in registers) for the block (None: as it is)."""
+    from omnirt.kernels import settings
+
+    before = settings.HOLD_ROWS
+    settings.HOLD_ROWS = before if on is None else on
+    try:
+        yield
+    finally:
+        settings.HOLD_ROWS = before
 
 
 @contextlib.contextmanager
@@ -225,29 +244,39 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
 
     with torch.no_grad():
         ref = call(model)
-        base = bench(lambda: call(model))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        rows = [f"| {name} | bf16 | {base:.1f} | 1.00x | {weights / 2**30:.2f} | - |"]
-        print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
+        base, rows = {}, []
+        for hold in HOLD_ROWS:
+            with hold_rows(hold):
+                base[hold] = bench(lambda: call(model))
+            gib = weights / 2**30
+            rows.append(f"| {name} | bf16{_hold_note(hold)} | {base[hold]:.1f} | 1.00x | {gib:.2f} | - |")
+            print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
-            for gemm, gated, tiles in itertools.product(GEMMS, GATED_EPILOGUE, TILES):
+            for gemm, gated, tiles, hold in itertools.product(GEMMS, GATED_EPILOGUE, TILES, HOLD_ROWS):
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(attention_in_fp8(attention))
                     stack.enter_context(w8a8.gemm_as(gemm))
                     stack.enter_context(gated_epilogue(gated))
                     stack.enter_context(gemm_tiles(tiles))
+                    stack.enter_context(hold_rows(hold))
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
                 notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
                 notes += f", tiles {tiles.name()}" if len(TILES) > 1 or tiles != _default_tiles() else ""
+                notes += _hold_note(hold)
                 rows.append(
                     f"| {name} | {label} ({layers} layers){notes} "
-                    f"| {ms:.1f} | {base / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
+                    f"| {ms:.1f} | {base[hold] / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
                 )
                 print(rows[-1], flush=True)
                 del out
             del quantized
     return rows
+
+
+def _hold_note(hold: bool | None) -> str:
+    return "" if hold is None else (", norms' rows held" if hold else ", norms' rows read again")
 
 
 def _zimage() -> tuple[torch.nn.Module, object]:
@@ -927,6 +956,10 @@ def main(argv: list[str] | None = None) -> int:
         help="transformer steps: a row per setting (on,off) of Z-Image's gated unit in w13's GEMM epilogue",
     )  # fmt: skip
     p.add_argument(
+        "--hold-rows", default="",
+        help="transformer steps: a row per setting (on,off) of settings.HOLD_ROWS, bf16 too (default: as is)",
+    )  # fmt: skip
+    p.add_argument(
         "--gemm-tiles", default="",
         help="transformer steps: a row per Triton GEMM tile configuration (indices of w8a8_gemm.CONFIGS)",
     )  # fmt: skip
@@ -944,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_plans is not None:
         fp8_attention.AUTOTUNE_PLANS = args.attention_plans
 
-    global GEMMS, GATED_EPILOGUE, TILES, FORMAT_LABELS
+    global GEMMS, GATED_EPILOGUE, TILES, FORMAT_LABELS, HOLD_ROWS
     from omnirt.kernels import w8a8_gemm
 
     try:
@@ -960,6 +993,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(v not in ("on", "off") for v in settings):
         p.error("--gated-epilogue takes on, off or both")
     GATED_EPILOGUE = tuple(v == "on" for v in settings)
+    holds = [v for v in args.hold_rows.split(",") if v]
+    if any(v not in ("on", "off") for v in holds):
+        p.error("--hold-rows takes on, off or both")
+    HOLD_ROWS = tuple(v == "on" for v in holds) or (None,)
     if any(g not in w8a8.GEMMS for g in GEMMS):
         p.error(f"--gemms are {', '.join(w8a8.GEMMS)}")
     for kind in w8a8.KINDS:

@@ -88,14 +88,11 @@ def add_rms_norm_reference(
 if triton is not None:
 
     @triton.jit
-    def _normed(X, D, W, M, R, base, at, m_base, rstd, DT: tl.constexpr, HAS_D: tl.constexpr,
-                HAS_M: tl.constexpr, HAS_R: tl.constexpr, ROUNDS: tl.constexpr):  # fmt: skip
-        """The output at ``at`` of a row (``residual + mul * weight * norm``) in fp32, before its
-        last rounding to the input dtype (``ROUNDS``: each product and sum rounded before it, as
-        transformers' and diffusers' chains; else none, as Moshi's)."""
-        v = tl.load(X + base + at)
-        if HAS_D:
-            v = (v.to(tl.float32) + tl.load(D + base + at).to(tl.float32)).to(DT)
+    def _normed(v, W, M, R, base, at, m_base, rstd, DT: tl.constexpr, HAS_M: tl.constexpr,
+                HAS_R: tl.constexpr, ROUNDS: tl.constexpr):  # fmt: skip
+        """The output at ``at`` of a row whose values there are ``v`` (``residual + mul * weight *
+        norm``) in fp32, before its last rounding to the input dtype (``ROUNDS``: each product and
+        sum rounded before it, as transformers' and diffusers' chains; else none, as Moshi's)."""
         w = tl.load(W + at).to(tl.float32)
         if ROUNDS:  # each product and sum rounded to the input dtype, as eager
             y = (v.to(tl.float32) * rstd).to(DT).to(tl.float32) * w
@@ -112,15 +109,15 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _squares(X, D, XO, at, DT: tl.constexpr, HAS_D: tl.constexpr):
-        """The squares (fp32) of the row's elements at ``at``: of ``x + delta`` rounded to the input
-        dtype, which is stored to ``XO``, with ``HAS_D``."""
+    def _values(X, D, XO, at, DT: tl.constexpr, HAS_D: tl.constexpr, STORE: tl.constexpr):
+        """The row's elements at ``at``: ``x + delta`` rounded to the input dtype with ``HAS_D``
+        (stored to ``XO`` with ``STORE``), else ``x``."""
         v = tl.load(X + at)
         if HAS_D:
             v = (v.to(tl.float32) + tl.load(D + at).to(tl.float32)).to(DT)
-            tl.store(XO + at, v)
-        v = v.to(tl.float32)
-        return v * v
+            if STORE:
+                tl.store(XO + at, v)
+        return v
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -129,32 +126,41 @@ if triton is not None:
         HAS_D: tl.constexpr, HAS_SS: tl.constexpr, HAS_M: tl.constexpr, HAS_R: tl.constexpr,
         ATEN: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
         QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, ROWS_TREE: tl.constexpr,
-        WARP: tl.constexpr, ROUNDS: tl.constexpr,
+        WARP: tl.constexpr, ROUNDS: tl.constexpr, HOLD: tl.constexpr,
     ):  # fmt: skip
-        # One program per row; the row read as STEPS slices of LANES vectors of VEC elements.
+        # One program per row; the row read as STEPS slices of LANES vectors of VEC elements. With
+        # HOLD the slices stay in registers after the first read (one read of the row from memory);
+        # else the passes after it read them again.
         row = tl.program_id(0).to(tl.int64)
         DT: tl.constexpr = X.dtype.element_ty
+        SLICE: tl.constexpr = LANES * VEC
         base = row * WIDTH
-        piece = tl.arange(0, LANES * VEC)
         if ROWS_TREE:  # ATen's order with lanes as [G, 32] (lane g * 32 + t), each lane's vector last
             G: tl.constexpr = LANES // 32
             g = tl.arange(0, G)[:, None, None] * 32
-            lanes = (g + tl.arange(0, 32)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
-            acc3 = tl.zeros([G, 32, 4], tl.float32)
-            for step in tl.static_range(STEPS):
-                acc3 += _squares(X, D, XO, base + step * LANES * VEC + lanes, DT, HAS_D)
-            ss = warp_rows_sum(acc3, G, WARP)
+            piece = (g + tl.arange(0, 32)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
+            acc = tl.zeros([G, 32, 4], tl.float32)
         else:
+            piece = tl.arange(0, SLICE)
             acc = tl.zeros([LANES, VEC], tl.float32)
-            for step in tl.static_range(STEPS):
-                sq = _squares(X, D, XO, base + step * LANES * VEC + piece, DT, HAS_D)
-                acc += tl.reshape(sq, (LANES, VEC))
-            if ATEN and VEC == 4:
-                ss = vec4_lanes_sum(acc, LANES)
-            elif ATEN:
-                ss = lanes_halving_sum(tl.reshape(acc, (1, LANES)), LANES)
+        held = ()
+        for step in tl.static_range(STEPS):
+            v = _values(X, D, XO, base + step * SLICE + piece, DT, HAS_D, True)
+            if HOLD:
+                held = held + (v,)
+            sq = v.to(tl.float32) * v.to(tl.float32)
+            if ROWS_TREE:
+                acc += sq
             else:
-                ss = tl.sum(tl.sum(acc, axis=1), axis=0)
+                acc += tl.reshape(sq, (LANES, VEC))
+        if ROWS_TREE:
+            ss = warp_rows_sum(acc, G, WARP)
+        elif ATEN and VEC == 4:
+            ss = vec4_lanes_sum(acc, LANES)
+        elif ATEN:
+            ss = lanes_halving_sum(tl.reshape(acc, (1, LANES)), LANES)
+        else:
+            ss = tl.sum(tl.sum(acc, axis=1), axis=0)
         if HAS_SS:
             tl.store(SS + row, ss)
         rstd = tl.math.rsqrt(ss * factor + eps)
@@ -162,21 +168,24 @@ if triton is not None:
         # have stored it).
         m_base = (row // tokens) * m_stride
         if QUANT:  # the output quantized per row (w8a8.quantize_rows of it): its peak, then the values
-            peak = tl.zeros([LANES * VEC], tl.float32)
+            peak = tl.zeros_like(piece).to(tl.float32)
             for step in tl.static_range(STEPS):
-                at = step * LANES * VEC + piece
-                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
+                at = step * SLICE + piece
+                v = held[step] if HOLD else _values(X, D, XO, base + at, DT, HAS_D, False)
+                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
                 peak = tl.maximum(peak, tl.abs(y.to(DT).to(tl.float32)))
-            scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
+            scale = tl.maximum(tl.max(tl.reshape(peak, (SLICE,)), axis=0), MIN_PEAK) * INV_QMAX
             tl.store(QS + row, scale)
             for step in tl.static_range(STEPS):
-                at = step * LANES * VEC + piece
-                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
+                at = step * SLICE + piece
+                v = held[step] if HOLD else _values(X, D, XO, base + at, DT, HAS_D, False)
+                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
                 tl.store(Y + base + at, quantize_values(y.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8))
         else:
             for step in tl.static_range(STEPS):
-                at = step * LANES * VEC + piece
-                y = _normed(X, D, W, M, R, base, at, m_base, rstd, DT, HAS_D, HAS_M, HAS_R, ROUNDS)
+                at = step * SLICE + piece
+                v = held[step] if HOLD else _values(X, D, XO, base + at, DT, HAS_D, False)
+                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
                 tl.store(Y + base + at, y.to(DT))
 
 
@@ -242,7 +251,7 @@ def _launch(
         HAS_M=mul is not None, HAS_R=residual is not None, ATEN=config is not None, ROUNDS=preset == "exact",
         QUANT=kind is not None, **w8a8.quantize_constants(kind), ROWS_TREE=rows_tree,
         WARP=rows_tree and not settings.interpreted(), num_warps=1 if rows_tree else warps_for(lanes * vec),
-        enable_fp_fusion=not exact,
+        HOLD=holds(steps, lanes * vec, rows_tree), enable_fp_fusion=not exact,
     )  # fmt: skip
     return summed, out, scale
 
@@ -253,6 +262,17 @@ WARPS: int | None = None
 #: (the lanes' halving levels in registers, the last 32 by the warp's shuffles), rather than by
 #: :func:`~.reduce_order.vec4_lanes_sum`'s levels through shared memory (the same sums).
 ROWS_TREE = True
+
+
+#: The most elements of a held row a thread keeps (:func:`holds`).
+HOLD_PER_THREAD = 128
+
+
+def holds(steps: int, tile: int, rows_tree: bool) -> bool:
+    """Whether a program of ``steps`` slices of ``tile`` elements keeps its row in registers for the
+    passes after its sum: with :data:`~.settings.HOLD_ROWS`, for rows summed by one warp
+    (``rows_tree``) of at most :data:`HOLD_PER_THREAD` elements a thread (Z-Image's 3840: 120)."""
+    return settings.HOLD_ROWS and rows_tree and steps * tile <= 32 * HOLD_PER_THREAD
 
 
 def warps_for(tile: int) -> int:

@@ -19,6 +19,10 @@ a Triton kernel may run.
   1024x1024: the fp8 step 68.8 ms against 72.2, the final image 44.4 dB PSNR against bf16 where
   bf16 attention gives 44.6); ``"off"`` keeps it in the model's dtype. ``omnirt serve
   --fp8-attention`` sets it.
+- **Held rows.** ``HOLD_ROWS``: the row kernels that read a row more than once (its sum or peak,
+  then its values: ``rms_norm.py``'s norms, ``w8a8.py``'s per-token quantization) read it from
+  memory once where it fits the program's registers and keep it there; off, each pass reads it
+  again. The same bits either way (a measured speed setting, not a numerics one).
 - **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only under
   ``TRITON_INTERPRET=1`` (:func:`interpreted`, fp32), when a test calls it directly or installs the
   VAE hooks on a CPU model itself, never from a dispatcher.
@@ -53,6 +57,8 @@ VAE_FAST: VaeLevel = "exact"
 Fp8Attention = Literal["on", "off"]
 FP8_ATTENTION_SETTINGS: tuple[Fp8Attention, ...] = ("on", "off")
 FP8_ATTENTION: Fp8Attention = "on"
+
+HOLD_ROWS = False
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import w8a8_gemm
+from . import settings, w8a8_gemm
 from .settings import kernel_device
 
 try:  # Triton ships with CUDA builds of torch only
@@ -184,22 +184,32 @@ if triton is not None:
     @triton.jit
     def _quantize_rows_kernel(X, Q, S, cols, stride_x, stride_q, INV_QMAX, QMAX: tl.constexpr,
                               MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, INT8: tl.constexpr,
-                              BLOCK: tl.constexpr):  # fmt: skip
+                              BLOCK: tl.constexpr, HOLD: tl.constexpr):  # fmt: skip
+        # A program a row: its peak, then its values over the peak's scale. With HOLD the row is
+        # one block (BLOCK >= cols), read once and kept in registers; else read again for the values.
         row = tl.program_id(0).to(tl.int64)
         src = X + row * stride_x
         dst = Q + row * stride_q
-        peak = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, cols, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            v = tl.load(src + offs, mask=offs < cols, other=0.0).to(tl.float32)
-            peak = tl.maximum(peak, tl.abs(v))
-        scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
-        tl.store(S + row, scale)
-        for start in range(0, cols, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        if HOLD:
+            offs = tl.arange(0, BLOCK)
             live = offs < cols
             v = tl.load(src + offs, mask=live, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=0), MIN_PEAK) * INV_QMAX
+            tl.store(S + row, scale)
             tl.store(dst + offs, quantize_values(v, scale, QMAX, ROUNDER, INT8), mask=live)
+        else:
+            peak = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, cols, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                v = tl.load(src + offs, mask=offs < cols, other=0.0).to(tl.float32)
+                peak = tl.maximum(peak, tl.abs(v))
+            scale = tl.maximum(tl.max(peak, axis=0), MIN_PEAK) * INV_QMAX
+            tl.store(S + row, scale)
+            for start in range(0, cols, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                live = offs < cols
+                v = tl.load(src + offs, mask=live, other=0.0).to(tl.float32)
+                tl.store(dst + offs, quantize_values(v, scale, QMAX, ROUNDER, INT8), mask=live)
 
     @triton.jit
     def _int8_epilogue_kernel(ACC, XS, WS, BIAS, OUT, rows, cols, stride_acc, stride_out,
@@ -215,6 +225,12 @@ if triton is not None:
         tl.store(OUT + r[:, None] * stride_out + c[None, :], out.to(OUT.dtype.element_ty), mask=live)
 
 
+#: The widest row (a power of two) :func:`quantize_rows_triton` reads once and keeps in registers
+#: with :data:`~.settings.HOLD_ROWS` (at most 32 elements a thread over 16 warps; Z-Image's gated
+#: output, 10240, is one block of 16384).
+HOLD_WIDTH = 16384
+
+
 def quantize_rows_triton(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` in one Triton kernel (``x`` [rows, cols] with unit column stride),
     bitwise equal to it; on the CPU under ``TRITON_INTERPRET=1`` for int8."""
@@ -226,10 +242,13 @@ def quantize_rows_triton(x: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, tor
     q = torch.empty(rows, cols, dtype=STORAGE[kind], device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
-        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
+        whole = triton.next_power_of_2(max(cols, 16))
+        hold = settings.HOLD_ROWS and whole <= HOLD_WIDTH
+        block = whole if hold else min(whole, 4096)
         _quantize_rows_kernel[(rows,)](
             x, q, scale, cols, x.stride(0), q.stride(0), **quantize_constants(kind), BLOCK=block,
-            num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
+            HOLD=hold, num_warps=min(16, max(4, block // 1024)) if hold else 4 if block <= 2048 else 8,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return q, scale
 

@@ -25,6 +25,15 @@ pytestmark = [
 ]
 
 WIDTHS = (32, 64, 128, 1024, 2048, 4096)
+
+
+@pytest.fixture(params=[False, True], ids=["read-again", "held"])
+def hold(request, monkeypatch):
+    """``settings.HOLD_ROWS`` off and on: each pass reading the row again, or the row held in
+    registers after its first read (the same bits either way)."""
+    monkeypatch.setattr(settings, "HOLD_ROWS", request.param)
+    return request.param
+
 ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 32, 64, 100, 128, 256, 512)
 
 
@@ -61,7 +70,7 @@ def _orders_matching(squares: torch.Tensor, mean: torch.Tensor) -> list[str]:
     return found
 
 
-def test_exact_is_bitwise_the_eager_chain():
+def test_exact_is_bitwise_the_eager_chain(hold):
     g = torch.Generator(device="cuda").manual_seed(0)
     differ, checked = [], 0
     for width in WIDTHS:
@@ -86,11 +95,11 @@ def test_exact_is_bitwise_the_eager_chain():
                             f"{aten_mean_config(width, rows)}, means off in {rows_off} rows; eager's "
                             f"mean matches {_orders_matching(squares, mean)}"
                         )
-    print(f"\n[gpu] add_rms_norm exact: {checked - len(differ)} of {checked} cases bitwise")
+    print(f"\n[gpu] add_rms_norm exact (held {hold}): {checked - len(differ)} of {checked} cases bitwise")
     assert not differ, "\n".join(differ)
 
 
-def test_moshis_chain_is_bitwise_the_eager_chain():
+def test_moshis_chain_is_bitwise_the_eager_chain(hold):
     """``chain="moshi"`` (the duplex LM's ``MoshiRMSNorm``: the weight product in fp32, one
     rounding) at the Moshi temporal (4096) and depth (1024) widths, with and without the add."""
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -107,7 +116,8 @@ def test_moshis_chain_is_bitwise_the_eager_chain():
                 if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
                     off = int((got[1] != want[1]).sum())
                     differ.append(f"{width}x{rows} delta={delta is not None}: {off} elements differ")
-    print(f"\n[gpu] add_rms_norm moshi chain: {checked - len(differ)} of {checked} cases bitwise")
+    bitwise = checked - len(differ)
+    print(f"\n[gpu] add_rms_norm moshi chain (held {hold}): {bitwise} of {checked} cases bitwise")
     assert not differ, "\n".join(differ)
 
 
@@ -134,7 +144,7 @@ DIT_SHAPES = [
 ]
 
 
-def test_modulated_exact_is_bitwise_diffusers_block_chain():
+def test_modulated_exact_is_bitwise_diffusers_block_chain(hold):
     g = torch.Generator(device="cuda").manual_seed(0)
     differ, checked, skipped = [], 0, []
     for batch, tokens, width in DIT_SHAPES:
@@ -157,7 +167,8 @@ def test_modulated_exact_is_bitwise_diffusers_block_chain():
                         f"{batch}x{tokens}x{width} {dtype} mul={None if mul is None else tuple(mul.shape)} "
                         f"residual={residual is not None}: {int((got != want).sum())} of {got.numel()} differ"
                     )
-    print(f"\n[gpu] rms_norm_modulate exact: {checked - len(differ)} of {checked} bitwise; eager: {skipped}")
+    bitwise = checked - len(differ)
+    print(f"\n[gpu] rms_norm_modulate exact (held {hold}): {bitwise} of {checked} bitwise; eager: {skipped}")
     assert not differ, "\n".join(differ)
     x = torch.randn(1, 4128, 3840, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(3840, device="cuda", dtype=torch.bfloat16)

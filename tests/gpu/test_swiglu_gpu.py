@@ -43,7 +43,11 @@ def test_swiglu_is_bitwise_the_eager_chain(dtype):
     assert not differ, "\n".join(differ)
 
 
-def test_the_quantizing_norm_is_bitwise_the_eager_chain():
+@pytest.mark.parametrize("hold", [False, True], ids=["read-again", "held"])
+def test_the_quantizing_norm_is_bitwise_the_eager_chain(hold, monkeypatch):
+    from omnirt.kernels import settings
+
+    monkeypatch.setattr(settings, "HOLD_ROWS", hold)  # the row read for each pass, or held
     g = torch.Generator(device="cuda").manual_seed(1)
     differ, checked = [], 0
     # Z-Image's main layers (1024x1024: 4128 rows) and caption refiner (32), a 1536-wide one
@@ -62,7 +66,7 @@ def test_the_quantizing_norm_is_bitwise_the_eager_chain():
                 if not (torch.equal(q.scale, want_scale) and _same(q.values, want_values)):
                     bad = int((q.values.view(torch.int8) != want_values.view(torch.int8)).sum())
                     differ.append(f"{batch}x{tokens}x{width} {dtype} {kind} mul={mul is not None}: {bad}")
-    print(f"\n[gpu] rms_norm_modulate_quantize: {checked - len(differ)} of {checked} bitwise")
+    print(f"\n[gpu] rms_norm_modulate_quantize (held {hold}): {checked - len(differ)} of {checked} bitwise")
     assert not differ, "\n".join(differ)
 
 

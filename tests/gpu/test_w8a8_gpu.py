@@ -26,12 +26,15 @@ def test_products_on_cuda(kind, rows):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("hold", [False, True], ids=["read-again", "held"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_kernels_are_bitwise_the_eager_chains_on_cuda(kind):
+def test_kernels_are_bitwise_the_eager_chains_on_cuda(kind, hold, monkeypatch):
+    from omnirt.kernels import settings
     from omnirt.kernels.w8a8 import _int8_epilogue, int8_epilogue_triton, quantize_rows_triton
 
+    monkeypatch.setattr(settings, "HOLD_ROWS", hold)  # the rows read once and held, or read again
     g = torch.Generator(device="cuda").manual_seed(2)
-    for rows, cols in ((1, 64), (300, 3072), (4100, 13824)):
+    for rows, cols in ((1, 64), (300, 3072), (4100, 13824), (4128, 10240), (33, 20000)):
         x = (torch.randn(rows, cols, device="cuda", generator=g) * 3).to(torch.bfloat16)
         got_q, got_scale = quantize_rows_triton(x, kind)
         want_q, want_scale = quantize_rows(x, kind)

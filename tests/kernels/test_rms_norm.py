@@ -285,3 +285,30 @@ def test_the_quantizing_kernel_writes_the_norms_rows_quantized(shape):
         torch.ops.omnirt.rms_norm_modulate_quantize.default, (x, w, 1e-5, "exact", scale, "int8"),
         test_utils=("test_schema", "test_faketensor"),
     )  # fmt: skip
+
+
+@interpreted
+def test_rows_held_in_registers_give_the_same_bits(monkeypatch):
+    """``settings.HOLD_ROWS``: a row read once and kept in registers for the passes after its sum
+    gives the bits of the row read again for each pass, in every form of the kernel that holds
+    (the residual add, the modulated norm with a residual, the quantizing norm); a row too wide
+    for one warp's registers is read again either way."""
+    from omnirt.kernels import rms_norm
+    from omnirt.kernels.rms_norm import rms_norm_modulate_quantize_triton
+
+    x, w, scale, gate, residual = _dit_inputs(2, 5, 3840)
+    xs, ds, ws = _inputs(2048, 20)
+
+    def run():
+        sums = torch.empty(10)
+        modulated = rms_norm_modulate_triton(x, w, 1e-5, gate, residual, sumsq=sums)
+        return (modulated, sums, *rms_norm_modulate_quantize_triton(x, w, 1e-5, scale, "int8"),
+                *add_rms_norm_triton(xs, ds, ws, 1e-6))  # fmt: skip
+
+    assert rms_norm.holds(30, 128, True) is False  # off by default
+    again = run()
+    monkeypatch.setattr(settings, "HOLD_ROWS", True)
+    assert rms_norm.holds(30, 128, True) and rms_norm.holds(16, 128, True)
+    assert not rms_norm.holds(30, 128, False) and not rms_norm.holds(2, 4096, True)
+    held = run()
+    assert all(torch.equal(a, b) for a, b in zip(again, held, strict=True))

@@ -64,16 +64,22 @@ def test_the_fp32_product_for_widths_no_gemm_takes(kind):
 
 
 @interpreted
-def test_quantize_kernel_is_bitwise_the_eager_chain():
+@pytest.mark.parametrize("hold", [False, True], ids=["read-again", "held"])
+def test_quantize_kernel_is_bitwise_the_eager_chain(hold, monkeypatch):
+    """The per-token quantization, each row read again for its values or (``settings.HOLD_ROWS``)
+    read once as one block and held, up to ``HOLD_WIDTH`` wide (wider rows are read again)."""
+    from omnirt.kernels import settings
     from omnirt.kernels.w8a8 import quantize_rows_triton
 
+    monkeypatch.setattr(settings, "HOLD_ROWS", hold)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(7, 300, generator=g) * torch.logspace(-3, 3, 7).unsqueeze(1)
     x[3] = 0.0  # an all-zero row
     x[5, 17] = 1e4  # one outlier sets its row's scale
     wide = torch.randn(3, 5000, generator=g)  # more columns than one block
     strided = torch.randn(4, 96, generator=g)[:, :64]  # rows of a wider tensor
-    for rows in (x, wide, strided):
+    widest = torch.randn(2, 16385, generator=g)  # wider than HOLD_WIDTH: read again either way
+    for rows in (x, wide, strided, widest):
         got_q, got_scale = quantize_rows_triton(rows, "int8")
         want_q, want_scale = quantize_rows(rows, "int8")
         assert torch.equal(got_q, want_q) and torch.equal(got_scale, want_scale)
