@@ -13,7 +13,9 @@
   gated unit in the ``w13`` GEMM's epilogue and once apart (``kernels/swiglu.py``'s
   ``GATED_EPILOGUE``); ``--hold-rows on,off`` every row, bf16's too, once with the rows of the
   norms and of the per-token quantization held in registers and once read again for each pass
-  (``kernels/settings.py``'s ``HOLD_ROWS``).
+  (``kernels/settings.py``'s ``HOLD_ROWS``); ``--v-peak on,off`` each quantized row with V's peak
+  for the fp8 attention found in the ``to_qkv`` GEMM's epilogue and in a pass of its own
+  (``stages/diffusion/fused.py``'s ``V_PEAK_IN_PRODUCT``).
 - **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
   shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
   from the same noise: the PSNR of the decoded pixels against bf16's. With ``--wan``, also Wan's
@@ -49,7 +51,8 @@
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
         [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton] [--gated-epilogue on,off]
-        [--hold-rows on,off] [--gemm-tiles 8,14] [--formats "fp8, fp8 attention"] [--attention-plans N]
+        [--hold-rows on,off] [--v-peak on,off] [--gemm-tiles 8,14] [--formats "fp8, fp8 attention"]
+        [--attention-plans N]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
   place of the Wan rows of the steps table) time under each SDPA backend; for bf16 and fp8 its
@@ -153,6 +156,23 @@ GATED_EPILOGUE: tuple[bool, ...] = (True,)
 HOLD_ROWS: tuple[bool | None, ...] = (None,)
 
 
+#: ``stages.diffusion.fused.V_PEAK_IN_PRODUCT`` in each quantized row (``--v-peak``), one row each.
+V_PEAK: tuple[bool, ...] = (True,)
+
+
+@contextlib.contextmanager
+def v_peak_in_product(on: bool):
+    """``fused.V_PEAK_IN_PRODUCT`` (V's peak for the fp8 attention found in the QKV product's
+    epilogue) for the block."""
+    from omnirt.stages.diffusion import fused
+
+    before, fused.V_PEAK_IN_PRODUCT = fused.V_PEAK_IN_PRODUCT, on
+    try:
+        yield
+    finally:
+        fused.V_PEAK_IN_PRODUCT = before
+
+
 @contextlib.contextmanager
 def hold_rows(on: bool | None):
     """``kernels.settings.HOLD_ROWS`` (the rows of the norms and of the per-token quantization read
@@ -253,18 +273,20 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
             rows.append(f"| {name} | bf16{_hold_note(hold)} | {base[hold]:.1f} | 1.00x | {gib:.2f} | - |")
             print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
-            for gemm, gated, tiles, hold in itertools.product(GEMMS, GATED_EPILOGUE, TILES, HOLD_ROWS):
+            combos = itertools.product(GEMMS, GATED_EPILOGUE, TILES, HOLD_ROWS, V_PEAK)
+            for gemm, gated, tiles, hold, v_peak in combos:
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(attention_in_fp8(attention))
                     stack.enter_context(w8a8.gemm_as(gemm))
                     stack.enter_context(gated_epilogue(gated))
                     stack.enter_context(gemm_tiles(tiles))
                     stack.enter_context(hold_rows(hold))
+                    stack.enter_context(v_peak_in_product(v_peak))
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
                 notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
                 notes += f", tiles {tiles.name()}" if len(TILES) > 1 or tiles != _default_tiles() else ""
-                notes += _hold_note(hold)
+                notes += _hold_note(hold) + ("" if v_peak else ", V's peak apart")
                 rows.append(
                     f"| {name} | {label} ({layers} layers){notes} "
                     f"| {ms:.1f} | {base[hold] / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
@@ -960,6 +982,10 @@ def main(argv: list[str] | None = None) -> int:
         help="transformer steps: a row per setting (on,off) of settings.HOLD_ROWS, bf16 too (default: as is)",
     )  # fmt: skip
     p.add_argument(
+        "--v-peak", default="on",
+        help="transformer steps: a row per setting (on,off) of fused.V_PEAK_IN_PRODUCT (V's peak in to_qkv)",
+    )  # fmt: skip
+    p.add_argument(
         "--gemm-tiles", default="",
         help="transformer steps: a row per Triton GEMM tile configuration (indices of w8a8_gemm.CONFIGS)",
     )  # fmt: skip
@@ -977,7 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_plans is not None:
         fp8_attention.AUTOTUNE_PLANS = args.attention_plans
 
-    global GEMMS, GATED_EPILOGUE, TILES, FORMAT_LABELS, HOLD_ROWS
+    global GEMMS, GATED_EPILOGUE, TILES, FORMAT_LABELS, HOLD_ROWS, V_PEAK
     from omnirt.kernels import w8a8_gemm
 
     try:
@@ -997,6 +1023,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(v not in ("on", "off") for v in holds):
         p.error("--hold-rows takes on, off or both")
     HOLD_ROWS = tuple(v == "on" for v in holds) or (None,)
+    peaks = args.v_peak.split(",")
+    if any(v not in ("on", "off") for v in peaks):
+        p.error("--v-peak takes on, off or both")
+    V_PEAK = tuple(v == "on" for v in peaks)
     if any(g not in w8a8.GEMMS for g in GEMMS):
         p.error(f"--gemms are {', '.join(w8a8.GEMMS)}")
     for kind in w8a8.KINDS:

@@ -117,21 +117,27 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def quantize_tensor_triton(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor_triton(
+    x: torch.Tensor, kind: str = "fp8", peak: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_tensor_reference` in two Triton kernels (the same bits); ``x`` [..., H, D]
     with rows of unit column stride (views of a packed QKV are read in place). ``kind`` ``int8``
-    (values -127..127, the same kernels) is there for the interpreter's tests: it has no fp8."""
+    (values -127..127, the same kernels) is there for the interpreter's tests: it has no fp8.
+    ``peak`` (fp32 [1]): ``x``'s largest magnitude, already known (the merged QKV product's
+    epilogue found V's: ``w8a8_linear(..., peak=)``), so the values kernel alone runs."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     rows = _rows(x)
     count, cols = rows.shape
     values = torch.empty(x.shape, dtype=STORAGE[kind], device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    peak = torch.zeros(1, dtype=torch.float32, device=x.device)
+    known = peak is not None
+    peak = peak if peak is not None else torch.zeros(1, dtype=torch.float32, device=x.device)
     if count and cols:
         br, bc = 8, min(triton.next_power_of_2(cols), 1024)
         grid = (triton.cdiv(count, br), triton.cdiv(cols, bc))
-        _peak_kernel[grid](rows, peak, count, cols, rows.stride(0), BR=br, BC=bc, num_warps=4)
+        if not known:
+            _peak_kernel[grid](rows, peak, count, cols, rows.stride(0), BR=br, BC=bc, num_warps=4)
         _quantize_tensor_kernel[grid](
             rows, values, peak, scale, count, cols, rows.stride(0), **quantize_constants(kind),  # type: ignore[arg-type]
             BR=br, BC=bc, num_warps=4, enable_fp_fusion=False,
@@ -142,11 +148,12 @@ def quantize_tensor_triton(x: torch.Tensor, kind: str = "fp8") -> tuple[torch.Te
     return values, scale
 
 
-def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as e4m3 values and one fp32 scale [1]: the Triton kernels on CUDA, else the eager
-    chain (the same bits)."""
+def quantize_tensor(x: torch.Tensor, peak: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as e4m3 values and one fp32 scale [1]: the Triton kernels on CUDA (``peak``: ``x``'s
+    largest magnitude where it is known, :func:`quantize_tensor_triton`), else the eager chain
+    (the same bits)."""
     if triton is not None and x.is_cuda:
-        return quantize_tensor_triton(x)
+        return quantize_tensor_triton(x, peak=peak)
     return quantize_tensor_reference(x)
 
 
@@ -185,9 +192,10 @@ def _key_mask(key_lengths: torch.Tensor | None, batch: int, keys: int, device: t
 def fp8_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
     scale: float | None = None, fp8_out: bool = False, *, q_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, quantized_out: bool = False,
+    k_scale: torch.Tensor | None = None, quantized_out: bool = False, v_peak: torch.Tensor | None = None,
 ) -> torch.Tensor | QuantizedRows:  # fmt: skip
-    """What :func:`fp8_attention` computes, in fp32 on any device, with its arguments: ``q`` [B,
+    """What :func:`fp8_attention` computes, in fp32 on any device, with its arguments (``v_peak``
+    taken and not needed: V's scale comes from V, which is what a given peak is): ``q`` [B,
     S_q, H, D], ``k`` and ``v`` [B, S_kv, H_kv, D] quantized per tensor (``q`` and ``k`` may come
     in e4m3 with their scales), attention with e4m3 probabilities, returned [B, S_q, H, D] in
     ``v``'s dtype (``fp8_out``: through e4m3 at V's scale first, as a plan whose output cuDNN
@@ -405,7 +413,7 @@ def _e4m3(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, to
 def fp8_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
     scale: float | None = None, *, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-    quantized_out: bool = False,
+    quantized_out: bool = False, v_peak: torch.Tensor | None = None,
 ) -> torch.Tensor | QuantizedRows:  # fmt: skip
     """Attention of ``q`` [B, S_q, H, D] over ``k``, ``v`` [B, S_kv, H_kv, D] (bf16 or fp16; ``v``
     may be a view of a packed QKV) with all three in e4m3 and e4m3 probabilities; ``key_lengths``
@@ -414,12 +422,14 @@ def fp8_attention(
     Returns [B, S_q, H, D] in ``v``'s dtype; or with ``quantized_out``, as cuDNN wrote it in e4m3 at
     V's scale: :class:`~omnirt.kernels.w8a8.QuantizedRows` of the [B, S_q, H * D] output (each
     token's scale that one), which an fp8 W8A8 product takes as its input without a quantization
-    pass. Only where :func:`applies`; raises otherwise."""
+    pass. ``v_peak`` (fp32 [1]): ``v``'s largest magnitude where the caller has it (the merged QKV
+    product's epilogue), so V's quantization is one pass. Only where :func:`applies`; raises
+    otherwise."""
     cudnn = cudnn_graphs.frontend()
     plan = _plan(cudnn, _shape(q, k, v, key_lengths, scale, quantized_out)) if supported(q, k, v) else None
     if plan is None:
         raise RuntimeError("fp8 attention does not apply to these tensors (see fp8_attention.applies)")
-    (q8, qs), (k8, ks), (v8, vs) = _e4m3(q, q_scale), _e4m3(k, k_scale), quantize_tensor(v)
+    (q8, qs), (k8, ks), (v8, vs) = _e4m3(q, q_scale), _e4m3(k, k_scale), quantize_tensor(v, v_peak)
     out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if plan.fp8_out else v.dtype, device=q.device)
     pack = {
         _Q: q8, _K: k8, _V: v8, _O: out, _Q_DESCALE: qs, _K_DESCALE: ks, _V_DESCALE: vs,

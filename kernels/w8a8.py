@@ -324,21 +324,29 @@ def w8a8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     kind: Kind,
+    peak: torch.Tensor | None = None,
+    peak_from: int = 0,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W ~ qweight * weight_scale`` (``qweight`` [out, in] 8-bit,
     ``weight_scale`` [out, 1] fp32) and ``x`` [..., in] quantized per token (or given quantized:
     :class:`QuantizedRows` of ``kind``); returns ``x``'s dtype. On CUDA the quantization runs as a
     Triton kernel (same bits as eager) and the product as :data:`GEMM` says (``auto``: the Triton
     GEMM on Hopper); fp8 widths ``torch._scaled_mm`` refuses go to the Triton GEMM, or where K is
-    not a multiple of 16 either, to the product in fp32."""
+    not a multiple of 16 either, to the product in fp32.
+
+    ``peak`` (fp32 [1]): raised to the largest magnitude of the output's columns ``peak_from`` on
+    (in the Triton GEMM's epilogue where it runs, else over the output after it)."""
     x = as_quantized(x, kind, qweight.shape[1])
     xq, x_scale = x.values, x.scale
     count = xq.shape[0]
     out_dtype = product_dtype(x)
     library_fp8 = not xq.is_cuda or _scaled_mm_takes(qweight)
     if triton_gemm_runs(x, qweight, weight_scale, also=kind == "fp8" and not library_fp8):
-        out = w8a8_gemm.w8a8_gemm(xq, x_scale, qweight, weight_scale, bias, out_dtype)
-    elif kind == "int8":
+        out = w8a8_gemm.w8a8_gemm(
+            xq, x_scale, qweight, weight_scale, bias, out_dtype, peak=peak, peak_from=peak_from
+        )
+        return out.view(*x.shape[:-1], qweight.shape[0])
+    if kind == "int8":
         if xq.is_cuda and count < _INT_MM_MIN_ROWS:
             xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - count, xq.shape[1])])
         acc = torch._int_mm(xq, qweight.t())[:count]
@@ -357,4 +365,6 @@ def w8a8_linear(
             bias=None if bias is None else bias.to(out_dtype),
             out_dtype=out_dtype,
         )
+    if peak is not None and out.shape[0] and out.shape[1] > peak_from:
+        torch.maximum(peak, out[:, peak_from:].abs().amax().float(), out=peak)
     return out.view(*x.shape[:-1], qweight.shape[0])

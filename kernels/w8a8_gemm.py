@@ -152,13 +152,22 @@ if triton is not None:
         return out.to(dtype)
 
     @triton.jit
+    def _raise_peak(PEAK, out, rows, cols, M, N, PEAK_FROM):
+        """``PEAK`` (fp32 [1]) raised to the largest magnitude of the tile's stored values in columns
+        ``PEAK_FROM`` on (V's part of a merged QKV product, for its per-tensor scale)."""
+        live = (rows[:, None] < M) & (cols[None, :] >= PEAK_FROM) & (cols[None, :] < N)
+        tile = tl.where(live, tl.abs(out.to(tl.float32)), 0.0)
+        tl.atomic_max(PEAK, tl.max(tl.max(tile, axis=1), axis=0))
+
+    @triton.jit
     def _store(C, out, rows, cols, M, N, stride_cm):
         live = (rows[:, None] < M) & (cols[None, :] < N)
         tl.store(C + rows[:, None] * stride_cm + cols[None, :], out, mask=live)
 
     @triton.jit
-    def _w8a8_gemm_kernel(A, B, XS, WS, BIAS, SILU, C, M, N, K, stride_am, stride_bn, stride_cm,
-                          HAS_BIAS: tl.constexpr, INT8: tl.constexpr, GATED: tl.constexpr,
+    def _w8a8_gemm_kernel(A, B, XS, WS, BIAS, SILU, C, PEAK, M, N, K, stride_am, stride_bn, stride_cm,
+                          PEAK_FROM, HAS_BIAS: tl.constexpr, INT8: tl.constexpr, GATED: tl.constexpr,
+                          HAS_PEAK: tl.constexpr,
                           TABLE: tl.constexpr, LIBDEVICE: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
         pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
@@ -184,11 +193,15 @@ if triton is not None:
             b_ptrs += BK
         out = _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, M, N, C.dtype.element_ty, HAS_BIAS,
                         GATED, TABLE, LIBDEVICE)  # fmt: skip
+        if HAS_PEAK:
+            if pid_n * BN + BN > PEAK_FROM:  # (only tiles that reach those columns)
+                _raise_peak(PEAK, out, rows, cols, M, N, PEAK_FROM)
         _store(C, out, rows, cols, M, N, stride_cm)
 
     @triton.jit
-    def _w8a8_gemm_tma_kernel(a_desc, b_desc, c_desc, XS, WS, BIAS, SILU, C, M, N, K, stride_cm, PROGRAMS,
-                              HAS_BIAS: tl.constexpr, INT8: tl.constexpr, GATED: tl.constexpr,
+    def _w8a8_gemm_tma_kernel(a_desc, b_desc, c_desc, XS, WS, BIAS, SILU, C, PEAK, M, N, K, stride_cm,
+                              PROGRAMS, PEAK_FROM, HAS_BIAS: tl.constexpr, INT8: tl.constexpr,
+                              GATED: tl.constexpr, HAS_PEAK: tl.constexpr,
                               TABLE: tl.constexpr, LIBDEVICE: tl.constexpr, FLATTEN: tl.constexpr,
                               STORE_TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               GROUP_M: tl.constexpr):  # fmt: skip
@@ -209,6 +222,9 @@ if triton is not None:
             cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
             out = _epilogue(acc, acc_up, rows, cols, XS, WS, BIAS, SILU, M, N, C.dtype.element_ty, HAS_BIAS,
                             GATED, TABLE, LIBDEVICE)  # fmt: skip
+            if HAS_PEAK:
+                if pid_n * BN + BN > PEAK_FROM:  # (only tiles that reach those columns)
+                    _raise_peak(PEAK, out, rows, cols, M, N, PEAK_FROM)
             if STORE_TMA:  # the descriptor writes nothing past the edges
                 c_desc.store([pid_m * BM, pid_n * BN], out)
             else:
@@ -256,6 +272,7 @@ def _multiprocessors(device: torch.device) -> int:
 def w8a8_gemm(
     xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None, dtype: torch.dtype, config: Config | None = None, gated: bool = False,
+    peak: torch.Tensor | None = None, peak_from: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """``(xq @ qweight.T) * x_scale * weight_scale.T + bias`` as ``dtype`` [M, N], in one kernel:
     ``xq`` [M, K] and ``qweight`` [N, K] both int8 or both e4m3, ``x_scale`` [M, 1] and
@@ -266,7 +283,11 @@ def w8a8_gemm(
     gated unit ``silu(gate) * up`` [M, N / 2] of the product, computed in the epilogue from the
     product's values rounded to ``dtype`` (:func:`~omnirt.kernels.silu.gated_values`): the bits of
     this product followed by :func:`~omnirt.kernels.swiglu.swiglu` of its halves, without the
-    [M, N] product in memory. A ``config``'s ``bn`` is then each half's columns a tile."""
+    [M, N] product in memory. A ``config``'s ``bn`` is then each half's columns a tile.
+
+    ``peak`` (fp32 [1] on the operands' device): raised, by atomic maximum in the epilogue, to the
+    largest magnitude of the output's columns ``peak_from`` on as stored (V's part of a merged QKV
+    product: its per-tensor scale without a pass of its own over V)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     if not applies(xq, x_scale, qweight, weight_scale):
@@ -278,6 +299,8 @@ def w8a8_gemm(
         )
     if gated and qweight.shape[0] % 2:
         raise ValueError(f"a gated product wants gate and up rows, an even count, not {qweight.shape[0]}")
+    if peak is not None and (peak.shape != (1,) or peak.dtype != torch.float32 or peak.device != xq.device):
+        raise ValueError(f"peak must be fp32 [1] on {xq.device}, not {peak.dtype} {tuple(peak.shape)}")
     m, k = xq.shape
     n = qweight.shape[0] // 2 if gated else qweight.shape[0]  # the output's columns
     kind: Kind = "int8" if xq.dtype == torch.int8 else "fp8"
@@ -288,12 +311,14 @@ def w8a8_gemm(
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     table = gated and dtype == torch.bfloat16
     common = dict(
-        HAS_BIAS=bias is not None, INT8=kind == "int8", GATED=gated, TABLE=table, LIBDEVICE=not interpreted(),
+        HAS_BIAS=bias is not None, INT8=kind == "int8", GATED=gated, HAS_PEAK=peak is not None, TABLE=table,
+        LIBDEVICE=not interpreted(),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
         enable_fp_fusion=False,
     )  # fmt: skip
     bias_arg = bias if bias is not None else weight_scale
     silu = silu_table(xq.device) if table else weight_scale  # a stand-in never read without TABLE
+    peak_arg = peak if peak is not None else weight_scale  # (likewise without HAS_PEAK)
     if cfg.tma and _tma_fits(xq) and _tma_fits(qweight) and tma_capable(xq.device):  # else by pointers
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -303,12 +328,12 @@ def w8a8_gemm(
         store_tma = cfg.store_tma and _tma_fits(out)
         c_desc = TensorDescriptor.from_tensor(out, [cfg.bm, cfg.bn]) if store_tma else None
         _w8a8_gemm_tma_kernel[(programs,)](
-            a_desc, b_desc, c_desc, x_scale, weight_scale, bias_arg, silu, out, m, n, k, out.stride(0),
-            programs, FLATTEN=cfg.flatten, STORE_TMA=store_tma, **common,
+            a_desc, b_desc, c_desc, x_scale, weight_scale, bias_arg, silu, out, peak_arg, m, n, k,
+            out.stride(0), programs, peak_from, FLATTEN=cfg.flatten, STORE_TMA=store_tma, **common,
         )  # fmt: skip
     else:
         _w8a8_gemm_kernel[(tiles,)](
-            xq, qweight, x_scale, weight_scale, bias_arg, silu, out, m, n, k, xq.stride(0),
-            qweight.stride(0), out.stride(0), **common,
+            xq, qweight, x_scale, weight_scale, bias_arg, silu, out, peak_arg, m, n, k, xq.stride(0),
+            qweight.stride(0), out.stride(0), peak_from, **common,
         )  # fmt: skip
     return out

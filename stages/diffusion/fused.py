@@ -110,13 +110,14 @@ def _qk_scales(attn: Any, elements: tuple[int, int]) -> tuple[torch.Tensor, torc
 def _attention(
     processor: _FusedProcessor, attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     table: torch.Tensor, mask: torch.Tensor | None, *, per_head: bool, norm: str, rope: str,
-    prefix_keys: bool,
+    prefix_keys: bool, v_peak: torch.Tensor | None = None,
 ) -> torch.Tensor | QuantizedRows:  # fmt: skip
     """Queries and keys (as projected, [B, S, H, D]) normed and rotated by :func:`qk_norm_rope`,
     then attention over ``value``: in fp8 where :func:`_fp8_lengths` says so (the norm writing e4m3
     at fixed scales, :func:`_qk_scales`; the output [B, S, H * D] in e4m3 for ``to_out`` where
     :func:`_e4m3_out`), else through diffusers' dispatcher with the processor's backend, as the
-    original processor calls it (a 2D prefix ``mask`` given as [B, 1, 1, S_kv])."""
+    original processor calls it (a 2D prefix ``mask`` given as [B, 1, 1, S_kv]). ``v_peak``:
+    ``value``'s largest magnitude where its product found it (:func:`_v_peak`)."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     args = dict(eps=attn.norm_q.eps, interleaved=True, per_head=per_head, norm=norm, rope=rope)
@@ -128,7 +129,8 @@ def _attention(
         q_scale, k_scale = _qk_scales(attn, (query.shape[-1] * heads[0], key.shape[-1] * heads[1]))
         query, key = qk_norm_rope(query, key, *weights, table, out_scales=(q_scale, k_scale), **args)
         return fp8_attention.fp8_attention(
-            query, key, value, lengths, q_scale=q_scale, k_scale=k_scale, quantized_out=_e4m3_out(attn)
+            query, key, value, lengths, q_scale=q_scale, k_scale=k_scale, quantized_out=_e4m3_out(attn),
+            v_peak=v_peak,
         )
     query, key = qk_norm_rope(query, key, *weights, table, **args)
     if prefix_keys and mask is not None and mask.ndim == 2:
@@ -137,6 +139,22 @@ def _attention(
         query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
         backend=processor._attention_backend, parallel_config=processor._parallel_config,
     )  # fmt: skip
+
+
+#: Whether a merged fp8 QKV product finds V's peak for an fp8 attention (:func:`_v_peak`); False:
+#: V's quantization finds it in a pass of its own (the same bits).
+V_PEAK_IN_PRODUCT = True
+
+
+def _v_peak(attn: Any, hidden_states: torch.Tensor | QuantizedRows) -> torch.Tensor | None:
+    """A zeroed fp32 [1] for V's peak where ``attn``'s merged fp8 QKV product on CUDA feeds an fp8
+    attention (:func:`_fp8_block`) and :data:`V_PEAK_IN_PRODUCT` holds: the product (its epilogue,
+    where the Triton GEMM runs it) finds V's largest magnitude, so V's per-tensor quantization
+    reads V once, not twice; else None."""
+    values = hidden_states.values if isinstance(hidden_states, QuantizedRows) else hidden_states
+    if not (V_PEAK_IN_PRODUCT and values.is_cuda and _fp8_block(attn)):
+        return None
+    return torch.zeros(1, dtype=torch.float32, device=values.device)
 
 
 class ZImageFusedProcessor(_FusedProcessor):
@@ -153,15 +171,18 @@ class ZImageFusedProcessor(_FusedProcessor):
         if freqs_cis is None or attn.norm_q is None or attn.norm_k is None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
         to_qkv = getattr(attn, "to_qkv", None)
+        v_peak = None
         if isinstance(to_qkv, W8A8Linear):  # merged W8A8 layers: one product (its input maybe quantized)
-            query, key, value = to_qkv(hidden_states).unflatten(-1, (3, attn.heads, -1)).unbind(-3)
+            v_peak = _v_peak(attn, hidden_states)  # (V: the last third of the product's columns)
+            qkv = to_qkv(hidden_states, v_peak, to_qkv.out_features // 3 * 2)
+            query, key, value = qkv.unflatten(-1, (3, attn.heads, -1)).unbind(-3)
         else:
             query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
             key = attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1))
             value = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
         out = _attention(
             self, attn, query, key, value, table_from_complex(freqs_cis), attention_mask, per_head=True,
-            norm="composite", rope="complex", prefix_keys=True,
+            norm="composite", rope="complex", prefix_keys=True, v_peak=v_peak,
         )  # fmt: skip
         if not isinstance(out, QuantizedRows):  # (else e4m3 for the fp8 to_out)
             out = out.flatten(2, 3).to(value.dtype)

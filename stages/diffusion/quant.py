@@ -70,8 +70,12 @@ class W8A8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().to(qweight.device)
         return cls(qweight, scale, bias, kind)
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        return w8a8_linear(x, self.qweight, self.weight_scale, self.bias, self.kind)
+    def forward(
+        self, x: torch.Tensor | QuantizedRows, peak: torch.Tensor | None = None, peak_from: int = 0
+    ) -> torch.Tensor:
+        """The product; ``peak`` (fp32 [1]): raised to the largest magnitude of its output columns
+        ``peak_from`` on (:func:`~omnirt.kernels.w8a8.w8a8_linear`)."""
+        return w8a8_linear(x, self.qweight, self.weight_scale, self.bias, self.kind, peak, peak_from)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"

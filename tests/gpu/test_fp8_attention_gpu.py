@@ -175,3 +175,38 @@ def test_fp8_zimage_attends_in_fp8_when_asked(monkeypatch):
     assert all(dtype == torch.float8_e4m3fn and e4m3_out for _, dtype, e4m3_out in calls)  # into to_out
     print(f"fp8 attention Z-Image vs bf16 attention: {_snr_db(got, want):.1f} dB")
     assert _snr_db(got, want) > 20
+
+
+@pytest.mark.parametrize("gemm", ["triton", "library"])
+def test_vs_peak_from_the_qkv_product_gives_the_same_step(gemm, monkeypatch):
+    """``fused.V_PEAK_IN_PRODUCT``: V's peak for the fp8 attention found by the merged QKV
+    product (the Triton GEMM's epilogue, or over the library product's output) gives the bits of
+    V's quantization finding it itself, and the attention gets it (``v_peak``)."""
+    from omnirt.kernels import w8a8
+    from omnirt.stages.diffusion import fused
+    from omnirt.stages.diffusion.quant import quantize_model
+
+    from .dit_models import tiny_zimage
+
+    zimage = tiny_zimage(dim=768, heads=6)
+    quantize_model(zimage, "fp8")
+    fused.install(zimage)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    latents = [torch.randn(16, 1, 32, 32, device="cuda", dtype=torch.bfloat16, generator=g)]
+    caption = [torch.randn(40, 64, device="cuda", dtype=torch.bfloat16, generator=g)]
+    t = torch.tensor([0.4], device="cuda", dtype=torch.bfloat16)
+    peaks = []
+    run = fp8_attention.fp8_attention
+
+    def spy(*args, **kwargs):
+        peaks.append(kwargs.get("v_peak"))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_attention, "fp8_attention", spy)
+    with torch.no_grad(), w8a8.gemm_as(gemm):
+        outputs = []
+        for on in (False, True):
+            monkeypatch.setattr(fused, "V_PEAK_IN_PRODUCT", on)
+            outputs.append(zimage(latents, t, caption, return_dict=False)[0][0])
+    assert torch.equal(outputs[0], outputs[1])
+    assert len(peaks) == 8 and all(p is None for p in peaks[:4]) and all(p is not None for p in peaks[4:])

@@ -62,6 +62,12 @@ def test_quantize_tensor_kernels_are_bitwise_the_eager_chain():
         want, want_scale = quantize_rows(t.reshape(1, -1), "int8")
         assert got.shape == t.shape and torch.equal(got.reshape(1, -1), want)
         assert torch.equal(got_scale, want_scale.view(1))
+        # the peak given (found by the product that wrote t): the values kernel alone, the same bits
+        known = fp8_attention.quantize_tensor_triton(t, "int8", peak=t.abs().amax().float().view(1))
+        assert torch.equal(known[0], got) and torch.equal(known[1], got_scale)
+    # a given peak is taken as it is (no pass of its own over the values)
+    _, scale = fp8_attention.quantize_tensor_triton(x, "int8", peak=torch.full((1,), 127.0 * 4))
+    assert scale.item() == 4.0
 
 
 @pytest.mark.parametrize("batch, masked", [(1, False), (2, True)])

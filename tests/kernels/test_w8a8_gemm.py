@@ -131,3 +131,35 @@ def test_the_tma_variants_are_the_same_product(config, gated):
     operands = (xq, x_scale, qweight, weight_scale, bias, torch.float32)
     want = w8a8_gemm.w8a8_gemm(*operands, config=SMALL[0], gated=gated)
     assert torch.equal(w8a8_gemm.w8a8_gemm(*operands, config=config, gated=gated), want)
+
+
+@interpreted
+@pytest.mark.parametrize("config", SMALL[1:], ids=lambda c: c.name())
+def test_the_epilogue_finds_the_peak_of_the_last_columns(config):
+    """``peak``: the largest magnitude of the output's columns ``peak_from`` on (V of a merged
+    QKV product) as stored, found by the epilogue (tiles before those columns add nothing), raised
+    from what the buffer held; the product's bits unchanged. ``w8a8_linear`` finds it either way
+    (here, off CUDA, over its output)."""
+    from omnirt.kernels.w8a8 import w8a8_linear
+
+    g = torch.Generator().manual_seed(9)
+    m, n, k = 70, 3 * 48, 64
+    xq, x_scale = quantize_rows(torch.randn(m, k, generator=g), "int8")
+    qweight, weight_scale = quantize_rows(torch.randn(n, k, generator=g) * 0.1, "int8")
+    qweight[:96] *= 3  # q and k larger than v: their columns must not count
+    operands = (xq, x_scale, qweight, weight_scale, None, torch.float32)
+    want = w8a8_gemm.w8a8_gemm(*operands, config=config)
+    for start in (96, 100, 0):
+        peak = torch.zeros(1)
+        got = w8a8_gemm.w8a8_gemm(*operands, config=config, peak=peak, peak_from=start)
+        assert torch.equal(got, want) and torch.equal(peak, want[:, start:].abs().amax().view(1))
+    assert want.abs().amax() > want[:, 96:].abs().amax()
+    peak = torch.full((1,), 1e9)  # raised, never lowered
+    w8a8_gemm.w8a8_gemm(*operands, config=config, peak=peak, peak_from=96)
+    assert peak.item() == 1e9
+    with pytest.raises(ValueError, match="peak must be fp32"):
+        w8a8_gemm.w8a8_gemm(*operands, peak=torch.zeros(2), peak_from=96)
+    x = torch.randn(3, m // 3 + 1, k, generator=g)
+    peak = torch.zeros(1)
+    out = w8a8_linear(x, qweight, weight_scale, None, "int8", peak, 96)
+    assert torch.equal(peak, out[..., 96:].abs().amax().view(1))
