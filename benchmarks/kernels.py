@@ -336,9 +336,56 @@ def rms_speed(sweep: bool) -> list[str]:
                 finally:
                     rms_norm.WARPS = None
                 sweeps.append(f"| {name} | exact, {warps} warps | {ms:.3f} |")
-    rows += held
+    rows += held + ["", *_pair_rows(g)]
     if sweeps:
         rows += ["", "| shape | kernel | ms |", "|---|---|---|", *sweeps]
+    return rows
+
+
+def _pair_rows(g: torch.Generator) -> list[str]:
+    """Z-Image's update after its attention (``x + gate * norm(out)``) and the feed-forward's norm
+    of the new stream (``scale * norm2``; quantized for fp8 products), as two kernels and as
+    ``rms_norm_modulate_pair``, with the rows read again and held (``settings.HOLD_ROWS``)."""
+    from omnirt.kernels import settings
+    from omnirt.kernels.rms_norm import (
+        rms_norm_modulate_pair_triton,
+        rms_norm_modulate_quantize_triton,
+        rms_norm_modulate_triton,
+    )
+
+    t, c = 4128, 3840
+    out, x = (torch.randn(1, t, c, device="cuda", generator=g).bfloat16() for _ in range(2))
+    w, w2 = (torch.randn(c, device="cuda", generator=g).bfloat16() for _ in range(2))
+    gate, scale = (torch.randn(1, 1, c, device="cuda", generator=g).bfloat16() for _ in range(2))
+    rows = [
+        "| 4128 x 3840, update then norm | rows | two kernels ms | one kernel ms | speed-up | same bits |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in (None, "fp8"):
+
+        def two(kind=kind):
+            stream = rms_norm_modulate_triton(out, w, 1e-6, gate, x)
+            if kind is None:
+                return stream, rms_norm_modulate_triton(stream, w2, 1e-6, scale)
+            return stream, *rms_norm_modulate_quantize_triton(stream, w2, 1e-6, scale, kind)
+
+        def one(kind=kind):
+            stream, normed, row_scale = rms_norm_modulate_pair_triton(
+                out, w, 1e-6, gate, x, w2, 1e-6, scale, kind
+            )
+            return (stream, normed) if kind is None else (stream, normed, row_scale)
+
+        for hold in (False, True):
+            settings.HOLD_ROWS = hold
+            try:
+                apart, paired = bench(two), bench(one)
+                same = all(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+                           for a, b in zip(two(), one(), strict=True))  # fmt: skip
+            finally:
+                settings.HOLD_ROWS = False
+            form = "bf16" if kind is None else f"{kind}-quantized"
+            rows.append(f"| {form} | {'held' if hold else 'read again'} | {apart:.4f} | {paired:.4f} "
+                        f"| {apart / paired:.2f}x | {same} |")  # fmt: skip
     return rows
 
 

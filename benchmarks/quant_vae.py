@@ -15,7 +15,9 @@
   norms and of the per-token quantization held in registers and once read again for each pass
   (``kernels/settings.py``'s ``HOLD_ROWS``); ``--v-peak on,off`` each quantized row with V's peak
   for the fp8 attention found in the ``to_qkv`` GEMM's epilogue and in a pass of its own
-  (``stages/diffusion/fused.py``'s ``V_PEAK_IN_PRODUCT``).
+  (``stages/diffusion/fused.py``'s ``V_PEAK_IN_PRODUCT``); ``--paired-norms on,off`` every row with
+  the residual update after the attention and the feed-forward's norm as one kernel and as two
+  (``fused.PAIRED_NORMS``).
 - **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
   shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
   from the same noise: the PSNR of the decoded pixels against bf16's. With ``--wan``, also Wan's
@@ -51,7 +53,8 @@
         [--vae 480p,720p] [--vae-dtype bf16|fp32] [--fast-convs summed,stacked-all,...] [--tiled]
         [--conv-input] [--conv-layouts] [--conv-speed] [--conv-cudnn] [--fast-ablations]
         [--norm-orders] [--skip-zimage] [--dit-profile] [--gemms library,triton] [--gated-epilogue on,off]
-        [--hold-rows on,off] [--v-peak on,off] [--gemm-tiles 8,14] [--formats "fp8, fp8 attention"]
+        [--hold-rows on,off] [--v-peak on,off] [--paired-norms on,off] [--gemm-tiles 8,14]
+        [--formats "fp8, fp8 attention"]
         [--attention-plans N]
 
 - **DiT profile** (``--dit-profile``): one Z-Image step's (with ``--wan``, one Wan step's, in
@@ -160,6 +163,21 @@ HOLD_ROWS: tuple[bool | None, ...] = (None,)
 V_PEAK: tuple[bool, ...] = (True,)
 
 
+#: ``stages.diffusion.fused.PAIRED_NORMS`` in each row, bf16's too (``--paired-norms``); None: as it is.
+PAIRED: tuple[bool | None, ...] = (None,)
+
+
+@contextlib.contextmanager
+def module_flag(module: Any, name: str, on: bool | None):
+    """``module.name`` set to ``on`` for the block (None: as it is)."""
+    before = getattr(module, name)
+    setattr(module, name, before if on is None else on)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
+
+
 @contextlib.contextmanager
 def v_peak_in_product(on: bool):
     """``fused.V_PEAK_IN_PRODUCT`` (V's peak for the fp8 attention found in the QKV product's
@@ -266,15 +284,16 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         ref = call(model)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         base, rows = {}, []
-        for hold in HOLD_ROWS:
-            with hold_rows(hold):
-                base[hold] = bench(lambda: call(model))
+        for hold, paired in itertools.product(HOLD_ROWS, PAIRED):
+            with hold_rows(hold), module_flag(fused, "PAIRED_NORMS", paired):
+                base[hold, paired] = bench(lambda: call(model))
             gib = weights / 2**30
-            rows.append(f"| {name} | bf16{_hold_note(hold)} | {base[hold]:.1f} | 1.00x | {gib:.2f} | - |")
+            notes = _hold_note(hold) + _paired_note(paired)
+            rows.append(f"| {name} | bf16{notes} | {base[hold, paired]:.1f} | 1.00x | {gib:.2f} | - |")
             print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
-            combos = itertools.product(GEMMS, GATED_EPILOGUE, TILES, HOLD_ROWS, V_PEAK)
-            for gemm, gated, tiles, hold, v_peak in combos:
+            combos = itertools.product(GEMMS, GATED_EPILOGUE, TILES, HOLD_ROWS, V_PEAK, PAIRED)
+            for gemm, gated, tiles, hold, v_peak, paired in combos:
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(attention_in_fp8(attention))
                     stack.enter_context(w8a8.gemm_as(gemm))
@@ -282,19 +301,25 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                     stack.enter_context(gemm_tiles(tiles))
                     stack.enter_context(hold_rows(hold))
                     stack.enter_context(v_peak_in_product(v_peak))
+                    stack.enter_context(module_flag(fused, "PAIRED_NORMS", paired))
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
                 notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
                 notes += f", tiles {tiles.name()}" if len(TILES) > 1 or tiles != _default_tiles() else ""
-                notes += _hold_note(hold) + ("" if v_peak else ", V's peak apart")
+                notes += _hold_note(hold) + ("" if v_peak else ", V's peak apart") + _paired_note(paired)
+                speedup = base[hold, paired] / ms
                 rows.append(
                     f"| {name} | {label} ({layers} layers){notes} "
-                    f"| {ms:.1f} | {base[hold] / ms:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
+                    f"| {ms:.1f} | {speedup:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
                 )
                 print(rows[-1], flush=True)
                 del out
             del quantized
     return rows
+
+
+def _paired_note(paired: bool | None) -> str:
+    return "" if paired is None else (", norms paired" if paired else ", norms apart")
 
 
 def _hold_note(hold: bool | None) -> str:
@@ -982,6 +1007,10 @@ def main(argv: list[str] | None = None) -> int:
         help="transformer steps: a row per setting (on,off) of settings.HOLD_ROWS, bf16 too (default: as is)",
     )  # fmt: skip
     p.add_argument(
+        "--paired-norms", default="",
+        help="transformer steps: a row per setting (on,off) of fused.PAIRED_NORMS, bf16 too (default: as is)",
+    )  # fmt: skip
+    p.add_argument(
         "--v-peak", default="on",
         help="transformer steps: a row per setting (on,off) of fused.V_PEAK_IN_PRODUCT (V's peak in to_qkv)",
     )  # fmt: skip
@@ -1003,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_plans is not None:
         fp8_attention.AUTOTUNE_PLANS = args.attention_plans
 
-    global GEMMS, GATED_EPILOGUE, TILES, FORMAT_LABELS, HOLD_ROWS, V_PEAK
+    global GEMMS, GATED_EPILOGUE, TILES, FORMAT_LABELS, HOLD_ROWS, V_PEAK, PAIRED
     from omnirt.kernels import w8a8_gemm
 
     try:
@@ -1027,6 +1056,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(v not in ("on", "off") for v in peaks):
         p.error("--v-peak takes on, off or both")
     V_PEAK = tuple(v == "on" for v in peaks)
+    paired = [v for v in args.paired_norms.split(",") if v]
+    if any(v not in ("on", "off") for v in paired):
+        p.error("--paired-norms takes on, off or both")
+    PAIRED = tuple(v == "on" for v in paired) or (None,)
     if any(g not in w8a8.GEMMS for g in GEMMS):
         p.error(f"--gemms are {', '.join(w8a8.GEMMS)}")
     for kind in w8a8.KINDS:

@@ -120,23 +120,53 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _row_sum(acc, G: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ATEN: tl.constexpr,
+                 ROWS_TREE: tl.constexpr, WARP: tl.constexpr):  # fmt: skip
+        """The row's sum of squares from its lanes' accumulators (``acc``), in ATen's order where
+        ``ATEN``."""
+        if ROWS_TREE:
+            ss = warp_rows_sum(acc, G, WARP)
+        elif ATEN and VEC == 4:
+            ss = vec4_lanes_sum(acc, LANES)
+        elif ATEN:
+            ss = lanes_halving_sum(tl.reshape(acc, (1, LANES)), LANES)
+        else:
+            ss = tl.sum(tl.sum(acc, axis=1), axis=0)
+        return ss
+
+    @triton.jit
+    def _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT: tl.constexpr, HAS_M: tl.constexpr,
+                HAS_R: tl.constexpr, HAS_M2: tl.constexpr, PAIR: tl.constexpr,
+                ROUNDS: tl.constexpr):  # fmt: skip
+        """The kernel's output at ``at`` in fp32 from the row's values ``v`` there: the norm's
+        (:func:`_normed`), or with ``PAIR`` the second norm's (``W2``, ``M2``, no residual) of the
+        stream the first wrote."""
+        if PAIR:
+            y = _normed(v, W2, M2, R, base, at, m_base, rstd, DT, HAS_M2, False, ROUNDS)
+        else:
+            y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
+        return y
+
+    @triton.jit
     def _add_rms_norm_kernel(
-        X, D, W, XO, Y, SS, M, R, QS, eps, factor, m_stride, tokens, INV_QMAX,
+        X, D, W, XO, Y, SS, M, R, QS, W2, M2, eps, eps2, factor, m_stride, m2_stride, tokens, INV_QMAX,
         WIDTH: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
         HAS_D: tl.constexpr, HAS_SS: tl.constexpr, HAS_M: tl.constexpr, HAS_R: tl.constexpr,
         ATEN: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
         QMAX: tl.constexpr, MIN_PEAK: tl.constexpr, ROUNDER: tl.constexpr, ROWS_TREE: tl.constexpr,
-        WARP: tl.constexpr, ROUNDS: tl.constexpr, HOLD: tl.constexpr,
+        WARP: tl.constexpr, ROUNDS: tl.constexpr, HOLD: tl.constexpr, PAIR: tl.constexpr,
+        HAS_M2: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the row read as STEPS slices of LANES vectors of VEC elements. With
         # HOLD the slices stay in registers after the first read (one read of the row from memory);
-        # else the passes after it read them again.
+        # else the passes after it read them again. PAIR: the norm's output (``R + M * norm(X)``)
+        # is a residual stream, stored to XO, and the output is a second norm's of it (W2, M2).
         row = tl.program_id(0).to(tl.int64)
         DT: tl.constexpr = X.dtype.element_ty
         SLICE: tl.constexpr = LANES * VEC
         base = row * WIDTH
+        G: tl.constexpr = LANES // 32
         if ROWS_TREE:  # ATen's order with lanes as [G, 32] (lane g * 32 + t), each lane's vector last
-            G: tl.constexpr = LANES // 32
             g = tl.arange(0, G)[:, None, None] * 32
             piece = (g + tl.arange(0, 32)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
             acc = tl.zeros([G, 32, 4], tl.float32)
@@ -153,39 +183,68 @@ if triton is not None:
                 acc += sq
             else:
                 acc += tl.reshape(sq, (LANES, VEC))
-        if ROWS_TREE:
-            ss = warp_rows_sum(acc, G, WARP)
-        elif ATEN and VEC == 4:
-            ss = vec4_lanes_sum(acc, LANES)
-        elif ATEN:
-            ss = lanes_halving_sum(tl.reshape(acc, (1, LANES)), LANES)
-        else:
-            ss = tl.sum(tl.sum(acc, axis=1), axis=0)
+        ss = _row_sum(acc, G, LANES, VEC, ATEN, ROWS_TREE, WARP)
         if HAS_SS:
             tl.store(SS + row, ss)
         rstd = tl.math.rsqrt(ss * factor + eps)
         # The row again, slice by slice (the sum recomputed, not read back: another thread may
         # have stored it).
         m_base = (row // tokens) * m_stride
+        if PAIR:  # the stream R + M * norm(X) written, its squares summed as the first's; held
+            acc = tl.zeros_like(acc)
+            stream = ()
+            for step in tl.static_range(STEPS):
+                at = step * SLICE + piece
+                v = held[step] if HOLD else _values(X, D, XO, base + at, DT, HAS_D, False)
+                x2 = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS).to(DT)
+                tl.store(XO + base + at, x2)
+                if HOLD:
+                    stream = stream + (x2,)
+                sq = x2.to(tl.float32) * x2.to(tl.float32)
+                if ROWS_TREE:
+                    acc += sq
+                else:
+                    acc += tl.reshape(sq, (LANES, VEC))
+            rstd = tl.math.rsqrt(_row_sum(acc, G, LANES, VEC, ATEN, ROWS_TREE, WARP) * factor + eps2)
+            m_base = (row // tokens) * m2_stride
+            held = stream
         if QUANT:  # the output quantized per row (w8a8.quantize_rows of it): its peak, then the values
             peak = tl.zeros_like(piece).to(tl.float32)
             for step in tl.static_range(STEPS):
                 at = step * SLICE + piece
-                v = held[step] if HOLD else _values(X, D, XO, base + at, DT, HAS_D, False)
-                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
+                if HOLD:
+                    v = held[step]
+                elif PAIR:  # the stream this thread wrote above (the same elements: the same layout)
+                    v = tl.load(XO + base + at)
+                else:
+                    v = _values(X, D, XO, base + at, DT, HAS_D, False)
+                y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
+                            ROUNDS)  # fmt: skip
                 peak = tl.maximum(peak, tl.abs(y.to(DT).to(tl.float32)))
             scale = tl.maximum(tl.max(tl.reshape(peak, (SLICE,)), axis=0), MIN_PEAK) * INV_QMAX
             tl.store(QS + row, scale)
             for step in tl.static_range(STEPS):
                 at = step * SLICE + piece
-                v = held[step] if HOLD else _values(X, D, XO, base + at, DT, HAS_D, False)
-                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
+                if HOLD:
+                    v = held[step]
+                elif PAIR:
+                    v = tl.load(XO + base + at)
+                else:
+                    v = _values(X, D, XO, base + at, DT, HAS_D, False)
+                y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
+                            ROUNDS)  # fmt: skip
                 tl.store(Y + base + at, quantize_values(y.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8))
         else:
             for step in tl.static_range(STEPS):
                 at = step * SLICE + piece
-                v = held[step] if HOLD else _values(X, D, XO, base + at, DT, HAS_D, False)
-                y = _normed(v, W, M, R, base, at, m_base, rstd, DT, HAS_M, HAS_R, ROUNDS)
+                if HOLD:
+                    v = held[step]
+                elif PAIR:
+                    v = tl.load(XO + base + at)
+                else:
+                    v = _values(X, D, XO, base + at, DT, HAS_D, False)
+                y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
+                            ROUNDS)  # fmt: skip
                 tl.store(Y + base + at, y.to(DT))
 
 
@@ -224,9 +283,11 @@ def _launch(
     mul: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     kind: str | None = None,
+    then: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(x + delta, out, scale)``: ``out`` the norm's output, or with ``kind`` its 8-bit values
-    [rows, W] and ``scale`` their per-row scales [rows, 1]."""
+    [rows, W] and ``scale`` their per-row scales [rows, 1]. ``then`` (``(weight2, eps2, mul2)``):
+    the norm's output is a residual stream, returned first, and ``out`` is ``mul2 * norm2`` of it."""
     width = x.shape[-1]
     rows = x.numel() // width
     if kind is None:
@@ -234,24 +295,27 @@ def _launch(
     else:
         out = torch.empty(rows, width, dtype=w8a8.STORAGE[kind], device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    summed = torch.empty_like(x) if delta is not None else x
+    summed = torch.empty_like(x) if delta is not None or then is not None else x
     if rows == 0:
         return summed, out, scale
     exact = preset in ("exact", "exact_f32")  # ATen's sums; "exact_f32": one rounding (Moshi's chain)
     config = aten_mean_config(width, rows) if exact else None
     steps, lanes, vec = config or _fast_config(width)
     rows_tree = ROWS_TREE and config is not None and vec == 4 and lanes >= 32
-    m_stride, tokens = _mul_layout(x, mul) if mul is not None else (0, 1)
+    weight2, eps2, mul2 = then if then is not None else (weight, eps, None)
+    tokens = rows // x.shape[0] if x.ndim == 3 else 1  # rows a sample (a [B, 1, C] vector each)
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, summed, out,
         sumsq if sumsq is not None else out, mul if mul is not None else x,
-        residual if residual is not None else x, scale if scale is not None else x, eps,
-        mean_factor(rows, width), m_stride, tokens,
+        residual if residual is not None else x, scale if scale is not None else x, weight2,
+        mul2 if mul2 is not None else x, eps, eps2, mean_factor(rows, width), _mul_stride(x, mul),
+        _mul_stride(x, mul2), tokens,
         WIDTH=width, STEPS=steps, LANES=lanes, VEC=vec, HAS_D=delta is not None, HAS_SS=sumsq is not None,
         HAS_M=mul is not None, HAS_R=residual is not None, ATEN=config is not None, ROUNDS=preset == "exact",
         QUANT=kind is not None, **w8a8.quantize_constants(kind), ROWS_TREE=rows_tree,
         WARP=rows_tree and not settings.interpreted(), num_warps=1 if rows_tree else warps_for(lanes * vec),
-        HOLD=holds(steps, lanes * vec, rows_tree), enable_fp_fusion=not exact,
+        HOLD=holds(steps, lanes * vec, rows_tree), PAIR=then is not None, HAS_M2=mul2 is not None,
+        enable_fp_fusion=not exact,
     )  # fmt: skip
     return summed, out, scale
 
@@ -282,13 +346,12 @@ def warps_for(tile: int) -> int:
     return WARPS or max(1, min(8, tile // 512))
 
 
-def _mul_layout(x: torch.Tensor, mul: torch.Tensor) -> tuple[int, int]:
-    """``(stride, tokens)``: row ``r`` of ``x`` is multiplied by ``mul``'s row ``r // tokens``,
-    which starts ``stride`` elements after the one before (0: one vector for every row)."""
-    width = x.shape[-1]
-    if mul.numel() == width:
-        return 0, 1
-    return mul.stride(0), x.numel() // width // x.shape[0]
+def _mul_stride(x: torch.Tensor, mul: torch.Tensor | None) -> int:
+    """How many elements apart ``mul``'s vectors for successive samples of ``x`` start: 0 for one
+    vector for every row (or none), else its batch stride ([B, 1, C])."""
+    if mul is None or mul.numel() == x.shape[-1]:
+        return 0
+    return mul.stride(0)
 
 
 def add_rms_norm_triton(
@@ -526,3 +589,105 @@ def rms_norm_modulate_quantize(
     op = torch.ops.omnirt.rms_norm_modulate_quantize
     values, scale = settings.dispatch(op, _modulate_quantize_impl, x, weight, eps, "exact", mul, kind)
     return w8a8.QuantizedRows(values, scale, kind, tuple(x.shape), x.dtype)
+
+
+# -- two in one: a residual stream's update, then the next sublayer's norm of it -----------------
+def rms_norm_modulate_pair_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mul: torch.Tensor | None, residual: torch.Tensor,
+    weight2: torch.Tensor, eps2: float, mul2: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The eager chains: ``stream = residual + mul * RMSNorm(x)``, then ``mul2 * RMSNorm2(stream)``."""
+    stream = rms_norm_modulate_reference(x, weight, eps, mul, residual)
+    return stream, rms_norm_modulate_reference(stream, weight2, eps2, mul2)
+
+
+def _check_pair(
+    x: torch.Tensor, weight: torch.Tensor, mul: torch.Tensor | None, residual: torch.Tensor,
+    weight2: torch.Tensor, mul2: torch.Tensor | None,
+) -> str | None:  # fmt: skip
+    return (
+        _check(x, None, weight) or _check(x, None, weight2) or _check_modulation(x, mul, residual)
+        or _check_modulation(x, mul2, None)
+    )  # fmt: skip
+
+
+def rms_norm_modulate_pair_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mul: torch.Tensor | None, residual: torch.Tensor,
+    weight2: torch.Tensor, eps2: float, mul2: torch.Tensor | None, kind: w8a8.Kind | None = None,
+    *, preset: Preset = "exact",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The kernel itself (ValueError for inputs it does not take): ``(stream, out, scale)``, the
+    stream ``residual + mul * RMSNorm(x)`` and ``out = mul2 * RMSNorm2(stream)`` (with ``kind``,
+    its 8-bit rows [rows, W] and their scales [rows, 1]; else ``scale`` None), in one launch."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    reason = _check_pair(x, weight, mul, residual, weight2, mul2)
+    if reason:
+        raise ValueError(reason)
+    preset = check_preset(preset)
+    kind = None if kind is None else w8a8.check_kind(kind)
+    return _launch(x, None, weight, eps, preset, None, mul, residual, kind, (weight2, eps2, mul2))
+
+
+def _pair_impl(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mul: torch.Tensor | None, residual: torch.Tensor,
+    weight2: torch.Tensor, eps2: float, mul2: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    stream, out, _ = _launch(x, None, weight, eps, "exact", None, mul, residual, None, (weight2, eps2, mul2))
+    return stream, out
+
+
+_pair_op = torch.library.custom_op("omnirt::rms_norm_modulate_pair", _pair_impl, mutates_args=())
+
+
+@_pair_op.register_fake
+def _pair_fake(x, weight, eps, mul, residual, weight2, eps2, mul2):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _pair_quantize_impl(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mul: torch.Tensor | None, residual: torch.Tensor,
+    weight2: torch.Tensor, eps2: float, mul2: torch.Tensor | None, kind: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    then = (weight2, eps2, mul2)
+    stream, values, scale = _launch(x, None, weight, eps, "exact", None, mul, residual, kind, then)
+    assert scale is not None
+    return stream, values, scale
+
+
+_pair_quantize_op = torch.library.custom_op(
+    "omnirt::rms_norm_modulate_pair_quantize", _pair_quantize_impl, mutates_args=()
+)
+
+
+@_pair_quantize_op.register_fake
+def _pair_quantize_fake(x, weight, eps, mul, residual, weight2, eps2, mul2, kind):
+    rows = x.numel() // x.shape[-1]
+    return (x.new_empty(x.shape), x.new_empty(rows, x.shape[-1], dtype=w8a8.STORAGE[kind]),
+            x.new_empty(rows, 1, dtype=torch.float32))  # fmt: skip
+
+
+def rms_norm_modulate_pair(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mul: torch.Tensor | None, residual: torch.Tensor,
+    weight2: torch.Tensor, eps2: float, mul2: torch.Tensor | None, kind: w8a8.Kind | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | w8a8.QuantizedRows]:  # fmt: skip
+    """``stream = residual + mul * RMSNorm(x)`` (a DiT block's residual update after a sublayer),
+    then ``mul2 * RMSNorm2(stream)`` (the next sublayer's input; with ``kind`` quantized per token
+    for its W8A8 products), as :func:`rms_norm_modulate` and :func:`rms_norm_modulate_quantize`
+    compute them one after the other, the same bits: one launch where the kernel applies to both
+    (:func:`modulate_applies`), the stream read once less; else those two."""
+    if not (
+        modulate_applies(x, weight, mul, residual) and modulate_applies(x, weight2, mul2, None)
+        and _check_pair(x, weight, mul, residual, weight2, mul2) is None
+    ):  # fmt: skip
+        stream = rms_norm_modulate(x, weight, eps, mul, residual)
+        if kind is None:
+            return stream, rms_norm_modulate(stream, weight2, eps2, mul2)
+        return stream, rms_norm_modulate_quantize(stream, weight2, eps2, mul2, kind)
+    args = (x, weight, eps, mul, residual, weight2, eps2, mul2)
+    if kind is None:
+        return settings.dispatch(torch.ops.omnirt.rms_norm_modulate_pair, _pair_impl, *args)
+    stream, values, scale = settings.dispatch(
+        torch.ops.omnirt.rms_norm_modulate_pair_quantize, _pair_quantize_impl, *args, kind
+    )
+    return stream, w8a8.QuantizedRows(values, scale, kind, tuple(x.shape), x.dtype)

@@ -5,7 +5,8 @@
   ``qk_norm_rope`` (per-head composite RMSNorm, complex64 rotary) and otherwise does what the
   original does, line for line. Each ``ZImageTransformerBlock`` runs :func:`zimage_block_forward`,
   diffusers' block with each RMSNorm and the product and sum after it (``norm(x) * scale``,
-  ``x + gate * norm(out)``) as one ``rms_norm_modulate``, and each ``FeedForward`` runs
+  ``x + gate * norm(out)``) as one ``rms_norm_modulate`` (the update after the attention and the
+  feed-forward's norm of the new stream as one ``rms_norm_modulate_pair``), and each ``FeedForward`` runs
   :func:`zimage_feed_forward` (``silu(w1(x)) * w3(x)`` in one ``swiglu`` launch). With W8A8
   weights, whose layers that read one input :func:`install` merges (``quant.merge_projections``:
   ``to_qkv``, ``w13``), the norm before the attention and the one before the feed-forward write
@@ -13,7 +14,8 @@
   the gated unit writes ``w2``'s input quantized (``swiglu_w8a8``: where the Triton GEMM runs
   ``w13``, the gated unit is its epilogue and a pass quantizes it; else ``swiglu_quantize`` after
   the product). No other activation is quantized in a pass of its own but the attention's output,
-  and with fp8 attention not that either (cuDNN writes it in e4m3 for the fp8 ``to_out``).
+  and with fp8 attention not that either (cuDNN writes it in e4m3 for the fp8 ``to_out``); V's
+  per-tensor scale for the fp8 attention comes from ``to_qkv``'s epilogue (``V_PEAK_IN_PRODUCT``).
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
@@ -37,7 +39,7 @@ from ...kernels import fp8_attention, settings
 from ...kernels.adaln import adaln_modulate
 from ...kernels.gated_residual import gated_residual
 from ...kernels.qk_norm_rope import qk_norm_rope, table_from_complex, table_from_interleaved
-from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_quantize
+from ...kernels.rms_norm import rms_norm_modulate, rms_norm_modulate_pair, rms_norm_modulate_quantize
 from ...kernels.settings import Preset
 from ...kernels.swiglu import swiglu, swiglu_w8a8
 from ...kernels.w8a8 import QuantizedRows
@@ -263,6 +265,12 @@ def wan_block_forward(
     return gated_residual(hidden_states, ff_output, c_gate_msa)
 
 
+#: Whether a Z-Image block's residual update after its attention and its feed-forward's norm of the
+#: new stream run as one kernel (:func:`~omnirt.kernels.rms_norm.rms_norm_modulate_pair`, the
+#: stream read once less) or as two (the same bits).
+PAIRED_NORMS = True
+
+
 def zimage_block_forward(
     self: Any,
     x: torch.Tensor,
@@ -300,11 +308,15 @@ def zimage_block_forward(
         attn_out = attention.processor(attention, attn_in, attention_mask=attn_mask, freqs_cis=freqs_cis)
     else:
         attn_out = attention(attn_in, attention_mask=attn_mask, freqs_cis=freqs_cis)
-    x = rms_norm_modulate(attn_out, n2.weight, n2.eps, gate_msa, x)
-    if kind is None:
-        ffn_in = rms_norm_modulate(x, f1.weight, f1.eps, scale_mlp)
+    if PAIRED_NORMS:  # the residual update and the feed-forward's norm of it in one launch
+        x, ffn_in = rms_norm_modulate_pair(attn_out, n2.weight, n2.eps, gate_msa, x, f1.weight, f1.eps,
+                                           scale_mlp, kind)  # fmt: skip
     else:
-        ffn_in = rms_norm_modulate_quantize(x, f1.weight, f1.eps, scale_mlp, kind)
+        x = rms_norm_modulate(attn_out, n2.weight, n2.eps, gate_msa, x)
+        if kind is None:
+            ffn_in = rms_norm_modulate(x, f1.weight, f1.eps, scale_mlp)
+        else:
+            ffn_in = rms_norm_modulate_quantize(x, f1.weight, f1.eps, scale_mlp, kind)
     hidden = self.feed_forward(ffn_in)
     return rms_norm_modulate(hidden, f2.weight, f2.eps, gate_mlp, x)
 

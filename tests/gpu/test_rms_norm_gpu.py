@@ -175,3 +175,35 @@ def test_modulated_exact_is_bitwise_diffusers_block_chain(hold):
     gate = torch.rand(1, 1, 3840, device="cuda", dtype=torch.bfloat16)
     want = rms_norm_modulate_reference(x, w, 1e-5, gate, x)
     assert torch.equal(rms_norm_modulate(x, w, 1e-5, gate, x), want)  # the dispatcher, auto
+
+
+def test_the_pair_is_bitwise_the_two_eager_chains(hold):
+    """``rms_norm_modulate_pair``: Z-Image's update after its attention and the feed-forward's norm
+    of the new stream (bf16, or quantized per token as the W8A8 products read it) in one launch,
+    bitwise diffusers' two chains (and ``w8a8.quantize_rows`` of the second)."""
+    from omnirt.kernels.rms_norm import rms_norm_modulate_pair, rms_norm_modulate_pair_reference
+    from omnirt.kernels.w8a8 import quantize_rows
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    differ, checked = [], 0
+    for batch, tokens, width in ((1, 4128, 3840), (2, 4128, 3840), (1, 32, 3840), (2, 100, 512)):
+        shape = (batch, tokens, width)
+        out, x = ((torch.randn(*shape, device="cuda", generator=g) * 3).bfloat16() for _ in range(2))
+        w, w2 = ((1 + 0.1 * torch.randn(width, device="cuda", generator=g)).bfloat16() for _ in range(2))
+        gate = torch.tanh(torch.randn(batch, 1, width, device="cuda", generator=g)).bfloat16()
+        scale = (1 + 0.1 * torch.randn(batch, 1, width, device="cuda", generator=g)).bfloat16()
+        want_stream, want = rms_norm_modulate_pair_reference(out, w, 1e-5, gate, x, w2, 1e-6, scale)
+        for kind in (None, "int8", "fp8"):
+            stream, got = rms_norm_modulate_pair(out, w, 1e-5, gate, x, w2, 1e-6, scale, kind)
+            checked += 1
+            if kind is None:
+                same = torch.equal(got, want)
+            else:
+                values, row_scale = quantize_rows(want.reshape(-1, width), kind)
+                same = torch.equal(got.scale, row_scale) and torch.equal(
+                    got.values.view(torch.int8), values.view(torch.int8)
+                )
+            if not (same and torch.equal(stream, want_stream)):
+                differ.append(f"{batch}x{tokens}x{width} {kind}: stream {torch.equal(stream, want_stream)}")
+    print(f"\n[gpu] rms_norm_modulate_pair (held {hold}): {checked - len(differ)} of {checked} bitwise")
+    assert not differ, "\n".join(differ)

@@ -312,3 +312,50 @@ def test_rows_held_in_registers_give_the_same_bits(monkeypatch):
     assert not rms_norm.holds(30, 128, False) and not rms_norm.holds(2, 4096, True)
     held = run()
     assert all(torch.equal(a, b) for a, b in zip(again, held, strict=True))
+
+
+@interpreted
+@pytest.mark.parametrize("hold", [False, True], ids=["read-again", "held"])
+@pytest.mark.parametrize("shape", [(2, 9, 3840), (1, 16, 3840), (2, 20, 256)], ids=str)
+def test_the_pair_is_the_two_norms_one_after_the_other(shape, hold, monkeypatch):
+    """``rms_norm_modulate_pair``: a block's residual update (``x + gate * norm(out)``) and the next
+    sublayer's norm of the new stream (``scale * norm2``, or quantized) in one launch, the bits of
+    the two kernels one after the other; the dispatcher off CUDA runs those two chains."""
+    from omnirt.kernels.rms_norm import (
+        rms_norm_modulate_pair,
+        rms_norm_modulate_pair_reference,
+        rms_norm_modulate_pair_triton,
+        rms_norm_modulate_quantize_triton,
+    )
+    from omnirt.kernels.w8a8 import quantize_rows
+
+    monkeypatch.setattr(settings, "HOLD_ROWS", hold)
+    batch, tokens, width = shape
+    out, w, scale, gate, residual = _dit_inputs(*shape)
+    w2 = torch.randn(width, generator=torch.Generator().manual_seed(7))
+    for mul, mul2 in ((gate, scale), (None, scale[:1]), (gate[:1, 0, :], None)):
+        stream, normed, none = rms_norm_modulate_pair_triton(out, w, 1e-5, mul, residual, w2, 1e-6, mul2)
+        want_stream = rms_norm_modulate_triton(out, w, 1e-5, mul, residual)
+        assert none is None and torch.equal(stream, want_stream)
+        assert torch.equal(normed, rms_norm_modulate_triton(want_stream, w2, 1e-6, mul2))
+        stream, values, row_scale = rms_norm_modulate_pair_triton(
+            out, w, 1e-5, mul, residual, w2, 1e-6, mul2, "int8"
+        )
+        want_values, want_scale = rms_norm_modulate_quantize_triton(want_stream, w2, 1e-6, mul2, "int8")
+        assert torch.equal(stream, want_stream)
+        assert torch.equal(values, want_values) and torch.equal(row_scale, want_scale)
+    # off CUDA: the eager chains, one after the other
+    got_stream, got = rms_norm_modulate_pair(out, w, 1e-5, gate, residual, w2, 1e-6, scale, "int8")
+    want_stream, want = rms_norm_modulate_pair_reference(out, w, 1e-5, gate, residual, w2, 1e-6, scale)
+    assert torch.equal(got_stream, want_stream) and got.kind == "int8"
+    assert torch.equal(got.values, quantize_rows(want.reshape(-1, width), "int8")[0])
+    with pytest.raises(ValueError, match=r"\[B, 1, C\]"):
+        rms_norm_modulate_pair_triton(out, w, 1e-5, gate, residual, w2, 1e-6, scale[:, :, :100])
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_modulate_pair_triton(out, w, 1e-5, gate, residual[:, :1], w2, 1e-6, scale)
+    for op, extra in ((torch.ops.omnirt.rms_norm_modulate_pair, ()),
+                      (torch.ops.omnirt.rms_norm_modulate_pair_quantize, ("int8",))):  # fmt: skip
+        torch.library.opcheck(
+            op.default, (out, w, 1e-5, gate, residual, w2, 1e-6, scale, *extra),
+            test_utils=("test_schema", "test_faketensor"),
+        )  # fmt: skip
