@@ -1,23 +1,24 @@
 """W8A8 DiTs (``--quantization``) and the Wan VAE decoder's fast path (``--vae-fast``) at real size.
 
-- **Transformer steps**: one step of Z-Image (6.15 B, 1024x1024) and optionally Wan (1.3 B or
-  14 B, 480p or 720p, 81 frames) in bf16, int8, fp8 and fp8 with fp8 attention (``--fp8-attention
-  on``: cuDNN's fp8 flash attention, ``kernels/fp8_attention.py``; its output in e4m3 into the
-  fp8 ``to_out`` as the server runs it, and in bf16 for comparison), from the published configs
-  with random bf16 weights; the weights' memory and the step output's SNR against bf16 on the same weights and
-  inputs (a copy of the bf16 model is quantized, so both stay loaded), with the fused kernels of
-  ``stages/diffusion/fused.py`` installed as the server installs them. Milliseconds are the median
-  of ``triton.testing.do_bench``. ``--gemms library,triton`` gives each quantized row once per W8A8 GEMM
-  (``kernels/w8a8.py``'s ``GEMM``: the library's products, or ``kernels/w8a8_gemm.py``'s Triton
-  GEMM with the scales and bias in its epilogue); ``--gated-epilogue on,off`` once with Z-Image's
-  gated unit in the ``w13`` GEMM's epilogue and once apart (``kernels/swiglu.py``'s
-  ``GATED_EPILOGUE``); ``--hold-rows on,off`` every row, bf16's too, once with the rows of the
-  norms and of the per-token quantization held in registers and once read again for each pass
-  (``kernels/settings.py``'s ``HOLD_ROWS``); ``--v-peak on,off`` each quantized row with V's peak
-  for the fp8 attention found in the ``to_qkv`` GEMM's epilogue and in a pass of its own
-  (``stages/diffusion/fused.py``'s ``V_PEAK_IN_PRODUCT``); ``--paired-norms on,off`` every row with
-  the residual update after the attention and the feed-forward's norm as one kernel and as two
-  (``fused.PAIRED_NORMS``).
+- **Transformer steps**: one step of Z-Image (6.15 B, 1024x1024) and optionally Wan (1.3 B or 14 B,
+  480p or 720p, 81 frames) in bf16, int8, fp8 and fp8 with fp8 attention (``--fp8-attention on``:
+  cuDNN's fp8 flash attention, ``kernels/fp8_attention.py``; its output in e4m3 into the fp8
+  ``to_out`` as the server runs it, and in bf16 for comparison), from the published configs with
+  random bf16 weights; the weights' memory and the step output's SNR against bf16 on the same
+  weights and inputs (a copy of the bf16 model is quantized, so both stay loaded), with the fused
+  kernels of ``stages/diffusion/fused.py`` installed as the server installs them. Milliseconds are
+  the median of ``triton.testing.do_bench`` (launched from Python: the host's pace counts) and of
+  the step replayed from one CUDA graph (the GPU's time alone). ``--gemms library,triton`` gives
+  each quantized row once per W8A8 GEMM (``kernels/w8a8.py``'s ``GEMM``: the library's products, or
+  ``kernels/w8a8_gemm.py``'s Triton GEMM with the scales and bias in its epilogue);
+  ``--gated-epilogue on,off`` once with Z-Image's gated unit in the ``w13`` GEMM's epilogue and once
+  apart (``kernels/swiglu.py``'s ``GATED_EPILOGUE``); ``--hold-rows on,off`` every row, bf16's too,
+  once with the rows of the norms and of the per-token quantization held in registers and once read
+  again for each pass (``kernels/settings.py``'s ``HOLD_ROWS``); ``--v-peak on,off`` each quantized
+  row with V's peak for the fp8 attention found in the ``to_qkv`` GEMM's epilogue and in a pass of
+  its own (``stages/diffusion/fused.py``'s ``V_PEAK_IN_PRODUCT``); ``--paired-norms on,off`` every
+  row with the residual update after the attention and the feed-forward's norm as one kernel and as
+  two (``fused.PAIRED_NORMS``).
 - **Final images** (``--final``): Z-Image's 8 Euler steps (the pipeline's flow-matching schedule,
   shift 3, random caption features in place of the text encoder) then its VAE, per weight format,
   from the same noise: the PSNR of the decoded pixels against bf16's. With ``--wan``, also Wan's
@@ -86,6 +87,22 @@ def bench(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=2, rep=20, return_mode="median"))
+
+
+def replay_ms(fn) -> float | None:
+    """Milliseconds of ``fn`` replayed from one CUDA graph (the GPU's time, whatever the host's
+    pace), or None where it cannot be captured."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+    except Exception:  # a host sync in the forward: not capturable as it is
+        torch.cuda.synchronize()
+        return None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -286,10 +303,12 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         base, rows = {}, []
         for hold, paired in itertools.product(HOLD_ROWS, PAIRED):
             with hold_rows(hold), module_flag(fused, "PAIRED_NORMS", paired):
-                base[hold, paired] = bench(lambda: call(model))
+                ms = bench(lambda: call(model))
+                base[hold, paired] = ms, replay_ms(lambda: call(model))
             gib = weights / 2**30
             notes = _hold_note(hold) + _paired_note(paired)
-            rows.append(f"| {name} | bf16{notes} | {base[hold, paired]:.1f} | 1.00x | {gib:.2f} | - |")
+            replay = _ms(base[hold, paired][1])
+            rows.append(f"| {name} | bf16{notes} | {ms:.1f} | {replay} | 1.00x | 1.00x | {gib:.2f} | - |")
             print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
         for label, quantized, layers, size, attention in quantized_copies(model):
             combos = itertools.product(GEMMS, GATED_EPILOGUE, TILES, HOLD_ROWS, V_PEAK, PAIRED)
@@ -304,13 +323,15 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                     stack.enter_context(module_flag(fused, "PAIRED_NORMS", paired))
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
+                    replay = replay_ms(lambda q=quantized: call(q))
                 notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
                 notes += f", tiles {tiles.name()}" if len(TILES) > 1 or tiles != _default_tiles() else ""
                 notes += _hold_note(hold) + ("" if v_peak else ", V's peak apart") + _paired_note(paired)
-                speedup = base[hold, paired] / ms
+                bf16_ms, bf16_replay = base[hold, paired]
+                replayed = "-" if None in (replay, bf16_replay) else f"{bf16_replay / replay:.2f}x"
                 rows.append(
-                    f"| {name} | {label} ({layers} layers){notes} "
-                    f"| {ms:.1f} | {speedup:.2f}x | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
+                    f"| {name} | {label} ({layers} layers){notes} | {ms:.1f} | {_ms(replay)} "
+                    f"| {bf16_ms / ms:.2f}x | {replayed} | {size / 2**30:.2f} | {snr_db(out, ref):.1f} |"
                 )
                 print(rows[-1], flush=True)
                 del out
@@ -1081,8 +1102,11 @@ def main(argv: list[str] | None = None) -> int:
         conv_input.FLAT_CHANNELS_LAST = False
     print(f"# W8A8 DiTs, Wan VAE fast path: {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
     if not args.skip_zimage or args.wan:
-        print("| transformer step | weights | ms | speed-up | weight GiB | output SNR vs bf16 (dB) |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| transformer step | weights | ms | CUDA graph replay ms | speed-up | speed-up (replays) "
+            "| weight GiB | output SNR vs bf16 (dB) |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
     if not args.skip_zimage:
         zimage_rows()  # (each row printed as it comes)
         torch.cuda.empty_cache()
