@@ -16,8 +16,12 @@ Three tables (markdown), each measured in this run:
    480p, 81 frames) built from the published configs with random bf16 weights, with the fused
    paths installed and without.
 
-4. **Modulated RMSNorm** (``--rms``, ``--rms-warps``): ``kernels/rms_norm.py``'s
-   ``rms_norm_modulate`` at Z-Image's shapes, as table 2 (``--rms-warps``: at each warp count).
+4. **Modulated RMSNorm** (``--rms``, ``--rms-warps``, ``--rms-held``): ``kernels/rms_norm.py``'s
+   ``rms_norm_modulate`` at Z-Image's shapes, as table 2 (``--rms-warps``: at each warp count);
+   each exact norm (the quantizing one too, and ``w8a8``'s per-token quantization of the gated
+   unit's output) with its rows read again for each pass and held in registers
+   (``settings.HOLD_ROWS``), and ``rms_norm_modulate_pair`` against its two kernels
+   (``--rms-held``: these alone).
 5. **The speech models' norms** (``--speech-rms``): ``add_rms_norm`` (the residual add and the
    RMSNorm after it) at the Qwen3-Omni thinker's and talker's widths and decode batch rows, the
    exact kernel at each warp count against the count it runs at (``rms_norm.warps_for``), and
@@ -28,8 +32,8 @@ Three tables (markdown), each measured in this run:
    launch at 2,048 pairs and more) and against transformers' chain (``torch.sort``, ``bincount``,
    ``cumsum``, the inverse's scatter), each from a CUDA graph.
 
-    python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps] [--speech-rms]
-        [--moe-group] [--skip-numerics] [--skip-speed]
+    python benchmarks/kernels.py [--variants] [--dit-step] [--quick] [--rms] [--rms-warps] [--rms-held]
+        [--speech-rms] [--moe-group] [--skip-numerics] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -273,61 +277,33 @@ RMS_SHAPES = [
 ]
 
 
+def _rms_inputs(g: torch.Generator, b: int, t: int, c: int, residual: bool) -> tuple:
+    x = torch.randn(b, t, c, device="cuda", generator=g).bfloat16()
+    w = torch.randn(c, device="cuda", generator=g).bfloat16()
+    mul = torch.randn(b, 1, c, device="cuda", generator=g).bfloat16()
+    res = torch.randn(b, t, c, device="cuda", generator=g).bfloat16() if residual else None
+    return x, w, 1e-5, mul, res
+
+
 def rms_speed(sweep: bool) -> list[str]:
     """``rms_norm_modulate`` (``kernels/rms_norm.py``) against diffusers' eager chain and its
-    compile; then each exact form (and the quantizing one, as the W8A8 products' input; and the
-    per-token quantization of the gated unit's output) with its row read again for each pass and
-    held in registers (``settings.HOLD_ROWS``); with ``sweep``,
-    the exact kernel at each number of warps."""
-    from omnirt.kernels import rms_norm, settings, w8a8
-    from omnirt.kernels.rms_norm import (
-        rms_norm_modulate_quantize_triton,
-        rms_norm_modulate_reference,
-        rms_norm_modulate_triton,
-    )
+    compile; with ``sweep``, the exact kernel at each number of warps."""
+    from omnirt.kernels import rms_norm
+    from omnirt.kernels.rms_norm import rms_norm_modulate_reference, rms_norm_modulate_triton
 
     bw = copy_bandwidth()
     compiled = torch.compile(rms_norm_modulate_reference, dynamic=False)
     rows = list(SPEED_HEADER)
-    held = [
-        "",
-        "| shape | row read again ms | row held ms | held speed-up | held GB/s (share of a same-size copy) |",
-        "|---|---|---|---|---|",
-    ]  # fmt: skip
     sweeps = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    gated = torch.randn(4128, 10240, device="cuda", generator=g).bfloat16()  # w2's input, before quantized
-    extra = [(f"Z-Image gated output (4128 x 10240) quantized {kind}",
-              functools.partial(w8a8.quantize_rows_triton, gated, kind), gated.numel() * 3 + 4128 * 4)
-             for kind in w8a8.KINDS]  # fmt: skip
-    for index, (name, b, t, c, residual) in enumerate(RMS_SHAPES):
-        x = torch.randn(b, t, c, device="cuda", generator=g).bfloat16()
-        w = torch.randn(c, device="cuda", generator=g).bfloat16()
-        mul = torch.randn(b, 1, c, device="cuda", generator=g).bfloat16()
-        res = torch.randn(b, t, c, device="cuda", generator=g).bfloat16() if residual else None
-        args = (x, w, 1e-5, mul, res)
+    for name, b, t, c, residual in RMS_SHAPES:
+        args = _rms_inputs(g, b, t, c, residual)
         eager = bench(functools.partial(rms_norm_modulate_reference, *args))
         comp = bench(functools.partial(compiled, *args))
         exact = bench(functools.partial(rms_norm_modulate_triton, *args))
         fast = bench(functools.partial(rms_norm_modulate_triton, *args, preset="fast"))
-        moved = x.numel() * 2 * (3 if residual else 2)
+        moved = args[0].numel() * 2 * (3 if residual else 2)
         rows.append(_speed_row(f"rms-norm-modulate {name}", eager, comp, exact, fast, moved, bw))
-        forms = [(name, functools.partial(rms_norm_modulate_triton, *args), moved)]
-        if not residual:  # the norm in front of a W8A8 product: its rows written quantized
-            for kind in w8a8.KINDS:
-                call = functools.partial(rms_norm_modulate_quantize_triton, x, w, 1e-5, mul, kind)
-                forms.append((f"{name}, written {kind}", call, x.numel() * 3 + x.numel() // c * 4))
-        for label, call, nbytes in forms + (extra if index == len(RMS_SHAPES) - 1 else []):
-            times = []
-            for hold in (False, True):
-                settings.HOLD_ROWS = hold
-                try:
-                    times.append(bench(call))
-                finally:
-                    settings.HOLD_ROWS = False
-            rate = nbytes / (times[1] / 1e3)
-            held.append(f"| {label} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x "
-                        f"| {rate / 1e9:.0f} ({rate / same_size_copy(nbytes):.0%}) |")  # fmt: skip
         if sweep:
             for warps in (1, 2, 4, 8):
                 rms_norm.WARPS = warps
@@ -336,13 +312,51 @@ def rms_speed(sweep: bool) -> list[str]:
                 finally:
                     rms_norm.WARPS = None
                 sweeps.append(f"| {name} | exact, {warps} warps | {ms:.3f} |")
-    rows += held + ["", *_pair_rows(g)]
     if sweeps:
         rows += ["", "| shape | kernel | ms |", "|---|---|---|", *sweeps]
     return rows
 
 
-def _pair_rows(g: torch.Generator) -> list[str]:
+def held_speed() -> Iterator[str]:
+    """Each exact norm (and the quantizing one, as the W8A8 products' input; and the per-token
+    quantization of the gated unit's output) with its row read again for each pass and held in
+    registers (``settings.HOLD_ROWS``); then the paired norms (:func:`_pair_rows`). Each line as it
+    is measured."""
+    from omnirt.kernels import settings, w8a8
+    from omnirt.kernels.rms_norm import rms_norm_modulate_quantize_triton, rms_norm_modulate_triton
+
+    yield "| shape | row read again ms | row held ms | held speed-up | held GB/s (of a same-size copy) |"
+    yield "|---|---|---|---|---|"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gated = torch.randn(4128, 10240, device="cuda", generator=g).bfloat16()  # w2's input
+    forms = [(f"Z-Image gated output (4128 x 10240) quantized {kind}",
+              functools.partial(w8a8.quantize_rows_triton, gated, kind), gated.numel() * 3 + 4128 * 4)
+             for kind in w8a8.KINDS]  # fmt: skip
+    for name, b, t, c, residual in RMS_SHAPES:
+        args = _rms_inputs(g, b, t, c, residual)
+        x, w, _, mul, _ = args
+        moved = x.numel() * 2 * (3 if residual else 2)
+        forms.append((name, functools.partial(rms_norm_modulate_triton, *args), moved))
+        if not residual:  # the norm in front of a W8A8 product: its rows written quantized
+            for kind in w8a8.KINDS:
+                call = functools.partial(rms_norm_modulate_quantize_triton, x, w, 1e-5, mul, kind)
+                forms.append((f"{name}, written {kind}", call, x.numel() * 3 + x.numel() // c * 4))
+    for label, call, nbytes in forms:
+        times = []
+        for hold in (False, True):
+            settings.HOLD_ROWS = hold
+            try:
+                times.append(bench(call))
+            finally:
+                settings.HOLD_ROWS = False
+        rate = nbytes / (times[1] / 1e3)
+        yield (f"| {label} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x "
+               f"| {rate / 1e9:.0f} ({rate / same_size_copy(nbytes):.0%}) |")  # fmt: skip
+    yield ""
+    yield from _pair_rows(g)
+
+
+def _pair_rows(g: torch.Generator) -> Iterator[str]:
     """Z-Image's update after its attention (``x + gate * norm(out)``) and the feed-forward's norm
     of the new stream (``scale * norm2``; quantized for fp8 products), as two kernels and as
     ``rms_norm_modulate_pair``, with the rows read again and held (``settings.HOLD_ROWS``)."""
@@ -357,10 +371,8 @@ def _pair_rows(g: torch.Generator) -> list[str]:
     out, x = (torch.randn(1, t, c, device="cuda", generator=g).bfloat16() for _ in range(2))
     w, w2 = (torch.randn(c, device="cuda", generator=g).bfloat16() for _ in range(2))
     gate, scale = (torch.randn(1, 1, c, device="cuda", generator=g).bfloat16() for _ in range(2))
-    rows = [
-        "| 4128 x 3840, update then norm | rows | two kernels ms | one kernel ms | speed-up | same bits |",
-        "|---|---|---|---|---|---|",
-    ]
+    yield "| 4128 x 3840, update then norm | rows | two kernels ms | one kernel ms | speed-up | same bits |"
+    yield "|---|---|---|---|---|---|"
     for kind in (None, "fp8"):
 
         def two(kind=kind):
@@ -384,9 +396,8 @@ def _pair_rows(g: torch.Generator) -> list[str]:
             finally:
                 settings.HOLD_ROWS = False
             form = "bf16" if kind is None else f"{kind}-quantized"
-            rows.append(f"| {form} | {'held' if hold else 'read again'} | {apart:.4f} | {paired:.4f} "
-                        f"| {apart / paired:.2f}x | {same} |")  # fmt: skip
-    return rows
+            yield (f"| {form} | {'held' if hold else 'read again'} | {apart:.4f} | {paired:.4f} "
+                   f"| {apart / paired:.2f}x | {same} |")  # fmt: skip
 
 
 #: The speech decoders' residual adds and norms: (name, width); rows are the decode batch.
@@ -593,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant-speed", action="store_true", help="time each variant of the exact kernels")
     p.add_argument("--rms", action="store_true", help="the modulated RMSNorm at Z-Image's shapes")
     p.add_argument("--rms-warps", action="store_true", help="and the exact kernel at 1, 2, 4, 8 warps")
+    p.add_argument("--rms-held", action="store_true", help="norms with rows held (HOLD_ROWS); paired norms")
     p.add_argument("--speech-rms", action="store_true", help="add_rms_norm at the speech models' shapes")
     p.add_argument("--moe-group", action="store_true", help="the MoE grouping kernel, 8 warps, torch's chain")
     args = p.parse_args(argv)
@@ -607,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rms or args.rms_warps:
         print("## Modulated RMSNorm\n")
         print("\n".join(rms_speed(args.rms_warps)), flush=True)
+    if args.rms or args.rms_held:
+        print("\n## Rows held in registers; the paired norms\n", flush=True)
+        for line in held_speed():
+            print(line, flush=True)
     if args.speech_rms:
         print("## The speech models' residual add and RMSNorm\n")
         print("\n".join(speech_rms_speed()), flush=True)
