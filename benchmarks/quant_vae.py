@@ -176,8 +176,9 @@ GATED_EPILOGUE: tuple[bool, ...] = (True,)
 HOLD_ROWS: tuple[bool | None, ...] = (None,)
 
 
-#: ``stages.diffusion.fused.V_PEAK_IN_PRODUCT`` in each quantized row (``--v-peak``), one row each.
-V_PEAK: tuple[bool, ...] = (True,)
+#: ``stages.diffusion.fused.V_PEAK_IN_PRODUCT`` in each quantized row (``--v-peak``), one row each;
+#: None: as it is.
+V_PEAK: tuple[bool | None, ...] = (None,)
 
 
 #: ``stages.diffusion.fused.PAIRED_NORMS`` in each row, bf16's too (``--paired-norms``); None: as it is.
@@ -193,33 +194,6 @@ def module_flag(module: Any, name: str, on: bool | None):
         yield
     finally:
         setattr(module, name, before)
-
-
-@contextlib.contextmanager
-def v_peak_in_product(on: bool):
-    """``fused.V_PEAK_IN_PRODUCT`` (V's peak for the fp8 attention found in the QKV product's
-    epilogue) for the block."""
-    from omnirt.stages.diffusion import fused
-
-    before, fused.V_PEAK_IN_PRODUCT = fused.V_PEAK_IN_PRODUCT, on
-    try:
-        yield
-    finally:
-        fused.V_PEAK_IN_PRODUCT = before
-
-
-@contextlib.contextmanager
-def hold_rows(on: bool | None):
-    """``kernels.settings.HOLD_ROWS`` (the rows of the norms and of the per-token quantization read
-    once and held in registers) for the block (None: as it is)."""
-    from omnirt.kernels import settings
-
-    before = settings.HOLD_ROWS
-    settings.HOLD_ROWS = before if on is None else on
-    try:
-        yield
-    finally:
-        settings.HOLD_ROWS = before
 
 
 @contextlib.contextmanager
@@ -292,7 +266,7 @@ def quantized_copy(model: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, 
 def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
     """The step's table rows, bf16 then each quantized copy (and W8A8 GEMM), each printed as it is
     measured."""
-    from omnirt.kernels import w8a8
+    from omnirt.kernels import settings, w8a8
     from omnirt.stages.diffusion import fused
 
     fused.install(model)  # as the server runs it on CUDA (issue 13's kernels), in every row
@@ -302,7 +276,7 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         base, rows = {}, []
         for hold, paired in itertools.product(HOLD_ROWS, PAIRED):
-            with hold_rows(hold), module_flag(fused, "PAIRED_NORMS", paired):
+            with module_flag(settings, "HOLD_ROWS", hold), module_flag(fused, "PAIRED_NORMS", paired):
                 ms = bench(lambda: call(model))
                 base[hold, paired] = ms, replay_ms(lambda: call(model))
             gib = weights / 2**30
@@ -318,15 +292,15 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                     stack.enter_context(w8a8.gemm_as(gemm))
                     stack.enter_context(gated_epilogue(gated))
                     stack.enter_context(gemm_tiles(tiles))
-                    stack.enter_context(hold_rows(hold))
-                    stack.enter_context(v_peak_in_product(v_peak))
+                    stack.enter_context(module_flag(settings, "HOLD_ROWS", hold))
+                    stack.enter_context(module_flag(fused, "V_PEAK_IN_PRODUCT", v_peak))
                     stack.enter_context(module_flag(fused, "PAIRED_NORMS", paired))
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
                     replay = replay_ms(lambda q=quantized: call(q))
                 notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
                 notes += f", tiles {tiles.name()}" if len(TILES) > 1 or tiles != _default_tiles() else ""
-                notes += _hold_note(hold) + ("" if v_peak else ", V's peak apart") + _paired_note(paired)
+                notes += _hold_note(hold) + _v_peak_note(v_peak) + _paired_note(paired)
                 bf16_ms, bf16_replay = base[hold, paired]
                 replayed = "-" if None in (replay, bf16_replay) else f"{bf16_replay / replay:.2f}x"
                 rows.append(
@@ -337,6 +311,10 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                 del out
             del quantized
     return rows
+
+
+def _v_peak_note(v_peak: bool | None) -> str:
+    return "" if v_peak is None else (", V's peak in to_qkv" if v_peak else ", V's peak apart")
 
 
 def _paired_note(paired: bool | None) -> str:
@@ -1032,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
         help="transformer steps: a row per setting (on,off) of fused.PAIRED_NORMS, bf16 too (default: as is)",
     )  # fmt: skip
     p.add_argument(
-        "--v-peak", default="on",
+        "--v-peak", default="",
         help="transformer steps: a row per setting (on,off) of fused.V_PEAK_IN_PRODUCT (V's peak in to_qkv)",
     )  # fmt: skip
     p.add_argument(
@@ -1073,10 +1051,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(v not in ("on", "off") for v in holds):
         p.error("--hold-rows takes on, off or both")
     HOLD_ROWS = tuple(v == "on" for v in holds) or (None,)
-    peaks = args.v_peak.split(",")
+    peaks = [v for v in args.v_peak.split(",") if v]
     if any(v not in ("on", "off") for v in peaks):
         p.error("--v-peak takes on, off or both")
-    V_PEAK = tuple(v == "on" for v in peaks)
+    V_PEAK = tuple(v == "on" for v in peaks) or (None,)
     paired = [v for v in args.paired_norms.split(",") if v]
     if any(v not in ("on", "off") for v in paired):
         p.error("--paired-norms takes on, off or both")

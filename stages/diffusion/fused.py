@@ -144,8 +144,8 @@ def _attention(
 
 
 #: Whether a merged fp8 QKV product finds V's peak for an fp8 attention (:func:`_v_peak`); False:
-#: V's quantization finds it in a pass of its own (the same bits).
-V_PEAK_IN_PRODUCT = True
+#: V's quantization finds it in a pass of its own (the same bits). Off until measured on the GPU.
+V_PEAK_IN_PRODUCT = False
 
 
 def _v_peak(attn: Any, hidden_states: torch.Tensor | QuantizedRows) -> torch.Tensor | None:
@@ -267,8 +267,8 @@ def wan_block_forward(
 
 #: Whether a Z-Image block's residual update after its attention and its feed-forward's norm of the
 #: new stream run as one kernel (:func:`~omnirt.kernels.rms_norm.rms_norm_modulate_pair`, the
-#: stream read once less) or as two (the same bits).
-PAIRED_NORMS = True
+#: stream read once less) or as two (the same bits). Off until measured on the GPU.
+PAIRED_NORMS = False
 
 
 def zimage_block_forward(
