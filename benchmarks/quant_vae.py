@@ -169,8 +169,9 @@ def gemm_tiles(config):
         w8a8_gemm.DEFAULT = before
 
 
-#: ``kernels.swiglu.GATED_EPILOGUE`` in each quantized row (``--gated-epilogue``), one row each.
-GATED_EPILOGUE: tuple[bool, ...] = (True,)
+#: ``kernels.swiglu.GATED_EPILOGUE`` in each quantized row (``--gated-epilogue``), one row each;
+#: None: as it is.
+GATED_EPILOGUE: tuple[bool | None, ...] = (None,)
 #: ``kernels.settings.HOLD_ROWS`` in each row, bf16's included (``--hold-rows``), one row each;
 #: None: the module's own setting.
 HOLD_ROWS: tuple[bool | None, ...] = (None,)
@@ -194,19 +195,6 @@ def module_flag(module: Any, name: str, on: bool | None):
         yield
     finally:
         setattr(module, name, before)
-
-
-@contextlib.contextmanager
-def gated_epilogue(on: bool):
-    """``kernels.swiglu.GATED_EPILOGUE`` (Z-Image's gated unit in the ``w13`` GEMM's epilogue) for
-    the block."""
-    from omnirt.kernels import swiglu
-
-    before, swiglu.GATED_EPILOGUE = swiglu.GATED_EPILOGUE, on
-    try:
-        yield
-    finally:
-        swiglu.GATED_EPILOGUE = before
 
 
 def _gemm_note(gemm: str) -> str:
@@ -266,7 +254,7 @@ def quantized_copy(model: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, 
 def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
     """The step's table rows, bf16 then each quantized copy (and W8A8 GEMM), each printed as it is
     measured."""
-    from omnirt.kernels import settings, w8a8
+    from omnirt.kernels import settings, swiglu, w8a8
     from omnirt.stages.diffusion import fused
 
     fused.install(model)  # as the server runs it on CUDA (issue 13's kernels), in every row
@@ -280,7 +268,7 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                 ms = bench(lambda: call(model))
                 base[hold, paired] = ms, replay_ms(lambda: call(model))
             gib = weights / 2**30
-            notes = _hold_note(hold) + _paired_note(paired)
+            notes = _note(hold, "norms' rows held", "norms' rows read again") + _note(paired, *PAIRED_NOTES)
             replay = _ms(base[hold, paired][1])
             rows.append(f"| {name} | bf16{notes} | {ms:.1f} | {replay} | 1.00x | 1.00x | {gib:.2f} | - |")
             print(rows[-1], flush=True)  # each row as it comes: a call cut short keeps the rows before
@@ -290,7 +278,7 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(attention_in_fp8(attention))
                     stack.enter_context(w8a8.gemm_as(gemm))
-                    stack.enter_context(gated_epilogue(gated))
+                    stack.enter_context(module_flag(swiglu, "GATED_EPILOGUE", gated))
                     stack.enter_context(gemm_tiles(tiles))
                     stack.enter_context(module_flag(settings, "HOLD_ROWS", hold))
                     stack.enter_context(module_flag(fused, "V_PEAK_IN_PRODUCT", v_peak))
@@ -298,9 +286,11 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
                     out = call(quantized)
                     ms = bench(lambda q=quantized: call(q))
                     replay = replay_ms(lambda q=quantized: call(q))
-                notes = _attention_note(attention) + _gemm_note(gemm) + ("" if gated else ", gated apart")
+                notes = _attention_note(attention) + _gemm_note(gemm)
+                notes += _note(gated, "gated in w13", "gated apart")
                 notes += f", tiles {tiles.name()}" if len(TILES) > 1 or tiles != _default_tiles() else ""
-                notes += _hold_note(hold) + _v_peak_note(v_peak) + _paired_note(paired)
+                notes += _note(hold, "norms' rows held", "norms' rows read again")
+                notes += _note(v_peak, "V's peak in to_qkv", "V's peak apart") + _note(paired, *PAIRED_NOTES)
                 bf16_ms, bf16_replay = base[hold, paired]
                 replayed = "-" if None in (replay, bf16_replay) else f"{bf16_replay / replay:.2f}x"
                 rows.append(
@@ -313,16 +303,13 @@ def rows_for(name: str, model: torch.nn.Module, call) -> list[str]:
     return rows
 
 
-def _v_peak_note(v_peak: bool | None) -> str:
-    return "" if v_peak is None else (", V's peak in to_qkv" if v_peak else ", V's peak apart")
+#: The notes of a row with the norms paired and apart.
+PAIRED_NOTES = ("norms paired", "norms apart")
 
 
-def _paired_note(paired: bool | None) -> str:
-    return "" if paired is None else (", norms paired" if paired else ", norms apart")
-
-
-def _hold_note(hold: bool | None) -> str:
-    return "" if hold is None else (", norms' rows held" if hold else ", norms' rows read again")
+def _note(setting: bool | None, on: str, off: str) -> str:
+    """A row's note for a setting it ran with: nothing where it ran as it is (None)."""
+    return "" if setting is None else f", {on if setting else off}"
 
 
 def _zimage() -> tuple[torch.nn.Module, object]:
@@ -961,6 +948,15 @@ def norm_order_rows() -> list[str]:
     return rows
 
 
+def _on_off(p: argparse.ArgumentParser, flag: str, value: str) -> tuple[bool | None, ...]:
+    """A setting's rows from ``on``, ``off`` or ``on,off`` (a row each); none given: one row, the
+    setting as it is (None)."""
+    settings = [v for v in value.split(",") if v]
+    if any(v not in ("on", "off") for v in settings):
+        p.error(f"{flag} takes on, off or both")
+    return tuple(v == "on" for v in settings) or (None,)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wan", choices=("1.3b", "14b"), default=None, help="also a Wan transformer step")
@@ -998,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels/w8a8_gemm.py), comma-separated; the DiT profile and final outputs run the first",
     )  # fmt: skip
     p.add_argument(
-        "--gated-epilogue", default="on",
+        "--gated-epilogue", default="",
         help="transformer steps: a row per setting (on,off) of Z-Image's gated unit in w13's GEMM epilogue",
     )  # fmt: skip
     p.add_argument(
@@ -1043,22 +1039,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(f not in [label for label, _, _ in FORMATS] for f in FORMAT_LABELS):
         p.error(f"--formats are {'; '.join(label for label, _, _ in FORMATS)}")
     GEMMS = tuple(args.gemms.split(","))
-    settings = args.gated_epilogue.split(",")
-    if any(v not in ("on", "off") for v in settings):
-        p.error("--gated-epilogue takes on, off or both")
-    GATED_EPILOGUE = tuple(v == "on" for v in settings)
-    holds = [v for v in args.hold_rows.split(",") if v]
-    if any(v not in ("on", "off") for v in holds):
-        p.error("--hold-rows takes on, off or both")
-    HOLD_ROWS = tuple(v == "on" for v in holds) or (None,)
-    peaks = [v for v in args.v_peak.split(",") if v]
-    if any(v not in ("on", "off") for v in peaks):
-        p.error("--v-peak takes on, off or both")
-    V_PEAK = tuple(v == "on" for v in peaks) or (None,)
-    paired = [v for v in args.paired_norms.split(",") if v]
-    if any(v not in ("on", "off") for v in paired):
-        p.error("--paired-norms takes on, off or both")
-    PAIRED = tuple(v == "on" for v in paired) or (None,)
+    GATED_EPILOGUE = _on_off(p, "--gated-epilogue", args.gated_epilogue)
+    HOLD_ROWS = _on_off(p, "--hold-rows", args.hold_rows)
+    V_PEAK = _on_off(p, "--v-peak", args.v_peak)
+    PAIRED = _on_off(p, "--paired-norms", args.paired_norms)
     if any(g not in w8a8.GEMMS for g in GEMMS):
         p.error(f"--gemms are {', '.join(w8a8.GEMMS)}")
     for kind in w8a8.KINDS:

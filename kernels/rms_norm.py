@@ -120,6 +120,17 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _again(X, D, XO, at, DT: tl.constexpr, HAS_D: tl.constexpr, PAIR: tl.constexpr):
+        """A pass's values at ``at``, read again from memory: with ``PAIR`` the stream this program
+        stored to ``XO`` (the same elements in the same layout, so the same threads), else ``x``
+        (plus ``delta``, :func:`_values`)."""
+        if PAIR:
+            v = tl.load(XO + at)
+        else:
+            v = _values(X, D, XO, at, DT, HAS_D, False)
+        return v
+
+    @triton.jit
     def _row_sum(acc, G: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ATEN: tl.constexpr,
                  ROWS_TREE: tl.constexpr, WARP: tl.constexpr):  # fmt: skip
         """The row's sum of squares from its lanes' accumulators (``acc``), in ATen's order where
@@ -212,12 +223,7 @@ if triton is not None:
             peak = tl.zeros_like(piece).to(tl.float32)
             for step in tl.static_range(STEPS):
                 at = step * SLICE + piece
-                if HOLD:
-                    v = held[step]
-                elif PAIR:  # the stream this thread wrote above (the same elements: the same layout)
-                    v = tl.load(XO + base + at)
-                else:
-                    v = _values(X, D, XO, base + at, DT, HAS_D, False)
+                v = held[step] if HOLD else _again(X, D, XO, base + at, DT, HAS_D, PAIR)
                 y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
                             ROUNDS)  # fmt: skip
                 peak = tl.maximum(peak, tl.abs(y.to(DT).to(tl.float32)))
@@ -225,24 +231,14 @@ if triton is not None:
             tl.store(QS + row, scale)
             for step in tl.static_range(STEPS):
                 at = step * SLICE + piece
-                if HOLD:
-                    v = held[step]
-                elif PAIR:
-                    v = tl.load(XO + base + at)
-                else:
-                    v = _values(X, D, XO, base + at, DT, HAS_D, False)
+                v = held[step] if HOLD else _again(X, D, XO, base + at, DT, HAS_D, PAIR)
                 y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
                             ROUNDS)  # fmt: skip
                 tl.store(Y + base + at, quantize_values(y.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8))
         else:
             for step in tl.static_range(STEPS):
                 at = step * SLICE + piece
-                if HOLD:
-                    v = held[step]
-                elif PAIR:
-                    v = tl.load(XO + base + at)
-                else:
-                    v = _values(X, D, XO, base + at, DT, HAS_D, False)
+                v = held[step] if HOLD else _again(X, D, XO, base + at, DT, HAS_D, PAIR)
                 y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
                             ROUNDS)  # fmt: skip
                 tl.store(Y + base + at, y.to(DT))
