@@ -199,7 +199,12 @@ if triton is not None:
             tl.store(SS + row, ss)
         rstd = tl.math.rsqrt(ss * factor + eps)
         # The row again, slice by slice (the sum recomputed, not read back: another thread may
-        # have stored it).
+        # have stored it): the held values' indices, the stream's as stored (PAIR), else the
+        # slice as one vector.
+        if HOLD or PAIR:
+            out_piece = piece
+        else:
+            out_piece = tl.arange(0, SLICE)
         m_base = (row // tokens) * m_stride
         if PAIR:  # the stream R + M * norm(X) written, its squares summed as the first's; held
             acc = tl.zeros_like(acc)
@@ -220,9 +225,9 @@ if triton is not None:
             m_base = (row // tokens) * m2_stride
             held = stream
         if QUANT:  # the output quantized per row (w8a8.quantize_rows of it): its peak, then the values
-            peak = tl.zeros_like(piece).to(tl.float32)
+            peak = tl.zeros_like(out_piece).to(tl.float32)
             for step in tl.static_range(STEPS):
-                at = step * SLICE + piece
+                at = step * SLICE + out_piece
                 v = held[step] if HOLD else _again(X, D, XO, base + at, DT, HAS_D, PAIR)
                 y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
                             ROUNDS)  # fmt: skip
@@ -230,14 +235,14 @@ if triton is not None:
             scale = tl.maximum(tl.max(tl.reshape(peak, (SLICE,)), axis=0), MIN_PEAK) * INV_QMAX
             tl.store(QS + row, scale)
             for step in tl.static_range(STEPS):
-                at = step * SLICE + piece
+                at = step * SLICE + out_piece
                 v = held[step] if HOLD else _again(X, D, XO, base + at, DT, HAS_D, PAIR)
                 y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
                             ROUNDS)  # fmt: skip
                 tl.store(Y + base + at, quantize_values(y.to(DT).to(tl.float32), scale, QMAX, ROUNDER, INT8))
         else:
             for step in tl.static_range(STEPS):
-                at = step * SLICE + piece
+                at = step * SLICE + out_piece
                 v = held[step] if HOLD else _again(X, D, XO, base + at, DT, HAS_D, PAIR)
                 y = _output(v, W, M, R, W2, M2, base, at, m_base, rstd, DT, HAS_M, HAS_R, HAS_M2, PAIR,
                             ROUNDS)  # fmt: skip

@@ -5,8 +5,9 @@
   ``qk_norm_rope`` (per-head composite RMSNorm, complex64 rotary) and otherwise does what the
   original does, line for line. Each ``ZImageTransformerBlock`` runs :func:`zimage_block_forward`,
   diffusers' block with each RMSNorm and the product and sum after it (``norm(x) * scale``,
-  ``x + gate * norm(out)``) as one ``rms_norm_modulate`` (the update after the attention and the
-  feed-forward's norm of the new stream as one ``rms_norm_modulate_pair``), and each ``FeedForward`` runs
+  ``x + gate * norm(out)``) as one ``rms_norm_modulate`` (with ``PAIRED_NORMS``, the update after
+  the attention and the feed-forward's norm of the new stream as one ``rms_norm_modulate_pair``),
+  and each ``FeedForward`` runs
   :func:`zimage_feed_forward` (``silu(w1(x)) * w3(x)`` in one ``swiglu`` launch). With W8A8
   weights, whose layers that read one input :func:`install` merges (``quant.merge_projections``:
   ``to_qkv``, ``w13``), the norm before the attention and the one before the feed-forward write
@@ -14,8 +15,9 @@
   the gated unit writes ``w2``'s input quantized (``swiglu_w8a8``: where the Triton GEMM runs
   ``w13``, the gated unit is its epilogue and a pass quantizes it; else ``swiglu_quantize`` after
   the product). No other activation is quantized in a pass of its own but the attention's output,
-  and with fp8 attention not that either (cuDNN writes it in e4m3 for the fp8 ``to_out``); V's
-  per-tensor scale for the fp8 attention comes from ``to_qkv``'s epilogue (``V_PEAK_IN_PRODUCT``).
+  and with fp8 attention not that either (cuDNN writes it in e4m3 for the fp8 ``to_out``); with
+  ``V_PEAK_IN_PRODUCT``, V's per-tensor scale for the fp8 attention comes from ``to_qkv``'s
+  epilogue. (Both settings are off until a GPU run measures them: docs/benchmarks.md.)
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
