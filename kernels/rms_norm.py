@@ -131,6 +131,16 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _accumulate(acc, v, LANES: tl.constexpr, VEC: tl.constexpr, ROWS_TREE: tl.constexpr):
+        """``acc`` plus the squares of a slice's values, each into its lane's accumulator."""
+        sq = v.to(tl.float32) * v.to(tl.float32)
+        if ROWS_TREE:
+            acc += sq
+        else:
+            acc += tl.reshape(sq, (LANES, VEC))
+        return acc
+
+    @triton.jit
     def _row_sum(acc, G: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ATEN: tl.constexpr,
                  ROWS_TREE: tl.constexpr, WARP: tl.constexpr):  # fmt: skip
         """The row's sum of squares from its lanes' accumulators (``acc``), in ATen's order where
@@ -189,11 +199,7 @@ if triton is not None:
             v = _values(X, D, XO, base + step * SLICE + piece, DT, HAS_D, True)
             if HOLD:
                 held = held + (v,)
-            sq = v.to(tl.float32) * v.to(tl.float32)
-            if ROWS_TREE:
-                acc += sq
-            else:
-                acc += tl.reshape(sq, (LANES, VEC))
+            acc = _accumulate(acc, v, LANES, VEC, ROWS_TREE)
         ss = _row_sum(acc, G, LANES, VEC, ATEN, ROWS_TREE, WARP)
         if HAS_SS:
             tl.store(SS + row, ss)
@@ -216,11 +222,7 @@ if triton is not None:
                 tl.store(XO + base + at, x2)
                 if HOLD:
                     stream = stream + (x2,)
-                sq = x2.to(tl.float32) * x2.to(tl.float32)
-                if ROWS_TREE:
-                    acc += sq
-                else:
-                    acc += tl.reshape(sq, (LANES, VEC))
+                acc = _accumulate(acc, x2, LANES, VEC, ROWS_TREE)
             rstd = tl.math.rsqrt(_row_sum(acc, G, LANES, VEC, ATEN, ROWS_TREE, WARP) * factor + eps2)
             m_base = (row // tokens) * m2_stride
             held = stream
