@@ -22,7 +22,9 @@ a Triton kernel may run.
 - **Held rows.** ``HOLD_ROWS``: the row kernels that read a row more than once (its sum or peak,
   then its values: ``rms_norm.py``'s norms, ``w8a8.py``'s per-token quantization) read it from
   memory once where it fits the program's registers and keep it there; off, each pass reads it
-  again. The same bits either way (a measured speed setting, not a numerics one).
+  again. The same bits either way (a measured speed setting, not a numerics one). Off: on an
+  H100 the held forms ran at 0.64-0.93x the speed of reading again, but for the plain modulated norm
+  (docs/benchmarks.md, 2026-12-07); not measured on an H200.
 - **Where.** A kernel runs on CUDA tensors with Triton importable; on the CPU only under
   ``TRITON_INTERPRET=1`` (:func:`interpreted`, fp32), when a test calls it directly or installs the
   VAE hooks on a CPU model itself, never from a dispatcher.

@@ -17,7 +17,8 @@
   the product). No other activation is quantized in a pass of its own but the attention's output,
   and with fp8 attention not that either (cuDNN writes it in e4m3 for the fp8 ``to_out``); with
   ``V_PEAK_IN_PRODUCT``, V's per-tensor scale for the fp8 attention comes from ``to_qkv``'s
-  epilogue. (Both settings are off until a GPU run measures them: docs/benchmarks.md.)
+  epilogue. (Both settings are off: on an H100 the paired norms gained nothing and V's peak is
+  not yet measured in a whole step; docs/benchmarks.md.)
 - **Wan** (``WanTransformer3DModel``): each self-attention's ``WanAttnProcessor`` is replaced by
   :class:`WanFusedProcessor` (RMSNorm across heads as ``torch.nn.RMSNorm`` computes it, fp32
   rotary); cross-attention keeps the original. Each ``WanTransformerBlock`` runs
@@ -146,7 +147,7 @@ def _attention(
 
 
 #: Whether a merged fp8 QKV product finds V's peak for an fp8 attention (:func:`_v_peak`); False:
-#: V's quantization finds it in a pass of its own (the same bits). Off until measured on the GPU.
+#: V's quantization finds it in a pass of its own (the same bits). Off until a whole step measures it.
 V_PEAK_IN_PRODUCT = False
 
 
@@ -269,7 +270,7 @@ def wan_block_forward(
 
 #: Whether a Z-Image block's residual update after its attention and its feed-forward's norm of the
 #: new stream run as one kernel (:func:`~omnirt.kernels.rms_norm.rms_norm_modulate_pair`, the
-#: stream read once less) or as two (the same bits). Off until measured on the GPU.
+#: stream read once less) or as two (the same bits). Off: no faster on an H100 (docs/benchmarks.md).
 PAIRED_NORMS = False
 
 
