@@ -253,7 +253,7 @@ def test_the_modulated_dispatcher_runs_the_eager_chain_off_cuda():
 
 
 @interpreted
-@pytest.mark.parametrize("shape", [(2, 9, 3840), (1, 16, 3840), (2, 20, 256)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 9, 3840), (2, 20, 256)], ids=str)
 def test_the_quantizing_kernel_writes_the_norms_rows_quantized(shape):
     """``rms_norm_modulate_quantize``: the norm's output never stored, its rows quantized in the
     kernel exactly as ``w8a8.quantize_rows`` quantizes the stored output (int8: the interpreter
