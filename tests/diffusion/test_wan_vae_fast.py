@@ -207,11 +207,15 @@ def _tiny_vae(seed: int = 0) -> AutoencoderKLWan:
     return vae
 
 
+def _latents(seed: int, frames: int = 2) -> torch.Tensor:
+    """``frames`` latent frames of 1 x 2 for :func:`_tiny_vae` (8 x 16 pixels): the interpreter
+    runs a program per padded row, so the decodes are kept small."""
+    return torch.randn(1, 4, frames, 1, 2, generator=torch.Generator().manual_seed(seed))
+
+
 def test_decodes_match_diffusers_at_each_level():
     vae = _tiny_vae()
-    z = torch.randn(
-        1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1)
-    )  # small: the interpreter is slow
+    z = _latents(1)
     with torch.no_grad():
         want = vae.decode(z, return_dict=False)[0]
         # the decoder, its 10 residual blocks (2 in the middle, 2 per up block) and 3 upsamplers
@@ -225,7 +229,7 @@ def test_decodes_match_diffusers_at_each_level():
         wan_vae_fast.uninstall(vae)
         assert wan_vae_fast.installed_level(vae) == "off" and vae.decoder.conv_out.weight.is_contiguous()
         again = vae.decode(z, return_dict=False)[0]
-    assert want.shape == (1, 3, 5, 16, 24)
+    assert want.shape == (1, 3, 5, 8, 16)
     assert torch.equal(again, want)  # uninstalled: diffusers' own decode
     torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
@@ -241,7 +245,7 @@ def test_the_fast_levels_2d_convolutions_match_diffusers(form, shapes, per_frame
     time taps (another summation order: close, not bitwise), through a decode of two chunks;
     uninstalling drops the weights made for them."""
     vae = _tiny_vae()
-    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
+    z = _latents(1)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV", form)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", shapes)
     made, stacks = [], []
@@ -290,7 +294,7 @@ def test_the_fast_level_adds_bias_and_residual_in_the_convolutions_epilogue(monk
     from omnirt.kernels import cudnn_conv
 
     vae = _tiny_vae()
-    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(1))
+    z = _latents(1)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "summed")
     calls = []
@@ -346,7 +350,7 @@ def test_convolutions_that_cudnn_declines_run_plain(monkeypatch, declined):
     from omnirt.kernels import cudnn_conv
 
     vae = _tiny_vae()
-    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(4))
+    z = _latents(4)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV", "summed")
     outcomes = []
@@ -384,7 +388,7 @@ def test_fused_epilogues_at_the_fast_shapes_only(monkeypatch, form):
     from omnirt.kernels import cudnn_conv
 
     vae = _tiny_vae()
-    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(6))
+    z = _latents(6)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV", form)
     monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(8, 8)}))
     monkeypatch.setattr(wan_vae_fast, "GRAPH_CONV_SHAPES", frozenset({(8, 8)}))
@@ -429,7 +433,7 @@ def test_graph_shapes_run_cudnn_graphs_then_add_bias_and_residual(monkeypatch, l
     from omnirt.kernels import cudnn_conv
 
     vae = _tiny_vae()
-    z = torch.randn(1, 4, 2, 2, 3, generator=torch.Generator().manual_seed(5))
+    z = _latents(5)
     monkeypatch.setattr(wan_vae_fast, "GRAPH_CONV_SHAPES", frozenset({(8, 8)}))
     if level == "fast":
         monkeypatch.setattr(wan_vae_fast, "FAST_CONV_SHAPES", frozenset({(16, 16)}))
@@ -461,7 +465,7 @@ def test_the_feature_cache_protocol_is_kept():
     """Chunk by chunk with caller-owned caches (as WanDenoiser's decode in pieces calls it): the
     cache entries have diffusers' shapes and the frames match."""
     vae = _tiny_vae(2)
-    z = vae.post_quant_conv(torch.randn(1, 4, 3, 2, 2, generator=torch.Generator().manual_seed(3)))
+    z = vae.post_quant_conv(_latents(3, frames=3))
     count = int(vae._cached_conv_counts["decoder"])
 
     def run() -> tuple[list, list]:
@@ -510,7 +514,7 @@ def test_the_wan_denoiser_decodes_in_pieces_through_the_hooks(tmp_path_factory, 
     from .test_wan import gens
 
     den = load_wan(ensure_wan_demo(tmp_path_factory.mktemp("omnirt-cache")), device="cpu")
-    latents = den.init_latents(Shape(width=32, height=32, frames=5), gens([1]))
+    latents = den.init_latents(Shape(width=16, height=16, frames=5), gens([1]))
     want = den.decode(latents)
     hooked = copy.copy(den)
     hooked.vae = copy.deepcopy(den.vae)
@@ -521,10 +525,10 @@ def test_the_wan_denoiser_decodes_in_pieces_through_the_hooks(tmp_path_factory, 
         wan_vae_fast.conv_input, "causal_conv_input", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
     state = hooked.start_decode(latents)
-    assert state.fast and hooked.decode_parts_total(Shape(width=32, height=32, frames=5)) == 8
+    assert state.fast and hooked.decode_parts_total(Shape(width=16, height=16, frames=5)) == 8
     for _ in range(8):  # 2 latent frames, each in its 4 stages
         state = hooked.decode_parts(state, 1)
     got = hooked.finish_decode(state)
-    assert got.shape == want.shape == (1, 5, 32, 32, 3) and calls  # the kernels ran
+    assert got.shape == want.shape == (1, 5, 16, 16, 3) and calls  # the kernels ran
     assert (got.int() - want.int()).abs().max() <= 1  # pixels; on the CPU the SiLU is within an ulp
     assert torch.equal(got, hooked.decode(latents))  # the stages are the hooked call's, bitwise

@@ -1,5 +1,5 @@
-"""``benchmarks/long_session.py`` at a tiny size (the embedded model on CPU, a context of 384
-tokens, 10 turns of 2 s): with truncation disabled the conversation's turns start failing once
+"""``benchmarks/long_session.py`` at a tiny size (the embedded model on CPU, a context of 256
+tokens, 8 turns of 1.5 s): with truncation disabled the conversation's turns start failing once
 it is over the context; with every truncating setting every turn is answered, and ``auto`` (a
 retention ratio of 0.8) reads less of each prompt anew than leaving out just enough (ratio 1.0)
 does: its prefix stays in the cache."""
@@ -13,7 +13,7 @@ from tests.scripts import BENCHMARKS
 
 
 def test_truncation_keeps_a_long_session_going() -> None:
-    argv = ["--turns", "10", "--audio-seconds", "2", "--max-context", "384", "--max-output-tokens", "8"]
+    argv = ["--turns", "8", "--audio-seconds", "1.5", "--max-context", "256", "--max-output-tokens", "8"]
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "long_session.py"), *argv],
         capture_output=True,
@@ -27,6 +27,6 @@ def test_truncation_keeps_a_long_session_going() -> None:
         if line.startswith("| ") and cells[0] in ("disabled", "auto", "retention 1.0", "retention 0.6"):
             rows[cells[0]] = cells
     disabled_done, disabled_failed = (int(n) for n in rows["disabled"][1].split(" / "))
-    assert disabled_failed > 0 and disabled_done + disabled_failed == 10
-    assert rows["auto"][1] == rows["retention 1.0"][1] == rows["retention 0.6"][1] == "10 / 0"
+    assert disabled_failed > 0 and disabled_done + disabled_failed == 8
+    assert rows["auto"][1] == rows["retention 1.0"][1] == rows["retention 0.6"][1] == "8 / 0"
     assert int(rows["auto"][4]) < int(rows["retention 1.0"][4])  # mean read, last half

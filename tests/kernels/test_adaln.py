@@ -97,11 +97,12 @@ def test_whole_rows_take_constant_reciprocals_with_the_same_bits(width):
 @pytest.mark.parametrize("width", [512, 1536, 5120])
 def test_output_from_held_tiles_has_the_reloaded_rows_bits(width):
     """``output_from="held"`` writes a row of whole steps from the tiles its statistics loaded (one
-    read of the row): bitwise the chunked second read, for every modulation shape, with and without
-    a LayerNorm weight and bias."""
+    read of the row): bitwise the chunked second read, with and without a LayerNorm weight and bias;
+    every modulation shape at Wan 1.3B's width, the per-sample and per-token ones at the others."""
     x, g = _x(batch=2, seq=3, width=width, seed=7)
     weight, bias = torch.randn(width, generator=g), torch.randn(width, generator=g)
-    for name, (scale, shift) in _modulations(2, 3, width, g).items():
+    modulations = list(_modulations(2, 3, width, g).items())
+    for name, (scale, shift) in modulations if width == 1536 else modulations[:2]:  # the interpreter is slow
         for w, b in ((None, None), (weight, bias)):
             kw = dict(eps=1e-6, weight=w, bias=b)
             held = adaln_modulate_triton(x, scale, shift, output_from="held", **kw)

@@ -264,7 +264,7 @@ def test_the_quantizing_kernel_writes_the_norms_rows_quantized(shape):
     batch, tokens, width = shape
     x, w, scale, _, _ = _dit_inputs(*shape)
     x[0, 3] *= 50  # one row with an outlier: its own scale
-    for mul in (scale, None, scale[:1]):
+    for mul in (scale, None, scale[:1])[: 1 if width > 256 else 3]:  # the interpreter is slow at 3840
         values, row_scale = rms_norm_modulate_quantize_triton(x, w, 1e-5, mul, "int8")
         want_values, want_scale = quantize_rows(
             rms_norm_modulate_triton(x, w, 1e-5, mul).reshape(-1, width), "int8"
@@ -315,8 +315,11 @@ def test_rows_held_in_registers_give_the_same_bits(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("hold", [False, True], ids=["read-again", "held"])
-@pytest.mark.parametrize("shape", [(2, 8, 3840), (2, 20, 256)], ids=str)  # Z-Image's launch: 30 x 128
+@pytest.mark.parametrize(
+    ("shape", "hold"),  # Z-Image's launch (30 x 128) with its rows read again; rows held at 256
+    [((2, 8, 3840), False), ((2, 20, 256), False), ((2, 20, 256), True)],
+    ids=["(2, 8, 3840)-read-again", "(2, 20, 256)-read-again", "(2, 20, 256)-held"],
+)
 def test_the_pair_is_the_two_norms_one_after_the_other(shape, hold, monkeypatch):
     """``rms_norm_modulate_pair``: a block's residual update (``x + gate * norm(out)``) and the next
     sublayer's norm of the new stream (``scale * norm2``, or quantized) in one launch, the bits of
@@ -333,7 +336,8 @@ def test_the_pair_is_the_two_norms_one_after_the_other(shape, hold, monkeypatch)
     batch, tokens, width = shape
     out, w, scale, gate, residual = _dit_inputs(*shape)
     w2 = torch.randn(width, generator=torch.Generator().manual_seed(7))
-    for mul, mul2 in ((gate, scale), (gate[:1, 0, :], None)):  # per-sample; shared and none
+    vectors = [(gate, scale), (gate[:1, 0, :], None)]  # per-sample; shared and none
+    for mul, mul2 in vectors[: 1 if width > 256 else 2]:  # the interpreter is slow at 3840
         stream, normed, none = rms_norm_modulate_pair_triton(out, w, 1e-5, mul, residual, w2, 1e-6, mul2)
         want_stream = rms_norm_modulate_triton(out, w, 1e-5, mul, residual)
         assert none is None and torch.equal(stream, want_stream)

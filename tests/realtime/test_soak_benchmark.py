@@ -34,7 +34,7 @@ def _soak(argv: list[str]) -> subprocess.CompletedProcess[str]:
 def test_the_soak_runs_calm_and_hostile_phases(tmp_path) -> None:
     require_espeak()
     argv = [
-        "--sessions", "3", "--minutes", "0.4", "--hostile", "3", "--think", "1", "3",
+        "--sessions", "3", "--minutes", "0.25", "--hostile", "3", "--think", "1", "3",
         "--lifetime", "8", "12", "--mix", "0.4", "0.4", "0.2", "--reply-tokens", "4",
         "--fuzz-rate", "5", "--huge-mib", "1", "--rss-every", "2", "--log-dir", str(tmp_path),
     ]  # fmt: skip
@@ -59,8 +59,8 @@ def test_the_soak_interleaves_calm_and_hostile_windows_on_one_server(tmp_path) -
     neither."""
     require_espeak()
     argv = [
-        "--phases", "interleaved", "--interleave", "8", "--settle", "1", "--sessions", "3",
-        "--minutes", "0.55", "--hostile", "3", "--think", "1", "2", "--lifetime", "8", "12",
+        "--phases", "interleaved", "--interleave", "6", "--settle", "1", "--sessions", "3",
+        "--minutes", "0.4", "--hostile", "3", "--think", "1", "2", "--lifetime", "8", "12",
         "--mix", "0.5", "0.5", "0", "--reply-tokens", "4", "--fuzz-rate", "5", "--huge-mib", "1",
         "--rss-every", "2", "--log-dir", str(tmp_path), "--save", str(tmp_path / "run.json"),
     ]  # fmt: skip
