@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ import torch
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
 from . import fused, wan_vae_fast
+from .block_graphs import BlockGraphs
 from .denoiser import Branch, Defaults, Shape
 from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, VideoRequest
@@ -112,6 +113,11 @@ class WanDecodeState:
         return self.done * self.stages + self.stage
 
 
+def _block_call(block: torch.nn.Module, inputs: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
+    """One of ``WanTransformer3DModel.blocks`` as its ``forward`` calls it."""
+    return block(inputs["hidden"], inputs["text"], inputs["proj"], (inputs["cos"], inputs["sin"]))
+
+
 class WanDenoiser:
     """Wan2.1 T2V for the diffusion runtime. Conditions are per prompt ``[max_sequence_length,
     text_dim]`` tensors (zero past the prompt) in the transformer's dtype, on its device."""
@@ -167,6 +173,8 @@ class WanDenoiser:
             fused.install(transformer)
         if next(vae.parameters()).is_cuda:  # the VAE decoder's fast path (kernels.settings.VAE_FAST)
             wan_vae_fast.install(vae)
+        #: The blocks' pieces replayed from CUDA graphs (``block_graphs.BLOCK_GRAPHS``).
+        self.block_graphs = BlockGraphs(_block_call)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -358,11 +366,9 @@ class WanDenoiser:
 
     @torch.no_grad()
     def run_blocks(self, state: WanCallState, start: int, stop: int) -> WanCallState:
-        blocks = self.transformer.blocks
-        if not 0 <= start <= stop <= len(blocks):
-            raise ValueError(f"blocks {start}:{stop} out of 0:{len(blocks)}")
-        for block in blocks[start:stop]:
-            state.hidden = block(state.hidden, state.text, state.timestep_proj, state.rotary_emb)
+        cos, sin = state.rotary_emb
+        inputs = {"hidden": state.hidden, "text": state.text, "proj": state.timestep_proj, "cos": cos}
+        state.hidden = self.block_graphs.run(self.transformer.blocks, {**inputs, "sin": sin}, start, stop)
         return state
 
     @torch.no_grad()

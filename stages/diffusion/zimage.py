@@ -31,7 +31,7 @@ average-pooled 2x first, so a preview costs about a quarter of a final decode (h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,6 +40,7 @@ import torch
 from ..pipeline import RequestRejected
 from ..types import ModelInfo
 from . import fused
+from .block_graphs import BlockGraphs
 from .denoiser import Branch, Defaults, Shape
 from .hooks import forward_is_wrapped
 from .types import DiffusionRequest, ImageRequest
@@ -104,6 +105,12 @@ class ZImageCallState:
     sizes: list[tuple[int, int, int]]  # per row (frames, height, width) of the latents
 
 
+def _layer_call(layer: torch.nn.Module, inputs: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
+    """One of ``ZImageTransformer2DModel.layers`` as its ``forward`` calls it (basic mode)."""
+    hidden, mask, freqs = inputs["hidden"], inputs["mask"], inputs["freqs"]
+    return layer(hidden, mask, freqs, inputs["adaln"], inputs["noise"], None, None)
+
+
 class ZImageDenoiser:
     family = "z-image"
     output: Literal["image"] = "image"
@@ -138,6 +145,8 @@ class ZImageDenoiser:
         self.latent_channels = int(transformer.config.in_channels)
         if self.device.type == "cuda":  # the fused QK-norm/RoPE kernel, where exact
             fused.install(transformer)
+        #: The main layers' pieces replayed from CUDA graphs (``block_graphs.BLOCK_GRAPHS``).
+        self.block_graphs = BlockGraphs(_layer_call)
 
     # -- requests ---------------------------------------------------------------------------
     def check(self, request: DiffusionRequest) -> Shape:
@@ -305,11 +314,9 @@ class ZImageDenoiser:
 
     @torch.no_grad()
     def run_blocks(self, state: ZImageCallState, start: int, stop: int) -> ZImageCallState:
-        if not 0 <= start <= stop <= len(self.transformer.layers):
-            raise ValueError(f"blocks {start}:{stop} out of 0:{len(self.transformer.layers)}")
         s = state
-        for layer in self.transformer.layers[start:stop]:
-            s.hidden = layer(s.hidden, s.mask, s.freqs, s.adaln_input, s.noise, None, None)
+        inputs = {"hidden": s.hidden, "mask": s.mask, "freqs": s.freqs, "adaln": s.adaln_input}
+        s.hidden = self.block_graphs.run(self.transformer.layers, {**inputs, "noise": s.noise}, start, stop)
         return state
 
     @torch.no_grad()
