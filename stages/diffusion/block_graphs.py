@@ -46,12 +46,12 @@ BLOCK_GRAPHS = False
 
 #: ``block(module, inputs) -> new hidden``: how the model calls one of its blocks, with the hidden
 #: state under ``"hidden"`` and the rest of what the blocks take under names of their own.
-BlockCall = Callable[[torch.nn.Module, Mapping[str, torch.Tensor | None]], torch.Tensor]
+BlockCall = Callable[[torch.nn.Module, Mapping[str, Tensor | None]], Tensor]
 
 ShapeKey = tuple[tuple[str, tuple[int, ...] | None, torch.dtype | None, str | None], ...]
 
 
-def shape_key(inputs: Mapping[str, torch.Tensor | None]) -> ShapeKey:
+def shape_key(inputs: Mapping[str, Tensor | None]) -> ShapeKey:
     """What a block's graph is specific to: each input's shape, dtype and device (None for None)."""
     return tuple(
         (name, None, None, None) if t is None else (name, tuple(t.shape), t.dtype, str(t.device))
@@ -61,7 +61,7 @@ def shape_key(inputs: Mapping[str, torch.Tensor | None]) -> ShapeKey:
 
 @dataclass
 class _Shape:
-    buffers: dict[str, torch.Tensor | None]
+    buffers: dict[str, Tensor | None]
     #: block index -> (the module captured, its graph); a graph of another module is not replayed
     graphs: dict[int, tuple[torch.nn.Module, torch.cuda.CUDAGraph]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # blocks that run eagerly at this shape
@@ -97,7 +97,7 @@ class BlockGraphs:
         """Graphs held, over every shape kept."""
         return sum(len(s.graphs) for s in self._shapes.values())
 
-    def applies(self, inputs: Mapping[str, torch.Tensor | None]) -> bool:
+    def applies(self, inputs: Mapping[str, Tensor | None]) -> bool:
         hidden = inputs.get("hidden")
         return (
             self.enabled
@@ -113,10 +113,10 @@ class BlockGraphs:
     def run(
         self,
         blocks: Sequence[torch.nn.Module],
-        inputs: Mapping[str, torch.Tensor | None],
+        inputs: Mapping[str, Tensor | None],
         start: int,
         stop: int,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """``blocks[start:stop]`` over ``inputs`` (``"hidden"`` and the rest): the new hidden state,
         a tensor of the caller's own. A block is known by its index and its module: where another
         module stands at an index (a model swapped in), it is captured anew."""
@@ -157,7 +157,7 @@ class BlockGraphs:
         assert hidden is not None
         return hidden
 
-    def _shape(self, inputs: Mapping[str, torch.Tensor | None]) -> _Shape:
+    def _shape(self, inputs: Mapping[str, Tensor | None]) -> _Shape:
         key = shape_key(inputs)
         shape = self._shapes.get(key)
         if shape is not None:

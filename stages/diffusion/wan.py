@@ -367,8 +367,8 @@ class WanDenoiser:
     @torch.no_grad()
     def run_blocks(self, state: WanCallState, start: int, stop: int) -> WanCallState:
         cos, sin = state.rotary_emb
-        inputs = {"hidden": state.hidden, "text": state.text, "proj": state.timestep_proj, "cos": cos}
-        state.hidden = self.block_graphs.run(self.transformer.blocks, {**inputs, "sin": sin}, start, stop)
+        inputs = dict(hidden=state.hidden, text=state.text, proj=state.timestep_proj, cos=cos, sin=sin)
+        state.hidden = self.block_graphs.run(self.transformer.blocks, inputs, start, stop)
         return state
 
     @torch.no_grad()

@@ -315,8 +315,8 @@ class ZImageDenoiser:
     @torch.no_grad()
     def run_blocks(self, state: ZImageCallState, start: int, stop: int) -> ZImageCallState:
         s = state
-        inputs = {"hidden": s.hidden, "mask": s.mask, "freqs": s.freqs, "adaln": s.adaln_input}
-        s.hidden = self.block_graphs.run(self.transformer.layers, {**inputs, "noise": s.noise}, start, stop)
+        inputs = dict(hidden=s.hidden, mask=s.mask, freqs=s.freqs, adaln=s.adaln_input, noise=s.noise)
+        s.hidden = self.block_graphs.run(self.transformer.layers, inputs, start, stop)
         return state
 
     @torch.no_grad()
