@@ -40,7 +40,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 #: Whether the denoisers replay their block pieces from graphs: off until a GPU run measures it
-#: (``benchmarks/quant_vae.py --block-graphs``: the engine's step through its pieces, eager and
+#: (``benchmarks/block_graphs.py``: Z-Image's main layers as the engine's pieces run them, eager and
 #: replayed, and the bits of both). A denoiser's ``block_graphs.enabled`` switches it at any time.
 BLOCK_GRAPHS = False
 
