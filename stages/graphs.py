@@ -47,12 +47,49 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
 
 Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+T = TypeVar("T")
+
+
+def capture_graph(
+    call: Callable[[], T],
+    pool: object,
+    *,
+    warmup: int = 1,
+    warm: Callable[[], object] | None = None,
+    device: torch.device | None = None,
+    capture_error_mode: str = "global",
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """The one capture sequence of the engine's graphs: ``warmup`` eager calls on a side stream
+    (they compile and tune what a first call does, off the capturing stream), then one call
+    captured into a new graph in ``pool``. Returns the graph and what the captured call returned
+    (its static outputs, rewritten by each replay). ``warm``: what the warm-up calls, where it
+    must differ from ``call`` (a captured call that updates state in place, warmed up by one that
+    leaves it as it was); ``call`` by default. ``device``: the CUDA device to capture on
+    (the current one by default). ``capture_error_mode``: as ``torch.cuda.graph`` takes it
+    (``"thread_local"`` lets other threads keep running unsafe calls while this one captures)."""
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                (warm or call)()
+        current.wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+            out = call()
+        torch.cuda.synchronize()
+    return graph, out
+
 
 #: Batch sizes captured as CUDA graphs (those up to ``max_slots``, and ``max_slots`` itself).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -161,19 +198,10 @@ class CudaGraphRunner:
             check_distinct(inputs)
             if any(t.device.type != "cuda" for t in inputs.values()):
                 return
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(self.warmup):
-                    self.step(inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
-                outputs = self.step(inputs)
-            torch.cuda.synchronize()
+            step = functools.partial(self.step, inputs)
+            graph, outputs = capture_graph(step, self._pool, warmup=self.warmup)
             if batch_size(outputs) != bucket:
                 raise ValueError(f"step outputs must keep the batch dimension ({bucket})")
             self._graphs[bucket] = _Captured(graph, inputs, outputs)

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..graphs import capture_graph
+
 log = logging.getLogger(__name__)
 
 #: Whether the denoisers replay their block pieces from graphs: off until a GPU run measures it
@@ -84,7 +86,8 @@ class BlockGraphs:
         self.enabled = BLOCK_GRAPHS if enabled is None else enabled
         self._shapes: OrderedDict[ShapeKey, _Shape] = OrderedDict()
         self._pool: object | None = None
-        #: How the last :meth:`run` ran its blocks: ``"graph"``, ``"eager"`` or ``"mixed"``.
+        #: How the last :meth:`run` ran its blocks: ``"graph"``, ``"eager"``, ``"mixed"``, or
+        #: ``"none"`` for an empty piece.
         self.last_path = ""
         self.captures = 0  # blocks captured, over every shape (dropped ones too)
 
@@ -125,7 +128,7 @@ class BlockGraphs:
         if "hidden" not in inputs or inputs["hidden"] is None:
             raise ValueError("a block piece needs its hidden state under 'hidden'")
         if not self.applies(inputs):
-            self.last_path = "eager"
+            self.last_path = "eager" if stop > start else "none"
             return self._eager(blocks[start:stop], dict(inputs))
         shape = self._shape(inputs)
         for name, tensor in inputs.items():
@@ -146,7 +149,7 @@ class BlockGraphs:
             else:
                 graph.replay()
                 paths.add("graph")
-        self.last_path = paths.pop() if len(paths) == 1 else ("mixed" if paths else "graph")
+        self.last_path = paths.pop() if len(paths) == 1 else ("mixed" if paths else "none")
         return hidden.clone()
 
     def _eager(self, blocks: Sequence[torch.nn.Module], inputs: dict[str, Tensor | None]) -> Tensor:
@@ -178,19 +181,17 @@ class BlockGraphs:
         hidden = buffers["hidden"]
         assert hidden is not None
         try:
-            side = torch.cuda.Stream(device=hidden.device)
-            side.wait_stream(torch.cuda.current_stream(hidden.device))
-            with torch.cuda.stream(side), torch.no_grad():
-                self.call(block, buffers)  # compiles and tunes what the first call does; state unchanged
-            torch.cuda.current_stream(hidden.device).wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with (
-                torch.no_grad(),
-                torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
-            ):
-                hidden.copy_(self.call(block, buffers))
+            # The warm-up leaves the buffers as they were; the captured call's last operation
+            # writes the block's output over the hidden one.
+            graph, _ = capture_graph(
+                lambda: hidden.copy_(self.call(block, buffers)),
+                self._pool,
+                warm=lambda: self.call(block, buffers),
+                device=hidden.device,
+                capture_error_mode="thread_local",
+            )
         except Exception:  # noqa: BLE001 - a block that cannot be captured runs eagerly
             log.warning("block %d could not be captured at %s: it runs eagerly", index, exc_info=True)
             shape.failed.add(index)
