@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-cuda-graphs",
         action="store_true",
-        help="run the model's steps eagerly on CUDA instead of replaying captured CUDA graphs",
+        help="run the models' steps eagerly on CUDA instead of replaying captured CUDA graphs (the speech "
+        "decode, the codecs, and the diffusion transformers' block pieces where those are graphed)",
     )
     serve.add_argument(
         "--prefill-chunk",

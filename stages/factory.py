@@ -159,7 +159,7 @@ def _check_diffusion_kinds(models: Sequence[str]) -> None:
 
 
 def build_diffusion_pipeline(
-    path: Path, *, device: str, load_format: str, quantization: str = "none"
+    path: Path, *, device: str, load_format: str, quantization: str = "none", cuda_graphs: bool = True
 ) -> Pipeline:
     """The image or video pipeline of a diffusers folder (``omnirt.stages.diffusion.factory``)."""
     try:
@@ -170,10 +170,14 @@ def build_diffusion_pipeline(
         raise ValueError(
             f"--model {str(path)!r} is a diffusers pipeline, but this build has no diffusion runtime"
         ) from None
-    return build(path, device=device, load_format=load_format, quantization=quantization)
+    return build(
+        path, device=device, load_format=load_format, quantization=quantization, cuda_graphs=cuda_graphs
+    )
 
 
-def build_embedded_diffusion(*, device: str, quantization: str = "none") -> list[Pipeline]:
+def build_embedded_diffusion(
+    *, device: str, quantization: str = "none", cuda_graphs: bool = True
+) -> list[Pipeline]:
     """The embedded image and video pipelines (tiny, random weights) of the default server."""
     try:
         from .diffusion.factory import build_embedded_diffusion_pipelines as build
@@ -182,7 +186,7 @@ def build_embedded_diffusion(*, device: str, quantization: str = "none") -> list
             raise
         log.warning("this build has no diffusion runtime: the embedded default serves speech only")
         return []
-    return build(device=device, quantization=quantization)
+    return build(device=device, quantization=quantization, cuda_graphs=cuda_graphs)
 
 
 def build_duplex_pipeline(
@@ -307,11 +311,17 @@ def build_pipelines(
             )
         )
     if embedded:
-        pipelines += builders.embedded_diffusion(device=device, quantization=quantization)
+        pipelines += builders.embedded_diffusion(
+            device=device, quantization=quantization, cuda_graphs=cuda_graphs
+        )
     for model in diffusion:
         pipelines.append(
             builders.diffusion(
-                Path(model).expanduser(), device=device, load_format=load_format, quantization=quantization
+                Path(model).expanduser(),
+                device=device,
+                load_format=load_format,
+                quantization=quantization,
+                cuda_graphs=cuda_graphs,
             )
         )
     duplex = duplex_model if duplex_model is not None else ("demo" if embedded else "none")

@@ -78,10 +78,13 @@ def build_diffusion_pipeline(
     max_rows: int = 8,
     warm_up: bool = True,
     quantization: str = "none",
+    cuda_graphs: bool = True,
 ) -> DiffusionPipeline:
     """The image (Z-Image) or video (Wan) pipeline of ``path``: a diffusers folder, or with
     ``load_format="dummy"`` its configs alone or a components JSON file. ``warm_up``: run one
-    request at start-up (:meth:`DiffusionPipeline.warm_up`), not at the first client's."""
+    request at start-up (:meth:`DiffusionPipeline.warm_up`), not at the first client's.
+    ``cuda_graphs=False``: the transformer's block pieces run eagerly even where
+    ``block_graphs.BLOCK_GRAPHS`` replays them (``omnirt serve --no-cuda-graphs``)."""
     if diffusion_family(path) == "z-image":
         from .zimage_loader import load_zimage
 
@@ -90,7 +93,13 @@ def build_diffusion_pipeline(
         from .wan_loader import load_wan
 
         denoiser = load_wan(path, device=device, load_format=load_format, quantization=quantization)
-    return _served(DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS), warm_up)
+    return _served(_pipeline(denoiser, max_rows, cuda_graphs), warm_up)
+
+
+def _pipeline(denoiser: Any, max_rows: int, cuda_graphs: bool) -> DiffusionPipeline:
+    if not cuda_graphs:
+        denoiser.block_graphs.enabled = False
+    return DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS)
 
 
 def _served(pipeline: DiffusionPipeline, warm_up: bool) -> DiffusionPipeline:
@@ -122,7 +131,9 @@ def build_image_pipeline(
     return pipeline
 
 
-def _embedded_image(device: str, max_rows: int, quantization: str = "none") -> DiffusionPipeline:
+def _embedded_image(
+    device: str, max_rows: int, quantization: str = "none", cuda_graphs: bool = True
+) -> DiffusionPipeline:
     from .zimage_demo import DEMO_ID, ensure_zimage_demo
     from .zimage_loader import load_zimage
 
@@ -130,21 +141,26 @@ def _embedded_image(device: str, max_rows: int, quantization: str = "none") -> D
     denoiser = load_zimage(
         path, device=device, model_id=DEMO_ID, random_weights=True, quantization=quantization
     )
-    return DiffusionPipeline(denoiser, max_rows=max_rows, media_workers=MEDIA_WORKERS)
+    return _pipeline(denoiser, max_rows, cuda_graphs)
 
 
 def build_embedded_diffusion_pipelines(
-    *, device: str, max_rows: int = 4, warm_up: bool = True, quantization: str = "none"
+    *,
+    device: str,
+    max_rows: int = 4,
+    warm_up: bool = True,
+    quantization: str = "none",
+    cuda_graphs: bool = True,
 ) -> list[DiffusionPipeline]:
     """The embedded default's image and video pipelines: tiny Z-Image and Wan, random weights."""
     from .wan_demo import ensure_wan_demo
     from .wan_loader import load_wan
 
-    image = _embedded_image(device, max_rows, quantization)
-    video = DiffusionPipeline(
+    image = _embedded_image(device, max_rows, quantization, cuda_graphs)
+    video = _pipeline(
         load_wan(ensure_wan_demo(), device=device, model_id=WAN_DEMO_ID, quantization=quantization),
-        max_rows=max_rows,
-        media_workers=MEDIA_WORKERS,
+        max_rows,
+        cuda_graphs,
     )
     log.warning(
         "serving the embedded demo %s and %s with RANDOM WEIGHTS: their images and videos are noise. "

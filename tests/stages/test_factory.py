@@ -106,7 +106,7 @@ def test_no_model_is_the_embedded_default() -> None:
         assert [p.kind for p in pipelines] == ["speech", "image", "video", "duplex"]
         assert [c[0] for c in recorder.calls] == ["speech", "embedded", "duplex"]
         assert recorder.calls[0][1] in (None, "demo") and recorder.calls[0][2]["max_slots"] == 3
-        assert recorder.calls[1][2] == {"device": "cpu", "quantization": "none"}
+        assert recorder.calls[1][2] == {"device": "cpu", "quantization": "none", "cuda_graphs": True}
         assert recorder.calls[2][1] == "demo" and recorder.calls[2][2]["max_slots"] == 3
 
 
@@ -137,6 +137,19 @@ def test_the_duplex_kv_options_reach_the_duplex_builder() -> None:
     assert (options["kv_dtype"], options["max_frames"]) == ("fp8", 750)
 
 
+def test_no_cuda_graphs_reaches_every_builder_and_the_denoisers_block_graphs(monkeypatch: Any) -> None:
+    recorder = Recorder()
+    build_pipelines([], device="cpu", cuda_graphs=False, builders=recorder.builders)
+    assert [c[2]["cuda_graphs"] for c in recorder.calls] == [False, False, False]  # speech, embedded, duplex
+    from omnirt.stages.diffusion import block_graphs
+    from omnirt.stages.diffusion.factory import build_embedded_diffusion_pipelines
+
+    monkeypatch.setattr(block_graphs, "BLOCK_GRAPHS", True)  # as once a GPU run turns them on
+    for graphs in (True, False):
+        pipelines = build_embedded_diffusion_pipelines(device="cpu", warm_up=False, cuda_graphs=graphs)
+        assert [p.denoiser.block_graphs.enabled for p in pipelines] == [graphs, graphs]
+
+
 def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
     speech = speech_folder(tmp_path)
     image = diffusers_folder(tmp_path, "zimage", "ZImagePipeline")
@@ -159,10 +172,8 @@ def test_speech_and_diffusion_folders_in_one_process(tmp_path: Path) -> None:
             "load_format": "dummy", "max_context": None,
         },
     )
-    assert recorder.calls[1:] == [
-        ("diffusion", image, {"device": "cpu", "load_format": "dummy", "quantization": "none"}),
-        ("diffusion", video, {"device": "cpu", "load_format": "dummy", "quantization": "none"}),
-    ]
+    dummy = {"device": "cpu", "load_format": "dummy", "quantization": "none", "cuda_graphs": True}
+    assert recorder.calls[1:] == [("diffusion", image, dummy), ("diffusion", video, dummy)]
     # Diffusion alone: no speech model, no embedded pipelines.
     only = Recorder()
     assert [p.kind for p in build_pipelines([str(image)], device="cpu", builders=only.builders)] == ["image"]
