@@ -4,7 +4,8 @@ An eager DiT block queues tens of kernels, each a Python call through its module
 kernels' dispatchers and the launcher. With W8A8 layers the GPU's work per block shrinks and the
 host's enqueue does not: on an H100 the fp8 Z-Image step took 61.5 ms replayed from one CUDA graph
 and 88.8 ms run eagerly (the host's pace; ``docs/benchmarks.md``, 2026-12-07). Replaying each block
-from a graph takes the host out of the step.
+from a graph takes the host out of the step. Where the host keeps pace it gains nothing (the
+measurement under :data:`BLOCK_GRAPHS`), so it is off by default.
 
 :class:`BlockGraphs` keeps, per *shape* (the inputs' shapes, dtypes and device, and which are
 None), static input buffers and one graph per block, captured the first time a piece reaches that
@@ -41,9 +42,11 @@ from ..graphs import capture_graph
 
 log = logging.getLogger(__name__)
 
-#: Whether the denoisers replay their block pieces from graphs: off until a GPU run measures it
-#: (``benchmarks/block_graphs.py``: Z-Image's main layers as the engine's pieces run them, eager and
-#: replayed, and the bits of both). A denoiser's ``block_graphs.enabled`` switches it at any time.
+#: Whether the denoisers replay their block pieces from graphs. Off: on an H100 whose host kept
+#: pace with the eager launches, the replay was bitwise but no faster, 0.92-0.96x in fp8 and
+#: 0.97-1.02x in bf16 (``benchmarks/block_graphs.py``, ``docs/benchmarks.md``, 2026-12-07 08:09).
+#: It pays only where the host is too slow for the eager step. A denoiser's
+#: ``block_graphs.enabled`` switches it at any time (``--no-cuda-graphs`` keeps it off).
 BLOCK_GRAPHS = False
 
 #: ``block(module, inputs) -> new hidden``: how the model calls one of its blocks, with the hidden
