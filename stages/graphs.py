@@ -25,6 +25,8 @@ take an exec mask among their inputs.
   never run at the same time can share one memory pool); by default the runner makes its own.
 * ``runner.enabled = False`` switches graphs off at any time; ``runner.last_path`` says how the
   last call ran (``"graph"`` or ``"eager"``).
+* ``capture_graph(call, pool)``: the capture sequence itself (warm-up on a side stream, then the
+  capture), shared with the diffusion block pieces' graphs (``stages/diffusion/block_graphs.py``).
 * ``prewarm(runners, workers)``: before the captures, one eager call of every runner's step at
   every bucket on ``workers`` threads: each step's first call at a bucket compiles its Triton
   kernels for that bucket's shapes, and a compile spends most of its time outside the GIL (LLVM,
