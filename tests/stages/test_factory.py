@@ -142,11 +142,11 @@ def test_no_cuda_graphs_reaches_every_builder_and_the_denoisers_block_graphs(mon
     build_pipelines([], device="cpu", cuda_graphs=False, builders=recorder.builders)
     assert [c[2]["cuda_graphs"] for c in recorder.calls] == [False, False, False]  # speech, embedded, duplex
     from omnirt.stages.diffusion import block_graphs
-    from omnirt.stages.diffusion.factory import build_embedded_diffusion_pipelines
 
     monkeypatch.setattr(block_graphs, "BLOCK_GRAPHS", True)  # as once a GPU run turns them on
+    real = Builders(speech=recorder.speech, duplex=recorder.duplex)  # the embedded diffusion builder
     for graphs in (True, False):
-        pipelines = build_embedded_diffusion_pipelines(device="cpu", warm_up=False, cuda_graphs=graphs)
+        pipelines = build_pipelines([], device="cpu", cuda_graphs=graphs, builders=real)[1:3]
         assert [p.denoiser.block_graphs.enabled for p in pipelines] == [graphs, graphs]
 
 
