@@ -13,10 +13,16 @@ full pipeline never holds up admission to another. Each :meth:`Scheduler.tick`:
    next deadline of the realtime pipelines that may not run early (duplex frames on their 80 ms
    clock: a late one is an audible glitch, so they come first). An early step that does not fit
    waits for its own deadline;
-3. runs batch pipelines' steps (round robin) in the time left before the earliest realtime
-   deadline: a batch step starts only when its ``step_cost()`` fits before that deadline; when the
-   step of the pipeline whose turn it is does not fit, the next one whose step fits runs, and the
-   turn stays (an image's few-millisecond pieces fill a gap too short for a video's). A
+3. runs batch pipelines' steps in the time left before the earliest realtime deadline, sharing
+   the engine's time fairly between them: the pipeline that has run the least batch time goes
+   first (a pipeline that gets work after idling starts level with the least served one that
+   kept working, so idling earns no credit), whatever its steps cost, so an image pipeline's
+   short steps and a video pipeline's long ones each get about half of the time (round robin by
+   steps gave the one with the longer steps the larger share, and under realtime load the one
+   with the shorter steps, which fit more gaps). A batch step starts only when its
+   ``step_cost()`` fits before that deadline; when the step of the pipeline whose turn it is does
+   not fit, the next one whose step fits runs, and the turn stays (an image's few-millisecond
+   pieces fill a gap too short for a video's). A
    pipeline whose steps are pieces of longer work (``Pipeline.fit``: split diffusion calls) is
    first asked to size its next piece to that time and, while any realtime pipeline has work, to
    at most ``batch_slice`` when one is set: pieces fill the gaps between realtime steps, and
@@ -74,6 +80,9 @@ class _Lane:
     active: set[str] = field(default_factory=set)
     #: When the pipeline last stepped, or last got work while idle (batch starvation clock).
     served_at: float = 0.0
+    #: Seconds of steps run (``clock()`` time), levelled up when work returns after idling: the
+    #: batch lanes' fair share (see :meth:`Scheduler._batch_order`).
+    used: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -113,7 +122,9 @@ class Scheduler:
         self.on_step = on_step
         self._owner: dict[str, _Lane] = {}  # request id -> its lane, waiting or active
         self._held: set[str] = set()  # requests held (see hold), waiting or active
-        self._batch_turn = 0
+        #: The least ``used`` of the batch lanes with work, as of the last batch step: where a
+        #: lane that had none rejoins (never below it, so idle time is not owed back).
+        self._used_floor = 0.0
 
     @property
     def pipelines(self) -> dict[str, Pipeline[Any, Any]]:
@@ -242,11 +253,10 @@ class Scheduler:
     def _batch_steps(self, out: Outputs, flush: Callable[[], None]) -> None:
         stepped = False
         while True:
-            lanes = self._batch_lanes_with_work()
+            lanes = self._batch_order()
             if not lanes:
                 return
-            turn = self._batch_turn % len(lanes)
-            lane = lanes[turn]
+            lane = lanes[0]  # the lane whose turn it is: the least served
             now = self.clock()
             horizon = self._horizon()
             if horizon is None:
@@ -257,25 +267,33 @@ class Scheduler:
                 if not stepped and now - lane.served_at >= self.starvation_limit:
                     log.debug("%s: a batch step runs past a realtime deadline (starved)", lane.kind)
                     self._batch_cost(lane, None)  # one slice, however late
-                    self._batch_turn = turn + 1
                     self._step(lane, out)
                     flush()
                     return
                 # the next lane in turn whose step fits the time left (an image's few-ms pieces in
                 # a gap too short for a video's): the lane whose turn it was keeps its turn
                 room = horizon - now
-                others = lanes[turn + 1 :] + lanes[:turn]
-                lane = next((o for o in others if self._batch_cost(o, room) <= room + SLACK), None)
+                lane = next((o for o in lanes[1:] if self._batch_cost(o, room) <= room + SLACK), None)
                 if lane is None:
                     return
                 self._step(lane, out)
                 flush()
                 stepped = True
                 continue
-            self._batch_turn = turn + 1
             self._step(lane, out)
             flush()
             stepped = True
+
+    def _batch_order(self) -> list[_Lane]:
+        """The batch lanes with work, the least served first (registration order among equals):
+        a lane whose ``used`` fell behind the floor while it had no work rejoins at the floor."""
+        lanes = self._batch_lanes_with_work()
+        for lane in lanes:
+            lane.used = max(lane.used, self._used_floor)
+        lanes.sort(key=lambda lane: lane.used)  # stable
+        if lanes:
+            self._used_floor = lanes[0].used
+        return lanes
 
     def _batch_cost(self, lane: _Lane, room: float | None) -> float:
         """The cost of ``lane``'s next step, sized first (if its pipeline can: ``fit``) to
@@ -353,6 +371,7 @@ class Scheduler:
 
     def _step(self, lane: _Lane, out: Outputs) -> None:
         t0 = time.perf_counter()
+        started = self.clock()
         try:
             outputs = lane.pipeline.step()
         except Exception as exc:
@@ -365,6 +384,7 @@ class Scheduler:
             return
         finally:
             lane.served_at = self.clock()
+            lane.used += lane.served_at - started
             if self.on_step is not None:
                 self.on_step(lane.kind, time.perf_counter() - t0)
         for rid, output in outputs:

@@ -91,6 +91,57 @@ def test_a_gap_too_short_for_one_batch_pipeline_goes_to_another() -> None:
     assert clock.t - ticks_before < 4.2
 
 
+def _batch_seconds(images: JobPipeline, videos: JobPipeline) -> tuple[float, float]:
+    return sum(images.calls.values()) * images.cost, sum(videos.calls.values()) * videos.cost
+
+
+def test_batch_pipelines_share_the_engines_time_not_its_steps() -> None:
+    """With no realtime work, an image pipeline of 20 ms steps and a video pipeline of 100 ms steps
+    each get about half of the time: round robin by steps gave the video five sixths of it."""
+    clock = FakeClock()
+    images, videos = JobPipeline(clock, cost=0.02), _VideoJobs(clock, cost=0.1)
+    s = Scheduler([FramePipeline(clock), images, videos], clock=clock.now)
+    _enqueue(s, JobRequest("image", steps=10_000))
+    _enqueue(s, _VideoRequest("video", steps=10_000))
+    for _ in range(600):
+        _tick_when_due(s, clock)
+    image_s, video_s = _batch_seconds(images, videos)
+    assert abs(image_s - video_s) <= videos.cost + 1e-9  # never more than one step apart
+
+
+def test_batch_pipelines_share_the_gaps_between_realtime_steps_by_time() -> None:
+    """Frames every 80 ms leave 70 ms gaps, and both kinds' steps fit them (20 and 40 ms): each
+    kind gets about half of the gaps' time. Round robin by steps gave the video two thirds."""
+    clock = FakeClock()
+    frames = FramePipeline(clock, period=0.08, cost=0.01)
+    images, videos = JobPipeline(clock, cost=0.02), _VideoJobs(clock, cost=0.04)
+    s = Scheduler([frames, images, videos], clock=clock.now, starvation_limit=1.0)
+    _enqueue(s, JobRequest("image", steps=10_000))
+    _enqueue(s, _VideoRequest("video", steps=10_000))
+    _enqueue(s, FrameRequest("call", frames=100))  # 8 s of frames
+    _run_until_frames_done(s, clock, frames)
+    image_s, video_s = _batch_seconds(images, videos)
+    assert image_s + video_s > 0.8 * 100 * 0.07  # the gaps are filled
+    assert abs(image_s - video_s) <= 0.1 * (image_s + video_s)
+    assert max(frames.lateness) < 1e-9
+
+
+def test_a_batch_pipeline_that_was_idle_is_owed_nothing() -> None:
+    """A pipeline that gets work after the other has run alone for a while starts level with it:
+    from then on they alternate, and the newcomer does not run alone to catch up."""
+    clock = FakeClock()
+    images, videos = JobPipeline(clock, cost=0.05), _VideoJobs(clock, cost=0.05)
+    s = Scheduler([FramePipeline(clock), images, videos], clock=clock.now)
+    _enqueue(s, _VideoRequest("video", steps=10_000))
+    for _ in range(40):  # 2 s of video alone
+        _tick_when_due(s, clock)
+    _enqueue(s, JobRequest("image", steps=10_000))
+    before = sum(videos.calls.values())
+    for _ in range(21):  # the admission tick, then 20 steps
+        _tick_when_due(s, clock)
+    assert sum(videos.calls.values()) - before >= 9  # about half of them, not none
+
+
 def _run_until_frames_done(s: Scheduler, clock: FakeClock, frames: FramePipeline) -> Outputs:
     out: Outputs = []
     for _ in range(10_000):
