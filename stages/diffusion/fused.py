@@ -147,7 +147,8 @@ def _attention(
 
 
 #: Whether a merged fp8 QKV product finds V's peak for an fp8 attention (:func:`_v_peak`); False:
-#: V's quantization finds it in a pass of its own (the same bits). Off until a whole step measures it.
+#: V's quantization finds it in a pass of its own (the same bits). Off: no faster in a whole Z-Image
+#: step on an H100 (61.9 ms by graph replays against 61.6 apart; docs/benchmarks.md, 2026-12-07).
 V_PEAK_IN_PRODUCT = False
 
 
