@@ -71,17 +71,26 @@ class _VideoJobs(JobPipeline):
         self.request_type = _VideoRequest
 
 
+def _frames_beside_images_and_video(
+    image_cost: float, video_cost: float, *, frames: int
+) -> tuple[Scheduler, FakeClock, FramePipeline, JobPipeline, _VideoJobs]:
+    """A call of ``frames`` 10 ms frames every 80 ms, queued after an endless image job and an
+    endless video job whose steps cost so many seconds."""
+    clock = FakeClock()
+    call = FramePipeline(clock, period=0.08, cost=0.01)
+    images, videos = JobPipeline(clock, cost=image_cost), _VideoJobs(clock, cost=video_cost)
+    s = Scheduler([call, images, videos], clock=clock.now, starvation_limit=1.0)
+    _enqueue(s, JobRequest("image", steps=10_000))
+    _enqueue(s, _VideoRequest("video", steps=10_000))
+    _enqueue(s, FrameRequest("call", frames=frames))
+    return s, clock, call, images, videos
+
+
 def test_a_gap_too_short_for_one_batch_pipeline_goes_to_another() -> None:
     """Frames every 80 ms leave 70 ms gaps: a 100 ms video step never fits one (it runs once
     starved for a second), so the image pipeline's 20 ms steps fill every gap, whoever's turn it
     is, and the video keeps its turn for the next gap."""
-    clock = FakeClock()
-    frames = FramePipeline(clock, period=0.08, cost=0.01)
-    images, videos = JobPipeline(clock, cost=0.02), _VideoJobs(clock, cost=0.1)
-    s = Scheduler([frames, images, videos], clock=clock.now, starvation_limit=1.0)
-    _enqueue(s, JobRequest("image", steps=10_000))
-    _enqueue(s, _VideoRequest("video", steps=10_000))
-    _enqueue(s, FrameRequest("call", frames=50))  # 4 s of frames
+    s, clock, frames, images, videos = _frames_beside_images_and_video(0.02, 0.1, frames=50)  # 4 s
     ticks_before = clock.t
     _run_until_frames_done(s, clock, frames)
     image_steps, video_steps = sum(images.calls.values()), sum(videos.calls.values())
@@ -112,13 +121,7 @@ def test_batch_pipelines_share_the_engines_time_not_its_steps() -> None:
 def test_batch_pipelines_share_the_gaps_between_realtime_steps_by_time() -> None:
     """Frames every 80 ms leave 70 ms gaps, and both kinds' steps fit them (20 and 40 ms): each
     kind gets about half of the gaps' time. Round robin by steps gave the video two thirds."""
-    clock = FakeClock()
-    frames = FramePipeline(clock, period=0.08, cost=0.01)
-    images, videos = JobPipeline(clock, cost=0.02), _VideoJobs(clock, cost=0.04)
-    s = Scheduler([frames, images, videos], clock=clock.now, starvation_limit=1.0)
-    _enqueue(s, JobRequest("image", steps=10_000))
-    _enqueue(s, _VideoRequest("video", steps=10_000))
-    _enqueue(s, FrameRequest("call", frames=100))  # 8 s of frames
+    s, clock, frames, images, videos = _frames_beside_images_and_video(0.02, 0.04, frames=100)  # 8 s
     _run_until_frames_done(s, clock, frames)
     image_s, video_s = _batch_seconds(images, videos)
     assert image_s + video_s > 0.8 * 100 * 0.07  # the gaps are filled
