@@ -122,8 +122,9 @@ class Scheduler:
         self.on_step = on_step
         self._owner: dict[str, _Lane] = {}  # request id -> its lane, waiting or active
         self._held: set[str] = set()  # requests held (see hold), waiting or active
-        #: The least ``used`` of the batch lanes with work, as of the last batch step: where a
-        #: lane that had none rejoins (never below it, so idle time is not owed back).
+        #: The least ``used`` of the batch lanes with work when they were last ordered
+        #: (:meth:`_batch_order`): where a lane that had none rejoins (never below it, so idle
+        #: time is not owed back).
         self._used_floor = 0.0
 
     @property
@@ -270,8 +271,8 @@ class Scheduler:
                     self._step(lane, out)
                     flush()
                     return
-                # the next lane in turn whose step fits the time left (an image's few-ms pieces in
-                # a gap too short for a video's): the lane whose turn it was keeps its turn
+                # the next least served lane whose step fits the time left (an image's few-ms
+                # pieces in a gap too short for a video's): the lane whose turn it was keeps it
                 room = horizon - now
                 lane = next((o for o in lanes[1:] if self._batch_cost(o, room) <= room + SLACK), None)
                 if lane is None:
