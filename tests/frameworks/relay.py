@@ -73,6 +73,11 @@ class Connection:
     def client(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [e for d, e in list(self.frames) if d == "client" and (kind is None or e.get("type") == kind)]
 
+    def tool_outputs(self) -> list[dict[str, Any]]:
+        """The ``function_call_output`` items the framework sent (``conversation.item.create``)."""
+        items = [e["item"] for e in self.client("conversation.item.create")]
+        return [item for item in items if item.get("type") == "function_call_output"]
+
     def errors(self) -> list[dict[str, Any]]:
         return [e["error"] for e in self.server("error")]
 

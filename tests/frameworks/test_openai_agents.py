@@ -180,15 +180,7 @@ def test_forced_tool_call_reaches_the_function_tool_and_the_reply_continues(rela
             assert calls and json.loads(calls[0]["arguments"]) == args
             # The SDK sends the tool's output and asks for the next response: the model goes on.
             # The SDK emits tool_end once the output is sent; the relay may forward it a moment later.
-            await until(
-                lambda: any(
-                    e["item"]["type"] == "function_call_output"
-                    for e in conn.client("conversation.item.create")
-                ),
-                20,
-                "the function_call_output",
-                conn,
-            )
+            await until(conn.tool_outputs, 20, "the function_call_output", conn)
             await until(lambda: reply_after_tool_output(conn), 60, "a reply after the tool output", conn)
             first = conn.server("response.done")[0]["response"]
             assert first["status"] == "completed" and first["output"][0]["type"] == "function_call", first

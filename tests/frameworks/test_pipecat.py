@@ -235,15 +235,7 @@ def test_forced_tool_call_reaches_the_registered_function_and_the_reply_continue
             done = conn.server("response.function_call_arguments.done")
             assert done and done[0]["name"] == "get_weather"
             # pipecat sends the result and asks for the next response.
-            await until(
-                lambda: any(
-                    e["item"]["type"] == "function_call_output"
-                    for e in conn.client("conversation.item.create")
-                ),
-                20,
-                "the function_call_output",
-                conn,
-            )
+            await until(conn.tool_outputs, 20, "the function_call_output", conn)
             await until(lambda: reply_after_tool_output(conn), 60, "a reply after the tool output", conn)
             first = conn.server("response.done")[0]["response"]
             assert first["status"] == "completed" and first["output"][0]["type"] == "function_call", first
