@@ -104,6 +104,27 @@ async def until(condition: Callable[[], Any], timeout: float, what: str, conn: C
         await asyncio.sleep(0.05)
 
 
+async def barge_in_handled(conn: Connection) -> None:
+    """After the user talked over a reply: the server's turn detection cancelled it, the
+    framework truncated it to what it played and the server accepted that, and the interrupting
+    speech got a response of its own."""
+    done = await until(lambda: conn.server("response.done"), 30, "response.done", conn)
+    first = done[0]["response"]
+    assert first["status"] == "cancelled", first
+    assert first["status_details"]["reason"] == "turn_detected", first
+    await until(lambda: conn.client("conversation.item.truncate"), 10, "conversation.item.truncate", conn)
+    await until(
+        lambda: conn.server("conversation.item.truncated") or conn.errors(),
+        10,
+        "conversation.item.truncated",
+        conn,
+    )
+    assert not conn.errors(), conn.summary()
+    await until(
+        lambda: len(conn.server("response.created")) >= 2, 60, "the reply to the interrupting turn", conn
+    )
+
+
 def reply_after_tool_output(conn: Connection) -> dict[str, Any] | None:
     """The ``response.created`` of the first response the server started after it added a
     ``function_call_output`` item, once that response has an output item; ``None`` before."""
